@@ -1,0 +1,14 @@
+"""gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
+from .batch import Batch
+from .errors import (CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
+                     InvalidPriorityError, InvalidTrajectoryError, StaleKeyError)
+from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
+from .shard import Shard, attach_columns
+from .spec import TrajectorySpec
+
+__version__ = "0.1.0"
+
+__all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
+           "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
+           "MinPriority", "Prioritized", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
+           "attach_columns"]

@@ -1,0 +1,87 @@
+"""Batch: the result of a sample -- one ``[B, W, ...]`` tensor per column plus per-item metadata."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .spec import TrajectorySpec
+
+
+class Batch:
+    """Sampled windows, as torch tensors that share memory with numpy buffers.
+
+    - ``batch[name]`` -- ``[B, W, *shape]`` tensor of column ``name`` (zero where padded);
+    - ``mask`` -- ``[B, W]`` bool, True on real steps;
+    - ``keys`` -- ``[B]`` int64 keys, for :meth:`update_priorities`;
+    - ``probabilities`` -- ``[B]`` float64, the probability each item had of being chosen per draw;
+    - ``weights`` -- ``[B]`` float32 importance weights (1 unless prioritized);
+    - ``lengths`` -- ``[B]`` int64, real steps in each window.
+    """
+
+    def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
+                 probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray):
+        self._np = data
+        self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
+        self._mask_np = mask
+        self.mask = torch.from_numpy(mask)
+        self.keys = torch.from_numpy(keys)
+        self.probabilities = torch.from_numpy(probabilities)
+        self.weights = torch.from_numpy(weights)
+        self.lengths = torch.from_numpy(lengths)
+
+    @classmethod
+    def empty(cls, spec: TrajectorySpec, batch_size: int, window: int) -> "Batch":
+        """Fresh, uninitialised buffers for ``batch_size`` windows of ``window`` steps. O(B W step_bytes) memory."""
+        data = {c.name: np.empty((batch_size, window) + c.shape, c.dtype) for c in spec.columns}
+        return cls(data, np.empty((batch_size, window), np.bool_), np.empty(batch_size, np.int64),
+                   np.empty(batch_size, np.float64), np.empty(batch_size, np.float32),
+                   np.empty(batch_size, np.int64))
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """The column buffers as numpy arrays (same memory as the tensors)."""
+        return self._np
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(self.data)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def window(self) -> int:
+        return int(self.mask.shape[1])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self.data[name]
+        except KeyError:
+            raise KeyError(f"no column {name!r} in this batch; it has {list(self.data)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all returned tensors (columns, mask, keys, probabilities, weights, lengths)."""
+        return (sum(t.numel() * t.element_size() for t in self.data.values()) + self.mask.numel()
+                + 8 * 3 * self.batch_size + 4 * self.batch_size)
+
+    def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
+        """True when this batch's buffers fit ``batch_size`` windows of ``window`` steps of ``spec``."""
+        return (tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window
+                and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[2:] == c.shape
+                        for c in spec.columns))
+
+    def __repr__(self) -> str:
+        cols = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.data.items())
+        return f"Batch(B={self.batch_size}, W={self.window}, {cols})"

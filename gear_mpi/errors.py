@@ -1,0 +1,34 @@
+"""Exceptions raised by gear_mpi. Each message names the column, key or argument at fault."""
+from __future__ import annotations
+
+
+class GearError(Exception):
+    """Base class of every gear_mpi error."""
+
+
+class InvalidTrajectoryError(GearError, ValueError):
+    """A trajectory does not match the spec (column, dtype, shape or length)."""
+
+
+class InvalidPriorityError(GearError, ValueError):
+    """A priority is NaN, infinite or negative, or the priorities do not match the items."""
+
+
+class InvalidKeyError(GearError, ValueError):
+    """A key that no replay of this kind could have issued (another replay's, or malformed)."""
+
+
+class StaleKeyError(GearError, KeyError):
+    """A key whose trajectory has been evicted or removed since it was issued."""
+
+
+class EmptyReplayError(GearError, RuntimeError):
+    """Sampling was asked of a replay that holds nothing it can select."""
+
+
+class CollectiveError(GearError, RuntimeError):
+    """A collective call failed on some rank; raised on every rank with the same message."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A rank did not reach a collective call within the replay's timeout."""

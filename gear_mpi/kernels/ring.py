@@ -1,0 +1,159 @@
+"""Step ring and trajectory table bookkeeping (CPU kernels over the table arrays).
+
+The table is a set of per-slot arrays (``start``, ``length``, ``generation``,
+``seq``, ``times_sampled``, ``alive``), a ring ``order`` of slots in insertion
+order, a stack ``free`` of recycled slots, and ``state``, an int64 array of the
+counters below. Steps of live trajectories occupy the ring contiguously in
+insertion order, so the oldest trajectory always sits at ``state[STEP_HEAD]``.
+
+``alive``: 0 free or evicted, 1 live, 2 removed (by ``max_times_sampled``) but
+still holding its steps until it reaches an end of the order ring.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+STEP_HEAD = 0
+STEPS_USED = 1
+ORDER_HEAD = 2
+ORDER_COUNT = 3
+FREE_TOP = 4
+NEXT_FRESH = 5
+NEXT_SEQ = 6
+LIVE_COUNT = 7
+LIVE_STEPS = 8
+EVICTED_TOTAL = 9
+REMOVED_TOTAL = 10
+INSERTED_TOTAL = 11
+STATE_SIZE = 12
+
+DEAD = 0
+LIVE = 1
+REMOVED = 2
+
+
+@njit(cache=True)
+def _release(state, slot, alive, generation, free):
+    alive[slot] = DEAD
+    generation[slot] += 1
+    free[state[FREE_TOP]] = slot
+    state[FREE_TOP] += 1
+
+
+@njit(cache=True)
+def _evict_oldest(state, capacity, n_slots, length, generation, alive, order, free):
+    slot = order[state[ORDER_HEAD]]
+    steps = length[slot]
+    state[STEP_HEAD] = (state[STEP_HEAD] + steps) % capacity
+    state[STEPS_USED] -= steps
+    state[ORDER_HEAD] = (state[ORDER_HEAD] + 1) % n_slots
+    state[ORDER_COUNT] -= 1
+    was_live = alive[slot] == LIVE
+    if was_live:
+        state[LIVE_COUNT] -= 1
+        state[LIVE_STEPS] -= steps
+        state[EVICTED_TOTAL] += 1
+    _release(state, slot, alive, generation, free)
+    return slot, was_live
+
+
+@njit(cache=True)
+def plan_insert(lengths, stamp, state, capacity, start, length, generation, seq, stamps,
+                times_sampled, alive, order, free, slots_out):
+    """Reserve a slot and ring steps for each new trajectory, evicting the oldest (FIFO) as needed.
+
+    Writes the new slots to ``slots_out`` and returns the slots of evicted live
+    trajectories (their weights must be zeroed before the new ones are set).
+    The caller has checked ``sum(lengths) <= capacity`` and ``len(lengths) <= n_slots``.
+    Cost: O(n + evictions); no data is copied here.
+    """
+    n_slots = order.shape[0]
+    evicted = np.empty(state[ORDER_COUNT] + lengths.shape[0], dtype=np.int64)
+    n_evicted = 0
+    for i in range(lengths.shape[0]):
+        steps = lengths[i]
+        while capacity - state[STEPS_USED] < steps or state[ORDER_COUNT] == n_slots:
+            slot, was_live = _evict_oldest(state, capacity, n_slots, length, generation, alive, order, free)
+            if was_live:
+                evicted[n_evicted] = slot
+                n_evicted += 1
+        if state[FREE_TOP] > 0:
+            state[FREE_TOP] -= 1
+            slot = free[state[FREE_TOP]]
+        else:
+            slot = state[NEXT_FRESH]
+            state[NEXT_FRESH] += 1
+        start[slot] = (state[STEP_HEAD] + state[STEPS_USED]) % capacity
+        length[slot] = steps
+        seq[slot] = state[NEXT_SEQ]
+        stamps[slot] = stamp
+        state[NEXT_SEQ] += 1
+        times_sampled[slot] = 0
+        alive[slot] = LIVE
+        order[(state[ORDER_HEAD] + state[ORDER_COUNT]) % n_slots] = slot
+        state[ORDER_COUNT] += 1
+        state[STEPS_USED] += steps
+        state[LIVE_COUNT] += 1
+        state[LIVE_STEPS] += steps
+        state[INSERTED_TOTAL] += 1
+        slots_out[i] = slot
+    return evicted[:n_evicted]
+
+
+@njit(cache=True)
+def _trim_ends(state, capacity, length, generation, alive, order, free):
+    """Release removed trajectories sitting at either end of the order ring, with their steps."""
+    n_slots = order.shape[0]
+    while state[ORDER_COUNT] > 0 and alive[order[state[ORDER_HEAD]]] == REMOVED:
+        _evict_oldest(state, capacity, n_slots, length, generation, alive, order, free)
+    while state[ORDER_COUNT] > 0:
+        pos = (state[ORDER_HEAD] + state[ORDER_COUNT] - 1) % n_slots
+        slot = order[pos]
+        if alive[slot] != REMOVED:
+            break
+        state[STEPS_USED] -= length[slot]
+        state[ORDER_COUNT] -= 1
+        _release(state, slot, alive, generation, free)
+
+
+@njit(cache=True)
+def count_samples(slots, max_times, state, capacity, length, generation, times_sampled, alive, order, free):
+    """Add one use to each sampled slot; remove those that reached ``max_times`` (0 = never).
+
+    Returns the removed slots (their weights must be zeroed). Cost: O(B) plus the
+    trimmed ends.
+    """
+    removed = np.empty(slots.shape[0], dtype=np.int64)
+    k = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        times_sampled[s] += 1
+        if max_times > 0 and times_sampled[s] >= max_times and alive[s] == LIVE:
+            alive[s] = REMOVED
+            state[LIVE_COUNT] -= 1
+            state[LIVE_STEPS] -= length[s]
+            state[REMOVED_TOTAL] += 1
+            removed[k] = s
+            k += 1
+    if k > 0:
+        _trim_ends(state, capacity, length, generation, alive, order, free)
+    return removed[:k]
+
+
+@njit(cache=True)
+def live_in_order(state, alive, order, newest_first, limit):
+    """Up to ``limit`` live slots in insertion order (or newest first). Cost: O(scanned)."""
+    n_slots = order.shape[0]
+    count = state[ORDER_COUNT]
+    out = np.empty(min(limit, state[LIVE_COUNT]), dtype=np.int64)
+    k = 0
+    for j in range(count):
+        if k == out.shape[0]:
+            break
+        pos = count - 1 - j if newest_first else j
+        slot = order[(state[ORDER_HEAD] + pos) % n_slots]
+        if alive[slot] == LIVE:
+            out[k] = slot
+            k += 1
+    return out[:k]

@@ -1,0 +1,62 @@
+"""Trajectory keys: one int64 that packs replay tag, owner rank, slot and generation.
+
+Bit layout (most significant first, sign bit always 0)::
+
+    | 0 | tag: 8 | rank: 14 | generation: 14 | slot: 27 |
+
+- ``tag`` identifies the replay that issued the key (a key from another replay is
+  refused, with probability 255/256 when tags are drawn at random);
+- ``rank`` is the owner shard (up to 16384 ranks);
+- ``slot`` indexes the owner's trajectory table (up to 134 million items a shard);
+- ``generation`` counts reuses of the slot modulo 2**14, so a key whose
+  trajectory was evicted never touches the slot's new occupant.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SLOT_BITS = 27
+GEN_BITS = 14
+RANK_BITS = 14
+TAG_BITS = 8
+
+MAX_SLOTS = 1 << SLOT_BITS
+MAX_RANKS = 1 << RANK_BITS
+GEN_MASK = (1 << GEN_BITS) - 1
+SLOT_MASK = MAX_SLOTS - 1
+RANK_MASK = MAX_RANKS - 1
+TAG_MASK = (1 << TAG_BITS) - 1
+
+_GEN_SHIFT = SLOT_BITS
+_RANK_SHIFT = SLOT_BITS + GEN_BITS
+_TAG_SHIFT = SLOT_BITS + GEN_BITS + RANK_BITS
+
+
+def encode(tag: int, rank: int, slots: np.ndarray, generations: np.ndarray) -> np.ndarray:
+    """Pack keys for ``slots`` of shard ``rank``. Cost: O(n) vectorised."""
+    slots = np.asarray(slots, dtype=np.int64)
+    gens = np.asarray(generations, dtype=np.int64) & GEN_MASK
+    head = np.int64((tag << _TAG_SHIFT) | (rank << _RANK_SHIFT))
+    return head | (gens << _GEN_SHIFT) | slots
+
+
+def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split keys into (tag, rank, generation, slot) arrays. Cost: O(n) vectorised."""
+    keys = np.asarray(keys, dtype=np.int64)
+    return ((keys >> _TAG_SHIFT) & TAG_MASK, (keys >> _RANK_SHIFT) & RANK_MASK,
+            (keys >> _GEN_SHIFT) & GEN_MASK, keys & SLOT_MASK)
+
+
+def as_key_array(keys) -> np.ndarray:
+    """Keys from an int, sequence, numpy array or torch tensor, as a 1-D int64 array.
+
+    Raises TypeError for anything that is not integral.
+    """
+    if hasattr(keys, "detach") and hasattr(keys, "cpu"):
+        keys = keys.detach().cpu().numpy()
+    arr = np.asarray(keys)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        raise TypeError(f"keys must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)

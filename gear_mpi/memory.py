@@ -1,0 +1,142 @@
+"""Where a shard's step columns live: process memory, or POSIX shared memory.
+
+An *arena* is one contiguous byte region; the shard carves its columns out of it
+at 64-byte aligned offsets given by :func:`column_layout`, so any process that
+knows the spec and capacity can map the same columns by name.
+
+- :class:`HeapArena` -- plain numpy memory (the default).
+- :class:`SharedArena` -- a POSIX shared-memory segment (``/dev/shm/gear_mpi_*``)
+  that other processes on the node attach to by name and read directly. The
+  creator unlinks it on :meth:`close` (or at interpreter exit); attachers only
+  unmap. A process killed with SIGKILL cannot unlink: ``gear_mpi.memory.cleanup()``
+  removes this user's stale segments.
+"""
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import uuid
+import weakref
+
+import numpy as np
+
+from .spec import TrajectorySpec
+
+ALIGN = 64
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "gear_mpi_"
+
+
+def column_layout(spec: TrajectorySpec, capacity_steps: int) -> tuple[dict[str, int], int]:
+    """Byte offset of each column in an arena, and the arena's size. Cost: O(columns)."""
+    offsets: dict[str, int] = {}
+    pos = 0
+    for c in spec.columns:
+        offsets[c.name] = pos
+        pos += -(-(c.step_bytes * capacity_steps) // ALIGN) * ALIGN
+    return offsets, max(pos, ALIGN)
+
+
+class HeapArena:
+    """An arena in this process's memory (numpy, page-faulted lazily)."""
+
+    kind = "numpy"
+    name = None
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.buffer = np.zeros(self.nbytes, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SharedArena:
+    """An arena in a POSIX shared-memory segment, created or attached by name.
+
+    ``SharedArena(nbytes)`` creates a new segment (this process owns and unlinks
+    it); ``SharedArena.attach(name)`` maps an existing one. Cost: one mmap; pages
+    are committed on first touch.
+    """
+
+    kind = "shm"
+
+    def __init__(self, nbytes: int, name: str | None = None, *, _attach: bool = False):
+        if name is None:
+            name = SHM_PREFIX + uuid.uuid4().hex[:16]
+        if "/" in name or not name:
+            raise ValueError(f"invalid shared-memory name {name!r}")
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.owner = not _attach
+        if _attach:
+            try:
+                fd = os.open(self.path, os.O_RDWR)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"no shared-memory segment named {name!r} (was its shard closed?)") from None
+            nbytes = os.fstat(fd).st_size
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if not _attach:
+                os.ftruncate(fd, int(nbytes))
+            self.nbytes = int(nbytes)
+            self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if not _attach:
+                _unlink_quietly(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path) if self.owner else None
+        if self.owner:
+            atexit.register(self._finalizer)
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedArena":
+        """Map the existing segment ``name`` (read-write). Raises FileNotFoundError if gone."""
+        return cls(0, name, _attach=True)
+
+    def close(self) -> None:
+        """Unmap; the creating process also unlinks the segment. Idempotent."""
+        self.buffer = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # arrays still view it; the mapping goes when they do
+            self._mmap = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def make_arena(kind: str, nbytes: int):
+    """An arena of ``kind`` ``"numpy"`` or ``"shm"``."""
+    if kind == "numpy":
+        return HeapArena(nbytes)
+    if kind == "shm":
+        return SharedArena(nbytes)
+    raise ValueError(f"memory must be 'numpy' or 'shm', got {kind!r}")
+
+
+def cleanup() -> list[str]:
+    """Unlink every gear_mpi shared-memory segment owned by this user; returns their names.
+
+    For use after a crash only: it removes segments that live shards still use.
+    """
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        path = os.path.join(SHM_DIR, name)
+        if name.startswith(SHM_PREFIX) and os.stat(path).st_uid == os.getuid():
+            _unlink_quietly(path)
+            removed.append(name)
+    return removed

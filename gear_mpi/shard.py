@@ -1,0 +1,338 @@
+"""Shard: one rank's replay -- storage, selection and window collection."""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .batch import Batch
+from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
+from .kernels import gather as gather_kernels
+from .kernels import ring
+from .keys import as_key_array
+from .memory import SharedArena, column_layout
+from .selectors import PriorityIndex, Prioritized, Selector, Uniform, rank_by_priority
+from .spec import TrajectorySpec, validate_priorities
+from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
+
+ALIGNS = {"random": 0, "head": 1, "tail": 2}
+
+
+def check_window(spec: TrajectorySpec, window: int | None, align: str) -> tuple[int, int]:
+    """Validate ``window`` (None means max_length) and ``align``; return (window, align code)."""
+    if window is None:
+        window = spec.max_length
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {sorted(ALIGNS)}, got {align!r}")
+    return int(window), ALIGNS[align]
+
+
+def check_batch_size(batch_size: int) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+        raise ValueError(f"batch_size must be a non-negative integer, got {batch_size!r}")
+    return int(batch_size)
+
+
+def gather_into(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capacity: int,
+                win_start: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
+                out_rows: np.ndarray, batch: Batch) -> None:
+    """Copy windows from a shard's columns (``byte_views``, possibly another process's
+    shared memory) into rows ``out_rows`` of ``batch``, with padding and mask.
+
+    Cost: one parallel pass per column, each delivered byte copied once; O(B W) for the mask.
+    """
+    if len(out_rows) == 0:
+        return
+    starts = np.ascontiguousarray(win_start % capacity, np.int64)
+    window = batch.window
+    for c in spec.columns:
+        dst = batch.numpy()[c.name].reshape(-1).view(np.uint8)
+        gather_kernels.gather_windows(byte_views[c.name], capacity, c.step_bytes, starts, n_valid, pad_front,
+                                      out_rows, dst, window)
+    gather_kernels.fill_mask(n_valid, pad_front, out_rows, batch._mask_np)
+
+
+def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tuple[SharedArena, dict[str, np.ndarray]]:
+    """Map another process's shard columns (``Shard(..., memory="shm").shm_name``).
+
+    Returns the arena (close it when done) and the byte view of each column.
+    Cost: one mmap; no copy.
+    """
+    arena = SharedArena.attach(name)
+    offsets, nbytes = column_layout(spec, capacity_steps)
+    if arena.nbytes != nbytes:
+        arena.close()
+        raise ValueError(f"shared-memory segment {name!r} has {arena.nbytes} bytes; this spec and capacity need {nbytes}")
+    views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + c.step_bytes * capacity_steps]
+             for c in spec.columns}
+    return arena, views
+
+
+class Shard:
+    """One rank's replay: a columnar step ring, a trajectory table and a selector.
+
+    ``sampler`` is any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
+    ``max_times_sampled`` removes an item once it has been sampled that many times.
+    ``memory`` is ``"numpy"`` or ``"shm"`` (POSIX shared memory that other
+    processes on the node attach to by :attr:`shm_name`). ``rank`` and ``tag`` go
+    into the keys; ``seed`` fixes the random stream.
+    """
+
+    def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
+                 max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "numpy",
+                 seed: int | None = 0, rank: int = 0, tag: int | None = None):
+        if not isinstance(spec, TrajectorySpec):
+            raise TypeError(f"spec must be a TrajectorySpec, got {type(spec).__name__}")
+        sampler = Uniform() if sampler is None else sampler
+        if not isinstance(sampler, Selector):
+            raise TypeError(f"sampler must be a gear_mpi selector (Uniform(), Prioritized(...), ...), got {sampler!r}")
+        if max_times_sampled is not None and (isinstance(max_times_sampled, bool) or int(max_times_sampled) < 1):
+            raise ValueError(f"max_times_sampled must be a positive integer or None, got {max_times_sampled!r}")
+        self.spec = spec
+        self.selector = sampler
+        self.max_times_sampled = int(max_times_sampled or 0)
+        self.store = TrajectoryStore(spec, capacity_steps, max_items, memory, rank,
+                                     secrets.randbits(8) if tag is None else tag)
+        self.index = PriorityIndex(self.store.max_items) if sampler.proportional else None
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.samples_drawn = 0
+        self.stale_updates = 0
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def capacity_steps(self) -> int:
+        return self.store.capacity
+
+    @property
+    def rank(self) -> int:
+        return self.store.rank
+
+    @property
+    def tag(self) -> int:
+        return self.store.tag
+
+    @property
+    def shm_name(self) -> str | None:
+        """Name of the shared-memory segment holding the columns (None for numpy memory)."""
+        return self.store.shm_name
+
+    def __len__(self) -> int:
+        """Live trajectories. O(1)."""
+        return len(self.store)
+
+    @property
+    def total_weight(self) -> float:
+        """Selection mass: sum of index weights (proportional) or the live count (ordered)."""
+        return self.index.total if self.index is not None else float(len(self))
+
+    @property
+    def min_weight(self) -> float:
+        """Smallest positive index weight (inf when none; 1 for ordered selectors)."""
+        return self.index.min_positive if self.index is not None else (1.0 if len(self) else np.inf)
+
+    def raw_bytes(self) -> int:
+        """Bytes of the live trajectories' steps, as inserted."""
+        return self.store.live_steps * self.spec.step_bytes
+
+    def stored_bytes(self) -> int:
+        """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves."""
+        per_item = TABLE_BYTES_PER_SLOT + (9 if self.index is not None else 0)
+        return self.store.steps_used * self.spec.step_bytes + len(self) * per_item
+
+    # ---- insertion --------------------------------------------------------------------
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
+        """Add one trajectory; returns its key. Evicts the oldest (FIFO) when full.
+
+        Cost: O(L) copy of the steps, O(1 + evictions) table work, one index update.
+        """
+        return int(self.insert_many([trajectory], [priority])[0])
+
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+        """Add several trajectories at once; returns their keys (int64).
+
+        All are validated before anything changes: one bad trajectory or priority
+        raises and stores none. Cost: one concatenation and one ring copy per
+        column (no Python loop over steps), O(n + evictions) table work in a kernel,
+        one batched index update.
+        """
+        if isinstance(trajectories, Mapping):
+            raise InvalidTrajectoryError("insert_many takes a sequence of trajectories; use insert() for one")
+        trajectories = list(trajectories)
+        n = len(trajectories)
+        if n == 0:
+            return np.zeros(0, np.int64)
+        pr = validate_priorities(np.ones(n) if priorities is None else priorities, n)
+        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory")
+                   for i, t in enumerate(trajectories)]
+        lengths = np.array([length for _, length in checked], np.int64)
+        self.store.check_batch(lengths)
+        if n == 1:
+            columns = checked[0][0]
+        else:
+            columns = {c.name: np.concatenate([cols[c.name] for cols, _ in checked]) for c in self.spec.columns}
+        slots, evicted = self.store.insert(columns, lengths, pr)
+        if self.index is not None:
+            self.index.set(evicted, np.zeros(len(evicted)))
+            self.index.set(slots, self.selector.weights(pr))
+        return self.store.keys_of(slots)
+
+    # ---- selection --------------------------------------------------------------------
+    def check_can_sample(self) -> None:
+        if len(self) == 0:
+            raise EmptyReplayError("cannot sample: the replay is empty")
+        if self.index is not None and self.index.total <= 0.0:
+            raise EmptyReplayError("cannot sample: every live item has priority 0")
+
+    def select(self, count: int) -> np.ndarray:
+        """Choose ``count`` slots by this shard's selector (its own random stream).
+
+        Proportional: independent draws with replacement, O(count log n).
+        Fifo/Lifo: O(count) (cycling when fewer are live). Max/MinPriority: O(N + count log count).
+        """
+        if count == 0:
+            return np.zeros(0, np.int64)
+        self.check_can_sample()
+        sel = self.selector
+        if self.index is not None:
+            return self.index.draw(self.rng.random(count))
+        st = self.store
+        if sel.by_priority:
+            live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
+            picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
+        else:
+            picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
+        return np.resize(picked, count) if len(picked) < count else picked
+
+    def ordered_candidates(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``count`` best slots of an ordered selector, best first, with their sort keys
+        (smaller is better): used to merge candidates across shards. O(N) at most."""
+        st = self.store
+        sel = self.selector
+        if len(self) == 0 or count == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.float64)
+        if sel.by_priority:
+            live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
+            picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
+            return picked, -st.priority[picked] if sel.by_priority > 0 else st.priority[picked].copy()
+        picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
+        stamps = st.stamp[picked].astype(np.float64)
+        return picked, -stamps if sel.newest_first else stamps
+
+    def place(self, slots: np.ndarray, window: int, align_code: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ring coordinates of each window: (start step, real steps, leading padding). O(B)."""
+        st = self.store
+        b = len(slots)
+        win_start = np.empty(b, np.int64)
+        n_valid = np.empty(b, np.int64)
+        pad_front = np.empty(b, np.int64)
+        uniforms = self.rng.random(b) if align_code == 0 else np.zeros(b)
+        gather_kernels.place_windows(st.start[slots], st.length[slots], window, align_code, uniforms,
+                                     win_start, n_valid, pad_front)
+        win_start %= st.capacity
+        return win_start, n_valid, pad_front
+
+    def after_sampling(self, slots: np.ndarray) -> None:
+        """Count uses; remove items that reached ``max_times_sampled``. O(B)."""
+        self.samples_drawn += len(slots)
+        st = self.store
+        removed = ring.count_samples(slots, self.max_times_sampled, st.state, st.capacity, st.length, st.generation,
+                                     st.times_sampled, st.alive, st.order, st.free)
+        if self.index is not None and len(removed):
+            self.index.set(removed, np.zeros(len(removed)))
+
+    def sample(self, batch_size: int, window: int | None = None, align: str = "random",
+               out: Batch | None = None) -> Batch:
+        """Sample ``batch_size`` windows of ``window`` steps (None: max_length).
+
+        ``align``: ``"random"`` (start uniform over the windows inside the
+        trajectory), ``"head"`` or ``"tail"``; shorter trajectories are zero-padded
+        (at the end, or at the front for ``"tail"``) and ``mask`` marks real steps.
+        Returns a new Batch (or fills ``out``, reused). Cost: selection (see
+        :meth:`select`) plus one parallel copy of ``B * W`` steps.
+        """
+        batch_size = check_batch_size(batch_size)
+        window, code = check_window(self.spec, window, align)
+        if out is not None and not out.matches(self.spec, batch_size, window):
+            raise ValueError(f"out= does not fit batch_size={batch_size}, window={window} of this spec: {out!r}")
+        if batch_size > 0:
+            self.check_can_sample()
+        batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
+        slots = self.select(batch_size)
+        win_start, n_valid, pad_front = self.place(slots, window, code)
+        gather_into(self.store.byte_views(), self.spec, self.store.capacity, win_start, n_valid, pad_front,
+                    np.arange(batch_size, dtype=np.int64), batch)
+        b = batch.numpy
+        batch.keys.numpy()[:] = self.store.keys_of(slots)
+        batch.lengths.numpy()[:] = n_valid
+        if self.index is not None:
+            w = self.index.leaves[slots]
+            batch.probabilities.numpy()[:] = w / self.index.total
+            batch.weights.numpy()[:] = self.selector.importance_weights(w, self.index.min_positive)
+        else:
+            batch.probabilities.numpy()[:] = 1.0
+            batch.weights.numpy()[:] = 1.0
+        del b
+        self.after_sampling(slots)
+        return batch
+
+    # ---- updates and reads ------------------------------------------------------------
+    def update_priorities(self, keys: Any, priorities: Any) -> int:
+        """Set new priorities; returns how many were applied. Stale keys are dropped and counted.
+
+        Validates everything first (a bad priority or a foreign key changes
+        nothing). Duplicate keys: the last value wins. Cost: O(B) plus one batched
+        index update.
+        """
+        keys = as_key_array(keys)
+        pr = validate_priorities(priorities, len(keys))
+        slots, live = self.store.resolve(keys)
+        self.stale_updates += int((~live).sum())
+        slots, pr = slots[live], pr[live]
+        self.store.priority[slots] = pr
+        if self.index is not None:
+            self.index.set(slots, self.selector.weights(pr))
+        return int(len(slots))
+
+    def get(self, key: int) -> dict[str, np.ndarray]:
+        """A copy of the whole stored trajectory behind ``key`` (StaleKeyError if evicted). O(L)."""
+        keys = as_key_array(key)
+        if len(keys) != 1:
+            raise InvalidKeyError(f"get() takes one key, got {len(keys)}")
+        return self.store.read(int(keys[0]))
+
+    def locate(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Ring start step and length of each live key (-1, 0 for stale keys). O(n)."""
+        slots, live = self.store.resolve(as_key_array(keys))
+        return np.where(live, self.store.start[slots], -1), np.where(live, self.store.length[slots], 0)
+
+    def priorities(self, keys: Any) -> np.ndarray:
+        """Current priority of each key (NaN for stale keys). O(n)."""
+        slots, live = self.store.resolve(as_key_array(keys))
+        return np.where(live, self.store.priority[slots], np.nan)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this shard (O(1))."""
+        s = self.store.state
+        return {"rank": self.rank, "items": len(self), "live_steps": self.store.live_steps,
+                "steps_used": self.store.steps_used, "capacity_steps": self.capacity_steps,
+                "total_weight": self.total_weight, "inserted": int(s[ring.INSERTED_TOTAL]),
+                "evicted": int(s[ring.EVICTED_TOTAL]), "removed": int(s[ring.REMOVED_TOTAL]),
+                "sampled": self.samples_drawn, "stale_updates": self.stale_updates,
+                "stored_bytes": self.stored_bytes(), "raw_bytes": self.raw_bytes()}
+
+    def close(self) -> None:
+        """Release the columns (and unlink shared memory this shard created). Idempotent."""
+        self.store.close()
+
+    def __enter__(self) -> "Shard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Shard(items={len(self)}, steps={self.store.steps_used}/{self.capacity_steps}, "
+                f"sampler={self.selector!r}, memory={self.store.arena.kind if self.store.arena else 'closed'})")

@@ -1,0 +1,161 @@
+"""TrajectorySpec: the columns of a replay and the checks every trajectory must pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import InvalidPriorityError, InvalidTrajectoryError
+
+ShapeLike = Sequence[int] | int
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: per-step ``shape`` and ``dtype``; ``step_bytes`` bytes per step."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def step_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _castable(src: np.dtype, dst: np.dtype) -> bool:
+    """Safe casts, plus any integer or float into a float column (RL data is often float64)."""
+    if np.can_cast(src, dst, casting="safe"):
+        return True
+    return src.kind in "biuf" and dst.kind == "f"
+
+
+class TrajectorySpec:
+    """The columns of a trajectory and the longest trajectory allowed.
+
+    ``columns`` maps a name to ``(per_step_shape, dtype)``; a trajectory of length
+    ``L`` holds, for every column, an array of shape ``(L, *per_step_shape)``.
+    """
+
+    def __init__(self, columns: Mapping[str, tuple[ShapeLike, Any]], max_length: int):
+        if not isinstance(columns, Mapping) or not columns:
+            raise ValueError("TrajectorySpec needs a non-empty mapping of column name -> (shape, dtype)")
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+        cols = []
+        for name, entry in columns.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"column names must be non-empty strings, got {name!r}")
+            try:
+                shape, dtype = entry
+            except (TypeError, ValueError):
+                raise ValueError(f"column {name!r}: expected (shape, dtype), got {entry!r}") from None
+            shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+            if any(d < 1 for d in shape):
+                raise ValueError(f"column {name!r}: every dimension must be positive, got shape {shape}")
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise ValueError(f"column {name!r}: unknown dtype {dtype!r}") from None
+            if dt.hasobject or dt.kind not in "biufc":
+                raise ValueError(f"column {name!r}: dtype {dt} is not a numeric dtype")
+            cols.append(Column(name, shape, dt))
+        self.columns: tuple[Column, ...] = tuple(cols)
+        self.max_length = int(max_length)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes of one step over all columns."""
+        return sum(c.step_bytes for c in self.columns)
+
+    def __getitem__(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, TrajectorySpec) and self.columns == other.columns
+                and self.max_length == other.max_length)
+
+    def __repr__(self) -> str:
+        cols = ", ".join(f"{c.name!r}: ({c.shape}, {c.dtype.name!r})" for c in self.columns)
+        return f"TrajectorySpec({{{cols}}}, max_length={self.max_length})"
+
+    def to_dict(self) -> dict:
+        """A JSON-able description (used by checkpoints and shared-memory attach)."""
+        return {"columns": {c.name: [list(c.shape), c.dtype.str] for c in self.columns},
+                "max_length": self.max_length}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "TrajectorySpec":
+        return cls({k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}, d["max_length"])
+
+    def validate(self, trajectory: Mapping[str, Any], where: str = "trajectory") -> tuple[dict[str, np.ndarray], int]:
+        """Check one trajectory; return its columns as arrays of the spec's dtypes, and its length.
+
+        Raises InvalidTrajectoryError naming the column and the problem. Cost: O(L)
+        for a dtype cast, O(1) otherwise (no copy when dtypes already match).
+        """
+        if not isinstance(trajectory, Mapping):
+            raise InvalidTrajectoryError(f"{where}: expected a mapping of column -> array, got {type(trajectory).__name__}")
+        missing = [c.name for c in self.columns if c.name not in trajectory]
+        if missing:
+            raise InvalidTrajectoryError(f"{where}: missing column(s) {missing}; the spec has {list(self.names)}")
+        extra = [k for k in trajectory if k not in self.names]
+        if extra:
+            raise InvalidTrajectoryError(f"{where}: unknown column(s) {extra}; the spec has {list(self.names)}")
+        out: dict[str, np.ndarray] = {}
+        length = None
+        for c in self.columns:
+            value = trajectory[c.name]
+            if hasattr(value, "detach") and hasattr(value, "cpu"):
+                value = value.detach().cpu().numpy()
+            arr = np.asarray(value)
+            if arr.dtype.hasobject or arr.dtype.kind not in "biufc":
+                raise InvalidTrajectoryError(f"{where}: column {c.name!r} has non-numeric dtype {arr.dtype}")
+            if not _castable(arr.dtype, c.dtype):
+                raise InvalidTrajectoryError(
+                    f"{where}: column {c.name!r} has dtype {arr.dtype}, which cannot be cast safely to {c.dtype}")
+            if arr.ndim != 1 + len(c.shape) or tuple(arr.shape[1:]) != c.shape:
+                raise InvalidTrajectoryError(
+                    f"{where}: column {c.name!r} has shape {tuple(arr.shape)}; expected (length, *{c.shape})")
+            n = arr.shape[0]
+            if length is None:
+                length = n
+            elif n != length:
+                raise InvalidTrajectoryError(
+                    f"{where}: column {c.name!r} has {n} steps but column {self.columns[0].name!r} has {length}")
+            out[c.name] = np.ascontiguousarray(arr, dtype=c.dtype)
+        assert length is not None
+        if length == 0:
+            raise InvalidTrajectoryError(f"{where}: trajectory has length 0")
+        if length > self.max_length:
+            raise InvalidTrajectoryError(f"{where}: trajectory has length {length}, longer than max_length={self.max_length}")
+        return out, int(length)
+
+
+def validate_priorities(priorities: Any, count: int, what: str = "priorities") -> np.ndarray:
+    """Priorities as a float64 array of ``count`` finite, non-negative values. Cost: O(count)."""
+    if hasattr(priorities, "detach") and hasattr(priorities, "cpu"):
+        priorities = priorities.detach().cpu().numpy()
+    try:
+        arr = np.asarray(priorities, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise InvalidPriorityError(f"{what} must be numbers, got {priorities!r:.80}") from None
+    if arr.shape[0] != count:
+        raise InvalidPriorityError(f"{what}: got {arr.shape[0]} values for {count} items")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidPriorityError(f"{what}[{i}] is {arr[i]}: priorities must be finite")
+    neg = arr < 0
+    if neg.any():
+        i = int(np.flatnonzero(neg)[0])
+        raise InvalidPriorityError(f"{what}[{i}] is {arr[i]}: priorities must be non-negative")
+    return arr
