@@ -3,6 +3,7 @@ from .batch import Batch
 from .errors import (CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
                      InvalidPriorityError, InvalidTrajectoryError, StaleKeyError)
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
+from .replay import Replay
 from .shard import Shard, attach_columns
 from .spec import TrajectorySpec
 
@@ -10,5 +11,5 @@ __version__ = "0.1.0"
 
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
-           "MinPriority", "Prioritized", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
+           "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns"]

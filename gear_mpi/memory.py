@@ -106,6 +106,14 @@ class SharedArena:
         """Map the existing segment ``name`` (read-write). Raises FileNotFoundError if gone."""
         return cls(0, name, _attach=True)
 
+    def unlink(self) -> None:
+        """Remove the segment's name now (existing mappings stay valid); no process can attach after this.
+
+        Used once every peer has attached, so that a crash cannot leave the segment behind.
+        """
+        if self._finalizer is not None:
+            self._finalizer()
+
     def close(self) -> None:
         """Unmap; the creating process also unlinks the segment. Idempotent."""
         self.buffer = None

@@ -207,19 +207,26 @@ class Shard:
         return np.resize(picked, count) if len(picked) < count else picked
 
     def ordered_candidates(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Up to ``count`` best slots of an ordered selector, best first, with their sort keys
-        (smaller is better): used to merge candidates across shards. O(N) at most."""
+        """Up to ``count`` best slots of an ordered selector, best first, with int64 sort keys
+        (smaller is better; exact, so shards merge without rounding). O(N) at most."""
         st = self.store
         sel = self.selector
         if len(self) == 0 or count == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.float64)
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
             picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
-            return picked, -st.priority[picked] if sel.by_priority > 0 else st.priority[picked].copy()
+            bits = st.priority[picked].view(np.int64)  # IEEE order == integer order for values >= +0.0
+            return picked, -bits if sel.by_priority > 0 else bits.copy()
         picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
-        stamps = st.stamp[picked].astype(np.float64)
-        return picked, -stamps if sel.newest_first else stamps
+        stamps = st.stamp[picked]  # insertion time (ns); ties keep the shard's insertion order
+        return picked, -stamps if sel.newest_first else stamps.copy()
+
+    def live_weights(self) -> tuple[np.ndarray, np.ndarray]:
+        """Slots with positive index weight, and those weights (proportional selectors). O(slots used)."""
+        hwm = int(self.store.state[ring.NEXT_FRESH])
+        slots = np.flatnonzero(self.index.leaves[:hwm] > 0.0).astype(np.int64)
+        return slots, self.index.leaves[slots]
 
     def place(self, slots: np.ndarray, window: int, align_code: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ring coordinates of each window: (start step, real steps, leading padding). O(B)."""
@@ -288,13 +295,17 @@ class Shard:
         """
         keys = as_key_array(keys)
         pr = validate_priorities(priorities, len(keys))
+        return int(self.apply_priorities(keys, pr).sum())
+
+    def apply_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> np.ndarray:
+        """Set already-validated priorities of this shard's keys; returns the mask of keys applied."""
         slots, live = self.store.resolve(keys)
         self.stale_updates += int((~live).sum())
-        slots, pr = slots[live], pr[live]
-        self.store.priority[slots] = pr
+        s, pr = slots[live], priorities[live]
+        self.store.priority[s] = pr
         if self.index is not None:
-            self.index.set(slots, self.selector.weights(pr))
-        return int(len(slots))
+            self.index.set(s, self.selector.weights(pr))
+        return live
 
     def get(self, key: int) -> dict[str, np.ndarray]:
         """A copy of the whole stored trajectory behind ``key`` (StaleKeyError if evicted). O(L)."""

@@ -158,4 +158,4 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
     if neg.any():
         i = int(np.flatnonzero(neg)[0])
         raise InvalidPriorityError(f"{what}[{i}] is {arr[i]}: priorities must be non-negative")
-    return arr
+    return arr + 0.0  # a copy, with -0.0 made +0.0

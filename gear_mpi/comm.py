@@ -1,0 +1,182 @@
+"""The communicator layer: collectives with a deadline and errors agreed by every rank.
+
+:class:`MpiComm` wraps an mpi4py communicator. Every collective is posted
+non-blocking and polled until it completes or ``timeout`` seconds pass, so a
+rank that never arrives is reported (``CollectiveTimeoutError``) instead of
+waited on forever. After a timeout the communicator holds a pending request and
+is marked broken: later calls raise at once.
+
+:meth:`MpiComm.agree` turns a local exception into the same exception on every
+rank: it costs one allgather of an 8-byte status, plus one allgather of the
+messages when some rank failed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from . import errors
+
+_ERROR_CODES: list[type[Exception]] = [
+    Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
+    errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
+]
+MESSAGE_BYTES = 1024
+
+
+def _error_code(exc: BaseException) -> int:
+    best = 0
+    for i, cls in enumerate(_ERROR_CODES):
+        if isinstance(exc, cls):
+            best = i  # later entries are more specific
+    return best
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+class MpiComm:
+    """Collectives over an mpi4py communicator with a deadline of ``timeout`` seconds per call.
+
+    Costs are those of the MPI collective; the polling loop adds at most ~1 ms of latency.
+    """
+
+    def __init__(self, comm=None, timeout: float = 60.0):
+        MPI = _mpi()
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.timeout = float(timeout)
+        self.broken: str | None = None
+
+    # ---- waiting ----------------------------------------------------------------------
+    def wait(self, req, what: str) -> None:
+        """Poll ``req`` until done; raise CollectiveTimeoutError after ``timeout`` seconds."""
+        if req.Test():
+            return
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins > 200:
+                time.sleep(min(1e-3, 1e-5 * (spins - 200)))
+            if time.monotonic() > deadline:
+                self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
+                               f"(this is rank {self.rank}); the replay can no longer communicate")
+                raise errors.CollectiveTimeoutError(self.broken)
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise errors.CollectiveError(f"communicator unusable after an earlier failure: {self.broken}")
+
+    # ---- collectives ------------------------------------------------------------------
+    def allgather(self, values: np.ndarray, what: str) -> np.ndarray:
+        """Every rank's ``values`` (same shape on all ranks), stacked: ``[size, *shape]``."""
+        values = np.ascontiguousarray(values)
+        out = np.empty((self.size,) + values.shape, values.dtype)
+        self.wait(self.comm.Iallgather(values, out), what)
+        return out
+
+    def allgatherv(self, values: np.ndarray, counts: np.ndarray, what: str) -> np.ndarray:
+        """Concatenation of every rank's 1-D ``values``; ``counts[r]`` elements from rank r."""
+        MPI = _mpi()
+        values = np.ascontiguousarray(values)
+        counts = np.asarray(counts, np.int64)
+        out = np.empty(int(counts.sum()), values.dtype)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        dtype = MPI._typedict[values.dtype.char]
+        self.wait(self.comm.Iallgatherv([values, dtype], [out, (counts, displs), dtype]), what)
+        return out
+
+    def alltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts, what: str,
+                  send_displs=None, recv_displs=None) -> None:
+        """Personalised exchange of 1-D arrays (counts and displacements in elements of their dtype)."""
+        MPI = _mpi()
+        sc = np.asarray(send_counts, np.int64)
+        rc = np.asarray(recv_counts, np.int64)
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]) if send_displs is None else np.asarray(send_displs, np.int64)
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]) if recv_displs is None else np.asarray(recv_displs, np.int64)
+        st = MPI._typedict[send.dtype.char]
+        rt = MPI._typedict[recv.dtype.char]
+        self.wait(self.comm.Ialltoallv([send, (sc, sd), st], [recv, (rc, rd), rt]), what)
+
+    def alltoall(self, values: np.ndarray, what: str) -> np.ndarray:
+        """``out[r]`` = what rank r sent to this rank as ``values[this rank]`` (one int64 per peer)."""
+        values = np.ascontiguousarray(values, np.int64)
+        out = np.empty(self.size, np.int64)
+        self.wait(self.comm.Ialltoall(values, out), what)
+        return out
+
+    def gatherv(self, values: np.ndarray, root: int, what: str) -> tuple[np.ndarray | None, np.ndarray]:
+        """Concatenation of every rank's 1-D ``values`` at ``root`` (None elsewhere), and the counts."""
+        MPI = _mpi()
+        values = np.ascontiguousarray(values)
+        counts = self.gather_counts(len(values), root, what)
+        dtype = MPI._typedict[values.dtype.char]
+        if self.rank == root:
+            out = np.empty(int(counts.sum()), values.dtype)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            self.wait(self.comm.Igatherv([values, dtype], [out, (counts, displs), dtype], root), what)
+            return out, counts
+        self.wait(self.comm.Igatherv([values, dtype], None, root), what)
+        return None, counts
+
+    def gather_counts(self, n: int, root: int, what: str) -> np.ndarray:
+        out = np.empty(self.size, np.int64)
+        self.wait(self.comm.Igather(np.array([n], np.int64), out, root), what)
+        return out
+
+    def scatterv(self, chunks: list[np.ndarray] | None, dtype, root: int, what: str) -> np.ndarray:
+        """Rank r receives ``chunks[r]`` from ``root`` (1-D arrays of ``dtype``)."""
+        MPI = _mpi()
+        dtype = np.dtype(dtype)
+        counts = np.array([len(c) for c in chunks], np.int64) if self.rank == root else np.zeros(self.size, np.int64)
+        mine = np.empty(1, np.int64)
+        self.wait(self.comm.Iscatter(counts, mine, root), what)
+        out = np.empty(int(mine[0]), dtype)
+        mt = MPI._typedict[dtype.char]
+        if self.rank == root:
+            send = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            self.wait(self.comm.Iscatterv([send, (counts, displs), mt], [out, mt], root), what)
+        else:
+            self.wait(self.comm.Iscatterv(None, [out, mt], root), what)
+        return out
+
+    def barrier(self, what: str) -> None:
+        self.wait(self.comm.Ibarrier(), what)
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a small picklable object (blocking; used at construction only)."""
+        return self.comm.bcast(obj, root=root)
+
+    # ---- error agreement --------------------------------------------------------------
+    def agree(self, error: BaseException | None, what: str, values=None) -> np.ndarray:
+        """Raise the same exception on every rank if any rank passes one; else return the
+        allgather of every rank's ``values`` (float64, ``[size, len(values)]``).
+
+        The raised exception has the class of the lowest failing rank's error and
+        the message ``"<what>: rank R: <message>"``. Cost: one allgather of
+        ``8 (1 + len(values))`` bytes per rank, plus one of 1 KiB per rank on failure.
+        """
+        self.check_usable()
+        values = np.zeros(0) if values is None else np.asarray(values, np.float64).reshape(-1)
+        head = np.concatenate([[-1.0 if error is None else float(_error_code(error))], values])
+        table = self.allgather(head, what)
+        statuses = table[:, 0].astype(np.int64)
+        if (statuses < 0).all():
+            return table[:, 1:]
+        msg = b"" if error is None else str(error).encode("utf-8", "replace")[:MESSAGE_BYTES]
+        buf = np.zeros(MESSAGE_BYTES, np.uint8)
+        buf[:len(msg)] = np.frombuffer(msg, np.uint8)
+        messages = self.allgather(buf, what)
+        first = int(np.flatnonzero(statuses >= 0)[0])
+        text = bytes(messages[first]).rstrip(b"\0").decode("utf-8", "replace")
+        if text.startswith("'") and text.endswith("'"):
+            text = text[1:-1]  # KeyError's repr quoting
+        cls = _ERROR_CODES[int(statuses[first])]
+        raise cls(f"{what}: rank {first}: {text}") from (error if error is not None else None)

@@ -1,0 +1,442 @@
+"""Replay: a distributed replay whose sampling, collection and updates are SPMD collectives.
+
+Every rank of ``comm`` owns one :class:`~gear_mpi.shard.Shard`. ``insert`` and
+``insert_many`` are local. ``sample``, ``update_priorities``, ``stats`` and
+``close`` are collectives: every rank calls them, in the same order, like an
+``MPI_Allreduce``. A rank may ask for any batch size (0 included), but
+``window`` and ``align`` must be the same on every rank.
+
+Modes of ``sample`` (``P`` ranks, ``B`` items asked on this rank, ``Btot`` over
+all ranks, ``W`` window, ``S`` bytes per step):
+
+- ``"decentralized"`` (default, exact): one allgather of a 7-value header
+  (status, B, window, align, mass, size, smallest weight); each requester draws
+  its per-shard counts from a multinomial over the shard masses with its own
+  random stream; one alltoall of the counts; each owner selects that many items
+  from its shard; one alltoallv of 48-byte choices (key, start, length, padding,
+  probability, weight) back to the requesters; then the windows. P(item) =
+  weight / (total weight of all shards), exactly. Ordered selectors (Fifo,
+  Lifo, Max/MinPriority) take the global order instead: one allgatherv of each
+  shard's ``min(Btot, size)`` best sort keys, and every rank computes the same
+  global merge (the ``Btot`` globally best items, dealt to requesters in rank order).
+- ``"centralized"`` (the GEAR paper's other mode, kept for comparison): rank 0
+  gathers the selection state of every shard (all live weights: 16 bytes per
+  item; or the ordered candidates), selects for every rank, and scatters the
+  choices to the owners; then the same exchange of choices and windows.
+- ``"local"``: each rank samples its own shard; no communication; probabilities
+  and weights are those of the local shard.
+
+Windows: a requester copies windows owned by ranks on its own node straight out
+of their shared memory (the owner sends only the 48-byte choice); windows owned
+by ranks on other nodes travel in one alltoallv per column, received straight
+into the batch (``B W S`` bytes in all, plus padding). ``force_alltoallv=True``
+sends every window owned by another rank through MPI, so the inter-node path
+runs and is measured on one machine. After a shared-memory gather the node's
+ranks meet in one barrier, so no owner overwrites a window a peer still reads.
+
+Failures: arguments are checked on every rank and agreed in the first
+collective of the call, so a bad argument on one rank raises the same error
+(``"sample: rank R: ..."``) on every rank. A rank that does not arrive within
+``timeout`` seconds makes the others raise :class:`CollectiveTimeoutError`;
+the replay is then unusable (later collectives raise at once).
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from . import keys as keyspace
+from .batch import Batch
+from .comm import MpiComm
+from .errors import EmptyReplayError, InvalidKeyError
+from .kernels import gather as gather_kernels
+from .keys import as_key_array
+from .selectors import Selector, Uniform
+from .shard import Shard, attach_columns, check_batch_size, check_window, gather_into
+from .spec import TrajectorySpec, validate_priorities
+
+MODES = ("decentralized", "centralized", "local")
+_META = 6  # key, window start, real steps, leading padding, probability bits, weight bits
+_STATS = ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
+          "stale_updates", "stored_bytes", "raw_bytes")
+
+
+class Replay:
+    """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
+
+    Construction is collective (it agrees on the arguments, a key tag and the
+    node layout, and maps the node's shared memory). ``memory=None`` picks
+    POSIX shared memory when several ranks share a node, numpy otherwise.
+    ``seed`` fixes every rank's streams (each rank derives its own).
+    """
+
+    def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
+                 mode: str = "decentralized", comm=None, seed: int = 0, timeout: float = 60.0,
+                 max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
+                 force_alltoallv: bool = False):
+        from mpi4py import MPI
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        sampler = Uniform() if sampler is None else sampler
+        self.comm = MpiComm(comm, timeout)
+        self.mode = mode
+        self.force_alltoallv = bool(force_alltoallv)
+        rank, size = self.comm.rank, self.comm.size
+        if size > keyspace.MAX_RANKS:
+            raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
+        signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
+                          self.force_alltoallv, seed, memory))
+        sigs = self.comm.comm.allgather(signature)
+        if len(set(sigs)) != 1:
+            bad = next(r for r, s in enumerate(sigs) if s != sigs[0])
+            raise ValueError(f"Replay: rank {bad} was constructed with other arguments than rank 0 "
+                             f"(every rank must pass the same spec, capacity, sampler, mode and seed)")
+        self.node_comm = self.comm.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        node_ranks = self.node_comm.allgather(rank)
+        self.node_of = np.array(self.comm.comm.allgather(node_ranks[0]), np.int64)  # node id = its lowest rank
+        self.same_node = self.node_of == self.node_of[rank]
+        if memory is None:
+            memory = "shm" if len(node_ranks) > 1 else "numpy"
+        tag = self.comm.bcast_object(secrets.randbits(keyspace.TAG_BITS))
+        streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)
+        self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items, max_times_sampled=max_times_sampled,
+                           memory=memory, seed=streams[0], rank=rank, tag=tag)
+        self.rng = np.random.Generator(np.random.PCG64(streams[1]))
+        self.spec = spec
+        self.selector = sampler
+        self._peer_arenas = []
+        self.peer_views: dict[int, dict[str, np.ndarray]] = {rank: self.shard.store.byte_views()}
+        names = self.node_comm.allgather(self.shard.shm_name)
+        if memory == "shm":
+            for peer, name in zip(node_ranks, names):
+                if peer != rank and name is not None:
+                    arena, views = attach_columns(name, spec, self.shard.capacity_steps)
+                    self._peer_arenas.append(arena)
+                    self.peer_views[peer] = views
+        # a window owned by `o` reaches this rank through shared memory when o's columns are mapped here
+        if memory == "shm":
+            self.node_comm.Barrier()  # every peer has mapped the segments: drop their names so that
+            self.shard.store.arena.unlink()  # no crash can leave them behind in /dev/shm
+        # symmetric: every rank of a node maps every other's columns, or none does
+        self.direct = np.array([r in self.peer_views and (r == rank or not self.force_alltoallv)
+                                for r in range(size)])
+        self.any_remote = any(self.comm.comm.allgather(not bool(self.direct.all())))
+        self.closed = False
+
+    # ---- local operations -----------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    def __len__(self) -> int:
+        """Live trajectories in this rank's shard (local, O(1)); see :meth:`stats` for the total."""
+        return len(self.shard)
+
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
+        """Add one trajectory to this rank's shard (local; see :meth:`Shard.insert`). Returns its key."""
+        return self.shard.insert(trajectory, priority)
+
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+        """Add trajectories to this rank's shard (local; see :meth:`Shard.insert_many`). Returns their keys."""
+        return self.shard.insert_many(trajectories, priorities)
+
+    def get(self, key: int) -> dict[str, np.ndarray]:
+        """A trajectory of this rank's shard (local)."""
+        return self.shard.get(key)
+
+    # ---- sample -----------------------------------------------------------------------------
+    def sample(self, batch_size: int, window: int | None = None, align: str = "random") -> Batch:
+        """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
+
+        Cost per call (decentralized, proportional): 3 small collectives (allgather
+        of 64 bytes, alltoall of 8 bytes, alltoallv of 48 bytes per item), then
+        one alltoallv per column carrying ``W S`` bytes per window owned on another
+        node, and a node barrier when windows were read from shared memory.
+        Selection on the owner: O(items log n); copies: each delivered byte once
+        on a node, twice (pack + MPI) across nodes.
+        """
+        self._check_open()
+        if self.mode == "local":
+            return self.shard.sample(batch_size, window, align)
+        err = None
+        try:
+            batch_size = check_batch_size(batch_size)
+            window, code = check_window(self.spec, window, align)
+        except Exception as e:  # agreed below, so every rank raises it
+            err, batch_size, window, code = e, 0, 0, 0
+        sh = self.shard
+        head = self.comm.agree(err, "sample", [batch_size, window, code, sh.total_weight, len(sh), sh.min_weight])
+        sizes = head[:, 0].astype(np.int64)
+        if len(set(head[:, 1])) > 1 or len(set(head[:, 2])) > 1:
+            raise ValueError(f"sample: window and align must be the same on every rank; got windows "
+                             f"{head[:, 1].astype(int).tolist()} and align codes {head[:, 2].astype(int).tolist()}")
+        masses, counts, mins = head[:, 3], head[:, 4].astype(np.int64), head[:, 5]
+        if sizes.sum() > 0 and counts.sum() == 0:
+            raise EmptyReplayError("sample: the replay is empty on every rank")
+        if sizes.sum() > 0 and self.selector.proportional and masses.sum() <= 0.0:
+            raise EmptyReplayError("sample: every live item of the replay has priority 0")
+        total, wmin = float(masses.sum()), float(mins.min())
+        if self.selector.proportional:
+            if self.mode == "decentralized":
+                assign, recv_counts = self._draw_decentralized(batch_size, masses)
+            else:
+                assign, recv_counts = self._draw_centralized(sizes)
+        else:
+            if self.mode == "decentralized":
+                assign, recv_counts = self._merge_ordered(sizes, counts)
+            else:
+                assign, recv_counts = self._merge_ordered_at_root(sizes, counts)
+        return self._exchange(assign, recv_counts, window, code, total, wmin)
+
+    def _draw_decentralized(self, batch_size: int, masses: np.ndarray):
+        """Per-shard counts ~ Multinomial(B, mass / total) from this rank's stream; owners draw that many."""
+        want = self.rng.multinomial(batch_size, masses / masses.sum()) if batch_size else np.zeros(self.size, np.int64)
+        serve = self.comm.alltoall(want, "sample (counts)")
+        slots = self.shard.select(int(serve.sum())) if serve.sum() else np.zeros(0, np.int64)
+        return np.split(slots, np.cumsum(serve)[:-1]), want
+
+    def _draw_centralized(self, sizes: np.ndarray):
+        """Rank 0 gathers every live weight, draws for everybody, scatters the choices."""
+        slots, weights = self.shard.live_weights()
+        packed = np.stack([slots, weights.view(np.int64)], 1).reshape(-1)
+        gathered, counts = self.comm.gatherv(packed, 0, "sample (gather state)")
+        chunks = None
+        if self.rank == 0:
+            table = gathered.reshape(-1, 2)
+            owner = np.repeat(np.arange(self.size), counts // 2)
+            cum = np.cumsum(table[:, 1].view(np.float64))
+            picks = np.searchsorted(cum, self.rng.random(int(sizes.sum())) * cum[-1], side="right")
+            picks = np.minimum(picks, len(cum) - 1)
+            requester = np.repeat(np.arange(self.size), sizes)
+            chunks = []
+            for o in range(self.size):
+                mine = owner[picks] == o
+                # (requester, slot) pairs, already in requester order
+                chunks.append(np.stack([requester[mine], table[picks[mine], 0]], 1).reshape(-1))
+        return self._scatter_assignments(chunks)
+
+    def _merge_ordered(self, sizes: np.ndarray, counts: np.ndarray):
+        """Every rank merges the shards' best candidates the same way; owners serve their part."""
+        btot = int(sizes.sum())
+        slots, keys = self.shard.ordered_candidates(btot)
+        ncand = np.minimum(counts, btot)
+        all_keys = self.comm.allgatherv(keys, ncand, "sample (candidates)")
+        owner, index, requester = _global_order(all_keys, ncand, sizes)
+        me = owner == self.rank
+        serve_req, serve_idx = requester[me], index[me]
+        assign = [slots[serve_idx[serve_req == r]] for r in range(self.size)]
+        recv = np.bincount(owner[requester == self.rank], minlength=self.size)
+        return assign, recv
+
+    def _merge_ordered_at_root(self, sizes: np.ndarray, counts: np.ndarray):
+        """Rank 0 gathers the candidates, merges, and scatters the choices."""
+        btot = int(sizes.sum())
+        slots, keys = self.shard.ordered_candidates(btot)
+        gathered, _ = self.comm.gatherv(np.stack([slots, keys], 1).reshape(-1), 0, "sample (gather state)")
+        chunks = None
+        if self.rank == 0:
+            table = gathered.reshape(-1, 2)
+            ncand = np.minimum(counts, btot)
+            owner, index, requester = _global_order(table[:, 1], ncand, sizes)
+            offsets = np.concatenate([[0], np.cumsum(ncand)[:-1]])
+            chunks = []
+            for o in range(self.size):
+                mine = owner == o
+                chunks.append(np.stack([requester[mine], table[offsets[o] + index[mine], 0]], 1).reshape(-1))
+        return self._scatter_assignments(chunks)
+
+    def _scatter_assignments(self, chunks):
+        pairs = self.comm.scatterv(chunks, np.int64, 0, "sample (scatter choices)").reshape(-1, 2)
+        assign = [pairs[pairs[:, 0] == r, 1] for r in range(self.size)]
+        recv = self.comm.alltoall(np.array([len(a) for a in assign], np.int64), "sample (counts)")
+        return assign, recv
+
+    def _exchange(self, assign: list[np.ndarray], recv_counts: np.ndarray, window: int, code: int,
+                  total: float, wmin: float) -> Batch:
+        """Owners send choices (and windows for remote requesters); requesters assemble the batch."""
+        sh, size, me = self.shard, self.size, self.rank
+        send_counts = np.array([len(a) for a in assign], np.int64)
+        slots = np.concatenate(assign) if len(assign) else np.zeros(0, np.int64)
+        win_start, n_valid, pad_front = sh.place(slots, window, code)
+        meta = np.empty((len(slots), _META), np.int64)
+        meta[:, 0] = sh.store.keys_of(slots)
+        meta[:, 1], meta[:, 2], meta[:, 3] = win_start, n_valid, pad_front
+        if self.selector.proportional:
+            w = sh.index.leaves[slots]
+            meta[:, 4] = (w / total).view(np.int64)
+            meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
+        else:
+            meta[:, 4] = np.ones(len(slots)).view(np.int64)
+            meta[:, 5] = meta[:, 4]
+        nb = int(recv_counts.sum())
+        got = np.empty((nb, _META), np.int64)
+        self.comm.alltoallv(meta.reshape(-1), send_counts * _META, got.reshape(-1), recv_counts * _META,
+                            "sample (choices)")
+        batch = Batch.empty(self.spec, nb, window)
+        rows = np.arange(nb, dtype=np.int64)
+        row_of_owner = np.concatenate([[0], np.cumsum(recv_counts)])
+        g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
+        # windows read directly: this rank's own and (shared-memory path) the node's
+        used_shm = False
+        for o in range(size):
+            lo, hi = row_of_owner[o], row_of_owner[o + 1]
+            if hi > lo and self.direct[o]:
+                self._gather(self.peer_views[o], g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi], rows[lo:hi], batch)
+                used_shm |= o != me
+        # windows through MPI: those a requester cannot read directly (direct[] is symmetric)
+        if self.any_remote:
+            self._alltoallv_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
+                                    batch, window)
+        gather_kernels.fill_mask(g_valid, g_pad, rows, batch._mask_np)
+        batch.keys.numpy()[:] = got[:, 0]
+        batch.lengths.numpy()[:] = g_valid
+        batch.probabilities.numpy()[:] = got[:, 4].view(np.float64)
+        batch.weights.numpy()[:] = got[:, 5].view(np.float64)
+        if self.direct.sum() > 1:
+            self._node_barrier()
+        sh.after_sampling(slots)
+        return batch
+
+    def _gather(self, views, win_start, n_valid, pad_front, out_rows, batch: Batch) -> None:
+        gather_into(views, self.spec, self.shard.capacity_steps, win_start, n_valid, pad_front, out_rows, batch)
+
+    def _alltoallv_windows(self, send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
+                           batch: Batch, window: int) -> None:
+        """One alltoallv per column: windows for remote requesters, received into the batch rows."""
+        recv_from = np.where(self.direct, 0, recv_counts)
+        send_to = np.where(self.direct, 0, send_counts)
+        send_first = np.concatenate([[0], np.cumsum(send_counts)[:-1]])
+        pick = np.concatenate([np.arange(send_first[r], send_first[r] + send_to[r]) for r in range(self.size)]
+                              ).astype(np.int64) if send_to.sum() else np.zeros(0, np.int64)
+        n_out = len(pick)
+        views = self.shard.store.byte_views()
+        cap = self.shard.capacity_steps
+        for c in self.spec.columns:
+            row_bytes = window * c.step_bytes
+            sendbuf = np.empty(n_out * row_bytes, np.uint8)
+            if n_out:
+                gather_kernels.gather_windows(views[c.name], cap, c.step_bytes, win_start[pick] % cap,
+                                              n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
+                                              sendbuf, window)
+            dst = batch.numpy()[c.name].reshape(-1).view(np.uint8)
+            self.comm.alltoallv(sendbuf, send_to * row_bytes, dst, recv_from * row_bytes,
+                                f"sample (windows of {c.name!r})", recv_displs=row_of_owner[:-1] * row_bytes)
+
+    def _node_barrier(self) -> None:
+        self.comm.wait(self.node_comm.Ibarrier(), "sample (node barrier)")
+
+    # ---- priorities ---------------------------------------------------------------------------
+    def update_priorities(self, keys: Any, priorities: Any) -> int:
+        """Collective: route each key's new priority to its owner; returns how many of this
+        rank's keys were applied (stale keys are dropped and counted in :meth:`stats`).
+
+        Cost: one allgather (status), one alltoall of counts, one alltoallv of 16
+        bytes per key, one alltoall of applied counts; O(n) on the owner plus one
+        batched index update. Duplicate keys: the highest rank's value wins, and
+        within a rank the last one.
+        """
+        self._check_open()
+        err = None
+        try:
+            keys = as_key_array(keys)
+            pr = validate_priorities(priorities, len(keys))
+            tag, owner, _, _ = keyspace.decode(keys)
+            bad = (keys < 0) | (tag != self.shard.tag) | (owner >= self.size)
+            if bad.any():
+                raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
+        except Exception as e:
+            err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
+        self.comm.agree(err, "update_priorities")
+        if self.mode == "local":
+            return int(self.shard.apply_priorities(keys, pr).sum())
+        order = np.argsort(owner, kind="stable")
+        send_counts = np.bincount(owner, minlength=self.size).astype(np.int64)
+        packed = np.stack([keys[order], pr[order].view(np.int64)], 1).reshape(-1)
+        recv_counts = self.comm.alltoall(send_counts, "update_priorities (counts)")
+        got = np.empty((int(recv_counts.sum()), 2), np.int64)
+        self.comm.alltoallv(packed, send_counts * 2, got.reshape(-1), recv_counts * 2, "update_priorities (keys)")
+        applied = self.shard.apply_priorities(got[:, 0], got[:, 1].view(np.float64).copy())
+        source = np.repeat(np.arange(self.size), recv_counts)
+        per_source = np.bincount(source, weights=applied, minlength=self.size).astype(np.int64)
+        back = self.comm.alltoall(per_source, "update_priorities (applied)")
+        return int(back.sum())
+
+    # ---- stats and lifetime -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Collective: per-shard counters (lists indexed by rank), totals, and balance
+        (largest shard / mean shard, in items). Cost: one allgather of 12 values per rank."""
+        self._check_open()
+        mine = self.shard.stats()
+        table = self.comm.agree(None, "stats", [mine[k] for k in _STATS])
+        out: dict[str, Any] = {"ranks": self.size, "mode": self.mode}
+        for i, k in enumerate(_STATS):
+            col = table[:, i]
+            out[k] = [float(v) if k == "total_weight" else int(v) for v in col]
+            out[f"total_{k}"] = float(col.sum()) if k == "total_weight" else int(col.sum())
+        items = table[:, 0]
+        out["balance"] = float(items.max() / items.mean()) if items.sum() else 1.0
+        return out
+
+    def close(self) -> None:
+        """Collective: wait for every rank, unmap the node's shared memory, free the shard.
+
+        If the communicator is broken (after a timeout) it closes locally only.
+        Idempotent.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.comm.broken is None and self.size > 1:
+                self.comm.barrier("close")
+        finally:
+            self.peer_views = {}
+            for arena in self._peer_arenas:
+                arena.close()
+            self._peer_arenas = []
+            self.shard.close()
+            try:
+                self.node_comm.Free()
+            except Exception:
+                pass
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Replay is closed")
+        self.comm.check_usable()
+
+    def __enter__(self) -> "Replay":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Replay(rank={self.rank}/{self.size}, mode={self.mode!r}, sampler={self.selector!r}, "
+                f"items_here={len(self.shard)})")
+
+
+def _global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray):
+    """Merge candidate lists (concatenated by owner, each best first) into the global order.
+
+    Returns, for the ``sum(sizes)`` picks: owner, index in the owner's list, and
+    requester (picks dealt to requesters in rank order; cycling through the
+    candidates when fewer exist than asked). Ties: lower owner rank, then the
+    owner's own order. Cost: O(C log C) for C candidates.
+    """
+    owner_all = np.repeat(np.arange(len(ncand)), ncand)
+    index_all = np.arange(len(keys)) - np.repeat(np.concatenate([[0], np.cumsum(ncand)[:-1]]), ncand)
+    order = np.lexsort((index_all, owner_all, keys))
+    btot = int(sizes.sum())
+    picks = np.resize(order, btot) if len(order) else np.zeros(0, np.int64)
+    requester = np.repeat(np.arange(len(sizes)), sizes)
+    return owner_all[picks], index_all[picks], requester
