@@ -60,7 +60,7 @@ from .spec import TrajectorySpec, validate_priorities
 MODES = ("decentralized", "centralized", "local")
 _META = 6  # key, window start, real steps, leading padding, probability bits, weight bits
 _STATS = ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
-          "stale_updates", "stored_bytes", "raw_bytes")
+          "stale_updates", "stored_bytes", "raw_bytes", "windows_shared", "windows_mpi")
 
 
 class Replay:
@@ -126,6 +126,8 @@ class Replay:
         self.direct = np.array([r in self.peer_views and (r == rank or not self.force_alltoallv)
                                 for r in range(size)])
         self.any_remote = any(self.comm.comm.allgather(not bool(self.direct.all())))
+        self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
+        self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
 
     # ---- local operations -----------------------------------------------------------------
@@ -286,12 +288,14 @@ class Replay:
         row_of_owner = np.concatenate([[0], np.cumsum(recv_counts)])
         g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
         # windows read directly: this rank's own and (shared-memory path) the node's
-        used_shm = False
         for o in range(size):
             lo, hi = row_of_owner[o], row_of_owner[o + 1]
             if hi > lo and self.direct[o]:
                 self._gather(self.peer_views[o], g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi], rows[lo:hi], batch)
-                used_shm |= o != me
+                if o != me:
+                    self.windows_shared += int(hi - lo)
+            elif hi > lo:
+                self.windows_mpi += int(hi - lo)
         # windows through MPI: those a requester cannot read directly (direct[] is symmetric)
         if self.any_remote:
             self._alltoallv_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
@@ -376,6 +380,7 @@ class Replay:
         (largest shard / mean shard, in items). Cost: one allgather of 12 values per rank."""
         self._check_open()
         mine = self.shard.stats()
+        mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi)
         table = self.comm.agree(None, "stats", [mine[k] for k in _STATS])
         out: dict[str, Any] = {"ranks": self.size, "mode": self.mode}
         for i, k in enumerate(_STATS):
