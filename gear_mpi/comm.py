@@ -12,6 +12,7 @@ messages when some rank failed.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -58,13 +59,16 @@ class MpiComm:
         """Poll ``req`` until done; raise CollectiveTimeoutError after ``timeout`` seconds."""
         if req.Test():
             return
-        deadline = time.monotonic() + self.timeout
-        spins = 0
+        start = time.monotonic()
+        deadline = start + self.timeout
         while not req.Test():
-            spins += 1
-            if spins > 200:
-                time.sleep(min(1e-3, 1e-5 * (spins - 200)))
-            if time.monotonic() > deadline:
+            # yield the core at once (ranks often outnumber cores); back off to sleeping after 20 ms
+            now = time.monotonic()
+            if now - start < 0.02:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, (now - start) * 0.01))
+            if now > deadline:
                 self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
                                f"(this is rank {self.rank}); the replay can no longer communicate")
                 raise errors.CollectiveTimeoutError(self.broken)
@@ -92,9 +96,10 @@ class MpiComm:
         self.wait(self.comm.Iallgatherv([values, dtype], [out, (counts, displs), dtype]), what)
         return out
 
-    def alltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts, what: str,
-                  send_displs=None, recv_displs=None) -> None:
-        """Personalised exchange of 1-D arrays (counts and displacements in elements of their dtype)."""
+    def ialltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts,
+                   send_displs=None, recv_displs=None):
+        """Post a personalised exchange of 1-D arrays (counts and displacements in elements);
+        returns the request. Several may be in flight at once (posted in the same order on every rank)."""
         MPI = _mpi()
         sc = np.asarray(send_counts, np.int64)
         rc = np.asarray(recv_counts, np.int64)
@@ -102,7 +107,18 @@ class MpiComm:
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]]) if recv_displs is None else np.asarray(recv_displs, np.int64)
         st = MPI._typedict[send.dtype.char]
         rt = MPI._typedict[recv.dtype.char]
-        self.wait(self.comm.Ialltoallv([send, (sc, sd), st], [recv, (rc, rd), rt]), what)
+        return self.comm.Ialltoallv([send, (sc, sd), st], [recv, (rc, rd), rt])
+
+    def alltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts, what: str,
+                  send_displs=None, recv_displs=None) -> None:
+        """Personalised exchange of 1-D arrays, waited for (see :meth:`ialltoallv`)."""
+        self.wait(self.ialltoallv(send, send_counts, recv, recv_counts, send_displs, recv_displs), what)
+
+    def wait_all(self, requests: list, what: str) -> None:
+        """Wait for several requests at once, with one deadline."""
+        MPI = _mpi()
+        if requests:
+            self.wait(_AllOf(MPI, requests), what)
 
     def alltoall(self, values: np.ndarray, what: str) -> np.ndarray:
         """``out[r]`` = what rank r sent to this rank as ``values[this rank]`` (one int64 per peer)."""
@@ -180,3 +196,14 @@ class MpiComm:
             text = text[1:-1]  # KeyError's repr quoting
         cls = _ERROR_CODES[int(statuses[first])]
         raise cls(f"{what}: rank {first}: {text}") from (error if error is not None else None)
+
+
+class _AllOf:
+    """Several requests seen as one (``Test`` is true when all are complete)."""
+
+    def __init__(self, MPI, requests: list):
+        self.MPI = MPI
+        self.requests = requests
+
+    def Test(self) -> bool:
+        return bool(self.MPI.Request.Testall(self.requests))

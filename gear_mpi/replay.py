@@ -10,11 +10,12 @@ Modes of ``sample`` (``P`` ranks, ``B`` items asked on this rank, ``Btot`` over
 all ranks, ``W`` window, ``S`` bytes per step):
 
 - ``"decentralized"`` (default, exact): one allgather of a 7-value header
-  (status, B, window, align, mass, size, smallest weight); each requester draws
-  its per-shard counts from a multinomial over the shard masses with its own
-  random stream; one alltoall of the counts; each owner selects that many items
-  from its shard; one alltoallv of 48-byte choices (key, start, length, padding,
-  probability, weight) back to the requesters; then the windows. P(item) =
+  (status, B, window, align, mass, size, smallest weight); each requester's
+  per-shard counts are a multinomial over the shard masses, drawn from a stream
+  that every rank holds identically, so every rank knows every count without an
+  alltoall; each owner selects that many items from its shard; one alltoallv of
+  48-byte choices (key, start, length, padding, probability, weight) back to the
+  requesters, in flight together with the windows' alltoallvs. P(item) =
   weight / (total weight of all shards), exactly. Ordered selectors (Fifo,
   Lifo, Max/MinPriority) take the global order instead: one allgatherv of each
   shard's ``min(Btot, size)`` best sort keys, and every rank computes the same
@@ -107,6 +108,9 @@ class Replay:
         self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items, max_times_sampled=max_times_sampled,
                            memory=memory, seed=streams[0], rank=rank, tag=tag)
         self.rng = np.random.Generator(np.random.PCG64(streams[1]))
+        # the same on every rank: per-requester shard counts (decentralized) are drawn from it
+        self.shared_rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1 << 30,))))
+        self._fence = None
         self.spec = spec
         self.selector = sampler
         self._peer_arenas = []
@@ -145,10 +149,12 @@ class Replay:
 
     def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
         """Add one trajectory to this rank's shard (local; see :meth:`Shard.insert`). Returns its key."""
+        self._settle()
         return self.shard.insert(trajectory, priority)
 
     def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
         """Add trajectories to this rank's shard (local; see :meth:`Shard.insert_many`). Returns their keys."""
+        self._settle()
         return self.shard.insert_many(trajectories, priorities)
 
     def get(self, key: int) -> dict[str, np.ndarray]:
@@ -159,10 +165,12 @@ class Replay:
     def sample(self, batch_size: int, window: int | None = None, align: str = "random") -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
 
-        Cost per call (decentralized, proportional): 3 small collectives (allgather
-        of 64 bytes, alltoall of 8 bytes, alltoallv of 48 bytes per item), then
-        one alltoallv per column carrying ``W S`` bytes per window owned on another
-        node, and a node barrier when windows were read from shared memory.
+        Cost per call (decentralized, proportional): two rounds of latency -- an
+        allgather of 56 bytes per rank, then, in flight together, one alltoallv of
+        48 bytes per item and one alltoallv per column carrying ``W S`` bytes per
+        window owned on another node. A node barrier posted at the end (waited for
+        before this rank next writes its shard) keeps owners from overwriting
+        windows that node peers still copy.
         Selection on the owner: O(items log n); copies: each delivered byte once
         on a node, twice (pack + MPI) across nodes.
         """
@@ -189,7 +197,7 @@ class Replay:
         total, wmin = float(masses.sum()), float(mins.min())
         if self.selector.proportional:
             if self.mode == "decentralized":
-                assign, recv_counts = self._draw_decentralized(batch_size, masses)
+                assign, recv_counts = self._draw_decentralized(sizes, masses)
             else:
                 assign, recv_counts = self._draw_centralized(sizes)
         else:
@@ -199,12 +207,17 @@ class Replay:
                 assign, recv_counts = self._merge_ordered_at_root(sizes, counts)
         return self._exchange(assign, recv_counts, window, code, total, wmin)
 
-    def _draw_decentralized(self, batch_size: int, masses: np.ndarray):
-        """Per-shard counts ~ Multinomial(B, mass / total) from this rank's stream; owners draw that many."""
-        want = self.rng.multinomial(batch_size, masses / masses.sum()) if batch_size else np.zeros(self.size, np.int64)
-        serve = self.comm.alltoall(want, "sample (counts)")
+    def _draw_decentralized(self, sizes: np.ndarray, masses: np.ndarray):
+        """Counts[r, o] ~ Multinomial(B_r, mass_o / total), independently per requester r.
+
+        Drawn from a stream that every rank holds and advances identically, so the
+        whole count matrix is known everywhere without an alltoall. Owners then draw
+        that many items from their own shard: P(item) = w_i / total exactly.
+        """
+        counts = self.shared_rng.multinomial(sizes, masses / masses.sum())
+        serve = counts[:, self.rank]
         slots = self.shard.select(int(serve.sum())) if serve.sum() else np.zeros(0, np.int64)
-        return np.split(slots, np.cumsum(serve)[:-1]), want
+        return np.split(slots, np.cumsum(serve)[:-1]), counts[self.rank]
 
     def _draw_centralized(self, sizes: np.ndarray):
         """Rank 0 gathers every live weight, draws for everybody, scatters the choices."""
@@ -281,11 +294,18 @@ class Replay:
             meta[:, 5] = meta[:, 4]
         nb = int(recv_counts.sum())
         got = np.empty((nb, _META), np.int64)
-        self.comm.alltoallv(meta.reshape(-1), send_counts * _META, got.reshape(-1), recv_counts * _META,
-                            "sample (choices)")
         batch = Batch.empty(self.spec, nb, window)
         rows = np.arange(nb, dtype=np.int64)
         row_of_owner = np.concatenate([[0], np.cumsum(recv_counts)])
+        # choices and (for requesters that cannot read this rank's memory) windows, all in flight at once
+        requests = [self.comm.ialltoallv(meta.reshape(-1), send_counts * _META, got.reshape(-1),
+                                         recv_counts * _META)]
+        keep = []
+        if self.any_remote:
+            keep = self._post_windows(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
+                                      row_of_owner, batch, window)
+        self.comm.wait_all(requests, "sample (choices and windows)")
+        del keep
         g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
         # windows read directly: this rank's own and (shared-memory path) the node's
         for o in range(size):
@@ -296,26 +316,24 @@ class Replay:
                     self.windows_shared += int(hi - lo)
             elif hi > lo:
                 self.windows_mpi += int(hi - lo)
-        # windows through MPI: those a requester cannot read directly (direct[] is symmetric)
-        if self.any_remote:
-            self._alltoallv_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
-                                    batch, window)
         gather_kernels.fill_mask(g_valid, g_pad, rows, batch._mask_np)
         batch.keys.numpy()[:] = got[:, 0]
         batch.lengths.numpy()[:] = g_valid
         batch.probabilities.numpy()[:] = got[:, 4].view(np.float64)
         batch.weights.numpy()[:] = got[:, 5].view(np.float64)
         if self.direct.sum() > 1:
-            self._node_barrier()
+            # node peers may still be copying this rank's windows: fence before the next write
+            self._fence = self.node_comm.Ibarrier()
         sh.after_sampling(slots)
         return batch
 
     def _gather(self, views, win_start, n_valid, pad_front, out_rows, batch: Batch) -> None:
         gather_into(views, self.spec, self.shard.capacity_steps, win_start, n_valid, pad_front, out_rows, batch)
 
-    def _alltoallv_windows(self, send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
-                           batch: Batch, window: int) -> None:
-        """One alltoallv per column: windows for remote requesters, received into the batch rows."""
+    def _post_windows(self, requests: list, send_counts, win_start, n_valid, pad_front, recv_counts,
+                      row_of_owner, batch: Batch, window: int) -> list:
+        """Post one alltoallv per column: windows for requesters that cannot read this rank's
+        memory, received straight into the batch rows. Returns the send buffers (keep them alive)."""
         recv_from = np.where(self.direct, 0, recv_counts)
         send_to = np.where(self.direct, 0, send_counts)
         send_first = np.concatenate([[0], np.cumsum(send_counts)[:-1]])
@@ -324,6 +342,7 @@ class Replay:
         n_out = len(pick)
         views = self.shard.store.byte_views()
         cap = self.shard.capacity_steps
+        buffers = []
         for c in self.spec.columns:
             row_bytes = window * c.step_bytes
             sendbuf = np.empty(n_out * row_bytes, np.uint8)
@@ -332,11 +351,16 @@ class Replay:
                                               n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
                                               sendbuf, window)
             dst = batch.numpy()[c.name].reshape(-1).view(np.uint8)
-            self.comm.alltoallv(sendbuf, send_to * row_bytes, dst, recv_from * row_bytes,
-                                f"sample (windows of {c.name!r})", recv_displs=row_of_owner[:-1] * row_bytes)
+            requests.append(self.comm.ialltoallv(sendbuf, send_to * row_bytes, dst, recv_from * row_bytes,
+                                                 recv_displs=row_of_owner[:-1] * row_bytes))
+            buffers.append(sendbuf)
+        return buffers
 
-    def _node_barrier(self) -> None:
-        self.comm.wait(self.node_comm.Ibarrier(), "sample (node barrier)")
+    def _settle(self) -> None:
+        """Complete the node fence of the last sample before this rank writes its shard again."""
+        if self._fence is not None:
+            fence, self._fence = self._fence, None
+            self.comm.wait(fence, "node fence (peers still reading this rank's windows)")
 
     # ---- priorities ---------------------------------------------------------------------------
     def update_priorities(self, keys: Any, priorities: Any) -> int:
@@ -402,6 +426,7 @@ class Replay:
         self.closed = True
         try:
             if self.comm.broken is None and self.size > 1:
+                self._settle()
                 self.comm.barrier("close")
         finally:
             self.peer_views = {}
@@ -418,6 +443,7 @@ class Replay:
         if self.closed:
             raise RuntimeError("this Replay is closed")
         self.comm.check_usable()
+        self._settle()
 
     def __enter__(self) -> "Replay":
         return self

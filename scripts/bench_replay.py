@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Delivered throughput of gm.Replay.sample: the GEAR paper's workloads, every mode and window path.
+
+Two ways to run it:
+
+    mpiexec -n 4 python scripts/bench_replay.py --quick      # on the ranks it was started with
+    python scripts/bench_replay.py --ranks 1,2,4             # starts mpiexec -n K itself for each K
+
+Workloads (``--workloads``):
+  hopper -- trajectories of T=1000 steps (obs 11 float32, action 3 float32, reward float32,
+            done bool), whole trajectories (window 1000), batch 32 per rank;
+  image  -- 84x84x4 uint8 observations, window 32, batch 64 per rank (trajectories of 200 steps).
+
+For each case the table gives: ranks, workload, mode, window path (``shm``: windows of
+node peers copied straight from their shared memory; ``alltoallv``: every window owned
+by another rank sent through MPI), batch per rank, window, delivered bytes per call
+(summed over ranks: bytes of the returned batch tensors), time per call (median over
+calls of the slowest rank), delivered GB/s, and that as a percentage of this
+machine's memcpy rate measured in the same run. ``--json`` prints one JSON object per case.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORKLOADS = {
+    "hopper": dict(columns={"obs": ((11,), "float32"), "action": ((3,), "float32"), "reward": ((), "float32"),
+                            "done": ((), "bool")}, length=1000, window=1000, batch=32),
+    "image": dict(columns={"obs": ((84, 84, 4), "uint8"), "action": ((), "int32"), "reward": ((), "float32")},
+                  length=200, window=32, batch=64),
+}
+
+
+def memcpy_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Best-of-``repeats`` rate of one large np.copyto (bytes copied per second / 1e9)."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def make_trajectory(rng, spec_columns: dict, length: int) -> dict:
+    out = {}
+    for name, (shape, dtype) in spec_columns.items():
+        dt = np.dtype(dtype)
+        if dt.kind == "f":
+            out[name] = rng.standard_normal((length,) + tuple(shape)).astype(dt)
+        elif dt.kind == "b":
+            out[name] = np.zeros((length,) + tuple(shape), dt)
+        else:
+            out[name] = rng.integers(0, 100, (length,) + tuple(shape)).astype(dt)
+    return out
+
+
+def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: int, seconds: float,
+             sampler_name: str) -> dict | None:
+    w = WORKLOADS[workload]
+    spec = gm.TrajectorySpec(w["columns"], max_length=w["length"])
+    sampler = gm.Prioritized(0.6, 0.4) if sampler_name == "prioritized" else gm.Uniform()
+    replay = gm.Replay(spec, items_per_rank * w["length"], sampler, mode=mode, comm=comm, seed=0,
+                       force_alltoallv=force, timeout=300)
+    rng = np.random.default_rng(comm.rank)
+    base = make_trajectory(rng, w["columns"], w["length"])
+    replay.insert_many([base] * items_per_rank, rng.uniform(0.5, 2.0, items_per_rank))
+    for _ in range(2):  # warm-up: compile paths, fault pages in
+        replay.sample(w["batch"], w["window"], "head")
+    times, nbytes = [], 0
+    deadline = time.perf_counter() + seconds
+    calls = 0
+    while True:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        batch = replay.sample(w["batch"], w["window"], "head")
+        times.append(time.perf_counter() - t0)
+        nbytes = batch.nbytes
+        calls += 1
+        stop = comm.allreduce(time.perf_counter() > deadline and calls >= 3, op=_mpi().LOR)
+        if stop:
+            break
+    replay.close()
+    per_call = comm.allreduce(float(np.median(times)), op=_mpi().MAX)
+    total_bytes = comm.allreduce(nbytes)
+    return dict(ranks=comm.size, workload=workload, mode=mode, path="alltoallv" if force else "shm",
+                sampler=sampler_name, batch_per_rank=w["batch"], window=w["window"], calls=calls,
+                bytes_per_call=total_bytes, ms_per_call=per_call * 1e3, gbps=total_bytes / per_call / 1e9)
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+def worker(args) -> None:
+    """Run every case on the current MPI world; rank 0 prints."""
+    MPI = _mpi()
+    import gear_mpi as gm
+    comm = MPI.COMM_WORLD
+    copy_rate = memcpy_gbps(1 << (26 if args.quick else 28)) if comm.rank == 0 else 0.0
+    copy_rate = comm.bcast(copy_rate)
+    modes = args.modes.split(",")
+    paths = [False, True] if comm.size > 1 else [False]
+    if args.path != "both":
+        paths = [args.path == "alltoallv"]
+    rows = []
+    for workload in args.workloads.split(","):
+        items = args.items or (24 if args.quick else 64)
+        for mode in modes:
+            for force in (paths if mode != "local" else [False]):
+                row = run_case(comm, gm, workload, mode, force, items, args.seconds, args.sampler)
+                row["memcpy_gbps"] = copy_rate
+                row["pct_memcpy"] = 100.0 * row["gbps"] / copy_rate
+                rows.append(row)
+                if comm.rank == 0:
+                    emit(row, args.json)
+    if comm.rank == 0 and not args.json:
+        print(f"# memcpy (same run, one process): {copy_rate:.2f} GB/s", flush=True)
+
+
+HEADER = (f"{'ranks':>5} {'workload':>8} {'mode':>13} {'path':>9} {'sampler':>11} {'B/rank':>6} {'W':>5} "
+          f"{'bytes/call':>12} {'ms/call':>9} {'GB/s':>7} {'%memcpy':>8}")
+_printed_header = False
+
+
+def emit(row: dict, as_json: bool) -> None:
+    global _printed_header
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    if not _printed_header:
+        print(HEADER, flush=True)
+        _printed_header = True
+    print(f"{row['ranks']:>5} {row['workload']:>8} {row['mode']:>13} {row['path']:>9} {row['sampler']:>11} "
+          f"{row['batch_per_rank']:>6} {row['window']:>5} {row['bytes_per_call']:>12} {row['ms_per_call']:>9.2f} "
+          f"{row['gbps']:>7.2f} {row['pct_memcpy']:>7.1f}%", flush=True)
+
+
+def driver(args, argv: list[str]) -> int:
+    """Start ``mpiexec -n K`` for each K of --ranks and relay the rows as one table."""
+    here = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(here) if here.exists() else "mpiexec"
+    passthrough = [a for a in argv if not a.startswith("--ranks")]
+    if "--ranks" in argv:
+        i = argv.index("--ranks")
+        passthrough = argv[:i] + argv[i + 2:]
+    status = 0
+    for k in [int(x) for x in args.ranks.split(",")]:
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // k)))
+        proc = subprocess.run([mpiexec, "-n", str(k), sys.executable, __file__, "--json", *passthrough],
+                              capture_output=True, text=True, env=env, timeout=args.timeout)
+        if proc.returncode != 0:
+            print(f"# ranks={k}: mpiexec failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+            status = 1
+            continue
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                emit(json.loads(line), args.json)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", help="comma-separated rank counts: start mpiexec for each (e.g. 1,2,4)")
+    p.add_argument("--workloads", default="hopper,image", help="comma-separated: hopper, image")
+    p.add_argument("--modes", default="decentralized,centralized,local", help="comma-separated sample modes")
+    p.add_argument("--path", default="both", choices=["both", "shm", "alltoallv"], help="window path(s)")
+    p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized"])
+    p.add_argument("--items", type=int, default=0, help="trajectories per rank (default 64, 24 with --quick)")
+    p.add_argument("--seconds", type=float, default=2.0, help="time per case")
+    p.add_argument("--quick", action="store_true", help="small sizes, short cases (the README's demo)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per mpiexec launch (driver mode)")
+    p.add_argument("--json", action="store_true", help="one JSON object per case")
+    args = p.parse_args(argv)
+    if args.quick and args.seconds == 2.0:
+        args.seconds = 0.5
+    if args.ranks:
+        return driver(args, argv)
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
