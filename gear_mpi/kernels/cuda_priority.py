@@ -1,0 +1,397 @@
+"""CUDA twins (numba-cuda) of :mod:`gear_mpi.kernels.priority_tree`, and :class:`DevicePriorityIndex`.
+
+The device structure has exactly the CPU layout (``leaves``, ``l1_sum``,
+``l1_min``, ``l2_sum``, ``l2_min``, ``prefix``; fan-out 64), and every kernel
+performs the CPU kernel's float64 operations in the CPU kernel's order, so:
+
+- a draw returns the same leaf as :func:`priority_tree.draw` for the same uniform
+  (same binary search, same two 64-entry scans, same fallback to the last
+  positive entry when rounding leaves the target past the end);
+- after an update, leaves, level sums/mins and ``prefix`` are bit-identical to
+  what :func:`priority_tree.set_leaves` computes (each block is re-summed from its
+  children left to right; ``prefix`` is accumulated sequentially, in one thread,
+  from shared-memory tiles).
+
+Kernels (one CUDA thread per draw / per update):
+
+- :func:`draw_kernel` -- ``out[i] = draw_one(..., uniforms[i])``. Cost per draw:
+  ``log2(n / 4096)`` reads of ``prefix`` plus at most 64 + 64 contiguous reads.
+- an update is five launches: ``_claim_kernel`` (atomic max of a marker
+  ``0x7FF8000000000000 + i`` into the int64 view of each touched leaf, so the last
+  of duplicate slots wins without any scratch array), ``_write_kernel`` (the
+  winner of each slot writes its value), ``_l1_kernel`` / ``_l2_kernel`` (each
+  update's thread recomputes its level-1, then level-2 block from the children:
+  idempotent, so duplicates only repeat identical writes) and ``_prefix_kernel``
+  (one block; ``n / 4096`` dependent float64 adds). Cost: O(B * 64) reads for the
+  blocks, O(n / 4096) for the prefix.
+
+Values must be non-negative and not NaN (weights), as for the CPU index; NaN
+bit patterns are used as the claim markers during an update.
+
+This module needs ``numba-cuda``; it is imported only for ``device="cuda"`` and by
+the tests (under ``NUMBA_ENABLE_CUDASIM=1`` it runs on the CUDA simulator).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    from numba import cuda
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("gear_mpi's CUDA kernels need numba-cuda: pip install 'gear-mpi[cuda12]' "
+                      "(or [cuda13]); set NUMBA_ENABLE_CUDASIM=1 to run them on the CUDA simulator") from exc
+
+from . import priority_tree as tree
+
+FANOUT = tree.FANOUT
+FANOUT2 = tree.FANOUT2
+TILE = 1024            # prefix-scan tile (float64 in shared memory: 8 KiB)
+MAX_THREADS = 1024     # largest block the single-block kernels accept
+CLAIM_MARK = 0x7FF8000000000000  # above the bits of every non-NaN non-negative float64
+
+
+def simulator_enabled() -> bool:
+    """True when numba-cuda runs on its CPU simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    from numba.cuda.core import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def is_device_array(x) -> bool:
+    """True for numba device arrays (and simulator arrays) and objects with ``__cuda_array_interface__``."""
+    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
+
+
+def as_device(x, dtype, copy_host: bool = True):
+    """``x`` as a 1-D device array of ``dtype``: device arrays and CUDA tensors are used in place
+    (their dtype must match); host arrays are copied to the device."""
+    dtype = np.dtype(dtype)
+    if getattr(x, "__cuda_ndarray__", False):
+        arr = x
+    elif hasattr(x, "__cuda_array_interface__"):
+        arr = cuda.as_cuda_array(x)
+    else:
+        return cuda.to_device(np.ascontiguousarray(x, dtype))
+    if np.dtype(arr.dtype) != dtype:
+        raise TypeError(f"device array has dtype {arr.dtype}; {dtype} is needed")
+    return arr
+
+
+def blocks_for(n: int, threads: int) -> int:
+    return max(1, -(-int(n) // int(threads)))
+
+
+# ---- device functions: the same operations, in the same order, as the CPU kernels ----
+@cuda.jit(device=True)
+def _block_sum_min(values, lo, hi):
+    s = 0.0
+    m = math.inf
+    for i in range(lo, hi):
+        v = values[i]
+        s += v
+        if v > 0.0 and v < m:
+            m = v
+    return s, m
+
+
+@cuda.jit(device=True)
+def _children_sum_min(sums, mins, lo, hi):
+    s = 0.0
+    m = math.inf
+    for i in range(lo, hi):
+        s += sums[i]
+        if mins[i] < m:
+            m = mins[i]
+    return s, m
+
+
+@cuda.jit(device=True)
+def _scan(sums, lo, hi, r):
+    acc = 0.0
+    last = -1
+    for i in range(lo, hi):
+        v = sums[i]
+        if v > 0.0:
+            if r < acc + v:
+                return i, r - acc
+            last = i
+            acc += v
+    if last < 0:
+        return lo, 0.0
+    return last, sums[last] * 0.5
+
+
+@cuda.jit(device=True)
+def draw_one(leaves, l1_sum, l2_sum, prefix, u):
+    """Twin of :func:`priority_tree.draw_one`."""
+    n = leaves.shape[0]
+    n1 = l1_sum.shape[0]
+    n2 = l2_sum.shape[0]
+    target = u * prefix[n2]
+    lo = 0
+    hi = n2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if prefix[mid] <= target:
+            lo = mid
+        else:
+            hi = mid
+    j = lo
+    while j > 0 and l2_sum[j] <= 0.0:
+        j -= 1
+    while j < n2 - 1 and l2_sum[j] <= 0.0:
+        j += 1
+    r = target - prefix[j]
+    b, r = _scan(l1_sum, j * FANOUT, min(j * FANOUT + FANOUT, n1), r)
+    leaf, r = _scan(leaves, b * FANOUT, min(b * FANOUT + FANOUT, n), r)
+    return leaf
+
+
+# ---- kernels ----------------------------------------------------------------------------
+@cuda.jit
+def draw_kernel(leaves, l1_sum, l2_sum, prefix, uniforms, out):
+    """``out[i]``: the leaf chosen by ``uniforms[i]``. One thread per draw."""
+    i = cuda.grid(1)
+    if i < uniforms.shape[0]:
+        out[i] = draw_one(leaves, l1_sum, l2_sum, prefix, uniforms[i])
+
+
+@cuda.jit
+def _claim_kernel(leaf_bits, slots):
+    i = cuda.grid(1)
+    if i < slots.shape[0]:
+        cuda.atomic.max(leaf_bits, slots[i], CLAIM_MARK + i)
+
+
+@cuda.jit
+def _write_kernel(leaves, leaf_bits, slots, values):
+    i = cuda.grid(1)
+    if i < slots.shape[0]:
+        s = slots[i]
+        if leaf_bits[s] == CLAIM_MARK + i:  # the last update of this slot
+            leaves[s] = values[i]
+
+
+@cuda.jit
+def _l1_kernel(leaves, l1_sum, l1_min, slots):
+    i = cuda.grid(1)
+    if i < slots.shape[0]:
+        b = slots[i] // FANOUT
+        lo = b * FANOUT
+        s, m = _block_sum_min(leaves, lo, min(lo + FANOUT, leaves.shape[0]))
+        l1_sum[b] = s
+        l1_min[b] = m
+
+
+@cuda.jit
+def _l2_kernel(l1_sum, l1_min, l2_sum, l2_min, slots):
+    i = cuda.grid(1)
+    if i < slots.shape[0]:
+        c = slots[i] // FANOUT2
+        lo = c * FANOUT
+        s, m = _children_sum_min(l1_sum, l1_min, lo, min(lo + FANOUT, l1_sum.shape[0]))
+        l2_sum[c] = s
+        l2_min[c] = m
+
+
+@cuda.jit
+def _l1_all_kernel(leaves, l1_sum, l1_min):
+    b = cuda.grid(1)
+    if b < l1_sum.shape[0]:
+        lo = b * FANOUT
+        s, m = _block_sum_min(leaves, lo, min(lo + FANOUT, leaves.shape[0]))
+        l1_sum[b] = s
+        l1_min[b] = m
+
+
+@cuda.jit
+def _l2_all_kernel(l1_sum, l1_min, l2_sum, l2_min):
+    c = cuda.grid(1)
+    if c < l2_sum.shape[0]:
+        lo = c * FANOUT
+        s, m = _children_sum_min(l1_sum, l1_min, lo, min(lo + FANOUT, l1_sum.shape[0]))
+        l2_sum[c] = s
+        l2_min[c] = m
+
+
+@cuda.jit
+def _prefix_kernel(l2_sum, prefix):
+    """Launch with ONE block. ``prefix[j + 1] = l2_sum[0] + ... + l2_sum[j]``, added left to right
+    in one thread (the CPU order, hence bit-identical); the block stages tiles in shared memory."""
+    tile = cuda.shared.array(TILE, np.float64)
+    carry = cuda.shared.array(1, np.float64)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n2 = l2_sum.shape[0]
+    if tid == 0:
+        carry[0] = 0.0
+        prefix[0] = 0.0
+    cuda.syncthreads()
+    base = 0
+    while base < n2:
+        cnt = min(TILE, n2 - base)
+        for k in range(tid, cnt, nt):
+            tile[k] = l2_sum[base + k]
+        cuda.syncthreads()
+        if tid == 0:
+            acc = carry[0]
+            for k in range(cnt):
+                acc += tile[k]
+                tile[k] = acc
+            carry[0] = acc
+        cuda.syncthreads()
+        for k in range(tid, cnt, nt):
+            prefix[base + k + 1] = tile[k]
+        cuda.syncthreads()
+        base += TILE
+
+
+@cuda.jit
+def _min_kernel(values, out):
+    """Launch with ONE block of at most MAX_THREADS threads: ``out[0] = min(values)`` (inf if empty)."""
+    part = cuda.shared.array(MAX_THREADS, np.float64)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    m = math.inf
+    for k in range(tid, values.shape[0], nt):
+        if values[k] < m:
+            m = values[k]
+    part[tid] = m
+    cuda.syncthreads()
+    if tid == 0:
+        for k in range(1, nt):
+            if part[k] < m:
+                m = part[k]
+        out[0] = m
+
+
+@cuda.jit
+def _fill_kernel(values, v):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, values.shape[0], stride):
+        values[i] = v
+
+
+# ---- host-side launchers ------------------------------------------------------------------
+def draw(leaves, l1_sum, l2_sum, prefix, uniforms, out, threads: int = 256) -> None:
+    """Device twin of :func:`priority_tree.draw` (device arrays). The caller guarantees a positive total."""
+    b = uniforms.shape[0]
+    if b:
+        draw_kernel[blocks_for(b, threads), threads](leaves, l1_sum, l2_sum, prefix, uniforms, out)
+
+
+def set_leaves(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, slots, values, threads: int = 256) -> None:
+    """Device twin of :func:`priority_tree.set_leaves`: ``leaves[slots[i]] = values[i]``, last of
+    duplicates wins; touched blocks and ``prefix`` recomputed (bit-identical to the CPU kernel)."""
+    b = slots.shape[0]
+    if b == 0:
+        return
+    grid = blocks_for(b, threads)
+    bits = leaves.view(np.int64)
+    _claim_kernel[grid, threads](bits, slots)
+    _write_kernel[grid, threads](leaves, bits, slots, values)
+    _l1_kernel[grid, threads](leaves, l1_sum, l1_min, slots)
+    _l2_kernel[grid, threads](l1_sum, l1_min, l2_sum, l2_min, slots)
+    _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
+
+
+def rebuild(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, threads: int = 256) -> None:
+    """Device twin of :func:`priority_tree.rebuild`: every level from ``leaves``. O(n) reads."""
+    _l1_all_kernel[blocks_for(l1_sum.shape[0], threads), threads](leaves, l1_sum, l1_min)
+    _l2_all_kernel[blocks_for(l2_sum.shape[0], threads), threads](l1_sum, l1_min, l2_sum, l2_min)
+    _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
+
+
+def fill(values, v: float, threads: int = 256) -> None:
+    """``values[:] = v`` on the device (grid-stride; few blocks on the simulator, where a thread is costly)."""
+    n = values.shape[0]
+    if n:
+        _fill_kernel[min(blocks_for(n, threads), 2 if simulator_enabled() else 4096), threads](values, v)
+
+
+class DevicePriorityIndex:
+    """:class:`gear_mpi.selectors.PriorityIndex` on the GPU: same layout, same results.
+
+    ``set``/``draw`` take host arrays (copied to the device) or device arrays /
+    CUDA tensors (used in place); ``draw`` returns a device int64 array (call
+    ``copy_to_host()``). Memory: about 8.3 bytes per slot of device memory, no
+    scratch. ``set``: five launches, O(B * 64 + n / 4096). ``draw``: one thread per
+    draw, O(log(n / 4096) + 128) reads each. ``threads`` is the CUDA block size.
+    """
+
+    def __init__(self, n: int, threads: int = 256, *, _fill: bool = True):
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"a priority index needs at least one slot, got {n}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+        self.n = n
+        self.threads = int(threads)
+        n1, n2 = tree.level_sizes(n)
+        self.leaves = cuda.device_array(n, np.float64)
+        self.l1_sum = cuda.device_array(n1, np.float64)
+        self.l1_min = cuda.device_array(n1, np.float64)
+        self.l2_sum = cuda.device_array(n2, np.float64)
+        self.l2_min = cuda.device_array(n2, np.float64)
+        self.prefix = cuda.device_array(n2 + 1, np.float64)
+        self._scalar = cuda.device_array(1, np.float64)
+        if _fill:  # an empty index: weights 0, minima inf
+            for a, v in ((self.leaves, 0.0), (self.l1_sum, 0.0), (self.l1_min, math.inf), (self.l2_sum, 0.0),
+                         (self.l2_min, math.inf), (self.prefix, 0.0)):
+                fill(a, v, self.threads)
+
+    @classmethod
+    def from_host(cls, index, threads: int = 256) -> "DevicePriorityIndex":
+        """A device copy of a CPU :class:`PriorityIndex` (or anything with its six arrays)."""
+        self = cls(len(index.leaves), threads, _fill=False)
+        for name in ("leaves", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix"):
+            getattr(self, name).copy_to_device(np.ascontiguousarray(getattr(index, name), np.float64))
+        return self
+
+    def to_host(self) -> dict[str, np.ndarray]:
+        """The six arrays, copied to host numpy arrays (for checks)."""
+        return {name: getattr(self, name).copy_to_host()
+                for name in ("leaves", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")}
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def total(self) -> float:
+        """Sum of all weights (one 8-byte device-to-host copy)."""
+        return float(self.prefix[self.prefix.shape[0] - 1])
+
+    @property
+    def min_positive(self) -> float:
+        """Smallest positive weight (inf if none): one single-block reduction over ``n / 4096`` entries."""
+        _min_kernel[1, min(self.threads, MAX_THREADS)](self.l2_min, self._scalar)
+        return float(self._scalar.copy_to_host()[0])
+
+    def set(self, slots, values) -> None:
+        """``leaves[slots] = values`` (last of duplicates wins). Slots must be in ``[0, n)``."""
+        if len(slots) != len(values):
+            raise ValueError(f"{len(slots)} slots but {len(values)} values")
+        if len(slots) == 0:
+            return
+        if not is_device_array(slots):
+            s = np.asarray(slots, np.int64)
+            if s.min() < 0 or s.max() >= self.n:
+                raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
+        set_leaves(self.leaves, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix,
+                   as_device(slots, np.int64), as_device(values, np.float64), self.threads)
+
+    def draw(self, uniforms, out=None):
+        """Leaf chosen by each uniform in [0, 1); returns a device int64 array (``out`` if given).
+        The caller guarantees a positive total."""
+        u = as_device(uniforms, np.float64)
+        b = u.shape[0]
+        out = cuda.device_array(b, np.int64) if out is None else out
+        draw(self.leaves, self.l1_sum, self.l2_sum, self.prefix, u, out, self.threads)
+        return out
+
+    def rebuild(self) -> None:
+        rebuild(self.leaves, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix, self.threads)
+
+    def __repr__(self) -> str:
+        return f"DevicePriorityIndex(n={self.n}, simulator={simulator_enabled()})"
