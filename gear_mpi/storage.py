@@ -126,10 +126,13 @@ class TrajectoryStore:
         tag, rank, gen, slot = keyspace.decode(keys)
         bad = (keys < 0) | (tag != self.tag) | (rank != self.rank) | (slot >= self.max_items)
         if bad.any():
-            k = int(keys[np.flatnonzero(bad)[0]])
-            if k < 0 or int(tag[np.flatnonzero(bad)[0]]) != self.tag:
+            i = int(np.flatnonzero(bad)[0])
+            k = int(keys[i])
+            if k < 0 or int(tag[i]) != self.tag:
                 raise InvalidKeyError(f"key {k} was not issued by this replay")
-            raise InvalidKeyError(f"key {k} belongs to shard {int(rank[np.flatnonzero(bad)[0]])}, not this shard ({self.rank})")
+            if int(rank[i]) != self.rank:
+                raise InvalidKeyError(f"key {k} belongs to shard {int(rank[i])}, not this shard ({self.rank})")
+            raise InvalidKeyError(f"key {k} names slot {int(slot[i])}, but this shard has {self.max_items} slots")
         live = (self.alive[slot] == ring.LIVE) & ((self.generation[slot] & keyspace.GEN_MASK) == gen)
         return slot, live
 

@@ -78,6 +78,9 @@ def plan_insert(lengths, stamp, state, capacity, start, length, generation, seq,
             if was_live:
                 evicted[n_evicted] = slot
                 n_evicted += 1
+        # a removed trajectory that eviction brought to the head releases its steps now
+        while state[ORDER_COUNT] > 0 and alive[order[state[ORDER_HEAD]]] == REMOVED:
+            _evict_oldest(state, capacity, n_slots, length, generation, alive, order, free)
         if state[FREE_TOP] > 0:
             state[FREE_TOP] -= 1
             slot = free[state[FREE_TOP]]

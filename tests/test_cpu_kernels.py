@@ -1,0 +1,367 @@
+"""The numba CPU kernels against plain numpy references: the blocked priority structure
+(draws, batched updates, min tracking), window gathering (with wrap-around), window
+placement and masks, and the ring/table bookkeeping (driven through a Shard)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi import keys as keyspace
+from gear_mpi.kernels import gather, priority_tree as tree, ring
+from gear_mpi.selectors import PriorityIndex
+
+
+# ---- priority tree ------------------------------------------------------------------------------
+
+def reference_draw(leaves: np.ndarray, total: float, uniforms: np.ndarray) -> np.ndarray:
+    """First leaf whose inclusive running sum exceeds u * total (the last positive leaf past the end)."""
+    cum = np.cumsum(leaves)
+    idx = np.searchsorted(cum, uniforms * total, side="right")
+    last_positive = int(np.flatnonzero(leaves > 0)[-1])
+    return np.minimum(idx, last_positive)
+
+
+def loaded_index(weights: np.ndarray) -> PriorityIndex:
+    index = PriorityIndex(len(weights))
+    index.set(np.arange(len(weights), dtype=np.int64), weights)
+    return index
+
+
+def kernel_draw(index: PriorityIndex, uniforms: np.ndarray) -> np.ndarray:
+    out = np.full(len(uniforms), -7, np.int64)
+    tree.draw(index.leaves, index.l1_sum, index.l2_sum, index.prefix, uniforms, out)
+    return out
+
+
+def sparse_weights(n: int, rng, integer: bool) -> np.ndarray:
+    w = rng.integers(1, 1000, n).astype(np.float64) if integer else rng.uniform(0.0, 1.0, n) ** 3
+    w[rng.random(n) < 0.3] = 0.0             # scattered zeros
+    if n > 3 * tree.FANOUT:
+        w[tree.FANOUT:3 * tree.FANOUT] = 0.0      # whole empty level-1 blocks
+    if n > 3 * tree.FANOUT2:
+        w[tree.FANOUT2:2 * tree.FANOUT2] = 0.0    # a whole empty level-2 block
+    w[0] = 0.0                                    # leading and trailing zeros
+    w[-1] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("n", [2, 63, 64, 65, 4096, 4097, 20_000, 300_000])
+@pytest.mark.parametrize("batch", [1, 100, 2048, 2049, 30_000])
+def test_draw_matches_searchsorted_on_integer_weights(n, batch):
+    """Integer weights make every partial sum exact, so the kernel and the reference must agree exactly."""
+    rng = np.random.default_rng(n * 7 + batch)
+    w = sparse_weights(n, rng, integer=True)
+    if not (w > 0).any():
+        w[n // 2] = 3.0
+    index = loaded_index(w)
+    assert index.total == w.sum()
+    u = rng.random(batch)
+    u[0] = 0.0
+    if batch > 1:
+        u[1] = np.nextafter(1.0, 0.0)
+    got = kernel_draw(index, u)
+    np.testing.assert_array_equal(got, reference_draw(w, index.total, u))
+    assert (w[got] > 0).all()
+    np.testing.assert_array_equal(index.draw(u), got)
+
+
+@pytest.mark.parametrize("n, batch", [(1000, 500), (50_000, 3000), (300_000, 40_000)])
+def test_draw_matches_searchsorted_on_float_weights(n, batch):
+    rng = np.random.default_rng(n + batch)
+    w = sparse_weights(n, rng, integer=False)
+    index = loaded_index(w)
+    assert index.total == pytest.approx(w.sum(), rel=1e-12)
+    u = rng.random(batch)
+    got = kernel_draw(index, u)
+    np.testing.assert_array_equal(got, reference_draw(w, index.total, u))
+
+
+@pytest.mark.parametrize("batch", [50, 5000])
+def test_draw_at_exact_block_boundaries(batch):
+    """Integer weights summing to a power of two: u = cumsum[k] / total is exact, and a draw that
+    lands exactly on the end of leaf k's mass must pick the next positive leaf (as searchsorted 'right')."""
+    rng = np.random.default_rng(batch)
+    n = 20_000
+    w = sparse_weights(n, rng, integer=True)
+    last = int(np.flatnonzero(w > 0)[-1])
+    w[last] += 2.0 ** 24 - w.sum()
+    assert w[last] > 0 and w.sum() == 2.0 ** 24
+    index = loaded_index(w)
+    assert index.total == 2.0 ** 24
+    cum = np.cumsum(w)
+    edges = np.unique(cum[(cum > 0) & (cum < cum[-1])])
+    u = rng.choice(edges, batch) / index.total
+    u[: len(edges[:batch // 2])] = edges[:batch // 2] / index.total  # block starts near the front too
+    u = np.concatenate([u, np.nextafter(u, 0.0), np.nextafter(u, 1.0)])
+    got = kernel_draw(index, u)
+    np.testing.assert_array_equal(got, reference_draw(w, index.total, u))
+    assert (w[got] > 0).all()
+
+
+def test_draw_order_of_uniforms_does_not_matter():
+    """Batched draws may sort the uniforms internally; the result must follow the caller's order."""
+    rng = np.random.default_rng(3)
+    w = sparse_weights(100_000, rng, integer=True)
+    index = loaded_index(w)
+    u = rng.random(10_000)
+    u[:100] = np.sort(u[:100])[::-1]  # a descending run, then random
+    got = kernel_draw(index, u)
+    perm = rng.permutation(len(u))
+    np.testing.assert_array_equal(kernel_draw(index, u[perm]), got[perm])
+    np.testing.assert_array_equal(got, reference_draw(w, index.total, u))
+    same = np.full(5000, 0.37)  # many equal uniforms
+    assert set(kernel_draw(index, same).tolist()) == set(reference_draw(w, index.total, same[:1]).tolist())
+
+
+def test_draw_after_updates_matches_reference():
+    rng = np.random.default_rng(4)
+    n = 50_000
+    w = sparse_weights(n, rng, integer=True)
+    index = loaded_index(w)
+    for batch in (10, 3000):
+        slots = rng.integers(0, n, batch)
+        vals = rng.integers(0, 50, batch).astype(np.float64)
+        index.set(slots, vals)
+        for s, v in zip(slots, vals):  # sequential semantics: the last duplicate wins
+            w[s] = v
+        np.testing.assert_array_equal(index.leaves, w)
+        u = rng.random(5000)
+        np.testing.assert_array_equal(kernel_draw(index, u), reference_draw(w, index.total, u))
+
+
+def check_levels(index: PriorityIndex) -> None:
+    """Every level agrees with the leaves (sums to 1e-12, minima exactly) and with a full rebuild."""
+    n = len(index.leaves)
+    f, f2 = tree.FANOUT, tree.FANOUT2
+    pad = -n % f2
+    leaves = np.concatenate([index.leaves, np.zeros(pad)])
+    blocks1 = leaves.reshape(-1, f)[: len(index.l1_sum)]
+    np.testing.assert_allclose(index.l1_sum, blocks1.sum(1), rtol=1e-12, atol=0)
+    pos1 = np.where(blocks1 > 0, blocks1, np.inf)
+    np.testing.assert_array_equal(index.l1_min, pos1.min(1))
+    blocks2 = leaves.reshape(-1, f2)
+    np.testing.assert_allclose(index.l2_sum, blocks2.sum(1), rtol=1e-12, atol=0)
+    np.testing.assert_array_equal(index.l2_min, np.where(blocks2 > 0, blocks2, np.inf).min(1))
+    np.testing.assert_allclose(index.prefix, np.concatenate([[0.0], np.cumsum(index.l2_sum)]), rtol=1e-12)
+    assert index.total == pytest.approx(index.leaves.sum(), rel=1e-12)
+    positive = index.leaves[index.leaves > 0]
+    assert index.min_positive == (positive.min() if len(positive) else np.inf)
+    fresh = PriorityIndex(n)
+    fresh.leaves[:] = index.leaves
+    fresh.rebuild()
+    for name in ("l1_sum", "l1_min", "l2_sum", "l2_min", "prefix"):
+        assert getattr(fresh, name).tobytes() == getattr(index, name).tobytes(), name
+    assert not index._flags1.any() and not index._flags2.any(), "scratch flags must be returned zeroed"
+
+
+@pytest.mark.parametrize("n", [1, 100, 9000, 70_000])
+def test_set_leaves_duplicates_last_wins_and_levels_stay_exact(n):
+    rng = np.random.default_rng(n)
+    index = PriorityIndex(n)
+    want = np.zeros(n)
+    check_levels(index)
+    for batch in (1, 7, 500, 2048, 2049, 6000):
+        slots = rng.integers(0, n, batch)
+        slots[-1] = slots[0]  # at least one duplicate
+        vals = rng.uniform(0, 10, batch)
+        vals[rng.random(batch) < 0.2] = 0.0
+        # raw kernel call, as PriorityIndex.set makes it
+        tree.set_leaves(index.leaves, index.l1_sum, index.l1_min, index.l2_sum, index.l2_min, index.prefix,
+                        index._flags1, index._flags2, slots.astype(np.int64), vals)
+        for s, v in zip(slots, vals):
+            want[s] = v
+        assert index.leaves[slots[0]] == vals[-1]
+        np.testing.assert_array_equal(index.leaves, want)
+        check_levels(index)
+
+
+def test_min_tracking():
+    n = 10_000
+    index = PriorityIndex(n)
+    assert index.min_positive == np.inf and index.total == 0.0
+    index.set(np.array([5, 4200, 9999]), np.array([3.0, 0.25, 7.0]))
+    assert index.min_positive == 0.25
+    index.set(np.array([4200]), np.array([0.0]))  # removing the minimum exposes the next one
+    assert index.min_positive == 3.0
+    index.set(np.array([9998, 9998]), np.array([0.001, 2.0]))  # the last duplicate wins
+    assert index.min_positive == 2.0
+    index.set(np.array([5, 9999, 9998]), np.zeros(3))
+    assert index.min_positive == np.inf and index.total == 0.0
+    check_levels(index)
+
+
+def test_level_sizes():
+    assert tree.level_sizes(1) == (1, 1)
+    assert tree.level_sizes(64) == (1, 1)
+    assert tree.level_sizes(65) == (2, 1)
+    assert tree.level_sizes(4096) == (64, 1)
+    assert tree.level_sizes(4097) == (65, 2)
+
+
+# ---- gather ---------------------------------------------------------------------------------------
+
+def reference_gather(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window):
+    steps = src.reshape(capacity, step_bytes)
+    rows = out.reshape(-1, window * step_bytes)
+    for s, nv, pf, r in zip(starts, n_valid, pad_front, out_rows):
+        row = np.zeros(window * step_bytes, np.uint8)
+        idx = (s + np.arange(nv)) % capacity
+        row[pf * step_bytes:(pf + nv) * step_bytes] = steps[idx].reshape(-1)
+        rows[r] = row
+
+
+@pytest.mark.parametrize("step_bytes, capacity, window, b", [
+    (1, 50, 7, 200), (5, 97, 16, 200), (42, 31, 31, 200), (8, 1000, 64, 200),
+    (42, 500, 64, 300),  # over 256 KiB: the kernel's parallel path
+])
+def test_gather_windows_matches_numpy_with_wrap(step_bytes, capacity, window, b):
+    rng = np.random.default_rng(step_bytes * capacity)
+    src = rng.integers(0, 256, capacity * step_bytes).astype(np.uint8)
+    rows_total = b + 30
+    n_valid = rng.integers(0, window + 1, b)
+    pad_front = np.array([rng.integers(0, window - nv + 1) for nv in n_valid])
+    starts = rng.integers(0, capacity, b)
+    starts[:20] = capacity - rng.integers(1, window + 1, 20)  # close to the end: these wrap
+    n_valid[:20] = window
+    pad_front[:20] = 0
+    n_valid = np.minimum(n_valid, capacity)
+    out_rows = rng.permutation(rows_total)[:b].astype(np.int64)
+    out = np.full(rows_total * window * step_bytes, 0xAB, np.uint8)  # not zero: padding must be written
+    want = out.copy()
+    gather.gather_windows(src, capacity, step_bytes, starts.astype(np.int64), n_valid.astype(np.int64),
+                          pad_front.astype(np.int64), out_rows, out, window)
+    reference_gather(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, want, window)
+    assert ((starts + n_valid) > capacity).sum() >= 10, "the test must exercise wrap-around"
+    np.testing.assert_array_equal(out, want)
+    untouched = np.setdiff1d(np.arange(rows_total), out_rows)
+    assert (out.reshape(rows_total, -1)[untouched] == 0xAB).all(), "rows not asked for were written"
+
+
+@pytest.mark.parametrize("window, b", [(12, 50), (64, 1500)])  # the second: over the kernel's serial size
+def test_fill_mask_matches_numpy(window, b):
+    rng = np.random.default_rng(window)
+    rows = b + 10
+    n_valid = rng.integers(0, window + 1, b)
+    pad_front = np.array([rng.integers(0, window - nv + 1) for nv in n_valid])
+    out_rows = rng.permutation(rows)[:b].astype(np.int64)
+    mask = np.ones((rows, window), np.bool_)
+    gather.fill_mask(n_valid.astype(np.int64), pad_front.astype(np.int64), out_rows, mask)
+    t = np.arange(window)
+    want = np.ones((rows, window), bool)
+    want[out_rows] = (t >= pad_front[:, None]) & (t < (pad_front + n_valid)[:, None])
+    np.testing.assert_array_equal(mask, want)
+
+
+@pytest.mark.parametrize("align_code", [0, 1, 2])
+def test_place_windows_matches_the_formula(align_code):
+    rng = np.random.default_rng(align_code)
+    b, window = 400, 10
+    starts = rng.integers(0, 1000, b).astype(np.int64)
+    lengths = rng.integers(1, 25, b).astype(np.int64)
+    u = rng.random(b)
+    u[:3] = [0.0, np.nextafter(1.0, 0.0), 0.5]
+    win_start, n_valid, pad_front = (np.full(b, -1, np.int64) for _ in range(3))
+    gather.place_windows(starts, lengths, window, align_code, u, win_start, n_valid, pad_front)
+    for i in range(b):
+        L = lengths[i]
+        if L >= window:
+            span = L - window + 1
+            off = {0: min(int(u[i] * span), span - 1), 1: 0, 2: L - window}[align_code]
+            assert (win_start[i], n_valid[i], pad_front[i]) == (starts[i] + off, window, 0)
+            assert 0 <= off <= L - window
+        else:
+            assert (win_start[i], n_valid[i]) == (starts[i], L)
+            assert pad_front[i] == (window - L if align_code == 2 else 0)
+
+
+# ---- ring and table (through a Shard) ------------------------------------------------------------
+
+def check_ring_invariants(shard: gm.Shard) -> None:
+    st = shard.store
+    s = st.state
+    cap, n_slots = st.capacity, st.max_items
+    count = int(s[ring.ORDER_COUNT])
+    order = [int(st.order[(s[ring.ORDER_HEAD] + j) % n_slots]) for j in range(count)]
+    assert len(set(order)) == count
+    pos = int(s[ring.STEP_HEAD])
+    for slot in order:  # entries (live or removed) lie back to back from the head
+        assert st.alive[slot] in (ring.LIVE, ring.REMOVED)
+        assert st.start[slot] == pos
+        pos = (pos + int(st.length[slot])) % cap
+    assert s[ring.STEPS_USED] == sum(int(st.length[x]) for x in order) <= cap
+    live = [x for x in order if st.alive[x] == ring.LIVE]
+    assert s[ring.LIVE_COUNT] == len(live) == len(shard)
+    assert s[ring.LIVE_STEPS] == sum(int(st.length[x]) for x in live)
+    if count:  # removed entries are trimmed from both ends
+        assert st.alive[order[0]] == ring.LIVE and st.alive[order[-1]] == ring.LIVE
+    free = st.free[: s[ring.FREE_TOP]].tolist()
+    assert not set(free) & set(order)
+    assert len(free) + count == s[ring.NEXT_FRESH] <= n_slots
+    assert all(st.alive[x] == ring.DEAD for x in free)
+    np.testing.assert_array_equal(ring.live_in_order(s, st.alive, st.order, False, n_slots), live)
+    np.testing.assert_array_equal(ring.live_in_order(s, st.alive, st.order, True, 3), live[::-1][:3])
+    assert s[ring.INSERTED_TOTAL] == s[ring.EVICTED_TOTAL] + s[ring.REMOVED_TOTAL] + len(live)
+    if shard.index is not None:
+        on = np.zeros(n_slots, bool)
+        on[live] = True
+        assert (shard.index.leaves[~on] == 0).all(), "a dead or removed slot keeps selection weight"
+
+
+@pytest.mark.parametrize("sampler, max_times, max_items", [
+    (gm.Uniform(), 2, None), (gm.Fifo(), 1, 12), (gm.MaxPriority(), 3, 9), (gm.Prioritized(0.5, 0.5), None, 6)])
+def test_ring_bookkeeping_under_random_operations(shard_factory, spec, make_traj, sampler, max_times, max_items):
+    shard = shard_factory(spec, 80, sampler, max_items=max_items, max_times_sampled=max_times, seed=5)
+    rng = np.random.default_rng(17)
+    data: dict[int, dict] = {}
+    gens_seen: dict[int, int] = {}
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.45:
+            tr = make_traj(int(rng.integers(1, 17)))
+            data[shard.insert(tr, float(rng.uniform(0, 3)))] = tr
+        elif op < 0.6:
+            trs = [make_traj(int(rng.integers(1, 12))) for _ in range(int(rng.integers(1, 4)))]
+            for k, tr in zip(shard.insert_many(trs, rng.uniform(0.1, 3, len(trs))).tolist(), trs):
+                data[k] = tr
+        elif len(shard) and shard.total_weight > 0:
+            shard.sample(int(rng.integers(1, 6)), window=int(rng.integers(1, 17)))
+        check_ring_invariants(shard)
+        live = ring.live_in_order(shard.store.state, shard.store.alive, shard.store.order, False, 10**6)
+        keys = shard.store.keys_of(live)
+        for k in keys.tolist():
+            assert shard.get(k)["t"].tobytes() == data[k]["t"].tobytes()
+            _, _, gen, slot = keyspace.decode(np.array([k]))
+            assert gen[0] >= gens_seen.get(int(slot[0]), 0)
+            gens_seen[int(slot[0])] = int(gen[0])
+        stale = set(data) - set(keys.tolist())
+        for k in list(stale)[:5]:
+            with pytest.raises(gm.StaleKeyError):
+                shard.get(k)
+    st = shard.stats()
+    assert st["evicted"] + st["removed"] > 20
+
+
+def test_slot_reuse_bumps_the_generation(shard_factory, spec, make_traj):
+    shard = shard_factory(spec, 100, max_items=1)
+    seen = []
+    for _ in range(5):
+        k = shard.insert(make_traj(3))
+        _, _, gen, slot = keyspace.decode(np.array([k]))
+        seen.append((int(slot[0]), int(gen[0])))
+    assert seen == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]
+    assert shard.stats()["evicted"] == 4 and len(shard) == 1
+
+
+def test_a_removed_trajectory_brought_to_the_head_by_eviction_gives_its_steps_back(shard_factory, spec, make_traj):
+    shard = shard_factory(spec, 40, gm.MaxPriority(), max_times_sampled=1)
+    ka, kb, kc = (shard.insert(make_traj(10), p) for p in (1.0, 5.0, 2.0))
+    assert shard.sample(1, window=1).keys.tolist() == [kb]  # b is removed but sits between a and c
+    assert shard.stats()["steps_used"] == 30 and shard.stats()["live_steps"] == 20
+    kd = shard.insert(make_traj(16), 0.5)  # evicts a; b reaches the head and must be released too
+    st = shard.stats()
+    assert st["items"] == 2 and st["evicted"] == 1 and st["removed"] == 1
+    assert st["steps_used"] == st["live_steps"] == 26
+    check_ring_invariants(shard)
+    assert shard.locate(kc)[0][0] == shard.store.state[ring.STEP_HEAD] == 20
+    assert shard.locate(kd)[0][0] == 30
