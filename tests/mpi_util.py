@@ -38,6 +38,42 @@ def run_single(program: str, *args: str, timeout: float = 120.0) -> subprocess.C
                           timeout=timeout, env=env)
 
 
+def _mapped_paths() -> set[str]:
+    """Every file path that some process of this machine has mapped (from /proc/*/maps)."""
+    paths = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        paths.add(line.split(None, 5)[-1].strip().replace(" (deleted)", ""))
+        except OSError:
+            continue
+    return paths
+
+
+def remove_leaked_mpich_segments(since: float) -> list[str]:
+    """Unlink MPICH shared-memory segments created after ``since`` that no process maps any more.
+
+    MPICH unlinks its ``/dev/shm/mpich_shm_*`` segment in MPI_Finalize; a test whose
+    ranks end without finalizing (killed, or ``os._exit`` with a collective pending)
+    leaves it behind. Call this after such a run.
+    """
+    mapped = _mapped_paths()
+    removed = []
+    for name in os.listdir("/dev/shm"):
+        path = os.path.join("/dev/shm", name)
+        try:
+            if name.startswith("mpich_shm_") and os.stat(path).st_mtime >= since - 1 and path not in mapped:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
 def passes(output: str) -> set[str]:
     """The ``PASS <check> rank=R`` records in ``output``."""
     return {f"PASS {name} rank={rank}" for name, rank in re.findall(r"PASS (\S+) rank=(\d+)", output)}
