@@ -14,6 +14,8 @@ knows the spec and capacity can map the same columns by name.
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import mmap
 import os
 import uuid
@@ -28,14 +30,44 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "gear_mpi_"
 
 
+HEADER_BYTES = ALIGN
+_MAGIC = b"GEARMPI1"
+
+
 def column_layout(spec: TrajectorySpec, capacity_steps: int) -> tuple[dict[str, int], int]:
-    """Byte offset of each column in an arena, and the arena's size. Cost: O(columns)."""
+    """Byte offset of each column in an arena, and the arena's size. Cost: O(columns).
+
+    The first 64 bytes hold a header (magic, capacity, spec fingerprint) that
+    :func:`check_header` compares when another process attaches.
+    """
     offsets: dict[str, int] = {}
-    pos = 0
+    pos = HEADER_BYTES
     for c in spec.columns:
         offsets[c.name] = pos
         pos += -(-(c.step_bytes * capacity_steps) // ALIGN) * ALIGN
     return offsets, max(pos, ALIGN)
+
+
+def _fingerprint(spec: TrajectorySpec, capacity_steps: int) -> bytes:
+    text = json.dumps([spec.to_dict(), int(capacity_steps)], sort_keys=True).encode()
+    return _MAGIC + hashlib.sha256(text).digest()[:24]
+
+
+def write_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int) -> None:
+    """Stamp an arena with the layout it holds."""
+    tag = _fingerprint(spec, capacity_steps)
+    buffer[:len(tag)] = np.frombuffer(tag, np.uint8)
+
+
+def check_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int, name: str) -> None:
+    """Raise ValueError unless the arena was laid out for exactly this spec and capacity."""
+    tag = _fingerprint(spec, capacity_steps)
+    got = bytes(buffer[:len(tag)])
+    if got[:len(_MAGIC)] != _MAGIC:
+        raise ValueError(f"shared-memory segment {name!r} is not a gear_mpi shard")
+    if got != tag:
+        raise ValueError(f"shared-memory segment {name!r} holds another spec or capacity than "
+                         f"{spec!r} with capacity_steps={capacity_steps}")
 
 
 class HeapArena:

@@ -11,7 +11,7 @@ from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
 from .kernels import gather as gather_kernels
 from .kernels import ring
 from .keys import as_key_array
-from .memory import SharedArena, column_layout
+from .memory import SharedArena, check_header, column_layout
 from .selectors import PriorityIndex, Prioritized, Selector, Uniform, rank_by_priority
 from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
@@ -63,9 +63,14 @@ def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tupl
     """
     arena = SharedArena.attach(name)
     offsets, nbytes = column_layout(spec, capacity_steps)
-    if arena.nbytes != nbytes:
+    try:
+        if arena.nbytes != nbytes:
+            raise ValueError(f"shared-memory segment {name!r} has {arena.nbytes} bytes; "
+                             f"this spec and capacity need {nbytes}")
+        check_header(arena.buffer, spec, capacity_steps, name)
+    except ValueError:
         arena.close()
-        raise ValueError(f"shared-memory segment {name!r} has {arena.nbytes} bytes; this spec and capacity need {nbytes}")
+        raise
     views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + c.step_bytes * capacity_steps]
              for c in spec.columns}
     return arena, views
@@ -158,6 +163,7 @@ class Shard:
         column (no Python loop over steps), O(n + evictions) table work in a kernel,
         one batched index update.
         """
+        self._check_open()
         if isinstance(trajectories, Mapping):
             raise InvalidTrajectoryError("insert_many takes a sequence of trajectories; use insert() for one")
         trajectories = list(trajectories)
@@ -260,6 +266,7 @@ class Shard:
         Returns a new Batch (or fills ``out``, reused). Cost: selection (see
         :meth:`select`) plus one parallel copy of ``B * W`` steps.
         """
+        self._check_open()
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
         if out is not None and not out.matches(self.spec, batch_size, window):
@@ -299,6 +306,7 @@ class Shard:
 
     def apply_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> np.ndarray:
         """Set already-validated priorities of this shard's keys; returns the mask of keys applied."""
+        self._check_open()
         slots, live = self.store.resolve(keys)
         self.stale_updates += int((~live).sum())
         s, pr = slots[live], priorities[live]
@@ -309,6 +317,7 @@ class Shard:
 
     def get(self, key: int) -> dict[str, np.ndarray]:
         """A copy of the whole stored trajectory behind ``key`` (StaleKeyError if evicted). O(L)."""
+        self._check_open()
         keys = as_key_array(key)
         if len(keys) != 1:
             raise InvalidKeyError(f"get() takes one key, got {len(keys)}")
@@ -316,11 +325,13 @@ class Shard:
 
     def locate(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """Ring start step and length of each live key (-1, 0 for stale keys). O(n)."""
+        self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
         return np.where(live, self.store.start[slots], -1), np.where(live, self.store.length[slots], 0)
 
     def priorities(self, keys: Any) -> np.ndarray:
         """Current priority of each key (NaN for stale keys). O(n)."""
+        self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
         return np.where(live, self.store.priority[slots], np.nan)
 
@@ -333,6 +344,10 @@ class Shard:
                 "evicted": int(s[ring.EVICTED_TOTAL]), "removed": int(s[ring.REMOVED_TOTAL]),
                 "sampled": self.samples_drawn, "stale_updates": self.stale_updates,
                 "stored_bytes": self.stored_bytes(), "raw_bytes": self.raw_bytes()}
+
+    def _check_open(self) -> None:
+        if self.store.arena is None:
+            raise RuntimeError("this Shard is closed")
 
     def close(self) -> None:
         """Release the columns (and unlink shared memory this shard created). Idempotent."""

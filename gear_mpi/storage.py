@@ -14,7 +14,7 @@ import numpy as np
 from . import keys as keyspace
 from .errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from .kernels import ring
-from .memory import column_layout, make_arena, SharedArena
+from .memory import SharedArena, column_layout, make_arena, write_header
 from .spec import TrajectorySpec
 
 TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # start, length, priority, generation, seq, stamp, times, order + alive
@@ -46,6 +46,7 @@ class TrajectoryStore:
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
         self.arena = arena if arena is not None else make_arena(memory, nbytes)
+        write_header(self.arena.buffer, spec, self.capacity)
         self.columns: dict[str, np.ndarray] = {}
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]

@@ -128,6 +128,26 @@ def test_attach_with_the_wrong_layout_is_refused(shard_factory, spec, make_spec)
         gm.attach_columns(shard.shm_name, other, 30)
 
 
+def test_attach_with_a_layout_of_the_same_size_is_refused(shard_factory, spec):
+    """Column sizes round up to 64 bytes, so sizes can match: the header's fingerprint must not."""
+    shard = shard_factory(spec, 31, memory="shm")
+    with pytest.raises(ValueError, match="another spec or capacity"):
+        gm.attach_columns(shard.shm_name, spec, 30)
+    renamed = gm.TrajectorySpec({("renamed_" + c.name): (c.shape, c.dtype) for c in spec.columns}, spec.max_length)
+    with pytest.raises(ValueError, match="another spec or capacity"):
+        gm.attach_columns(shard.shm_name, renamed, 31)
+
+
+def test_a_closed_shard_refuses_every_operation(spec, make_traj):
+    shard = gm.Shard(spec, 64, memory="shm")
+    key = shard.insert(make_traj(5))
+    shard.close()
+    for call in (lambda: shard.get(key), lambda: shard.insert(make_traj(3)), lambda: shard.sample(1, 2),
+                 lambda: shard.update_priorities([key], [1.0]), lambda: shard.locate([key])):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
+
 def test_close_unlinks_the_segment(spec, make_traj):
     shard = gm.Shard(spec, 30, memory="shm", tag=1)
     shard.insert(make_traj(5))
