@@ -32,6 +32,17 @@ class Batch:
         self.lengths = torch.from_numpy(lengths)
 
     @classmethod
+    def from_tensors(cls, data: dict[str, torch.Tensor], mask: torch.Tensor, keys: torch.Tensor,
+                     probabilities: torch.Tensor, weights: torch.Tensor, lengths: torch.Tensor) -> "Batch":
+        """A batch over existing tensors (e.g. on a GPU); :meth:`numpy` is then unavailable."""
+        self = cls.__new__(cls)
+        self._np = None
+        self._mask_np = None
+        self.data, self.mask, self.keys = dict(data), mask, keys
+        self.probabilities, self.weights, self.lengths = probabilities, weights, lengths
+        return self
+
+    @classmethod
     def empty(cls, spec: TrajectorySpec, batch_size: int, window: int) -> "Batch":
         """Fresh, uninitialised buffers for ``batch_size`` windows of ``window`` steps. O(B W step_bytes) memory."""
         data = {c.name: np.empty((batch_size, window) + c.shape, c.dtype) for c in spec.columns}
@@ -40,8 +51,14 @@ class Batch:
                    np.empty(batch_size, np.int64))
 
     def numpy(self) -> dict[str, np.ndarray]:
-        """The column buffers as numpy arrays (same memory as the tensors)."""
+        """The column buffers as numpy arrays (same memory as the tensors); host batches only."""
+        if self._np is None:
+            raise RuntimeError("this batch lives on a device; use its tensors (batch[name], batch.mask)")
         return self._np
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask.device
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -78,7 +95,7 @@ class Batch:
 
     def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
         """True when this batch's buffers fit ``batch_size`` windows of ``window`` steps of ``spec``."""
-        return (tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window
+        return (self._np is not None and tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window
                 and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[2:] == c.shape
                         for c in spec.columns))
 

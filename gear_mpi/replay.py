@@ -47,10 +47,12 @@ import secrets
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from . import keys as keyspace
 from .batch import Batch
 from .comm import MpiComm
+from .device import DeviceContext, parse_device
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .keys import as_key_array
@@ -76,7 +78,7 @@ class Replay:
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
                  mode: str = "decentralized", comm=None, seed: int = 0, timeout: float = 60.0,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
-                 force_alltoallv: bool = False):
+                 force_alltoallv: bool = False, device: str = "cpu", process_group=None):
         from mpi4py import MPI
 
         if mode not in MODES:
@@ -90,8 +92,9 @@ class Replay:
         rank, size = self.comm.rank, self.comm.size
         if size > keyspace.MAX_RANKS:
             raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
+        device_kind, _ = parse_device(device)
         signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
-                          self.force_alltoallv, seed, memory))
+                          self.force_alltoallv, seed, memory, device_kind))
         sigs = self.comm.comm.allgather(signature)
         if len(set(sigs)) != 1:
             bad = next(r for r, s in enumerate(sigs) if s != sigs[0])
@@ -105,8 +108,10 @@ class Replay:
             memory = "shm" if len(node_ranks) > 1 else "numpy"
         tag = self.comm.bcast_object(secrets.randbits(keyspace.TAG_BITS))
         streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)
+        # the GPU follows the local rank (rank within the node) unless device names one
+        self.device = DeviceContext(device, self.node_comm.Get_rank()) if device_kind == "cuda" else None
         self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items, max_times_sampled=max_times_sampled,
-                           memory=memory, seed=streams[0], rank=rank, tag=tag)
+                           memory=memory, seed=streams[0], rank=rank, tag=tag, device_context=self.device)
         self.rng = np.random.Generator(np.random.PCG64(streams[1]))
         # the same on every rank: per-requester shard counts (decentralized) are drawn from it
         self.shared_rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1 << 30,))))
@@ -130,6 +135,23 @@ class Replay:
         self.direct = np.array([r in self.peer_views and (r == rank or not self.force_alltoallv)
                                 for r in range(size)])
         self.any_remote = any(self.comm.comm.allgather(not bool(self.direct.all())))
+        self.device_views: dict[int, dict] = {}
+        self._mapped = []
+        self.torch_comm = None
+        if self.device is not None:
+            # page-lock the node's arenas and map them into this GPU's address space (zero copy)
+            from .pinned import map_byte_views
+            arenas = {rank: self.shard.store.arena}
+            arenas.update({peer: arena for peer, arena in zip([p for p in node_ranks if p in self.peer_views
+                                                                and p != rank], self._peer_arenas)})
+            for r, arena in arenas.items():
+                mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
+                self._mapped.append(mapped)
+                self.device_views[r] = views
+            if self.any_remote:
+                from .comm_torch import TorchComm
+                backend = "gloo" if self.device.simulator else "nccl"
+                self.torch_comm = TorchComm(self.comm.comm, backend, timeout, process_group=process_group)
         self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
         self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
@@ -176,7 +198,9 @@ class Replay:
         """
         self._check_open()
         if self.mode == "local":
-            return self.shard.sample(batch_size, window, align)
+            if self.device is None:
+                return self.shard.sample(batch_size, window, align)
+            return self._sample_local_device(batch_size, window, align)
         err = None
         try:
             batch_size = check_batch_size(batch_size)
@@ -206,6 +230,18 @@ class Replay:
             else:
                 assign, recv_counts = self._merge_ordered_at_root(sizes, counts)
         return self._exchange(assign, recv_counts, window, code, total, wmin)
+
+    def _sample_local_device(self, batch_size: int, window: int | None, align: str) -> Batch:
+        """Mode "local" on a GPU: select from this shard, gather on the device; no communication."""
+        batch_size = check_batch_size(batch_size)
+        window, code = check_window(self.spec, window, align)
+        if batch_size:
+            self.shard.check_can_sample()
+        assign = [np.zeros(0, np.int64) for _ in range(self.size)]
+        assign[self.rank] = self.shard.select(batch_size)
+        counts = np.zeros(self.size, np.int64)
+        counts[self.rank] = batch_size
+        return self._exchange(assign, counts, window, code, self.shard.total_weight, self.shard.min_weight, local=True)
 
     def _draw_decentralized(self, sizes: np.ndarray, masses: np.ndarray):
         """Counts[r, o] ~ Multinomial(B_r, mass_o / total), independently per requester r.
@@ -276,8 +312,11 @@ class Replay:
         return assign, recv
 
     def _exchange(self, assign: list[np.ndarray], recv_counts: np.ndarray, window: int, code: int,
-                  total: float, wmin: float) -> Batch:
-        """Owners send choices (and windows for remote requesters); requesters assemble the batch."""
+                  total: float, wmin: float, local: bool = False) -> Batch:
+        """Owners send choices (and windows for remote requesters); requesters assemble the batch.
+
+        ``local``: this rank serves only itself (mode "local" on a GPU): no communication.
+        """
         sh, size, me = self.shard, self.size, self.rank
         send_counts = np.array([len(a) for a in assign], np.int64)
         slots = np.concatenate(assign) if len(assign) else np.zeros(0, np.int64)
@@ -286,59 +325,122 @@ class Replay:
         meta[:, 0] = sh.store.keys_of(slots)
         meta[:, 1], meta[:, 2], meta[:, 3] = win_start, n_valid, pad_front
         if self.selector.proportional:
-            w = sh.index.leaves[slots]
+            w = sh.index.weights_of(slots)
             meta[:, 4] = (w / total).view(np.int64)
             meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
         else:
             meta[:, 4] = np.ones(len(slots)).view(np.int64)
             meta[:, 5] = meta[:, 4]
         nb = int(recv_counts.sum())
-        got = np.empty((nb, _META), np.int64)
-        batch = Batch.empty(self.spec, nb, window)
         rows = np.arange(nb, dtype=np.int64)
         row_of_owner = np.concatenate([[0], np.cumsum(recv_counts)])
-        # choices and (for requesters that cannot read this rank's memory) windows, all in flight at once
-        requests = [self.comm.ialltoallv(meta.reshape(-1), send_counts * _META, got.reshape(-1),
-                                         recv_counts * _META)]
-        keep = []
-        if self.any_remote:
-            keep = self._post_windows(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
-                                      row_of_owner, batch, window)
-        self.comm.wait_all(requests, "sample (choices and windows)")
-        del keep
+        if self.device is None:
+            batch = Batch.empty(self.spec, nb, window)
+            data, mask = batch.numpy(), batch._mask_np
+        else:
+            data = {c.name: self.device.empty((nb, window) + c.shape, c.dtype) for c in self.spec.columns}
+            mask = self.device.empty((nb, window), np.bool_)
+        if local:
+            got = meta
+        else:
+            # choices and (for requesters that cannot read this rank's memory) windows, in flight at once
+            got = np.empty((nb, _META), np.int64)
+            requests = [self.comm.ialltoallv(meta.reshape(-1), send_counts * _META, got.reshape(-1),
+                                             recv_counts * _META)]
+            keep = []
+            if self.any_remote and self.device is None:
+                keep = self._post_windows(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
+                                          row_of_owner, batch, window)
+            elif self.any_remote:
+                self._device_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
+                                     data, window)
+            self.comm.wait_all(requests, "sample (choices and windows)")
+            del keep
         g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
         # windows read directly: this rank's own and (shared-memory path) the node's
         for o in range(size):
             lo, hi = row_of_owner[o], row_of_owner[o + 1]
             if hi > lo and self.direct[o]:
-                self._gather(self.peer_views[o], g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi], rows[lo:hi], batch)
+                part = (g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi], rows[lo:hi])
+                if self.device is None:
+                    gather_into(self.peer_views[o], self.spec, sh.capacity_steps, *part, batch)
+                else:
+                    self._device_gather(self.device_views[o], part, data, mask)
                 if o != me:
                     self.windows_shared += int(hi - lo)
             elif hi > lo:
                 self.windows_mpi += int(hi - lo)
-        gather_kernels.fill_mask(g_valid, g_pad, rows, batch._mask_np)
-        batch.keys.numpy()[:] = got[:, 0]
-        batch.lengths.numpy()[:] = g_valid
-        batch.probabilities.numpy()[:] = got[:, 4].view(np.float64)
-        batch.weights.numpy()[:] = got[:, 5].view(np.float64)
-        if self.direct.sum() > 1:
+        if self.device is None:
+            gather_kernels.fill_mask(g_valid, g_pad, rows, mask)
+            batch.keys.numpy()[:] = got[:, 0]
+            batch.lengths.numpy()[:] = g_valid
+            batch.probabilities.numpy()[:] = got[:, 4].view(np.float64)
+            batch.weights.numpy()[:] = got[:, 5].view(np.float64)
+        else:
+            from .kernels import cuda_gather
+            cuda_gather.fill_mask(g_valid, g_pad, rows, self.device.numba_view(mask), self.device.threads)
+            dev = self.device.torch_device
+            batch = Batch.from_tensors(data, mask, torch.from_numpy(got[:, 0].copy()).to(dev),
+                                       torch.from_numpy(got[:, 4].view(np.float64).copy()).to(dev),
+                                       torch.from_numpy(got[:, 5].view(np.float64).astype(np.float32)).to(dev),
+                                       torch.from_numpy(g_valid).to(dev))
+            self.device.synchronize()
+        if self.direct.sum() > 1 and not local:
             # node peers may still be copying this rank's windows: fence before the next write
             self._fence = self.node_comm.Ibarrier()
         sh.after_sampling(slots)
         return batch
 
-    def _gather(self, views, win_start, n_valid, pad_front, out_rows, batch: Batch) -> None:
-        gather_into(views, self.spec, self.shard.capacity_steps, win_start, n_valid, pad_front, out_rows, batch)
+    def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
+        """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""
+        from .kernels import cuda_gather
+        ctx = self.device
+        cuda_gather.gather_into(views, self.spec, self.shard.capacity_steps, *part,
+                                {n: ctx.numba_view(t) for n, t in data.items()}, ctx.numba_view(mask), ctx.threads)
 
-    def _post_windows(self, requests: list, send_counts, win_start, n_valid, pad_front, recv_counts,
-                      row_of_owner, batch: Batch, window: int) -> list:
-        """Post one alltoallv per column: windows for requesters that cannot read this rank's
-        memory, received straight into the batch rows. Returns the send buffers (keep them alive)."""
+    def _remote_plan(self, send_counts, recv_counts):
+        """Counts through the transport, and which of this rank's served items travel (send order)."""
         recv_from = np.where(self.direct, 0, recv_counts)
         send_to = np.where(self.direct, 0, send_counts)
         send_first = np.concatenate([[0], np.cumsum(send_counts)[:-1]])
         pick = np.concatenate([np.arange(send_first[r], send_first[r] + send_to[r]) for r in range(self.size)]
                               ).astype(np.int64) if send_to.sum() else np.zeros(0, np.int64)
+        return recv_from, send_to, pick
+
+    def _device_windows(self, send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
+                        data: dict, window: int) -> None:
+        """Windows for requesters on other nodes, over torch.distributed (NCCL) between device buffers:
+        packed on the GPU straight from mapped host memory, received into a device scratch buffer,
+        then copied into the batch rows of their owners."""
+        from .kernels import cuda_gather
+        ctx, cap = self.device, self.shard.capacity_steps
+        recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
+        n_out, n_in = len(pick), int(recv_from.sum())
+        remote_rows = torch.from_numpy(np.concatenate(
+            [np.arange(row_of_owner[o], row_of_owner[o + 1]) for o in range(self.size) if not self.direct[o]]
+            + [np.zeros(0, np.int64)]).astype(np.int64)).to(ctx.torch_device)
+        nb = int(recv_counts.sum())
+        for c in self.spec.columns:
+            row_bytes = window * c.step_bytes
+            send = ctx.empty((n_out * row_bytes,), np.uint8)
+            if n_out:
+                cuda_gather.gather_windows(self.device_views[self.rank][c.name], cap, c.step_bytes,
+                                           win_start[pick] % cap, n_valid[pick], pad_front[pick],
+                                           np.arange(n_out, dtype=np.int64), ctx.numba_view(send), window,
+                                           ctx.threads)
+            recv = ctx.empty((n_in * row_bytes,), np.uint8)
+            ctx.synchronize()
+            self.torch_comm.alltoallv(send, send_to * row_bytes, recv, recv_from * row_bytes,
+                                      f"sample (windows of {c.name!r})")
+            if n_in:
+                rows_view = data[c.name].view(-1).view(torch.uint8).view(nb, row_bytes)
+                rows_view.index_copy_(0, remote_rows, recv.view(n_in, row_bytes))
+
+    def _post_windows(self, requests: list, send_counts, win_start, n_valid, pad_front, recv_counts,
+                      row_of_owner, batch: Batch, window: int) -> list:
+        """Post one alltoallv per column: windows for requesters that cannot read this rank's
+        memory, received straight into the batch rows. Returns the send buffers (keep them alive)."""
+        recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
         n_out = len(pick)
         views = self.shard.store.byte_views()
         cap = self.shard.capacity_steps
@@ -429,6 +531,11 @@ class Replay:
                 self._settle()
                 self.comm.barrier("close")
         finally:
+            for mapped in self._mapped:  # unregister the pinned mappings before unmapping the arenas
+                mapped.close()
+            self._mapped, self.device_views = [], {}
+            if self.torch_comm is not None:
+                self.torch_comm.close()
             self.peer_views = {}
             for arena in self._peer_arenas:
                 arena.close()

@@ -55,6 +55,14 @@ class PriorityIndex:
     def rebuild(self) -> None:
         tree.rebuild(self.leaves, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix)
 
+    def weights_of(self, slots: np.ndarray) -> np.ndarray:
+        """The weights of ``slots`` (host float64 array). O(B)."""
+        return self.leaves[slots]
+
+    def host_leaves(self, count: int) -> np.ndarray:
+        """The first ``count`` weights as a host array (a view here). O(1)."""
+        return self.leaves[:count]
+
 
 class Selector:
     """Base of all selectors. ``proportional`` selectors draw from a PriorityIndex."""

@@ -88,7 +88,7 @@ class Shard:
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "numpy",
-                 seed: int | None = 0, rank: int = 0, tag: int | None = None):
+                 seed: int | None = 0, rank: int = 0, tag: int | None = None, device_context=None):
         if not isinstance(spec, TrajectorySpec):
             raise TypeError(f"spec must be a TrajectorySpec, got {type(spec).__name__}")
         sampler = Uniform() if sampler is None else sampler
@@ -101,7 +101,14 @@ class Shard:
         self.max_times_sampled = int(max_times_sampled or 0)
         self.store = TrajectoryStore(spec, capacity_steps, max_items, memory, rank,
                                      secrets.randbits(8) if tag is None else tag)
-        self.index = PriorityIndex(self.store.max_items) if sampler.proportional else None
+        self.device_context = device_context
+        if not sampler.proportional:
+            self.index = None
+        elif device_context is None:
+            self.index = PriorityIndex(self.store.max_items)
+        else:  # selection in CUDA kernels over a device-resident index
+            from .kernels.cuda_priority import DevicePriorityIndex
+            self.index = DevicePriorityIndex(self.store.max_items, threads=device_context.threads)
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.samples_drawn = 0
         self.stale_updates = 0
@@ -203,7 +210,8 @@ class Shard:
         self.check_can_sample()
         sel = self.selector
         if self.index is not None:
-            return self.index.draw(self.rng.random(count))
+            slots = self.index.draw(self.rng.random(count))
+            return slots if isinstance(slots, np.ndarray) else slots.copy_to_host()
         st = self.store
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
@@ -230,9 +238,9 @@ class Shard:
 
     def live_weights(self) -> tuple[np.ndarray, np.ndarray]:
         """Slots with positive index weight, and those weights (proportional selectors). O(slots used)."""
-        hwm = int(self.store.state[ring.NEXT_FRESH])
-        slots = np.flatnonzero(self.index.leaves[:hwm] > 0.0).astype(np.int64)
-        return slots, self.index.leaves[slots]
+        leaves = self.index.host_leaves(int(self.store.state[ring.NEXT_FRESH]))
+        slots = np.flatnonzero(leaves > 0.0).astype(np.int64)
+        return slots, leaves[slots]
 
     def place(self, slots: np.ndarray, window: int, align_code: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ring coordinates of each window: (start step, real steps, leading padding). O(B)."""
@@ -282,7 +290,7 @@ class Shard:
         batch.keys.numpy()[:] = self.store.keys_of(slots)
         batch.lengths.numpy()[:] = n_valid
         if self.index is not None:
-            w = self.index.leaves[slots]
+            w = self.index.weights_of(slots)
             batch.probabilities.numpy()[:] = w / self.index.total
             batch.weights.numpy()[:] = self.selector.importance_weights(w, self.index.min_positive)
         else:

@@ -274,6 +274,13 @@ def _fill_kernel(values, v):
 
 
 # ---- host-side launchers ------------------------------------------------------------------
+@cuda.jit
+def _take_kernel(values, slots, out):
+    i = cuda.grid(1)
+    if i < slots.shape[0]:
+        out[i] = values[slots[i]]
+
+
 def draw(leaves, l1_sum, l2_sum, prefix, uniforms, out, threads: int = 256) -> None:
     """Device twin of :func:`priority_tree.draw` (device arrays). The caller guarantees a positive total."""
     b = uniforms.shape[0]
@@ -392,6 +399,19 @@ class DevicePriorityIndex:
 
     def rebuild(self) -> None:
         rebuild(self.leaves, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix, self.threads)
+
+    def weights_of(self, slots) -> np.ndarray:
+        """The weights of ``slots``, gathered on the device and copied to a host float64 array. O(B)."""
+        b = len(slots)
+        if b == 0:
+            return np.zeros(0, np.float64)
+        out = cuda.device_array(b, np.float64)
+        _take_kernel[blocks_for(b, self.threads), self.threads](self.leaves, as_device(slots, np.int64), out)
+        return out.copy_to_host()
+
+    def host_leaves(self, count: int) -> np.ndarray:
+        """The first ``count`` weights copied to the host. O(count) over the bus."""
+        return self.leaves[:count].copy_to_host() if count else np.zeros(0, np.float64)
 
     def __repr__(self) -> str:
         return f"DevicePriorityIndex(n={self.n}, simulator={simulator_enabled()})"

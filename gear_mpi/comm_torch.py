@@ -1,0 +1,96 @@
+"""TorchComm: window exchange over torch.distributed (NCCL for device buffers, gloo on CPU).
+
+The replay's control messages (headers, counts, 48-byte choices) stay on MPI;
+the bulk bytes of windows owned on other nodes travel here, between device
+buffers, with ``all_to_all_single``. The process group is either passed in (a
+training job's existing group) or bootstrapped from the MPI communicator: rank
+0 picks a free TCP port on its host name and broadcasts ``host:port`` over MPI,
+then every rank joins a new group of its own (``init_process_group`` when
+torch.distributed is not initialised yet, else ``new_group`` over the same ranks).
+
+Each call posts ``async_op=True`` and polls ``is_completed()`` until done or
+``timeout`` seconds pass (then CollectiveTimeoutError, and the object is broken).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError, CollectiveTimeoutError
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TorchComm:
+    """Personalised exchanges of tensors over a torch.distributed process group.
+
+    ``backend``: ``"nccl"`` (CUDA tensors) or ``"gloo"`` (CPU tensors).
+    Cost of :meth:`alltoallv`: one ``all_to_all_single`` of the bytes sent.
+    """
+
+    def __init__(self, mpi_comm, backend: str = "nccl", timeout: float = 60.0, process_group=None,
+                 host: str | None = None):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.broken: str | None = None
+        self.owns_group = False
+        if process_group is not None:
+            self.group = process_group
+            if dist.get_world_size(process_group) != self.size:
+                raise ValueError(f"process_group has {dist.get_world_size(process_group)} ranks, "
+                                 f"the MPI communicator {self.size}")
+            return
+        if self.rank == 0:
+            address = (host or os.environ.get("GEAR_MPI_TORCH_HOST") or socket.gethostname(), _free_port())
+        else:
+            address = None
+        address = mpi_comm.bcast(address, root=0)
+        td = datetime.timedelta(seconds=max(self.timeout, 1.0))
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}", rank=self.rank,
+                                    world_size=self.size, timeout=td)
+            self.group = dist.group.WORLD
+            self.owns_group = True
+        else:
+            if dist.get_world_size() != self.size:
+                raise ValueError("torch.distributed is already initialised over other ranks: pass process_group=")
+            self.group = dist.new_group(backend=backend, timeout=td)
+        mpi_comm.Barrier()
+
+    def _wait(self, work, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.broken = f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s"
+                raise CollectiveTimeoutError(self.broken)
+            time.sleep(0)
+        work.wait()
+
+    def alltoallv(self, send: torch.Tensor, send_counts, recv: torch.Tensor, recv_counts, what: str) -> None:
+        """Rank r gets ``send_counts[r]`` leading elements (after those of lower ranks) of ``send``;
+        ``recv`` is filled with ``recv_counts[s]`` elements from each rank s, in rank order."""
+        if self.broken is not None:
+            raise CollectiveError(f"torch communicator unusable after an earlier failure: {self.broken}")
+        work = dist.all_to_all_single(recv, send, output_split_sizes=[int(c) for c in recv_counts],
+                                      input_split_sizes=[int(c) for c in send_counts], group=self.group,
+                                      async_op=True)
+        self._wait(work, what)
+
+    def close(self) -> None:
+        """Destroy the process group this object created (collective over its ranks)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False

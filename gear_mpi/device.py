@@ -1,0 +1,105 @@
+"""DeviceContext: which GPU a rank uses, and device buffers shared by torch and numba-cuda.
+
+``device="cuda"`` picks the GPU of the rank's *local* rank (its rank within the
+node), as SPMD training code does; ``"cuda:N"`` names one. Batches are torch
+CUDA tensors; numba-cuda kernels write into them through
+``__cuda_array_interface__`` (no copy).
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, no GPU) the same code runs
+on the CPU: "device" tensors are CPU tensors and the kernels' device arrays wrap
+their memory. That is how CI exercises the GPU path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def simulator_enabled() -> bool:
+    """True when numba-cuda runs on its CPU simulator."""
+    try:
+        from numba.cuda.core import config
+    except ImportError:  # older numba-cuda layouts
+        from numba.core import config
+    return bool(getattr(config, "ENABLE_CUDASIM", False))
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """``"cpu"`` -> ("cpu", None); ``"cuda"`` -> ("cuda", None); ``"cuda:N"`` -> ("cuda", N)."""
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
+    if device == "cpu":
+        return "cpu", None
+    if device == "cuda":
+        return "cuda", None
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return "cuda", int(device[5:])
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def gpu_for(local_rank: int, gpus: int, index: int | None = None) -> int:
+    """The GPU a rank uses: ``index`` if given, else its local rank modulo the node's GPUs."""
+    if gpus < 1:
+        raise RuntimeError("no GPU on this node")
+    chosen = local_rank % gpus if index is None else index
+    if not 0 <= chosen < gpus:
+        raise ValueError(f"device cuda:{chosen} does not exist: this node has {gpus} GPU(s)")
+    return chosen
+
+
+class DeviceContext:
+    """The GPU of one rank: torch device, numba device, and buffer helpers.
+
+    ``local_rank`` picks the GPU when ``device == "cuda"`` (``local_rank % gpus``).
+    Raises RuntimeError with the reason when no GPU (and no simulator) is there.
+    """
+
+    def __init__(self, device: str = "cuda", local_rank: int = 0):
+        kind, index = parse_device(device)
+        if kind != "cuda":
+            raise ValueError("DeviceContext is for CUDA devices; use device='cpu' for the host path")
+        self.simulator = simulator_enabled()
+        if self.simulator:
+            self.index = 0 if index is None else index
+            self.torch_device = torch.device("cpu")
+            self.threads = 32  # simulated threads are Python threads: keep launches small
+        else:
+            if not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' but torch sees no GPU (set NUMBA_ENABLE_CUDASIM=1 to simulate)")
+            from numba import cuda
+            self.index = gpu_for(local_rank, torch.cuda.device_count(), index)
+            torch.cuda.set_device(self.index)
+            cuda.select_device(self.index)
+            self.torch_device = torch.device("cuda", self.index)
+            self.threads = 256
+        self.name = f"cuda:{self.index}"
+
+    def empty(self, shape: tuple[int, ...], dtype) -> torch.Tensor:
+        """An uninitialised tensor on this device (numpy dtype given)."""
+        return torch.empty(shape, dtype=_torch_dtype(dtype), device=self.torch_device)
+
+    def numba_view(self, tensor: torch.Tensor):
+        """A numba-cuda device array over the tensor's memory (no copy)."""
+        from numba import cuda
+        if self.simulator:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+            return FakeCUDAArray(tensor.numpy())
+        return cuda.as_cuda_array(tensor)
+
+    def synchronize(self) -> None:
+        if not self.simulator:
+            torch.cuda.synchronize(self.torch_device)
+
+
+_TORCH = {np.dtype(k): v for k, v in [
+    ("bool", torch.bool), ("uint8", torch.uint8), ("int8", torch.int8), ("int16", torch.int16),
+    ("int32", torch.int32), ("int64", torch.int64), ("float16", torch.float16), ("float32", torch.float32),
+    ("float64", torch.float64), ("complex64", torch.complex64), ("complex128", torch.complex128),
+    ("uint16", torch.uint16), ("uint32", torch.uint32), ("uint64", torch.uint64)]}
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    try:
+        return _TORCH[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"no torch dtype for {np.dtype(dtype)}") from None
