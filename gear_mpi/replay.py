@@ -43,6 +43,7 @@ the replay is then unusable (later collectives raise at once).
 """
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Any, Mapping, Sequence
 
@@ -102,6 +103,7 @@ class Replay:
                              f"(every rank must pass the same spec, capacity, sampler, mode and seed)")
         self.node_comm = self.comm.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         node_ranks = self.node_comm.allgather(rank)
+        _share_cores(len(node_ranks))
         self.node_of = np.array(self.comm.comm.allgather(node_ranks[0]), np.int64)  # node id = its lowest rank
         self.same_node = self.node_of == self.node_of[rank]
         if memory is None:
@@ -209,6 +211,7 @@ class Replay:
             err, batch_size, window, code = e, 0, 0, 0
         sh = self.shard
         head = self.comm.agree(err, "sample", [batch_size, window, code, sh.total_weight, len(sh), sh.min_weight])
+        self._settle()  # every rank has reached this call, so the last sample's fence completes at once
         sizes = head[:, 0].astype(np.int64)
         if len(set(head[:, 1])) > 1 or len(set(head[:, 2])) > 1:
             raise ValueError(f"sample: window and align must be the same on every rank; got windows "
@@ -486,6 +489,7 @@ class Replay:
         except Exception as e:
             err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
         self.comm.agree(err, "update_priorities")
+        self._settle()
         if self.mode == "local":
             return int(self.shard.apply_priorities(keys, pr).sum())
         order = np.argsort(owner, kind="stable")
@@ -508,6 +512,7 @@ class Replay:
         mine = self.shard.stats()
         mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi)
         table = self.comm.agree(None, "stats", [mine[k] for k in _STATS])
+        self._settle()
         out: dict[str, Any] = {"ranks": self.size, "mode": self.mode}
         for i, k in enumerate(_STATS):
             col = table[:, i]
@@ -550,7 +555,6 @@ class Replay:
         if self.closed:
             raise RuntimeError("this Replay is closed")
         self.comm.check_usable()
-        self._settle()
 
     def __enter__(self) -> "Replay":
         return self
@@ -561,6 +565,16 @@ class Replay:
     def __repr__(self) -> str:
         return (f"Replay(rank={self.rank}/{self.size}, mode={self.mode!r}, sampler={self.selector!r}, "
                 f"items_here={len(self.shard)})")
+
+
+def _share_cores(ranks_on_node: int) -> None:
+    """Give this rank's numba kernels its share of the node's cores (unless NUMBA_NUM_THREADS is set):
+    ranks that each start as many threads as the node has cores oversubscribe it."""
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return
+    import numba
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, cores // max(1, ranks_on_node))))
 
 
 def _global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray):

@@ -11,12 +11,13 @@ Workloads (``--workloads``):
             done bool), whole trajectories (window 1000), batch 32 per rank;
   image  -- 84x84x4 uint8 observations, window 32, batch 64 per rank (trajectories of 200 steps).
 
-For each case the table gives: ranks, workload, mode, window path (``shm``: windows of
+Each sampled batch's priorities are then updated (collective ``update_priorities``), timed
+apart. For each case the table gives: ranks, workload, mode, window path (``shm``: windows of
 node peers copied straight from their shared memory; ``alltoallv``: every window owned
 by another rank sent through MPI), batch per rank, window, delivered bytes per call
 (summed over ranks: bytes of the returned batch tensors), time per call (median over
-calls of the slowest rank), delivered GB/s, and that as a percentage of this
-machine's memcpy rate measured in the same run. ``--json`` prints one JSON object per case.
+calls of the slowest rank), delivered GB/s, that as a percentage of this
+machine's memcpy rate measured in the same run, and the time of the priority update. ``--json`` prints one JSON object per case.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: in
     replay.insert_many([base] * items_per_rank, rng.uniform(0.5, 2.0, items_per_rank))
     for _ in range(2):  # warm-up: compile paths, fault pages in
         replay.sample(w["batch"], w["window"], "head")
-    times, nbytes = [], 0
+    times, update_times, nbytes = [], [], 0
     deadline = time.perf_counter() + seconds
     calls = 0
     while True:
@@ -84,16 +85,21 @@ def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: in
         batch = replay.sample(w["batch"], w["window"], "head")
         times.append(time.perf_counter() - t0)
         nbytes = batch.nbytes
+        t0 = time.perf_counter()  # priority update of what was sampled (not part of the sample time)
+        replay.update_priorities(batch.keys, rng.uniform(0.5, 2.0, len(batch)))
+        update_times.append(time.perf_counter() - t0)
         calls += 1
         stop = comm.allreduce(time.perf_counter() > deadline and calls >= 3, op=_mpi().LOR)
         if stop:
             break
     replay.close()
     per_call = comm.allreduce(float(np.median(times)), op=_mpi().MAX)
+    per_update = comm.allreduce(float(np.median(update_times)), op=_mpi().MAX)
     total_bytes = comm.allreduce(nbytes)
     return dict(ranks=comm.size, workload=workload, mode=mode, path="alltoallv" if force else "shm",
                 sampler=sampler_name, batch_per_rank=w["batch"], window=w["window"], calls=calls,
-                bytes_per_call=total_bytes, ms_per_call=per_call * 1e3, gbps=total_bytes / per_call / 1e9)
+                bytes_per_call=total_bytes, ms_per_call=per_call * 1e3, gbps=total_bytes / per_call / 1e9,
+                ms_per_update=per_update * 1e3)
 
 
 def _mpi():
@@ -128,7 +134,7 @@ def worker(args) -> None:
 
 
 HEADER = (f"{'ranks':>5} {'workload':>8} {'mode':>13} {'path':>9} {'sampler':>11} {'B/rank':>6} {'W':>5} "
-          f"{'bytes/call':>12} {'ms/call':>9} {'GB/s':>7} {'%memcpy':>8}")
+          f"{'bytes/call':>12} {'ms/call':>9} {'GB/s':>7} {'%memcpy':>8} {'ms/update':>9}")
 _printed_header = False
 
 
@@ -142,7 +148,7 @@ def emit(row: dict, as_json: bool) -> None:
         _printed_header = True
     print(f"{row['ranks']:>5} {row['workload']:>8} {row['mode']:>13} {row['path']:>9} {row['sampler']:>11} "
           f"{row['batch_per_rank']:>6} {row['window']:>5} {row['bytes_per_call']:>12} {row['ms_per_call']:>9.2f} "
-          f"{row['gbps']:>7.2f} {row['pct_memcpy']:>7.1f}%", flush=True)
+          f"{row['gbps']:>7.2f} {row['pct_memcpy']:>7.1f}% {row['ms_per_update']:>9.2f}", flush=True)
 
 
 def driver(args, argv: list[str]) -> int:
