@@ -8,7 +8,70 @@ from ``start`` (wrapping at the end of the ring) placed at row ``pad_front`` of 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Smaller batches than these run on the calling thread: a parallel region costs microseconds
+# of thread-pool hand-off when the pool is spinning, and a scheduler tick (~4 ms) when
+# another process holds a core -- more than copying a small batch.
+SERIAL_BYTES = 1 << 18
+SERIAL_MASK_CELLS = 1 << 16
+SERIAL_PLACE = 1 << 14
+
+
+@intrinsic
+def _memmove(typingctx, dst, dst_off, src, src_off, nbytes):
+    """``dst[dst_off:dst_off + nbytes] = src[src_off:src_off + nbytes]`` for 1-d byte arrays, as one
+    libc ``memmove`` (numba's slice assignment checks for overlap and copies through a temporary
+    outside ``prange``: about 10x slower). No bounds check: the caller's indices are trusted."""
+    sig = types.void(dst, types.intp, src, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d = context.make_array(signature.args[0])(context, builder, args[0])
+        s = context.make_array(signature.args[2])(context, builder, args[2])
+        dp = builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [args[1]])
+        sp = builder.gep(builder.bitcast(s.data, cgutils.voidptr_t), [args[3]])
+        cgutils.raw_memmove(builder, dp, sp, args[4], 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _memzero(typingctx, dst, dst_off, nbytes):
+    """``dst[dst_off:dst_off + nbytes] = 0`` for a 1-d byte array, as one ``memset``."""
+    sig = types.void(dst, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d = context.make_array(signature.args[0])(context, builder, args[0])
+        dp = builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [args[1]])
+        cgutils.memset(builder, dp, args[2], 0)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _gather_one(src, capacity, step_bytes, start, nv, front_steps, base, out, row_bytes):
+    """Window ``(start, nv, front_steps)`` into ``out[base:base + row_bytes]``: at most two copies, two zero fills."""
+    front = front_steps * step_bytes
+    if front > 0:
+        _memzero(out, base, front)
+    first = min(nv, capacity - start)
+    o = base + front
+    nb = first * step_bytes
+    if nb > 0:
+        _memmove(out, o, src, start * step_bytes, nb)
+        o += nb
+    rest = nv - first
+    if rest > 0:
+        nb = rest * step_bytes
+        _memmove(out, o, src, 0, nb)
+        o += nb
+    end = base + row_bytes
+    if o < end:
+        _memzero(out, o, end - o)
 
 
 @njit(cache=True, parallel=True)
@@ -16,42 +79,70 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     """Copy windows into ``out`` (bytes, ``[B * window * step_bytes]``), in parallel over windows.
 
     ``out_rows[i]`` is the batch row that window ``i`` fills. Each delivered byte is
-    copied once, padding bytes are written once (zeros). Cost: O(sum n_valid *
-    step_bytes) copied plus O(padding) zeroed; memory-bandwidth bound; no allocation.
+    copied once (``memmove`` of each contiguous run: at most two per window, for the
+    ring's wrap-around), padding bytes are written once (zeros). Batches under
+    ``SERIAL_BYTES`` run on the calling thread. Cost: O(sum n_valid * step_bytes)
+    copied plus O(padding) zeroed; memory-bandwidth bound; no allocation.
+    ``out`` must not overlap ``src``. The copies are raw ``memmove`` calls, so every
+    window is checked first (O(B), serial): a window outside the ring or the batch
+    raises ``ValueError`` before anything is written.
     """
     row_bytes = window * step_bytes
-    for i in prange(starts.shape[0]):
-        base = out_rows[i] * row_bytes
-        front = pad_front[i] * step_bytes
-        nv = n_valid[i]
-        if front > 0:
-            out[base:base + front] = 0
-        first = min(nv, capacity - starts[i])
-        o = base + front
-        s = starts[i] * step_bytes
-        nb = first * step_bytes
-        out[o:o + nb] = src[s:s + nb]
-        o += nb
-        rest = nv - first
-        if rest > 0:
-            nb = rest * step_bytes
-            out[o:o + nb] = src[0:nb]
-            o += nb
-        end = base + row_bytes
-        if o < end:
-            out[o:end] = 0
+    b = starts.shape[0]
+    if src.shape[0] < capacity * step_bytes:
+        raise ValueError("gather_windows: src is shorter than capacity * step_bytes")
+    rows = out.shape[0] // row_bytes if row_bytes > 0 else 0
+    for i in range(b):
+        if not (0 <= starts[i] < capacity and 0 <= n_valid[i] <= min(window, capacity)
+                and 0 <= pad_front[i] <= window - n_valid[i] and 0 <= out_rows[i] < rows):
+            raise ValueError("gather_windows: a window lies outside the ring or the batch")
+    if b * row_bytes < SERIAL_BYTES:
+        for i in range(b):
+            _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
+                        out, row_bytes)
+    else:
+        for i in prange(b):
+            _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
+                        out, row_bytes)
+
+
+@njit(cache=True, inline="always")
+def _mask_row(mask, row, lo, hi, window):
+    for t in range(window):
+        mask[row, t] = lo <= t and t < hi
 
 
 @njit(cache=True, parallel=True)
 def fill_mask(n_valid, pad_front, out_rows, mask):
     """``mask[row, t]`` is True where step ``t`` of the row is a real step. Cost: O(B * window)."""
     window = mask.shape[1]
-    for i in prange(n_valid.shape[0]):
-        row = out_rows[i]
-        lo = pad_front[i]
-        hi = lo + n_valid[i]
-        for t in range(window):
-            mask[row, t] = lo <= t and t < hi
+    b = n_valid.shape[0]
+    if b * window < SERIAL_MASK_CELLS:
+        for i in range(b):
+            _mask_row(mask, out_rows[i], pad_front[i], pad_front[i] + n_valid[i], window)
+    else:
+        for i in prange(b):
+            _mask_row(mask, out_rows[i], pad_front[i], pad_front[i] + n_valid[i], window)
+
+
+@njit(cache=True, inline="always")
+def _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front):
+    length = lengths[i]
+    if length >= window:
+        if align_code == 0:
+            span = length - window + 1
+            off = min(int(uniforms[i] * span), span - 1)
+        elif align_code == 1:
+            off = 0
+        else:
+            off = length - window
+        win_start[i] = starts[i] + off
+        n_valid[i] = window
+        pad_front[i] = 0
+    else:
+        win_start[i] = starts[i]
+        n_valid[i] = length
+        pad_front[i] = window - length if align_code == 2 else 0
 
 
 @njit(cache=True, parallel=True)
@@ -62,22 +153,12 @@ def place_windows(starts, lengths, window, align_code, uniforms, win_start, n_va
     windows inside the trajectory), 1 head, 2 tail. A trajectory shorter than the
     window is taken whole; it is padded at the end, except for ``tail``, which pads
     the front. ``starts`` are ring positions, so the caller wraps ``win_start``
-    modulo the capacity. Cost: O(B).
+    modulo the capacity. Cost: O(B); serial below ``SERIAL_PLACE`` windows.
     """
-    for i in prange(starts.shape[0]):
-        length = lengths[i]
-        if length >= window:
-            if align_code == 0:
-                span = length - window + 1
-                off = min(int(uniforms[i] * span), span - 1)
-            elif align_code == 1:
-                off = 0
-            else:
-                off = length - window
-            win_start[i] = starts[i] + off
-            n_valid[i] = window
-            pad_front[i] = 0
-        else:
-            win_start[i] = starts[i]
-            n_valid[i] = length
-            pad_front[i] = window - length if align_code == 2 else 0
+    b = starts.shape[0]
+    if b < SERIAL_PLACE:
+        for i in range(b):
+            _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front)
+    else:
+        for i in prange(b):
+            _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front)

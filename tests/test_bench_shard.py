@@ -1,0 +1,35 @@
+"""scripts/bench_shard.py runs: --help, and a tiny --quick --json run whose lines are JSON objects."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "bench_shard.py")
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help():
+    proc = run("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--quick" in proc.stdout and "--json" in proc.stdout
+
+
+def test_quick_json_lines():
+    proc = run("--quick", "--json", "--reps", "1", "--no-cpprb")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    sections = {r["section"] for r in rows}
+    assert {"memcpy", "window", "priority", "storage", "targets"} <= sections, sections
+    window = [r for r in rows if r["section"] == "window"]
+    assert all(r["GBps"] > 0 and r["batch_bytes"] > 0 and r["pct_memcpy"] > 0 for r in window)
+    prio = [r for r in rows if r["section"] == "priority" and r["case"] == "PriorityIndex draw+set"]
+    assert {(r["B"], r["N"]) for r in prio} == {(256, 100_000), (8192, 1_000_000)}
+    storage = [r for r in rows if r["section"] == "storage"]
+    assert all(r["stored_bytes"] >= r["raw_bytes"] > 0 for r in storage)
