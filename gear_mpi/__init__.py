@@ -6,10 +6,11 @@ from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Select
 from .replay import Replay
 from .shard import Shard, attach_columns
 from .spec import TrajectorySpec
+from .checkpoint import CheckpointError, load as load_checkpoint, save as save_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
-           "attach_columns"]
+           "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint"]

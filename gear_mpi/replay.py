@@ -566,6 +566,18 @@ class Replay:
         return (f"Replay(rank={self.rank}/{self.size}, mode={self.mode!r}, sampler={self.selector!r}, "
                 f"items_here={len(self.shard)})")
 
+    # ---- checkpoints (see gear_mpi.checkpoint) -------------------------------------------------
+    def save(self, path) -> None:
+        """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``."""
+        from .checkpoint import save
+        save(self, path)
+
+    @classmethod
+    def load(cls, path, comm=None, **overrides) -> tuple["Replay", tuple[np.ndarray, np.ndarray]]:
+        """Collective: restore a checkpoint onto ``comm``; returns ``(replay, key_map)`` (old -> new keys)."""
+        from .checkpoint import load
+        return load(path, comm, **overrides)
+
 
 def _share_cores(ranks_on_node: int) -> None:
     """Give this rank's numba kernels its share of the node's cores (unless NUMBA_NUM_THREADS is set):

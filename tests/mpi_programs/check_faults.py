@@ -1,0 +1,180 @@
+"""Fault scenarios for tests/test_faults.py, run as ``mpiexec -n K python check_faults.py SCENARIO DIR [...]``.
+
+Lines printed (whole lines, flush=True):
+- ``SAVED <name> rank=R`` once a checkpoint has been written;
+- ``PASS <check> rank=R`` for each check passed;
+- ``WRONG <what> rank=R`` when a survivor saw anything but the expected clear error.
+
+Scenarios:
+- ``kill DIR TIMEOUT NAME``: every rank inserts trajectories and saves a checkpoint
+  (``DIR/NAME``, what it holds in ``DIR/NAME.expect.json``), then samples; in the
+  next ``sample()`` the last rank kills itself (SIGKILL) after the call has begun.
+  Survivors must raise CollectiveTimeoutError within about TIMEOUT seconds (if
+  the launcher lets them live), find the replay unusable afterwards, print
+  ``PASS survivor-timeout`` and leave with ``os._exit(0)`` (a pending collective
+  would make MPI_Finalize wait for the dead rank).
+- ``crash-save DIR MODE``: saves checkpoint ``DIR/cp`` (what it holds in
+  ``DIR/cp.expect.json``), inserts more, and saves again, but dies inside that
+  save: MODE ``files`` -- the last rank is SIGKILLed after writing two of its
+  files; MODE ``rename`` -- rank 0 is SIGKILLed between the two renames that
+  install the new checkpoint. Done by wrapping functions of gear_mpi.checkpoint
+  here, so the library carries no test hook.
+- ``verify DIR NAME...``: a later job loads each ``DIR/NAME`` (on however many
+  ranks it runs: resharding when that differs) and compares every trajectory bit
+  for bit, and every priority, with what was inserted before the save.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import gear_mpi as gm
+from gear_mpi import checkpoint as ck
+from gear_mpi.kernels import ring
+
+comm = MPI.COMM_WORLD
+RANK, SIZE = comm.rank, comm.size
+SPEC = gm.TrajectorySpec({"obs": ((4,), "float32"), "id": ((), "int64"), "pix": ((3,), "uint8")}, max_length=7)
+
+
+def say(word: str, name: str) -> None:
+    print(f"{word} {name} rank={RANK}", flush=True)
+
+
+def traj(ident: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(ident)
+    length = 1 + ident % SPEC.max_length
+    return {"obs": rng.standard_normal((length, 4)).astype(np.float32), "id": np.full(length, ident, np.int64),
+            "pix": rng.integers(0, 256, (length, 3)).astype(np.uint8)}
+
+
+def priority(ident: int) -> float:
+    return 0.5 + (ident % 7) * 0.75
+
+
+def ids_of(rank: int, batch: int) -> list[int]:
+    return [1_000_000 * batch + 1000 * rank + i for i in range(4 + 2 * rank)]
+
+
+def insert_batch(replay: gm.Replay, batch: int) -> None:
+    ids = ids_of(RANK, batch)
+    replay.insert_many([traj(i) for i in ids], [priority(i) for i in ids])
+
+
+def save_with_expectation(replay: gm.Replay, path: str, batches: list[int]) -> None:
+    if RANK == 0:
+        ids = sorted(i for b in batches for r in range(SIZE) for i in ids_of(r, b))
+        with open(path + ".expect.json", "w") as f:
+            json.dump({"ids": ids, "ranks": SIZE}, f)
+    replay.save(path)
+    say("SAVED", os.path.basename(path))
+
+
+def survive(call, what: str, timeout: float) -> None:
+    """Run a collective that a dead rank will never join: it must fail clearly within the timeout."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except gm.CollectiveTimeoutError as e:
+        took = time.monotonic() - t0
+        ok = f"within timeout={timeout:g} s" in str(e) and took < timeout + 5.0
+        try:
+            call()
+        except gm.CollectiveError as e2:
+            ok = ok and "unusable" in str(e2)
+        else:
+            ok = False
+        if ok:
+            print(f"PASS survivor-timeout rank={RANK} took={took:.1f}s error={e}", flush=True)
+        else:
+            say("WRONG", f"{what}: took {took:.1f}s: {e}")
+    except BaseException as e:  # anything else is not the clear error we promise
+        say("WRONG", f"{what}: {type(e).__name__}: {e}")
+    else:
+        say("WRONG", f"{what}: returned although a rank is dead")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def scenario_kill(base: str, timeout: float, name: str) -> None:
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=5, timeout=timeout)
+    insert_batch(replay, 1)
+    save_with_expectation(replay, os.path.join(base, name), [1])
+    for _ in range(3):
+        replay.sample(4, 3)
+    say("PASS", "sampled-before-kill")
+    if RANK == SIZE - 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        replay._exchange = die  # dies inside sample(), after its first collective
+    survive(lambda: replay.sample(4, 3), "sample", timeout)
+
+
+def scenario_crash_save(base: str, mode: str) -> None:
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=6, timeout=10.0)
+    path = os.path.join(base, "cp")
+    insert_batch(replay, 1)
+    save_with_expectation(replay, path, [1])
+    insert_batch(replay, 2)
+    if mode == "files" and RANK == SIZE - 1:
+        original, written = ck._write_file, []
+
+        def write_then_die(filename, chunks):
+            if len(written) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = original(filename, chunks)
+            written.append(filename)
+            return out
+        ck._write_file = write_then_die
+    if mode == "rename" and RANK == 0:
+        original_rename = ck._rename
+
+        def rename_then_die(src, dst):
+            original_rename(src, dst)
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck._rename = rename_then_die
+    survive(lambda: replay.save(path), "save", 10.0)
+
+
+def scenario_verify(base: str, names: list[str]) -> None:
+    for name in names:
+        path = os.path.join(base, name)
+        expect = json.load(open(path + ".expect.json"))
+        replay, (old, new) = gm.Replay.load(path, timeout=30.0)
+        assert (new >= 0).all(), f"{name}: trajectories dropped"
+        st = replay.shard.store
+        live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
+        mine = []
+        for key in st.keys_of(live).tolist():
+            got = replay.get(key)
+            ident = int(got["id"][0])
+            want = traj(ident)
+            for c in SPEC.names:
+                assert got[c].dtype == want[c].dtype and got[c].tobytes() == want[c].tobytes(), (name, ident, c)
+            assert replay.shard.priorities([key])[0] == priority(ident), (name, ident)
+            mine.append(ident)
+        everything = sorted(i for part in comm.allgather(mine) for i in part)
+        assert everything == expect["ids"], (name, len(everything), len(expect["ids"]))
+        assert len(old) == len(expect["ids"])
+        batch = replay.sample(3, 2)  # and it works
+        assert len(batch) == 3
+        replay.close()
+        say("PASS", f"verify/{name}/{expect['ranks']}to{SIZE}")
+
+
+if __name__ == "__main__":
+    scenario, base = sys.argv[1], sys.argv[2]
+    if scenario == "kill":
+        scenario_kill(base, float(sys.argv[3]), sys.argv[4])
+    elif scenario == "crash-save":
+        scenario_crash_save(base, sys.argv[3])
+    elif scenario == "verify":
+        scenario_verify(base, sys.argv[3:])
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
