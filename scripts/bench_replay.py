@@ -9,7 +9,8 @@ Two ways to run it:
 Workloads (``--workloads``):
   hopper -- trajectories of T=1000 steps (obs 11 float32, action 3 float32, reward float32,
             done bool), whole trajectories (window 1000), batch 32 per rank;
-  image  -- 84x84x4 uint8 observations, window 32, batch 64 per rank (trajectories of 200 steps).
+  image  -- 84x84x4 uint8 observations, window 32, batch 64 per rank (trajectories of 200 steps);
+  transitions -- hopper columns, one-step items (100k per rank), batch 256: selection-bound.
 
 Each sampled batch's priorities are then updated (collective ``update_priorities``), timed
 apart. For each case the table gives: ranks, workload, mode, window path (``shm``: windows of
@@ -36,6 +37,9 @@ WORKLOADS = {
                             "done": ((), "bool")}, length=1000, window=1000, batch=32),
     "image": dict(columns={"obs": ((84, 84, 4), "uint8"), "action": ((), "int32"), "reward": ((), "float32")},
                   length=200, window=32, batch=64),
+    # one-step items (transitions), many of them: where centralized selection's O(N) gather shows
+    "transitions": dict(columns={"obs": ((11,), "float32"), "action": ((3,), "float32"), "reward": ((), "float32"),
+                                 "done": ((), "bool")}, length=1, window=1, batch=256, items=100_000),
 }
 
 
@@ -73,7 +77,10 @@ def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: in
                        force_alltoallv=force, timeout=300)
     rng = np.random.default_rng(comm.rank)
     base = make_trajectory(rng, w["columns"], w["length"])
-    replay.insert_many([base] * items_per_rank, rng.uniform(0.5, 2.0, items_per_rank))
+    for lo in range(0, items_per_rank, 4096):
+        n = min(4096, items_per_rank - lo)
+        replay.insert_many([base] * n, rng.uniform(0.5, 2.0, n))
+    items_per_rank = len(replay)
     for _ in range(2):  # warm-up: compile paths, fault pages in
         replay.sample(w["batch"], w["window"], "head")
     times, update_times, nbytes = [], [], 0
@@ -96,7 +103,8 @@ def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: in
     per_call = comm.allreduce(float(np.median(times)), op=_mpi().MAX)
     per_update = comm.allreduce(float(np.median(update_times)), op=_mpi().MAX)
     total_bytes = comm.allreduce(nbytes)
-    return dict(ranks=comm.size, workload=workload, mode=mode, path="alltoallv" if force else "shm",
+    return dict(ranks=comm.size, workload=workload, items_per_rank=items_per_rank, mode=mode,
+                path="alltoallv" if force else "shm",
                 sampler=sampler_name, batch_per_rank=w["batch"], window=w["window"], calls=calls,
                 bytes_per_call=total_bytes, ms_per_call=per_call * 1e3, gbps=total_bytes / per_call / 1e9,
                 ms_per_update=per_update * 1e3)
@@ -120,7 +128,9 @@ def worker(args) -> None:
         paths = [args.path == "alltoallv"]
     rows = []
     for workload in args.workloads.split(","):
-        items = args.items or (24 if args.quick else 64)
+        items = args.items or WORKLOADS[workload].get("items", 64) // (10 if args.quick else 1)
+        if args.quick and "items" not in WORKLOADS[workload]:
+            items = 24
         for mode in modes:
             for force in (paths if mode != "local" else [False]):
                 row = run_case(comm, gm, workload, mode, force, items, args.seconds, args.sampler)
@@ -133,7 +143,7 @@ def worker(args) -> None:
         print(f"# memcpy (same run, one process): {copy_rate:.2f} GB/s", flush=True)
 
 
-HEADER = (f"{'ranks':>5} {'workload':>8} {'mode':>13} {'path':>9} {'sampler':>11} {'B/rank':>6} {'W':>5} "
+HEADER = (f"{'ranks':>5} {'workload':>11} {'items':>7} {'mode':>13} {'path':>9} {'sampler':>11} {'B/rank':>6} {'W':>5} "
           f"{'bytes/call':>12} {'ms/call':>9} {'GB/s':>7} {'%memcpy':>8} {'ms/update':>9}")
 _printed_header = False
 
@@ -146,7 +156,7 @@ def emit(row: dict, as_json: bool) -> None:
     if not _printed_header:
         print(HEADER, flush=True)
         _printed_header = True
-    print(f"{row['ranks']:>5} {row['workload']:>8} {row['mode']:>13} {row['path']:>9} {row['sampler']:>11} "
+    print(f"{row['ranks']:>5} {row['workload']:>11} {row['items_per_rank']:>7} {row['mode']:>13} {row['path']:>9} {row['sampler']:>11} "
           f"{row['batch_per_rank']:>6} {row['window']:>5} {row['bytes_per_call']:>12} {row['ms_per_call']:>9.2f} "
           f"{row['gbps']:>7.2f} {row['pct_memcpy']:>7.1f}% {row['ms_per_update']:>9.2f}", flush=True)
 
@@ -160,6 +170,7 @@ def driver(args, argv: list[str]) -> int:
         i = argv.index("--ranks")
         passthrough = argv[:i] + argv[i + 2:]
     status = 0
+    copy_rates = []
     for k in [int(x) for x in args.ranks.split(",")]:
         env = dict(os.environ, NUMBA_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // k)))
         proc = subprocess.run([mpiexec, "-n", str(k), sys.executable, __file__, "--json", *passthrough],
@@ -170,7 +181,11 @@ def driver(args, argv: list[str]) -> int:
             continue
         for line in proc.stdout.splitlines():
             if line.startswith("{"):
-                emit(json.loads(line), args.json)
+                row = json.loads(line)
+                copy_rates.append(row["memcpy_gbps"])
+                emit(row, args.json)
+    if copy_rates and not args.json:
+        print(f"# memcpy (same runs, one process): {min(copy_rates):.2f}-{max(copy_rates):.2f} GB/s", flush=True)
     return status
 
 
@@ -182,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="decentralized,centralized,local", help="comma-separated sample modes")
     p.add_argument("--path", default="both", choices=["both", "shm", "alltoallv"], help="window path(s)")
     p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized"])
-    p.add_argument("--items", type=int, default=0, help="trajectories per rank (default 64, 24 with --quick)")
+    p.add_argument("--items", type=int, default=0,
+                   help="trajectories per rank (default 64, transitions 100000; --quick: 24, 10000)")
     p.add_argument("--seconds", type=float, default=2.0, help="time per case")
     p.add_argument("--quick", action="store_true", help="small sizes, short cases (the README's demo)")
     p.add_argument("--timeout", type=float, default=900.0, help="per mpiexec launch (driver mode)")
