@@ -86,16 +86,22 @@ def timed(fn, reps: int) -> list[float]:
     return out
 
 
-def interleaved(fns: dict, reps: int) -> dict[str, list[float]]:
-    """Time several functions in turn, ``reps`` rounds, so they share the machine's noise."""
+def interleaved(fns: dict, reps: int, burst: int = 1) -> dict[str, list[float]]:
+    """Time several functions in turn, so that they share the machine's noise.
+
+    Each round runs every function ``burst`` times in a row (a burst keeps a function's
+    caches and thread pool warm, as in a loop that calls it again and again); about
+    ``reps`` timings per function in all.
+    """
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
-    for _ in range(reps):
+    for _ in range(max(1, -(-reps // burst))):
         for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
+            for _ in range(burst):
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
     return times
 
 
@@ -279,6 +285,7 @@ def bench_priority(rep: Report, quick: bool, reps: int, use_cpprb: bool) -> list
                          f"GiB (x1.5 margin), {avail / 2**30:.1f} GiB available"})
             continue
         n_reps = max(3, reps // 2) if B > 100_000 else reps * max(1, min(15, 20_000 // B))
+        n_reps = max(n_reps, 9) if B <= 100_000 else n_reps
         rng = np.random.default_rng(0)
         idx = PriorityIndex(N)
         p0 = rng.random(N) + 0.01
@@ -329,8 +336,9 @@ def bench_priority(rep: Report, quick: bool, reps: int, use_cpprb: bool) -> list
                 fns["cpprb"] = cpprb_step
                 note = f"cpprb filled to N in {fill_s:.1f} s"
         del p0
-        times = interleaved(fns, n_reps)
-        parts = interleaved(fns_parts, n_reps)
+        burst = 3 if n_reps >= 9 else 1
+        times = interleaved(fns, n_reps, burst)
+        parts = interleaved(fns_parts, n_reps, burst)
         row = {**base, "case": "PriorityIndex draw+set", "reps": n_reps,
                "draw_ms": 1e3 * best(parts["draw"]), "set_ms": 1e3 * best(parts["set"]),
                "time_ms": 1e3 * best(times["gear"]), "med_ms": 1e3 * med(times["gear"]),
@@ -385,7 +393,7 @@ def bench_shard_prioritized(B: int, N: int, n_reps: int, cpprb) -> dict:
             rb.update_priorities(s["indexes"], new_p)
 
         fns["cpprb"] = cpprb_step
-    times = interleaved(fns, n_reps)
+    times = interleaved(fns, n_reps, 3)
     row = {"case": "Shard(Prioritized) sample+update", "B": B, "N": N, "reps": n_reps,
            "time_ms": 1e3 * best(times["gear"]), "med_ms": 1e3 * med(times["gear"]),
            "Mdraws_per_s": B / best(times["gear"]) / 1e6,
