@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -19,8 +20,9 @@ class Column:
     shape: tuple[int, ...]
     dtype: np.dtype
 
-    @property
+    @cached_property
     def step_bytes(self) -> int:
+        """Bytes of one step of this column (computed once: it is on every sample's path)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 

@@ -48,6 +48,7 @@ class TrajectoryStore:
         self.arena = arena if arena is not None else make_arena(memory, nbytes)
         write_header(self.arena.buffer, spec, self.capacity)
         self.columns: dict[str, np.ndarray] = {}
+        self._byte_views: dict[str, np.ndarray] | None = None
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
@@ -77,9 +78,12 @@ class TrajectoryStore:
         return int(self.state[ring.STEPS_USED])
 
     def byte_views(self) -> dict[str, np.ndarray]:
-        """Each column as a flat uint8 array over the whole ring (for the gather kernel)."""
-        return {c.name: self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
+        """Each column as a flat uint8 array over the whole ring (for the gather kernel); built once."""
+        if self._byte_views is None:
+            self._byte_views = {
+                c.name: self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
                 for c in self.spec.columns}
+        return self._byte_views
 
     # ---- insertion ------------------------------------------------------------------
     def check_batch(self, lengths: np.ndarray) -> None:
@@ -149,6 +153,7 @@ class TrajectoryStore:
 
     def close(self) -> None:
         self.columns = {}
+        self._byte_views = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
