@@ -109,6 +109,18 @@ class MpiComm:
         rt = MPI._typedict[recv.dtype.char]
         return self.comm.Ialltoallv([send, (sc, sd), st], [recv, (rc, rd), rt])
 
+    def alltoallv_bytes(self, send, send_counts, recv, recv_counts, what: str) -> None:
+        """Personalised exchange of byte buffers given as torch tensors (uint8): CUDA tensors go to
+        MPI as device buffers (``__cuda_array_interface__``; needs a CUDA-aware MPI), CPU tensors
+        as host memory."""
+        MPI = _mpi()
+        sc = np.asarray(send_counts, np.int64)
+        rc = np.asarray(recv_counts, np.int64)
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        sb, rb = (t if t.is_cuda else t.numpy() for t in (send, recv))
+        self.wait(self.comm.Ialltoallv([sb, (sc, sd), MPI.BYTE], [rb, (rc, rd), MPI.BYTE]), what)
+
     def alltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts, what: str,
                   send_displs=None, recv_displs=None) -> None:
         """Personalised exchange of 1-D arrays, waited for (see :meth:`ialltoallv`)."""

@@ -79,11 +79,15 @@ class Replay:
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
                  mode: str = "decentralized", comm=None, seed: int = 0, timeout: float = 60.0,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
-                 force_alltoallv: bool = False, device: str = "cpu", process_group=None):
+                 force_alltoallv: bool = False, device: str = "cpu", process_group=None,
+                 window_transport: str = "nccl"):
         from mpi4py import MPI
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if window_transport not in ("nccl", "mpi"):
+            raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
+        self.window_transport = window_transport
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         sampler = Uniform() if sampler is None else sampler
@@ -95,7 +99,7 @@ class Replay:
             raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
         device_kind, _ = parse_device(device)
         signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
-                          self.force_alltoallv, seed, memory, device_kind))
+                          self.force_alltoallv, seed, memory, device_kind, window_transport))
         sigs = self.comm.comm.allgather(signature)
         if len(set(sigs)) != 1:
             bad = next(r for r, s in enumerate(sigs) if s != sigs[0])
@@ -150,7 +154,7 @@ class Replay:
                 mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
                 self._mapped.append(mapped)
                 self.device_views[r] = views
-            if self.any_remote:
+            if self.any_remote and window_transport == "nccl":
                 from .comm_torch import TorchComm
                 backend = "gloo" if self.device.simulator else "nccl"
                 self.torch_comm = TorchComm(self.comm.comm, backend, timeout, process_group=process_group)
@@ -433,8 +437,11 @@ class Replay:
                                            ctx.threads)
             recv = ctx.empty((n_in * row_bytes,), np.uint8)
             ctx.synchronize()
-            self.torch_comm.alltoallv(send, send_to * row_bytes, recv, recv_from * row_bytes,
-                                      f"sample (windows of {c.name!r})")
+            what = f"sample (windows of {c.name!r})"
+            if self.torch_comm is not None:
+                self.torch_comm.alltoallv(send, send_to * row_bytes, recv, recv_from * row_bytes, what)
+            else:  # a CUDA-aware MPI reads and writes the device buffers itself
+                self.comm.alltoallv_bytes(send, send_to * row_bytes, recv, recv_from * row_bytes, what)
             if n_in:
                 rows_view = data[c.name].view(-1).view(torch.uint8).view(nb, row_bytes)
                 rows_view.index_copy_(0, remote_rows, recv.view(n_in, row_bytes))

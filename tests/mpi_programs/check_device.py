@@ -5,7 +5,8 @@ Needs ``NUMBA_ENABLE_CUDASIM=1`` (set by tests/test_device_path.py). Prints
 
 - ``replay``: a ``device="cuda"`` replay (selection in CUDA kernels over a
   device index, zero-copy gather from mapped host memory, remote windows over
-  torch.distributed -- gloo here, NCCL on GPUs) returns exactly the batches of a
+  torch.distributed -- gloo here, NCCL on GPUs -- or over MPI with device buffers)
+  returns exactly the batches of a
   ``device="cpu"`` replay with the same seed, in every mode and on both window paths.
 - ``torchcomm``: TorchComm.alltoallv over gloo with uneven counts, zeros included.
 """
@@ -41,7 +42,9 @@ def scenario_replay() -> None:
         for force in ((False, True) if mode != "local" and SIZE > 1 else (False,)):
             for sampler in (gm.Prioritized(0.7, 0.5), gm.MaxPriority()):  # (Fifo orders by wall-clock stamps)
                 kw = dict(mode=mode, force_alltoallv=force, seed=11, timeout=60)
-                gpu = gm.Replay(SPEC, 48, sampler, device="cuda", **kw)
+                # remote windows over torch.distributed, or (Prioritized) over MPI with device buffers
+                transport = "mpi" if force and sampler.proportional else "nccl"
+                gpu = gm.Replay(SPEC, 48, sampler, device="cuda", window_transport=transport, **kw)
                 cpu = gm.Replay(SPEC, 48, sampler, device="cpu", **kw)
                 rng = np.random.default_rng(RANK + 1)
                 for i in range(2 + RANK):
@@ -63,7 +66,7 @@ def scenario_replay() -> None:
                     cpu.update_priorities(b_cpu.keys, np.ones(len(b_cpu)))
                 st = gpu.stats()
                 if force and SIZE > 1:
-                    assert gpu.torch_comm is not None
+                    assert (gpu.torch_comm is not None) == (transport == "nccl")
                     if sampler.proportional:  # random owners: some windows surely crossed (fixed seed)
                         assert st["total_windows_mpi"] > 0, st
                 gpu.close()
