@@ -12,7 +12,7 @@ from .kernels import gather as gather_kernels
 from .kernels import ring
 from .keys import as_key_array
 from .memory import SharedArena, check_header, column_layout
-from .selectors import PriorityIndex, Prioritized, Selector, Uniform, rank_by_priority
+from .selectors import PriorityIndex, Selector, Uniform, rank_by_priority
 from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
 

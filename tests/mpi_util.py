@@ -77,3 +77,12 @@ def remove_leaked_mpich_segments(since: float) -> list[str]:
 def passes(output: str) -> set[str]:
     """The ``PASS <check> rank=R`` records in ``output``."""
     return {f"PASS {name} rank={rank}" for name, rank in re.findall(r"PASS (\S+) rank=(\d+)", output)}
+
+
+def expect_passes(proc, nprocs: int, names: list[str]) -> None:
+    """Assert the run exited 0 and every rank printed ``PASS <name> rank=R`` for every name."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    got = passes(proc.stdout)
+    missing = [f"PASS {n} rank={r}" for n in names for r in range(nprocs) if f"PASS {n} rank={r}" not in got]
+    assert not missing, f"missing {missing[:5]}\n{out[-3000:]}"

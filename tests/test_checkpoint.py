@@ -12,15 +12,7 @@ import numpy as np
 import pytest
 
 from gear_mpi import checkpoint as ck
-from mpi_util import passes, run_mpi, run_single
-
-
-def expect(proc, nprocs: int, names: list[str]) -> None:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    got = passes(proc.stdout)
-    missing = [f"PASS {n} rank={r}" for n in names for r in range(nprocs) if f"PASS {n} rank={r}" not in got]
-    assert not missing, f"missing {missing[:5]}\n{out[-3000:]}"
+from mpi_util import expect_passes, run_mpi, run_single
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +25,16 @@ def saved(tmp_path_factory):
 
 def test_exact_restore_draws_the_same_samples(saved):
     proc, _ = saved
-    expect(proc, 2, [f"exact/{n}" for n in ("prio-dec", "uni-cen", "fifo-dec", "max-dec")])
+    expect_passes(proc, 2, [f"exact/{n}" for n in ("prio-dec", "uni-cen", "fifo-dec", "max-dec")])
 
 
 def test_replace_and_recover_from_a_crash_between_renames(saved):
-    expect(saved[0], 2, ["replace-and-old"])
+    expect_passes(saved[0], 2, ["replace-and-old"])
 
 
 def test_damaged_checkpoints_raise_on_every_rank_naming_the_file(saved):
     proc, _ = saved
-    expect(proc, 2, ["damaged"])
+    expect_passes(proc, 2, ["damaged"])
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("damaged/")]
     kinds = {ln.split(":")[0] for ln in lines}
     assert kinds >= {"damaged/missing-file", "damaged/bad-checksum", "damaged/truncated", "damaged/wrong-version",
@@ -52,21 +44,21 @@ def test_damaged_checkpoints_raise_on_every_rank_naming_the_file(saved):
 
 def test_reshard_onto_more_ranks(saved):
     proc, base = saved
-    expect(proc, 2, ["shared"])
-    expect(run_mpi(3, "check_checkpoint.py", "reshard", str(base), timeout=180), 3, ["reshard/3"])
+    expect_passes(proc, 2, ["shared"])
+    expect_passes(run_mpi(3, "check_checkpoint.py", "reshard", str(base), timeout=180), 3, ["reshard/3"])
 
 
 def test_reshard_onto_one_smaller_rank_drops_the_oldest(saved):
     proc, base = saved
-    expect(proc, 2, ["shared"])
+    expect_passes(proc, 2, ["shared"])
     single = run_single("check_checkpoint.py", "reshard", str(base), "70")
-    expect(single, 1, ["reshard/1/cap70"])
+    expect_passes(single, 1, ["reshard/1/cap70"])
 
 
 def test_device_index_restores_onto_gpu_and_cpu_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")  # CUDA kernels on numba's simulator
     proc = run_single("check_checkpoint.py", "device", str(tmp_path))
-    expect(proc, 1, ["device/cuda", "device/cpu"])
+    expect_passes(proc, 1, ["device/cuda", "device/cpu"])
 
 
 def test_resolve_rule(tmp_path):

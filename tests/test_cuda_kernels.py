@@ -59,7 +59,6 @@ N_TREE = 3 * 4096 + 1000  # four level-2 blocks: the binary search over prefix h
 
 
 def _weights(rng, n):
-    import numpy as np
     w = rng.random(n) ** 3 * rng.choice([1e-3, 1.0, 1e3], n)
     w[rng.random(n) < 0.3] = 0.0
     w[64 * 5:64 * 7] = 0.0          # two empty level-1 blocks

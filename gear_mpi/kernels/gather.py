@@ -7,7 +7,6 @@ from ``start`` (wrapping at the end of the ring) placed at row ``pad_front`` of 
 """
 from __future__ import annotations
 
-import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
