@@ -108,8 +108,6 @@ class Replay:
         self.node_comm = self.comm.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         node_ranks = self.node_comm.allgather(rank)
         _share_cores(len(node_ranks))
-        self.node_of = np.array(self.comm.comm.allgather(node_ranks[0]), np.int64)  # node id = its lowest rank
-        self.same_node = self.node_of == self.node_of[rank]
         if memory is None:
             memory = "shm" if len(node_ranks) > 1 else "numpy"
         tag = self.comm.bcast_object(secrets.randbits(keyspace.TAG_BITS))
@@ -124,20 +122,18 @@ class Replay:
         self._fence = None
         self.spec = spec
         self.selector = sampler
-        self._peer_arenas = []
+        # the node peers' columns, mapped from their shared memory (rank -> arena, byte views)
+        self._arenas = {rank: self.shard.store.arena}
         self.peer_views: dict[int, dict[str, np.ndarray]] = {rank: self.shard.store.byte_views()}
         names = self.node_comm.allgather(self.shard.shm_name)
         if memory == "shm":
             for peer, name in zip(node_ranks, names):
                 if peer != rank and name is not None:
-                    arena, views = attach_columns(name, spec, self.shard.capacity_steps)
-                    self._peer_arenas.append(arena)
-                    self.peer_views[peer] = views
-        # a window owned by `o` reaches this rank through shared memory when o's columns are mapped here
-        if memory == "shm":
+                    self._arenas[peer], self.peer_views[peer] = attach_columns(name, spec, self.shard.capacity_steps)
             self.node_comm.Barrier()  # every peer has mapped the segments: drop their names so that
             self.shard.store.arena.unlink()  # no crash can leave them behind in /dev/shm
-        # symmetric: every rank of a node maps every other's columns, or none does
+        # a window owned by rank o is copied straight from o's memory when direct[o]; symmetric on a
+        # node: every rank of a node maps every other's columns, or none does
         self.direct = np.array([r in self.peer_views and (r == rank or not self.force_alltoallv)
                                 for r in range(size)])
         self.any_remote = any(self.comm.comm.allgather(not bool(self.direct.all())))
@@ -147,10 +143,7 @@ class Replay:
         if self.device is not None:
             # page-lock the node's arenas and map them into this GPU's address space (zero copy)
             from .pinned import map_byte_views
-            arenas = {rank: self.shard.store.arena}
-            arenas.update({peer: arena for peer, arena in zip([p for p in node_ranks if p in self.peer_views
-                                                                and p != rank], self._peer_arenas)})
-            for r, arena in arenas.items():
+            for r, arena in self._arenas.items():
                 mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
                 self._mapped.append(mapped)
                 self.device_views[r] = views
@@ -549,9 +542,10 @@ class Replay:
             if self.torch_comm is not None:
                 self.torch_comm.close()
             self.peer_views = {}
-            for arena in self._peer_arenas:
-                arena.close()
-            self._peer_arenas = []
+            for r, arena in self._arenas.items():
+                if r != self.rank:
+                    arena.close()
+            self._arenas = {}
             self.shard.close()
             try:
                 self.node_comm.Free()
