@@ -7,5 +7,6 @@ One module per job:
 - :mod:`~gear_mpi.kernels.gather` -- copies sampled windows into a batch.
 - :mod:`~gear_mpi.kernels.ring` -- the step ring and trajectory table bookkeeping.
 - :mod:`~gear_mpi.kernels.order` -- FIFO/LIFO/top-k selection over live items.
-- :mod:`~gear_mpi.kernels.cuda` -- numba-cuda twins of the kernels above (imported lazily).
+- :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
+  twins of the priority and gather kernels, same results (imported only for ``device="cuda"``).
 """
