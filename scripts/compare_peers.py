@@ -59,6 +59,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_replay import memcpy_gbps  # noqa: E402  (the same-run memcpy ceiling, one definition)
+
 HERE = Path(__file__).resolve().parent
 PEERS_DIR = HERE / "peers"
 
@@ -249,18 +252,6 @@ def workload_config(workload: str, args) -> dict:
     if workload == "W2":
         return {**base, "N": args.w2_n, "batches": args.w2_batches}
     return {**base, "B": args.w3_b, "Ns": args.w3_ns}
-
-
-def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    np.copyto(dst, src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 # ---- summary ----------------------------------------------------------------------------------------
