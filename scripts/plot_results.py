@@ -70,6 +70,20 @@ def _legend(ax, n: int) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9, ncol=1 if n <= 14 else 2)
 
 
+def _finish_one_axes(fig, ax, n_series: int, metas: list[dict]) -> None:
+    """Grid, legend and footer of a one-panel figure, then its layout."""
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax, n_series)
+    _footer(fig, metas)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _footer(fig, metas: list[dict]) -> None:
     if metas:
         m = metas[-1]
@@ -104,10 +118,7 @@ def plot_w1(plt, rows, metas, out: Path) -> Path | None:
     axes[0][0].set_ylabel("delivered GB/s (all clients, log scale)")
     _footer(fig, metas)
     fig.tight_layout(rect=(0, 0.06 + 0.045 * ((len(labels) + 2) // 3), 1, 1))
-    path = out / "peers_w1_clients.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "peers_w1_clients.png")
 
 
 def plot_w2(plt, rows, metas, out: Path) -> Path | None:
@@ -129,14 +140,8 @@ def plot_w2(plt, rows, metas, out: Path) -> Path | None:
     ax.set_xlabel("batch size B")
     ax.set_ylabel("delivered GB/s (log scale)")
     ax.set_title(f"W2: 4 KiB transitions, N={rows[0]['N']:,}, prioritized sample + priority update", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    _legend(ax, len(ss))
-    _footer(fig, metas)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    path = out / "peers_w2_batch.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _finish_one_axes(fig, ax, len(ss), metas)
+    return _save(plt, fig, out / "peers_w2_batch.png")
 
 
 def plot_w3(plt, rows, metas, out: Path) -> Path | None:
@@ -152,14 +157,8 @@ def plot_w3(plt, rows, metas, out: Path) -> Path | None:
     ax.set_xlabel("items N")
     ax.set_ylabel("ms per step (median): sample B + update B priorities")
     ax.set_title(f"W3: prioritized selection, B={rows[0]['B']:,} per step", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    _legend(ax, len(ss))
-    _footer(fig, metas)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    path = out / "peers_w3_selection.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _finish_one_axes(fig, ax, len(ss), metas)
+    return _save(plt, fig, out / "peers_w3_selection.png")
 
 
 def plot_replay(plt, rows, out: Path) -> Path | None:
@@ -187,10 +186,7 @@ def plot_replay(plt, rows, out: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
         _legend(ax, len(ss))
     fig.tight_layout()
-    path = out / "replay_ranks.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "replay_ranks.png")
 
 
 def main(argv=None) -> int:
