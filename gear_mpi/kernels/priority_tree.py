@@ -424,6 +424,35 @@ def _sort_order(uniforms):
     return order, keys
 
 
+@njit(cache=True, inline="always")
+def _resumable_scan(sums, lo, hi, r, block, cur, pos, acc0, last0):
+    """Scan ``sums[lo:hi]`` for the first positive entry whose running sum passes ``r``.
+
+    When ``block`` is the block the previous scan stopped in (``cur``) and ``r`` is
+    not below that scan's running sum, resume at its stop (``pos``, ``acc0``,
+    ``last0``) instead of the block start: the same sums, so the same result.
+    Returns (entry or -1 when rounding runs past the end, running sum before it,
+    last positive entry before it).
+    """
+    if block == cur and r >= acc0:
+        p = pos
+        acc = acc0
+        last = last0
+    else:
+        p = lo
+        acc = 0.0
+        last = -1
+    while p < hi:
+        v = sums[p]
+        if v > 0.0:
+            if r < acc + v:
+                return p, acc, last
+            last = p
+            acc += v
+        p += 1
+    return -1, acc, last
+
+
 @njit(cache=True)
 def _draw_run(leaves, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
     """Draws ``keys[lo:hi]`` (ascending uniforms) in one pass; draw ``k`` goes to ``out[order[k]]``.
@@ -461,24 +490,7 @@ def _draw_run(leaves, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
             r = target - prefix[j]
             blo = j * FANOUT
             bhi = min(blo + FANOUT, n1)
-            if j == j_cur and r >= j_acc:
-                p = j_pos
-                acc = j_acc
-                last = j_last
-            else:
-                p = blo
-                acc = 0.0
-                last = -1
-            b = -1
-            while p < bhi:
-                v = l1_sum[p]
-                if v > 0.0:
-                    if r < acc + v:
-                        b = p
-                        break
-                    last = p
-                    acc += v
-                p += 1
+            b, acc, last = _resumable_scan(l1_sum, blo, bhi, r, j, j_cur, j_pos, j_acc, j_last)
             if b >= 0:
                 j_cur = j
                 j_pos = b
@@ -502,24 +514,7 @@ def _draw_run(leaves, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
             r = stage_r[k - k0]
             llo = b * FANOUT
             lhi = min(llo + FANOUT, n)
-            if b == b_cur and r >= b_acc:
-                p = b_pos
-                acc = b_acc
-                last = b_last
-            else:
-                p = llo
-                acc = 0.0
-                last = -1
-            leaf = -1
-            while p < lhi:
-                v = leaves[p]
-                if v > 0.0:
-                    if r < acc + v:
-                        leaf = p
-                        break
-                    last = p
-                    acc += v
-                p += 1
+            leaf, acc, last = _resumable_scan(leaves, llo, lhi, r, b, b_cur, b_pos, b_acc, b_last)
             if leaf >= 0:
                 b_cur = b
                 b_pos = leaf
