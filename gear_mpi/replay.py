@@ -347,15 +347,15 @@ class Replay:
             got = np.empty((nb, _META), np.int64)
             requests = [self.comm.ialltoallv(meta.reshape(-1), send_counts * _META, got.reshape(-1),
                                              recv_counts * _META)]
-            keep = []
+            send_buffers = []  # must outlive the requests
             if self.any_remote and self.device is None:
-                keep = self._post_windows(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
+                send_buffers = self._post_windows(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
                                           row_of_owner, batch, window)
             elif self.any_remote:
                 self._device_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
                                      data, window)
             self.comm.wait_all(requests, "sample (choices and windows)")
-            del keep
+            del send_buffers
         g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
         # windows read directly: this rank's own and (shared-memory path) the node's
         for o in range(size):

@@ -286,7 +286,6 @@ class Shard:
         win_start, n_valid, pad_front = self.place(slots, window, code)
         gather_into(self.store.byte_views(), self.spec, self.store.capacity, win_start, n_valid, pad_front,
                     np.arange(batch_size, dtype=np.int64), batch)
-        b = batch.numpy
         batch.keys.numpy()[:] = self.store.keys_of(slots)
         batch.lengths.numpy()[:] = n_valid
         if self.index is not None:
@@ -296,7 +295,6 @@ class Shard:
         else:
             batch.probabilities.numpy()[:] = 1.0
             batch.weights.numpy()[:] = 1.0
-        del b
         self.after_sampling(slots)
         return batch
 
