@@ -70,12 +70,12 @@ from .selectors import PriorityIndex, Selector
 from .spec import TrajectorySpec
 
 FORMAT = "gear_mpi-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the priority index has line sums (l0_sum)
 MANIFEST = "MANIFEST.json"
 CHUNK_BYTES = 16 << 20
 _MARK = "[checkpoint] "  # carried through comm.agree so every rank raises CheckpointError
 _TABLE_ROWS = ("start", "length", "priority", "generation", "seq", "stamp", "times_sampled", "alive")
-_INDEX_ARRAYS = ("l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
+_INDEX_ARRAYS = ("l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
                 "max_times_sampled", "device", "process_group")
 

@@ -30,7 +30,7 @@ def loaded_index(weights: np.ndarray) -> PriorityIndex:
 
 def kernel_draw(index: PriorityIndex, uniforms: np.ndarray) -> np.ndarray:
     out = np.full(len(uniforms), -7, np.int64)
-    tree.draw(index.leaves, index.l1_sum, index.l2_sum, index.prefix, uniforms, out)
+    tree.draw(index.leaves, index.l0_sum, index.l1_sum, index.l2_sum, index.prefix, uniforms, out)
     return out
 
 
@@ -136,6 +136,8 @@ def check_levels(index: PriorityIndex) -> None:
     f, f2 = tree.FANOUT, tree.FANOUT2
     pad = -n % f2
     leaves = np.concatenate([index.leaves, np.zeros(pad)])
+    lines = leaves.reshape(-1, tree.LINE)[: len(index.l0_sum)]
+    np.testing.assert_allclose(index.l0_sum, lines.sum(1), rtol=1e-12, atol=0)
     blocks1 = leaves.reshape(-1, f)[: len(index.l1_sum)]
     np.testing.assert_allclose(index.l1_sum, blocks1.sum(1), rtol=1e-12, atol=0)
     pos1 = np.where(blocks1 > 0, blocks1, np.inf)
@@ -150,7 +152,7 @@ def check_levels(index: PriorityIndex) -> None:
     fresh = PriorityIndex(n)
     fresh.leaves[:] = index.leaves
     fresh.rebuild()
-    for name in ("l1_sum", "l1_min", "l2_sum", "l2_min", "prefix"):
+    for name in ("l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix"):
         assert getattr(fresh, name).tobytes() == getattr(index, name).tobytes(), name
     assert not index._flags1.any() and not index._flags2.any(), "scratch flags must be returned zeroed"
 
@@ -167,7 +169,7 @@ def test_set_leaves_duplicates_last_wins_and_levels_stay_exact(n):
         vals = rng.uniform(0, 10, batch)
         vals[rng.random(batch) < 0.2] = 0.0
         # raw kernel call, as PriorityIndex.set makes it
-        tree.set_leaves(index.leaves, index.l1_sum, index.l1_min, index.l2_sum, index.l2_min, index.prefix,
+        tree.set_leaves(index.leaves, index.l0_sum, index.l1_sum, index.l1_min, index.l2_sum, index.l2_min, index.prefix,
                         index._flags1, index._flags2, slots.astype(np.int64), vals)
         for s, v in zip(slots, vals):
             want[s] = v
@@ -192,6 +194,7 @@ def test_min_tracking():
 
 
 def test_level_sizes():
+    assert [tree.line_count(n) for n in (1, 8, 9, 64, 65)] == [1, 1, 2, 8, 9]
     assert tree.level_sizes(1) == (1, 1)
     assert tree.level_sizes(64) == (1, 1)
     assert tree.level_sizes(65) == (2, 1)

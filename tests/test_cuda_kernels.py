@@ -89,7 +89,8 @@ def _edge_uniforms(idx):
 
 def _assert_same_arrays(host: dict, idx, what=""):
     import numpy as np
-    for name in ("leaves", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix"):
+    from gear_mpi.kernels import cuda_priority as cp
+    for name in cp.ARRAYS:
         a, b = host[name], getattr(idx, name)
         if not np.array_equal(a, b):
             bad = np.flatnonzero(a != b)
@@ -144,10 +145,10 @@ def draw_rounding_fallbacks():
     u = np.concatenate([np.linspace(0.0, np.nextafter(1.0, 0.0), 700), [np.nextafter(1.0, 0.0)]])
     last_pos = int(np.flatnonzero(w)[-1])
 
-    def both(leaves, l1_sum, l2_sum, prefix):
+    def both(leaves, l0_sum, l1_sum, l2_sum, prefix):
         cpu = np.empty(len(u), np.int64)
-        tree.draw(leaves, l1_sum, l2_sum, prefix, u, cpu)
-        d = [cp_device(x) for x in (leaves, l1_sum, l2_sum, prefix, u)]
+        tree.draw(leaves, l0_sum, l1_sum, l2_sum, prefix, u, cpu)
+        d = [cp_device(x) for x in (leaves, l0_sum, l1_sum, l2_sum, prefix, u)]
         out = cp_device(np.full(len(u), -7, np.int64))
         cp.draw(*d, out, threads=64)
         gpu = out.copy_to_host()
@@ -155,20 +156,30 @@ def draw_rounding_fallbacks():
         return cpu
 
     n1, n2 = tree.level_sizes(len(w))
-    l1s, l1m, l2s, l2m, pre = (np.zeros(n1), np.full(n1, np.inf), np.zeros(n2), np.full(n2, np.inf), np.zeros(n2 + 1))
-    tree.rebuild(w, l1s, l1m, l2s, l2m, pre)
-    # (a) level-1 sums larger than their leaves: targets near a block end overshoot the leaves
+    n0 = tree.line_count(len(w))
+    l0s, l1s, l1m, l2s, l2m, pre = (np.zeros(n0), np.zeros(n1), np.full(n1, np.inf), np.zeros(n2),
+                                    np.full(n2, np.inf), np.zeros(n2 + 1))
+    tree.rebuild(w, l0s, l1s, l1m, l2s, l2m, pre)
+
+    def above(l0):  # the levels above line sums ``l0``
+        l1 = np.array([l0[b * 8:(b + 1) * 8].sum() for b in range(n1)])
+        l2 = np.array([l1[c * 64:(c + 1) * 64].sum() for c in range(n2)])
+        return l1, l2, np.concatenate([[0.0], np.cumsum(l2)])
+    # (a) line sums larger than their leaves: targets near a line end overshoot the leaves
+    l0_big = l0s * (1 + 1e-6)
+    got = both(w, l0_big, *above(l0_big))
+    assert got[-1] == last_pos, f"leaf fallback: drew {got[-1]}, expected the last positive leaf {last_pos}"
+    # (a') level-1 sums larger than their lines: the line scan overshoots
     l1_big = l1s * (1 + 1e-6)
     l2_big = np.array([l1_big[c * 64:(c + 1) * 64].sum() for c in range(n2)])
-    pre_big = np.concatenate([[0.0], np.cumsum(l2_big)])
-    got = both(w, l1_big, l2_big, pre_big)
-    assert got[-1] == last_pos, f"leaf fallback: drew {got[-1]}, expected the last positive leaf {last_pos}"
+    got = both(w, l0s, l1_big, l2_big, np.concatenate([[0.0], np.cumsum(l2_big)]))
+    assert got[-1] // 8 == last_pos // 8, f"line fallback: drew {got[-1]}, expected the line of leaf {last_pos}"
     # (b) a total larger than the level-2 sums: the level-1 scan overshoots
-    both(w, l1s, l2s, pre * (1 + 1e-9))
+    both(w, l0s, l1s, l2s, pre * (1 + 1e-9))
     # (c) a level-2 block with mass but empty children: the 'no positive entry' branch
     l2_odd = l2s.copy()
     l2_odd[1] = l2s.sum()                  # half of the mass, in a block whose leaves are all 0
-    got = both(w, l1s, l2_odd, np.concatenate([[0.0], np.cumsum(l2_odd)]))
+    got = both(w, l0s, l1s, l2_odd, np.concatenate([[0.0], np.cumsum(l2_odd)]))
     assert np.isin(got, np.arange(4096, 8192)).any(), "the empty-children branch was not reached"
 
 
@@ -505,8 +516,9 @@ def _main_plain():
     # device functions are compiled for the current device: name one instead of asking a driver
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
     f, i = float64[::1], int64[::1]
-    sigs = {cp.draw_kernel: (f, f, f, f, f, i), cp._claim_kernel: (i, i), cp._write_kernel: (f, i, i, f),
-            cp._l1_kernel: (f, f, f, i), cp._l2_kernel: (f, f, f, f, i), cp._l1_all_kernel: (f, f, f),
+    sigs = {cp.draw_kernel: (f, f, f, f, f, f, i), cp._claim_kernel: (i, i), cp._write_kernel: (f, i, i, f),
+            cp._l0_kernel: (f, f, i), cp._l1_kernel: (f, f, f, f, i), cp._l2_kernel: (f, f, f, f, i),
+            cp._l0_all_kernel: (f, f), cp._l1_all_kernel: (f, f, f, f),
             cp._l2_all_kernel: (f, f, f, f), cp._prefix_kernel: (f, f), cp._min_kernel: (f, f),
             cp._fill_kernel: (f, float64)}
     sigs.update(cg._ptx_signatures())

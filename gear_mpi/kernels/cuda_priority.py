@@ -1,26 +1,27 @@
 """CUDA twins (numba-cuda) of :mod:`gear_mpi.kernels.priority_tree`, and :class:`DevicePriorityIndex`.
 
-The device structure has exactly the CPU layout (``leaves``, ``l1_sum``,
-``l1_min``, ``l2_sum``, ``l2_min``, ``prefix``; fan-out 64), and every kernel
-performs the CPU kernel's float64 operations in the CPU kernel's order, so:
+The device structure has exactly the CPU layout (``leaves``, ``l0_sum``, ``l1_sum``,
+``l1_min``, ``l2_sum``, ``l2_min``, ``prefix``; lines of 8, fan-out 64), and every
+kernel performs the CPU kernel's float64 operations in the CPU kernel's order, so:
 
 - a draw returns the same leaf as :func:`priority_tree.draw` for the same uniform
-  (same binary search, same two 64-entry scans, same fallback to the last
-  positive entry when rounding leaves the target past the end);
+  (same binary search, same 64-entry and two 8-entry scans, same fallback to the
+  last positive entry when rounding leaves the target past the end);
 - after an update, leaves, level sums/mins and ``prefix`` are bit-identical to
-  what :func:`priority_tree.set_leaves` computes (each block is re-summed from its
-  children left to right; ``prefix`` is accumulated sequentially, in one thread,
-  from shared-memory tiles).
+  what :func:`priority_tree.set_leaves` computes (each line and block is re-summed
+  from its children left to right; minima are exact however computed; ``prefix`` is
+  accumulated sequentially, in one thread, from shared-memory tiles).
 
 Kernels (one CUDA thread per draw / per update):
 
 - :func:`draw_kernel` -- ``out[i] = draw_one(..., uniforms[i])``. Cost per draw:
-  ``log2(n / 4096)`` reads of ``prefix`` plus at most 64 + 64 contiguous reads.
-- an update is five launches: ``_claim_kernel`` (atomic max of a marker
+  ``log2(n / 4096)`` reads of ``prefix`` plus at most 64 + 8 + 8 contiguous reads.
+- an update is six launches: ``_claim_kernel`` (atomic max of a marker
   ``0x7FF8000000000000 + i`` into the int64 view of each touched leaf, so the last
   of duplicate slots wins without any scratch array), ``_write_kernel`` (the
-  winner of each slot writes its value), ``_l1_kernel`` / ``_l2_kernel`` (each
-  update's thread recomputes its level-1, then level-2 block from the children:
+  winner of each slot writes its value), ``_l0_kernel`` / ``_l1_kernel`` /
+  ``_l2_kernel`` (each update's thread recomputes its line, then its level-1 block
+  -- sum from the 8 line sums, minimum from the 64 leaves -- then its level-2 block:
   idempotent, so duplicates only repeat identical writes) and ``_prefix_kernel``
   (one block; ``n / 4096`` dependent float64 adds). Cost: O(B * 64) reads for the
   blocks, O(n / 4096) for the prefix.
@@ -45,7 +46,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from . import priority_tree as tree
 
+LINE = tree.LINE
 FANOUT = tree.FANOUT
+ARRAYS = ("leaves", "l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
 FANOUT2 = tree.FANOUT2
 TILE = 1024            # prefix-scan tile (float64 in shared memory: 8 KiB)
 MAX_THREADS = 1024     # largest block the single-block kernels accept
@@ -84,15 +87,35 @@ def blocks_for(n: int, threads: int) -> int:
 
 # ---- device functions: the same operations, in the same order, as the CPU kernels ----
 @cuda.jit(device=True)
-def _block_sum_min(values, lo, hi):
+def _sum(values, lo, hi):
     s = 0.0
+    for i in range(lo, hi):
+        s += values[i]
+    return s
+
+
+@cuda.jit(device=True)
+def _min_positive(values, lo, hi):
     m = math.inf
     for i in range(lo, hi):
         v = values[i]
-        s += v
         if v > 0.0 and v < m:
             m = v
-    return s, m
+    return m
+
+
+@cuda.jit(device=True)
+def _line(leaves, l0_sum, g):
+    lo = g * LINE
+    l0_sum[g] = _sum(leaves, lo, min(lo + LINE, leaves.shape[0]))
+
+
+@cuda.jit(device=True)
+def _block(leaves, l0_sum, l1_sum, l1_min, b):
+    lo = b * LINE
+    l1_sum[b] = _sum(l0_sum, lo, min(lo + LINE, l0_sum.shape[0]))
+    lo = b * FANOUT
+    l1_min[b] = _min_positive(leaves, lo, min(lo + FANOUT, leaves.shape[0]))
 
 
 @cuda.jit(device=True)
@@ -123,9 +146,10 @@ def _scan(sums, lo, hi, r):
 
 
 @cuda.jit(device=True)
-def draw_one(leaves, l1_sum, l2_sum, prefix, u):
+def draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, u):
     """Twin of :func:`priority_tree.draw_one`."""
     n = leaves.shape[0]
+    n0 = l0_sum.shape[0]
     n1 = l1_sum.shape[0]
     n2 = l2_sum.shape[0]
     target = u * prefix[n2]
@@ -144,17 +168,18 @@ def draw_one(leaves, l1_sum, l2_sum, prefix, u):
         j += 1
     r = target - prefix[j]
     b, r = _scan(l1_sum, j * FANOUT, min(j * FANOUT + FANOUT, n1), r)
-    leaf, r = _scan(leaves, b * FANOUT, min(b * FANOUT + FANOUT, n), r)
+    g, r = _scan(l0_sum, b * LINE, min(b * LINE + LINE, n0), r)
+    leaf, r = _scan(leaves, g * LINE, min(g * LINE + LINE, n), r)
     return leaf
 
 
 # ---- kernels ----------------------------------------------------------------------------
 @cuda.jit
-def draw_kernel(leaves, l1_sum, l2_sum, prefix, uniforms, out):
+def draw_kernel(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out):
     """``out[i]``: the leaf chosen by ``uniforms[i]``. One thread per draw."""
     i = cuda.grid(1)
     if i < uniforms.shape[0]:
-        out[i] = draw_one(leaves, l1_sum, l2_sum, prefix, uniforms[i])
+        out[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
 
 
 @cuda.jit
@@ -174,14 +199,17 @@ def _write_kernel(leaves, leaf_bits, slots, values):
 
 
 @cuda.jit
-def _l1_kernel(leaves, l1_sum, l1_min, slots):
+def _l0_kernel(leaves, l0_sum, slots):
     i = cuda.grid(1)
     if i < slots.shape[0]:
-        b = slots[i] // FANOUT
-        lo = b * FANOUT
-        s, m = _block_sum_min(leaves, lo, min(lo + FANOUT, leaves.shape[0]))
-        l1_sum[b] = s
-        l1_min[b] = m
+        _line(leaves, l0_sum, slots[i] // LINE)
+
+
+@cuda.jit
+def _l1_kernel(leaves, l0_sum, l1_sum, l1_min, slots):
+    i = cuda.grid(1)
+    if i < slots.shape[0]:
+        _block(leaves, l0_sum, l1_sum, l1_min, slots[i] // FANOUT)
 
 
 @cuda.jit
@@ -196,13 +224,17 @@ def _l2_kernel(l1_sum, l1_min, l2_sum, l2_min, slots):
 
 
 @cuda.jit
-def _l1_all_kernel(leaves, l1_sum, l1_min):
+def _l0_all_kernel(leaves, l0_sum):
+    g = cuda.grid(1)
+    if g < l0_sum.shape[0]:
+        _line(leaves, l0_sum, g)
+
+
+@cuda.jit
+def _l1_all_kernel(leaves, l0_sum, l1_sum, l1_min):
     b = cuda.grid(1)
     if b < l1_sum.shape[0]:
-        lo = b * FANOUT
-        s, m = _block_sum_min(leaves, lo, min(lo + FANOUT, leaves.shape[0]))
-        l1_sum[b] = s
-        l1_min[b] = m
+        _block(leaves, l0_sum, l1_sum, l1_min, b)
 
 
 @cuda.jit
@@ -281,14 +313,14 @@ def _take_kernel(values, slots, out):
         out[i] = values[slots[i]]
 
 
-def draw(leaves, l1_sum, l2_sum, prefix, uniforms, out, threads: int = 256) -> None:
+def draw(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out, threads: int = 256) -> None:
     """Device twin of :func:`priority_tree.draw` (device arrays). The caller guarantees a positive total."""
     b = uniforms.shape[0]
     if b:
-        draw_kernel[blocks_for(b, threads), threads](leaves, l1_sum, l2_sum, prefix, uniforms, out)
+        draw_kernel[blocks_for(b, threads), threads](leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out)
 
 
-def set_leaves(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, slots, values, threads: int = 256) -> None:
+def set_leaves(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix, slots, values, threads: int = 256) -> None:
     """Device twin of :func:`priority_tree.set_leaves`: ``leaves[slots[i]] = values[i]``, last of
     duplicates wins; touched blocks and ``prefix`` recomputed (bit-identical to the CPU kernel)."""
     b = slots.shape[0]
@@ -298,14 +330,16 @@ def set_leaves(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, slots, values, th
     bits = leaves.view(np.int64)
     _claim_kernel[grid, threads](bits, slots)
     _write_kernel[grid, threads](leaves, bits, slots, values)
-    _l1_kernel[grid, threads](leaves, l1_sum, l1_min, slots)
+    _l0_kernel[grid, threads](leaves, l0_sum, slots)
+    _l1_kernel[grid, threads](leaves, l0_sum, l1_sum, l1_min, slots)
     _l2_kernel[grid, threads](l1_sum, l1_min, l2_sum, l2_min, slots)
     _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
 
 
-def rebuild(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, threads: int = 256) -> None:
+def rebuild(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix, threads: int = 256) -> None:
     """Device twin of :func:`priority_tree.rebuild`: every level from ``leaves``. O(n) reads."""
-    _l1_all_kernel[blocks_for(l1_sum.shape[0], threads), threads](leaves, l1_sum, l1_min)
+    _l0_all_kernel[blocks_for(l0_sum.shape[0], threads), threads](leaves, l0_sum)
+    _l1_all_kernel[blocks_for(l1_sum.shape[0], threads), threads](leaves, l0_sum, l1_sum, l1_min)
     _l2_all_kernel[blocks_for(l2_sum.shape[0], threads), threads](l1_sum, l1_min, l2_sum, l2_min)
     _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
 
@@ -322,8 +356,8 @@ class DevicePriorityIndex:
 
     ``set``/``draw`` take host arrays (copied to the device) or device arrays /
     CUDA tensors (used in place); ``draw`` returns a device int64 array (call
-    ``copy_to_host()``). Memory: about 8.3 bytes per slot of device memory, no
-    scratch. ``set``: five launches, O(B * 64 + n / 4096). ``draw``: one thread per
+    ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory, no
+    scratch. ``set``: six launches, O(B * 64 + n / 4096). ``draw``: one thread per
     draw, O(log(n / 4096) + 128) reads each. ``threads`` is the CUDA block size.
     """
 
@@ -337,6 +371,7 @@ class DevicePriorityIndex:
         self.threads = int(threads)
         n1, n2 = tree.level_sizes(n)
         self.leaves = cuda.device_array(n, np.float64)
+        self.l0_sum = cuda.device_array(tree.line_count(n), np.float64)
         self.l1_sum = cuda.device_array(n1, np.float64)
         self.l1_min = cuda.device_array(n1, np.float64)
         self.l2_sum = cuda.device_array(n2, np.float64)
@@ -344,22 +379,22 @@ class DevicePriorityIndex:
         self.prefix = cuda.device_array(n2 + 1, np.float64)
         self._scalar = cuda.device_array(1, np.float64)
         if _fill:  # an empty index: weights 0, minima inf
-            for a, v in ((self.leaves, 0.0), (self.l1_sum, 0.0), (self.l1_min, math.inf), (self.l2_sum, 0.0),
+            for a, v in ((self.leaves, 0.0), (self.l0_sum, 0.0), (self.l1_sum, 0.0), (self.l1_min, math.inf), (self.l2_sum, 0.0),
                          (self.l2_min, math.inf), (self.prefix, 0.0)):
                 fill(a, v, self.threads)
 
     @classmethod
     def from_host(cls, index, threads: int = 256) -> "DevicePriorityIndex":
-        """A device copy of a CPU :class:`PriorityIndex` (or anything with its six arrays)."""
+        """A device copy of a CPU :class:`PriorityIndex` (or anything with its seven arrays)."""
         self = cls(len(index.leaves), threads, _fill=False)
-        for name in ("leaves", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix"):
+        for name in ARRAYS:
             getattr(self, name).copy_to_device(np.ascontiguousarray(getattr(index, name), np.float64))
         return self
 
     def to_host(self) -> dict[str, np.ndarray]:
-        """The six arrays, copied to host numpy arrays (for checks)."""
+        """The seven arrays, copied to host numpy arrays (for checks)."""
         return {name: getattr(self, name).copy_to_host()
-                for name in ("leaves", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")}
+                for name in ARRAYS}
 
     def __len__(self) -> int:
         return self.n
@@ -385,7 +420,7 @@ class DevicePriorityIndex:
             s = np.asarray(slots, np.int64)
             if s.min() < 0 or s.max() >= self.n:
                 raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
-        set_leaves(self.leaves, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix,
+        set_leaves(self.leaves, self.l0_sum, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix,
                    as_device(slots, np.int64), as_device(values, np.float64), self.threads)
 
     def draw(self, uniforms, out=None):
@@ -394,11 +429,11 @@ class DevicePriorityIndex:
         u = as_device(uniforms, np.float64)
         b = u.shape[0]
         out = cuda.device_array(b, np.int64) if out is None else out
-        draw(self.leaves, self.l1_sum, self.l2_sum, self.prefix, u, out, self.threads)
+        draw(self.leaves, self.l0_sum, self.l1_sum, self.l2_sum, self.prefix, u, out, self.threads)
         return out
 
     def rebuild(self) -> None:
-        rebuild(self.leaves, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix, self.threads)
+        rebuild(self.leaves, self.l0_sum, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix, self.threads)
 
     def weights_of(self, slots) -> np.ndarray:
         """The weights of ``slots``, gathered on the device and copied to a host float64 array. O(B)."""

@@ -1,33 +1,39 @@
 """A blocked priority structure for batched proportional draws (CPU kernels).
 
-Layout, for ``n`` leaves and fan-out ``F = 64``::
+Layout, for ``n`` leaves, lines of ``LINE = 8`` leaves (one 64-byte cache line) and
+blocks of ``FANOUT = 64`` leaves (8 lines)::
 
     leaves  float64[n]                  the weights (priority ** alpha, 1 for uniform, 0 when empty)
-    l1_sum  float64[ceil(n / F)]        sum of each block of F leaves
-    l1_min  float64[ceil(n / F)]        smallest positive leaf of each block (inf if none)
-    l2_sum  float64[ceil(n / F**2)]     sum of each block of F level-1 sums
-    l2_min  float64[ceil(n / F**2)]
+    l0_sum  float64[ceil(n / 8)]        sum of each line of 8 leaves
+    l1_sum  float64[ceil(n / 64)]       sum of each block's 8 line sums
+    l1_min  float64[ceil(n / 64)]       smallest positive leaf of each block (inf if none)
+    l2_sum  float64[ceil(n / 64**2)]    sum of each block of 64 level-1 sums
+    l2_min  float64[ceil(n / 64**2)]
     prefix  float64[len(l2_sum) + 1]    exclusive prefix sums of l2_sum; prefix[-1] is the total
 
 A draw binary-searches ``prefix`` (``log2(n / 4096)`` steps over a cache-resident
-array), then scans at most ``F`` level-1 sums and at most ``F`` leaves: two
-contiguous 512-byte reads. That is a 4096-ary tree with a flat top, so a draw costs
-about 3 cache misses instead of the ``log2(n)`` dependent misses of a binary sum tree.
-Updates write leaves, then recompute each touched block once from its children
-(float64, no accumulated drift), then rebuild ``prefix`` (``n / 4096`` adds).
+array), scans at most 64 level-1 sums (a cache-resident array too: n / 8 bytes),
+then the 8 sums of one line group and the 8 leaves of one line: two cache misses,
+instead of the ``log2(n)`` dependent misses of a binary sum tree. An update writes
+its leaf and recounts that leaf's line (the same cache line), then each touched
+block from its 8 line sums (one more line) and each touched level-2 block from its
+64 level-1 sums. Every sum is recomputed from its children, added in index order
+(float64, no accumulated drift): the structure is a function of the leaves alone.
+Block minima are exact too (lowered in place, recounted only when their value is
+overwritten).
 
 Batches (the sizes of replay: 1e4 to 1e6 draws over 1e7 to 1e9 items) go through
 the structure in address order instead of at random. :func:`draw` sorts the
 uniforms (O(B) counting sort), then walks each run of them left to right:
-consecutive draws in one block resume its scan where the previous one stopped,
-and leaf blocks are prefetched a stage ahead, so the misses overlap. :func:`set_leaves`
-groups the slots by level-2 block (O(B) counting sort, stable, so the last of
-duplicates still wins) and gives each group to one thread: one 32 KiB span of
-leaves, no shared flags, the next group prefetched. Every sum is still added in
-index order, so results are bit-identical to :func:`draw_one` and to the
-block-by-block recomputation (and to the CUDA twins in ``cuda_priority``).
+consecutive draws in one level-2 block resume its scan where the previous one
+stopped, and lines are prefetched a stage ahead, so the misses overlap.
+:func:`set_leaves` groups the slots by level-2 block (O(B) counting sort, stable, so
+the last of duplicates still wins) and gives each group to one thread: one 32 KiB
+span of leaves, no shared flags, the next group prefetched. Results are
+bit-identical to :func:`draw_one` and to :func:`rebuild` (and to the CUDA twins in
+``cuda_priority``).
 
-Memory: ``8 n (1 + 2/64 + 2/4096) + n/64 + n/4096`` bytes, about 8.27 bytes per leaf.
+Memory: ``8 n (1 + 1/8 + 2/64 + 2/4096) + n/64 + n/4096`` bytes, about 9.27 bytes per leaf.
 """
 from __future__ import annotations
 
@@ -37,8 +43,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-FANOUT = 64
-FANOUT2 = FANOUT * FANOUT
+LINE = 8                      # leaves per line (one 64-byte cache line of float64)
+FANOUT = 64                   # leaves per level-1 block (8 lines)
+FANOUT2 = FANOUT * FANOUT     # leaves per level-2 block
 
 
 def level_sizes(n: int) -> tuple[int, int]:
@@ -48,16 +55,9 @@ def level_sizes(n: int) -> tuple[int, int]:
     return n1, n2
 
 
-@njit(cache=True, inline="always")
-def _block_sum_min(values, lo, hi):
-    s = 0.0
-    m = np.inf
-    for i in range(lo, hi):
-        v = values[i]
-        s += v
-        if v > 0.0 and v < m:
-            m = v
-    return s, m
+def line_count(n: int) -> int:
+    """Return the length of level 0 (line sums) for ``n`` leaves."""
+    return max(1, -(-n // LINE))
 
 
 @njit(cache=True, inline="always")
@@ -81,15 +81,15 @@ def _rebuild_prefix(l2_sum, prefix):
 
 
 @njit(cache=True, parallel=True)
-def rebuild(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix):
+def rebuild(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix):
     """Recompute every level from ``leaves``. Cost: O(n) reads, parallel."""
     n = leaves.shape[0]
+    n0 = l0_sum.shape[0]
     for b in prange(l1_sum.shape[0]):
-        lo = b * FANOUT
-        hi = min(lo + FANOUT, n)
-        s, m = _block_sum_min(leaves, lo, hi)
-        l1_sum[b] = s
-        l1_min[b] = m
+        for g in range(b * LINE, min(b * LINE + LINE, n0)):
+            _recompute_line(leaves, l0_sum, g, n)
+        _recompute_l1_sum(l0_sum, l1_sum, b, n0)
+        _recompute_l1_min(leaves, l1_min, b, n)
     n1 = l1_sum.shape[0]
     for c in prange(l2_sum.shape[0]):
         lo = c * FANOUT
@@ -136,16 +136,35 @@ def _prefetch(typingctx, arr, idx):
 
 
 @njit(cache=True, inline="always")
-def _prefetch_block(values, lo):
-    for q in range(0, FANOUT, 8):  # 8 float64 per 64-byte line
-        _prefetch(values, lo + q)
+def _recompute_line(leaves, l0_sum, g, n):
+    """``l0_sum[g]`` = the sum of the (up to) 8 leaves of line ``g``, in index order."""
+    lo = g * LINE
+    hi = min(lo + LINE, n)
+    s = 0.0
+    for i in range(lo, hi):
+        s += leaves[i]
+    l0_sum[g] = s
 
 
 @njit(cache=True, inline="always")
-def _recompute_l1(leaves, l1_sum, l1_min, b, n):
-    lo = b * FANOUT
-    s, m = _block_sum_min(leaves, lo, min(lo + FANOUT, n))
+def _recompute_l1_sum(l0_sum, l1_sum, b, n0):
+    """``l1_sum[b]`` = the sum of the (up to) 8 line sums of block ``b``, in index order."""
+    lo = b * LINE
+    hi = min(lo + LINE, n0)
+    s = 0.0
+    for i in range(lo, hi):
+        s += l0_sum[i]
     l1_sum[b] = s
+
+
+@njit(cache=True, inline="always")
+def _recompute_l1_min(leaves, l1_min, b, n):
+    lo = b * FANOUT
+    m = np.inf
+    for i in range(lo, min(lo + FANOUT, n)):
+        v = leaves[i]
+        if v > 0.0 and v < m:
+            m = v
     l1_min[b] = m
 
 
@@ -158,79 +177,51 @@ def _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, c, n1):
 
 
 @njit(cache=True, inline="always")
-def _sum_min_4(x0, x1, x2, x3):
-    """Sum and smallest positive entry of four full blocks: four independent running sums, each
-    added in index order (bit-identical to :func:`_block_sum_min`), interleaved for throughput."""
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    m0 = np.inf
-    m1 = np.inf
-    m2 = np.inf
-    m3 = np.inf
-    for t in range(FANOUT):
-        v0 = x0[t]
-        v1 = x1[t]
-        v2 = x2[t]
-        v3 = x3[t]
-        s0 += v0
-        s1 += v1
-        s2 += v2
-        s3 += v3
-        m0 = v0 if (v0 > 0.0 and v0 < m0) else m0
-        m1 = v1 if (v1 > 0.0 and v1 < m1) else m1
-        m2 = v2 if (v2 > 0.0 and v2 < m2) else m2
-        m3 = v3 if (v3 > 0.0 and v3 < m3) else m3
-    return s0, m0, s1, m1, s2, m2, s3, m3
+def _write_leaf(leaves, l1_min, flags1, s, v):
+    """``leaves[s] = v``, keeping the minimum of its block exact: lowered at once when ``v`` is a
+    new smallest positive value; the block is marked for a recount (flag 2) when the value
+    replaced was its minimum. Returns True the first time the block is touched (flag 0 -> 1)."""
+    b = s // FANOUT
+    old = leaves[s]
+    leaves[s] = v
+    first = flags1[b] == 0
+    if first:
+        flags1[b] = 1
+    if v > 0.0 and v < l1_min[b]:
+        l1_min[b] = v
+    elif old > 0.0 and old == l1_min[b] and v != old:
+        flags1[b] = 2
+    return first
 
 
 @njit(cache=True, inline="always")
-def _recompute_blocks(leaves, l1_sum, l1_min, blocks, lo, hi):
-    """Recompute the level-1 blocks ``blocks[lo:hi]`` (distinct), four at a time where they are full."""
+def _finish_blocks(leaves, l0_sum, l1_sum, l1_min, flags1, slots, lo, hi, blocks, blo, bhi):
+    """After the leaf writes of ``slots[lo:hi]``: recount their lines, then the sums of the touched
+    blocks ``blocks[blo:bhi]`` from their lines (and their minimum where flagged); zero the flags."""
     n = leaves.shape[0]
-    full = n // FANOUT  # blocks [0, full) have FANOUT leaves
-    k = lo
-    while k < hi:
-        if hi - k >= 4 and blocks[k] < full and blocks[k + 1] < full and blocks[k + 2] < full and blocks[k + 3] < full:
-            o0 = blocks[k] * FANOUT
-            o1 = blocks[k + 1] * FANOUT
-            o2 = blocks[k + 2] * FANOUT
-            o3 = blocks[k + 3] * FANOUT
-            s0, m0, s1, m1, s2, m2, s3, m3 = _sum_min_4(leaves[o0:o0 + FANOUT], leaves[o1:o1 + FANOUT],
-                                                       leaves[o2:o2 + FANOUT], leaves[o3:o3 + FANOUT])
-            l1_sum[blocks[k]] = s0
-            l1_min[blocks[k]] = m0
-            l1_sum[blocks[k + 1]] = s1
-            l1_min[blocks[k + 1]] = m1
-            l1_sum[blocks[k + 2]] = s2
-            l1_min[blocks[k + 2]] = m2
-            l1_sum[blocks[k + 3]] = s3
-            l1_min[blocks[k + 3]] = m3
-            k += 4
-        else:
-            _recompute_l1(leaves, l1_sum, l1_min, blocks[k], n)
-            k += 1
+    n0 = l0_sum.shape[0]
+    for k in range(lo, hi):
+        _recompute_line(leaves, l0_sum, slots[k] // LINE, n)
+    for k in range(blo, bhi):
+        b = blocks[k]
+        _recompute_l1_sum(l0_sum, l1_sum, b, n0)
+        if flags1[b] == 2:
+            _recompute_l1_min(leaves, l1_min, b, n)
+        flags1[b] = 0
 
 
 @njit(cache=True)
-def _set_serial(leaves, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values):
-    """Small batches: write leaves in order, recompute each touched block once. O(B F)."""
+def _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values):
+    """Small batches: write leaves in order, recount each touched line and block. O(B)."""
     n1 = l1_sum.shape[0]
     nb = slots.shape[0]
-    for i in range(nb):
-        leaves[slots[i]] = values[i]
     blocks = np.empty(nb, np.int64)
     cnt = 0
     for i in range(nb):
-        b = slots[i] // FANOUT
-        if flags1[b] == 0:
-            flags1[b] = 1
-            blocks[cnt] = b
+        if _write_leaf(leaves, l1_min, flags1, slots[i], values[i]):
+            blocks[cnt] = slots[i] // FANOUT
             cnt += 1
-    _recompute_blocks(leaves, l1_sum, l1_min, blocks, 0, cnt)
-    for k in range(cnt):
-        flags1[blocks[k]] = 0
+    _finish_blocks(leaves, l0_sum, l1_sum, l1_min, flags1, slots, 0, nb, blocks, 0, cnt)
     for i in range(nb):
         c = slots[i] // FANOUT2
         if flags2[c] == 0:
@@ -265,23 +256,26 @@ def _group_by_top(slots, values, n2, bounds, gslots, gvalues):
 
 
 @njit(cache=True, parallel=True)
-def set_leaves(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, flags1, flags2, slots, values):
+def set_leaves(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix, flags1, flags2, slots, values):
     """Batched update: ``leaves[slots[i]] = values[i]`` (the last of duplicates wins).
 
-    Cost: O(B) leaf writes, O(F) per touched level-1 block and per touched level-2
-    block (each recomputed once, its sum added in index order), then O(n / 4096)
-    for the prefix. Batches of up to ``SET_SERIAL_MAX`` run serially. Larger ones
-    are first grouped by level-2 block (a stable counting sort, O(B + n / 4096),
-    O(B) scratch); each group is then written and its blocks recomputed by one
-    thread, in parallel, within one 32 KiB span of leaves, prefetching the next
-    group's blocks. ``flags1``/``flags2`` are zeroed uint8 scratch of the level
-    lengths; they are returned zeroed.
+    Cost: O(B): each update writes its leaf and recounts its line (the 8 leaves of
+    one cache line), each touched level-1 block is re-summed once from its 8 line
+    sums (one cache line) and each touched level-2 block from its 64 level-1 sums;
+    a block minimum is lowered in place and recounted from its 64 leaves only when
+    the value it held was overwritten; then O(n / 4096) for the prefix. Every sum is
+    recomputed from its children in index order, so the result depends on the
+    leaves only. Batches of up to ``SET_SERIAL_MAX`` run serially. Larger ones are
+    first grouped by level-2 block (a stable counting sort, O(B + n / 4096), O(B)
+    scratch); each group is then written by one thread, in parallel, within one
+    32 KiB span of leaves, prefetching the next group's lines. ``flags1``/``flags2``
+    are zeroed uint8 scratch of the level lengths; they are returned zeroed.
     """
     n1 = l1_sum.shape[0]
     n2 = l2_sum.shape[0]
     nb = slots.shape[0]
     if nb <= SET_SERIAL_MAX:
-        _set_serial(leaves, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values)
+        _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values)
     else:
         bounds = np.empty(n2 + 1, np.int64)
         gslots = np.empty(nb, np.int64)
@@ -293,20 +287,15 @@ def set_leaves(leaves, l1_sum, l1_min, l2_sum, l2_min, prefix, flags1, flags2, s
             hi = bounds[c + 1]
             if c + 1 < n2:
                 for k in range(hi, bounds[c + 2]):
-                    _prefetch_block(leaves, (gslots[k] // FANOUT) * FANOUT)
+                    _prefetch(leaves, gslots[k])
+                    _prefetch(l0_sum, gslots[k] // LINE)
             if hi > lo:
-                for k in range(lo, hi):  # in the caller's order: the last duplicate wins
-                    leaves[gslots[k]] = gvalues[k]
                 cnt = lo
-                for k in range(lo, hi):  # level-1 blocks of this group belong to this thread only
-                    b = gslots[k] // FANOUT
-                    if flags1[b] == 0:
-                        flags1[b] = 1
-                        blocks[cnt] = b
+                for k in range(lo, hi):  # in the caller's order: the last duplicate wins
+                    if _write_leaf(leaves, l1_min, flags1, gslots[k], gvalues[k]):
+                        blocks[cnt] = gslots[k] // FANOUT  # level-1 blocks of this group belong to this thread only
                         cnt += 1
-                _recompute_blocks(leaves, l1_sum, l1_min, blocks, lo, cnt)
-                for k in range(lo, cnt):
-                    flags1[blocks[k]] = 0
+                _finish_blocks(leaves, l0_sum, l1_sum, l1_min, flags1, gslots, lo, hi, blocks, lo, cnt)
                 _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, c, n1)
     _rebuild_prefix(l2_sum, prefix)
 
@@ -357,9 +346,10 @@ def _top_block(l2_sum, prefix, target, n2, lo):
 
 
 @njit(cache=True, inline="always")
-def draw_one(leaves, l1_sum, l2_sum, prefix, u):
-    """The leaf selected by ``u`` in [0, 1): P(leaf i) = leaves[i] / total. Cost: O(log(n/4096) + 2F)."""
+def draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, u):
+    """The leaf selected by ``u`` in [0, 1): P(leaf i) = leaves[i] / total. Cost: O(log(n/4096) + 80)."""
     n = leaves.shape[0]
+    n0 = l0_sum.shape[0]
     n1 = l1_sum.shape[0]
     n2 = l2_sum.shape[0]
     target = u * prefix[n2]
@@ -379,7 +369,8 @@ def draw_one(leaves, l1_sum, l2_sum, prefix, u):
         j += 1
     r = target - prefix[j]
     b, r = _scan(l1_sum, j * FANOUT, min(j * FANOUT + FANOUT, n1), r)
-    leaf, r = _scan(leaves, b * FANOUT, min(b * FANOUT + FANOUT, n), r)
+    g, r = _scan(l0_sum, b * LINE, min(b * LINE + LINE, n0), r)
+    leaf, r = _scan(leaves, g * LINE, min(g * LINE + LINE, n), r)
     return leaf
 
 
@@ -454,36 +445,34 @@ def _resumable_scan(sums, lo, hi, r, block, cur, pos, acc0, last0):
 
 
 @njit(cache=True)
-def _draw_run(leaves, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
+def _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
     """Draws ``keys[lo:hi]`` (ascending uniforms) in one pass; draw ``k`` goes to ``out[order[k]]``.
 
     Each draw is bit-identical to :func:`draw_one` for its uniform.
-    A scan of a block for ``r`` walks the same running sums as a scan for any
-    ``r' >= r`` up to the entry it stopped at, so a draw that lands in the block the
-    previous draw stopped in resumes there (same ``acc``, same ``last``) instead of
-    rescanning from the block start; with sorted targets each level-1 block is
-    summed about once per pass. Draws go in stages of ``DRAW_PIPE``: the level-1
-    step of each draw (and a prefetch of its leaf block), then their leaf scans.
+    A scan of level-1 sums for ``r`` walks the same running sums as a scan for any
+    ``r' >= r`` up to the entry it stopped at, so a draw that lands in the level-2
+    block the previous draw stopped in resumes there (same ``acc``, same ``last``)
+    instead of rescanning from the block start. Draws go in stages of ``DRAW_PIPE``:
+    the level-1 step of each draw (prefetching its line sums), then the line-sum
+    step (prefetching its leaf line), then the leaf scans, so the misses of a stage
+    overlap.
     """
     n = leaves.shape[0]
+    n0 = l0_sum.shape[0]
     n1 = l1_sum.shape[0]
     n2 = l2_sum.shape[0]
     total = prefix[n2]
     top = -1
-    # resume state: block, entry where the last scan stopped, running sum and last positive entry before it
+    # resume state: level-2 block, entry where the last scan stopped, running sum and last positive entry before it
     j_cur = -1
     j_pos = 0
     j_acc = 0.0
     j_last = -1
-    b_cur = -1
-    b_pos = 0
-    b_acc = 0.0
-    b_last = -1
-    stage_b = np.empty(DRAW_PIPE, np.int64)
+    stage_i = np.empty(DRAW_PIPE, np.int64)
     stage_r = np.empty(DRAW_PIPE, np.float64)
     for k0 in range(lo, hi, DRAW_PIPE):
         k1 = min(k0 + DRAW_PIPE, hi)
-        # ---- level 1: scan the level-1 sums of block j
+        # ---- level 1: scan the level-1 sums of level-2 block j
         for k in range(k0, k1):
             target = keys[k] * total
             top, j = _top_block(l2_sum, prefix, target, n2, top)
@@ -505,52 +494,48 @@ def _draw_run(leaves, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
                 else:
                     b = last
                     r = l1_sum[last] * 0.5
-            stage_b[k - k0] = b
+            stage_i[k - k0] = b
             stage_r[k - k0] = r
-            _prefetch_block(leaves, b * FANOUT)
-        # ---- leaves: scan the leaves of block b
+            _prefetch(l0_sum, b * LINE)
+        # ---- level 0: scan the 8 line sums of block b
         for k in range(k0, k1):
-            b = stage_b[k - k0]
-            r = stage_r[k - k0]
-            llo = b * FANOUT
-            lhi = min(llo + FANOUT, n)
-            leaf, acc, last = _resumable_scan(leaves, llo, lhi, r, b, b_cur, b_pos, b_acc, b_last)
-            if leaf >= 0:
-                b_cur = b
-                b_pos = leaf
-                b_acc = acc
-                b_last = last
-            else:
-                b_cur = -1
-                leaf = llo if last < 0 else last
+            b = stage_i[k - k0]
+            g, r = _scan(l0_sum, b * LINE, min(b * LINE + LINE, n0), stage_r[k - k0])
+            stage_i[k - k0] = g
+            stage_r[k - k0] = r
+            _prefetch(leaves, g * LINE)
+        # ---- leaves: scan the 8 leaves of line g
+        for k in range(k0, k1):
+            g = stage_i[k - k0]
+            leaf, r = _scan(leaves, g * LINE, min(g * LINE + LINE, n), stage_r[k - k0])
             out[order[k]] = leaf
 
 
 @njit(cache=True, parallel=True)
-def draw(leaves, l1_sum, l2_sum, prefix, uniforms, out):
+def draw(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out):
     """Batched proportional draws with replacement: ``out[i]`` is the leaf chosen by ``uniforms[i]``.
 
     Identical to ``draw_one`` for every ``i``. Batches of more than
     ``DRAW_SERIAL_MAX`` are put in ascending order (counting sort, O(B)) and cut
     into ``DRAW_RUNS`` contiguous runs, shared among the threads; a run walks the
-    structure left to right, resuming the scan of a block where the previous draw
-    stopped and prefetching leaf blocks ahead (see :func:`_draw_run`). Cost: O(B +
-    touched blocks * F) reads, mostly sequential, plus O(B log(n/4096))
-    cache-resident searches where consecutive draws change top-level block; O(B)
-    scratch (16 bytes per draw). Smaller batches draw independently (in parallel from ``DRAW_THREADS_MIN``
-    draws). The caller guarantees
-    a positive total.
+    structure left to right, resuming the level-1 scan where the previous draw
+    stopped and prefetching lines ahead (see :func:`_draw_run`). Cost: O(B) reads
+    of two cache lines each (line sums, leaves), mostly in address order, plus
+    O(B log(n/4096)) cache-resident searches where consecutive draws change
+    top-level block; O(B) scratch (16 bytes per draw). Smaller batches draw
+    independently (in parallel from ``DRAW_THREADS_MIN`` draws). The caller
+    guarantees a positive total.
     """
     nb = uniforms.shape[0]
     if nb < DRAW_THREADS_MIN:
         for i in range(nb):
-            out[i] = draw_one(leaves, l1_sum, l2_sum, prefix, uniforms[i])
+            out[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
         return
     if nb <= DRAW_SERIAL_MAX:
         for i in prange(nb):
-            out[i] = draw_one(leaves, l1_sum, l2_sum, prefix, uniforms[i])
+            out[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
         return
     order, keys = _sort_order(uniforms)
     runs = min(DRAW_RUNS, nb // 256)
     for t in prange(runs):
-        _draw_run(leaves, l1_sum, l2_sum, prefix, keys, order, t * nb // runs, (t + 1) * nb // runs, out)
+        _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, t * nb // runs, (t + 1) * nb // runs, out)
