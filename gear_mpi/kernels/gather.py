@@ -11,12 +11,18 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .hints import prefetch as _prefetch
+
 # Smaller batches than these run on the calling thread: a parallel region costs microseconds
 # of thread-pool hand-off when the pool is spinning, and a scheduler tick (~4 ms) when
 # another process holds a core -- more than copying a small batch.
 SERIAL_BYTES = 1 << 18
 SERIAL_MASK_CELLS = 1 << 16
 SERIAL_PLACE = 1 << 14
+# While a window is copied, the first PREFETCH_BYTES of the window PREFETCH_AHEAD places later
+# are requested from memory (random 4 KiB rows from DRAM: 90 -> 60 us for 256 rows, one thread).
+PREFETCH_AHEAD = 4
+PREFETCH_BYTES = 4096
 
 
 @intrinsic
@@ -52,6 +58,15 @@ def _memzero(typingctx, dst, dst_off, nbytes):
 
 
 @njit(cache=True, inline="always")
+def _prefetch_window(src, capacity, step_bytes, start, nv):
+    """Request the first ``PREFETCH_BYTES`` of a window (up to the ring's end) into the cache."""
+    nb = min(nv, capacity - start) * step_bytes
+    base = start * step_bytes
+    for q in range(0, min(nb, PREFETCH_BYTES), 64):
+        _prefetch(src, base + q)
+
+
+@njit(cache=True, inline="always")
 def _gather_one(src, capacity, step_bytes, start, nv, front_steps, base, out, row_bytes):
     """Window ``(start, nv, front_steps)`` into ``out[base:base + row_bytes]``: at most two copies, two zero fills."""
     front = front_steps * step_bytes
@@ -81,7 +96,8 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     copied once (``memmove`` of each contiguous run: at most two per window, for the
     ring's wrap-around), padding bytes are written once (zeros). Batches under
     ``SERIAL_BYTES`` run on the calling thread. Cost: O(sum n_valid * step_bytes)
-    copied plus O(padding) zeroed; memory-bandwidth bound; no allocation.
+    copied plus O(padding) zeroed; memory-bandwidth bound; no allocation. Each thread
+    prefetches the start of the window ``PREFETCH_AHEAD`` places ahead of the one it copies.
     ``out`` must not overlap ``src``. The copies are raw ``memmove`` calls, so every
     window is checked first (O(B), serial): a window outside the ring or the batch
     raises ``ValueError`` before anything is written.
@@ -96,13 +112,26 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
                 and 0 <= pad_front[i] <= window - n_valid[i] and 0 <= out_rows[i] < rows):
             raise ValueError("gather_windows: a window lies outside the ring or the batch")
     if b * row_bytes < SERIAL_BYTES:
+        for i in range(min(PREFETCH_AHEAD, b)):
+            _prefetch_window(src, capacity, step_bytes, starts[i], n_valid[i])
         for i in range(b):
+            if i + PREFETCH_AHEAD < b:
+                _prefetch_window(src, capacity, step_bytes, starts[i + PREFETCH_AHEAD], n_valid[i + PREFETCH_AHEAD])
             _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
                         out, row_bytes)
     else:
-        for i in prange(b):
-            _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
-                        out, row_bytes)
+        chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
+        for t in prange(chunks):
+            lo = t * b // chunks
+            hi = (t + 1) * b // chunks
+            for i in range(lo, min(lo + PREFETCH_AHEAD, hi)):
+                _prefetch_window(src, capacity, step_bytes, starts[i], n_valid[i])
+            for i in range(lo, hi):
+                if i + PREFETCH_AHEAD < hi:
+                    _prefetch_window(src, capacity, step_bytes, starts[i + PREFETCH_AHEAD],
+                                     n_valid[i + PREFETCH_AHEAD])
+                _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
+                            out, row_bytes)
 
 
 @njit(cache=True, inline="always")

@@ -38,10 +38,9 @@ Memory: ``8 n (1 + 1/8 + 2/64 + 2/4096) + n/64 + n/4096`` bytes, about 9.27 byte
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
+
+from .hints import prefetch as _prefetch
 
 LINE = 8                      # leaves per line (one 64-byte cache line of float64)
 FANOUT = 64                   # leaves per level-1 block (8 lines)
@@ -115,24 +114,6 @@ DRAW_RUNS = 64
 # Draws per software-pipeline stage: the level-1 step of this many draws (and a prefetch
 # of each one's leaf block) before their leaf scans, so the leaf misses overlap.
 DRAW_PIPE = 32
-
-
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-    """Hint the CPU to load the cache line of ``arr[idx]`` (``llvm.prefetch``; no fault, no effect on results)."""
-    sig = types.void(arr, types.intp)
-
-    def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(a.data, [args[1]])
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @njit(cache=True, inline="always")
@@ -527,15 +508,14 @@ def draw(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out):
     guarantees a positive total.
     """
     nb = uniforms.shape[0]
-    if nb < DRAW_THREADS_MIN:
+    if nb < DRAW_PIPE:
         for i in range(nb):
             out[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
         return
-    if nb <= DRAW_SERIAL_MAX:
-        for i in prange(nb):
-            out[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
-        return
     order, keys = _sort_order(uniforms)
-    runs = min(DRAW_RUNS, nb // 256)
+    if nb < DRAW_THREADS_MIN:
+        _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, 0, nb, out)
+        return
+    runs = max(2, min(DRAW_RUNS, nb // 256))
     for t in prange(runs):
         _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, t * nb // runs, (t + 1) * nb // runs, out)

@@ -1,0 +1,31 @@
+"""Memory hints for the CPU kernels: software prefetch.
+
+Batched draws, updates and window copies touch memory at random: cache misses
+that, issued one after another, cost a DRAM latency each. Asking for the next
+ones while the current one is served lets the memory system overlap them.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """Hint the CPU to load the cache line of ``arr[idx]`` (``llvm.prefetch``: no fault, no effect on results)."""
+    sig = types.void(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module,
+                                            ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
