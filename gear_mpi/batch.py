@@ -23,6 +23,7 @@ class Batch:
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
                  probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray):
         self._np = data
+        self._bytes = None
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
         self.mask = torch.from_numpy(mask)
@@ -37,6 +38,7 @@ class Batch:
         """A batch over existing tensors (e.g. on a GPU); :meth:`numpy` is then unavailable."""
         self = cls.__new__(cls)
         self._np = None
+        self._bytes = None
         self._mask_np = None
         self.data, self.mask, self.keys = dict(data), mask, keys
         self.probabilities, self.weights, self.lengths = probabilities, weights, lengths
@@ -49,6 +51,12 @@ class Batch:
         return cls(data, np.empty((batch_size, window), np.bool_), np.empty(batch_size, np.int64),
                    np.empty(batch_size, np.float64), np.empty(batch_size, np.float32),
                    np.empty(batch_size, np.int64))
+
+    def byte_views(self) -> tuple[np.ndarray, ...]:
+        """Each column buffer as a flat uint8 array, in column order (for the gather kernels); built once."""
+        if self._bytes is None:
+            self._bytes = tuple(a.reshape(-1).view(np.uint8) for a in self.numpy().values())
+        return self._bytes
 
     def numpy(self) -> dict[str, np.ndarray]:
         """The column buffers as numpy arrays (same memory as the tensors); host batches only."""

@@ -14,6 +14,7 @@ Bit layout (most significant first, sign bit always 0)::
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 SLOT_BITS = 27
 GEN_BITS = 14
@@ -60,3 +61,28 @@ def as_key_array(keys) -> np.ndarray:
             return np.zeros(0, dtype=np.int64)
         raise TypeError(f"keys must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+@njit(cache=True)
+def encode_slots(tag, rank, slots, generation, out):
+    """``out[i]`` = the key of ``slots[i]`` (generation read from the table). O(B), one pass."""
+    head = (tag << _TAG_SHIFT) | (rank << _RANK_SHIFT)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        out[i] = head | ((generation[s] & GEN_MASK) << _GEN_SHIFT) | s
+
+
+@njit(cache=True)
+def resolve_keys(keys, tag, rank, max_items, generation, alive, live_code, slots, live):
+    """Slots of this shard's keys and whether each is live (``alive == live_code`` and the
+    generation matches). Returns the index of the first key that is not this shard's (negative,
+    out of range, another tag or rank), or -1; nothing is filled past it. O(B), one pass."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        s = k & SLOT_MASK
+        if k < 0 or ((k >> _TAG_SHIFT) & TAG_MASK) != tag or ((k >> _RANK_SHIFT) & RANK_MASK) != rank \
+                or s >= max_items:
+            return i
+        slots[i] = s
+        live[i] = alive[s] == live_code and (generation[s] & GEN_MASK) == ((k >> _GEN_SHIFT) & GEN_MASK)
+    return -1

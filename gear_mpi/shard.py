@@ -17,6 +17,7 @@ from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}
+_NO_UNIFORMS = np.zeros(0)
 
 
 def check_window(spec: TrajectorySpec, window: int | None, align: str) -> tuple[int, int]:
@@ -42,17 +43,14 @@ def gather_into(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capa
     """Copy windows from a shard's columns (``byte_views``, possibly another process's
     shared memory) into rows ``out_rows`` of ``batch``, with padding and mask.
 
-    Cost: one parallel pass per column, each delivered byte copied once; O(B W) for the mask.
+    Cost: one kernel call; a parallel pass per column, each delivered byte copied once; O(B W) for the mask.
     """
     if len(out_rows) == 0:
         return
     starts = np.ascontiguousarray(win_start % capacity, np.int64)
-    window = batch.window
-    for c in spec.columns:
-        dst = batch.numpy()[c.name].reshape(-1).view(np.uint8)
-        gather_kernels.gather_windows(byte_views[c.name], capacity, c.step_bytes, starts, n_valid, pad_front,
-                                      out_rows, dst, window)
-    gather_kernels.fill_mask(n_valid, pad_front, out_rows, batch._mask_np)
+    gather_kernels.gather_columns(tuple(byte_views[name] for name in spec.names), spec.step_bytes_array, capacity,
+                                  starts, n_valid, pad_front, out_rows, batch.byte_views(), batch.window,
+                                  batch._mask_np)
 
 
 def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tuple[SharedArena, dict[str, np.ndarray]]:
@@ -249,10 +247,9 @@ class Shard:
         win_start = np.empty(b, np.int64)
         n_valid = np.empty(b, np.int64)
         pad_front = np.empty(b, np.int64)
-        uniforms = self.rng.random(b) if align_code == 0 else np.zeros(b)
-        gather_kernels.place_windows(st.start[slots], st.length[slots], window, align_code, uniforms,
-                                     win_start, n_valid, pad_front)
-        win_start %= st.capacity
+        uniforms = self.rng.random(b) if align_code == 0 else _NO_UNIFORMS  # read only by "random"
+        gather_kernels.place_slots(np.ascontiguousarray(slots, np.int64), st.start, st.length, st.capacity, window,
+                                   align_code, uniforms, win_start, n_valid, pad_front)
         return win_start, n_valid, pad_front
 
     def after_sampling(self, slots: np.ndarray) -> None:
@@ -286,7 +283,7 @@ class Shard:
         win_start, n_valid, pad_front = self.place(slots, window, code)
         gather_into(self.store.byte_views(), self.spec, self.store.capacity, win_start, n_valid, pad_front,
                     np.arange(batch_size, dtype=np.int64), batch)
-        batch.keys.numpy()[:] = self.store.keys_of(slots)
+        self.store.keys_of(slots, out=batch.keys.numpy())
         batch.lengths.numpy()[:] = n_valid
         if self.index is not None:
             w = self.index.weights_of(slots)

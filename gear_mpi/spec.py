@@ -65,10 +65,9 @@ class TrajectorySpec:
             cols.append(Column(name, shape, dt))
         self.columns: tuple[Column, ...] = tuple(cols)
         self.max_length = int(max_length)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.columns)
+        self.names: tuple[str, ...] = tuple(c.name for c in cols)
+        self.step_bytes_array = np.array([c.step_bytes for c in cols], np.int64)  # for the gather kernel
+        self.step_bytes_array.flags.writeable = False
 
     @property
     def step_bytes(self) -> int:

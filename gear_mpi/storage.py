@@ -119,16 +119,26 @@ class TrajectoryStore:
         return slots, evicted
 
     # ---- keys -----------------------------------------------------------------------
-    def keys_of(self, slots: np.ndarray) -> np.ndarray:
-        return keyspace.encode(self.tag, self.rank, slots, self.generation[slots])
+    def keys_of(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The keys of ``slots`` (into ``out`` if given). O(B), one kernel."""
+        slots = np.ascontiguousarray(slots, np.int64)
+        out = np.empty(len(slots), np.int64) if out is None else out
+        keyspace.encode_slots(self.tag, self.rank, slots, self.generation, out)
+        return out
 
     def resolve(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Map keys of this shard to slots. Returns (slots, live mask); stale keys are not live.
 
         Raises InvalidKeyError for a key of another replay or shard, or out of range.
-        Cost: O(n) vectorised.
+        Cost: O(n), one kernel.
         """
-        tag, rank, gen, slot = keyspace.decode(keys)
+        keys = np.ascontiguousarray(keys, np.int64)
+        slot = np.empty(len(keys), np.int64)
+        live = np.empty(len(keys), np.bool_)
+        if keyspace.resolve_keys(keys, self.tag, self.rank, self.max_items, self.generation, self.alive,
+                                 ring.LIVE, slot, live) < 0:
+            return slot, live
+        tag, rank, gen, slot = keyspace.decode(keys)  # a foreign key: find it again, for the message
         bad = (keys < 0) | (tag != self.tag) | (rank != self.rank) | (slot >= self.max_items)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])

@@ -88,6 +88,39 @@ def _gather_one(src, capacity, step_bytes, start, nv, front_steps, base, out, ro
         _memzero(out, o, end - o)
 
 
+@njit(cache=True, inline="always")
+def _gather_run(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, lo, hi):
+    """Windows ``lo:hi`` in order, each prefetched ``PREFETCH_AHEAD`` windows before it is copied."""
+    for i in range(lo, min(lo + PREFETCH_AHEAD, hi)):
+        _prefetch_window(src, capacity, step_bytes, starts[i], n_valid[i])
+    for i in range(lo, hi):
+        if i + PREFETCH_AHEAD < hi:
+            _prefetch_window(src, capacity, step_bytes, starts[i + PREFETCH_AHEAD], n_valid[i + PREFETCH_AHEAD])
+        _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
+                    out, row_bytes)
+
+
+@njit(cache=True, inline="always")
+def _check_windows(capacity, starts, n_valid, pad_front, out_rows, window, rows):
+    for i in range(starts.shape[0]):
+        if not (0 <= starts[i] < capacity and 0 <= n_valid[i] <= min(window, capacity)
+                and 0 <= pad_front[i] <= window - n_valid[i] and 0 <= out_rows[i] < rows):
+            raise ValueError("gather: a window lies outside the ring or the batch")
+
+
+@njit(cache=True, inline="always")
+def _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window):
+    row_bytes = window * step_bytes
+    b = starts.shape[0]
+    if b * row_bytes < SERIAL_BYTES:
+        _gather_run(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, 0, b)
+    else:
+        chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
+        for t in prange(chunks):
+            _gather_run(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes,
+                        t * b // chunks, (t + 1) * b // chunks)
+
+
 @njit(cache=True, parallel=True)
 def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window):
     """Copy windows into ``out`` (bytes, ``[B * window * step_bytes]``), in parallel over windows.
@@ -102,36 +135,31 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     window is checked first (O(B), serial): a window outside the ring or the batch
     raises ``ValueError`` before anything is written.
     """
-    row_bytes = window * step_bytes
-    b = starts.shape[0]
     if src.shape[0] < capacity * step_bytes:
-        raise ValueError("gather_windows: src is shorter than capacity * step_bytes")
-    rows = out.shape[0] // row_bytes if row_bytes > 0 else 0
-    for i in range(b):
-        if not (0 <= starts[i] < capacity and 0 <= n_valid[i] <= min(window, capacity)
-                and 0 <= pad_front[i] <= window - n_valid[i] and 0 <= out_rows[i] < rows):
-            raise ValueError("gather_windows: a window lies outside the ring or the batch")
-    if b * row_bytes < SERIAL_BYTES:
-        for i in range(min(PREFETCH_AHEAD, b)):
-            _prefetch_window(src, capacity, step_bytes, starts[i], n_valid[i])
-        for i in range(b):
-            if i + PREFETCH_AHEAD < b:
-                _prefetch_window(src, capacity, step_bytes, starts[i + PREFETCH_AHEAD], n_valid[i + PREFETCH_AHEAD])
-            _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
-                        out, row_bytes)
-    else:
-        chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
-        for t in prange(chunks):
-            lo = t * b // chunks
-            hi = (t + 1) * b // chunks
-            for i in range(lo, min(lo + PREFETCH_AHEAD, hi)):
-                _prefetch_window(src, capacity, step_bytes, starts[i], n_valid[i])
-            for i in range(lo, hi):
-                if i + PREFETCH_AHEAD < hi:
-                    _prefetch_window(src, capacity, step_bytes, starts[i + PREFETCH_AHEAD],
-                                     n_valid[i + PREFETCH_AHEAD])
-                _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
-                            out, row_bytes)
+        raise ValueError("gather: src is shorter than capacity * step_bytes")
+    _check_windows(capacity, starts, n_valid, pad_front, out_rows, window,
+                   out.shape[0] // (window * step_bytes) if window * step_bytes > 0 else 0)
+    _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window)
+
+
+@njit(cache=True, parallel=True)
+def gather_columns(srcs, step_bytes, capacity, starts, n_valid, pad_front, out_rows, outs, window, mask):
+    """:func:`gather_windows` for every column at once (``srcs``/``outs``: tuples of byte arrays,
+    ``step_bytes[c]`` bytes per step of column ``c``), then the mask rows (:func:`fill_mask`) when
+    ``mask`` has rows. One call instead of one per column; the same checks first, the same copies."""
+    rows = mask.shape[0]
+    for c in range(len(srcs)):
+        sb = step_bytes[c]
+        if srcs[c].shape[0] < capacity * sb:
+            raise ValueError("gather: src is shorter than capacity * step_bytes")
+        r = outs[c].shape[0] // (window * sb) if window * sb > 0 else 0
+        rows = r if c == 0 or r < rows else rows
+    _check_windows(capacity, starts, n_valid, pad_front, out_rows, window, rows)
+    for c in range(len(srcs)):
+        _gather_column(srcs[c], capacity, step_bytes[c], starts, n_valid, pad_front, out_rows, outs[c], window)
+    if mask.shape[0] > 0:
+        for i in range(starts.shape[0]):
+            _mask_row(mask, out_rows[i], pad_front[i], pad_front[i] + n_valid[i], window)
 
 
 @njit(cache=True, inline="always")
@@ -155,7 +183,11 @@ def fill_mask(n_valid, pad_front, out_rows, mask):
 
 @njit(cache=True, inline="always")
 def _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front):
-    length = lengths[i]
+    _place_one_values(i, starts[i], lengths[i], window, align_code, uniforms, win_start, n_valid, pad_front)
+
+
+@njit(cache=True, inline="always")
+def _place_one_values(i, start, length, window, align_code, uniforms, win_start, n_valid, pad_front):
     if length >= window:
         if align_code == 0:
             span = length - window + 1
@@ -164,13 +196,23 @@ def _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_va
             off = 0
         else:
             off = length - window
-        win_start[i] = starts[i] + off
+        win_start[i] = start + off
         n_valid[i] = window
         pad_front[i] = 0
     else:
-        win_start[i] = starts[i]
+        win_start[i] = start
         n_valid[i] = length
         pad_front[i] = window - length if align_code == 2 else 0
+
+
+@njit(cache=True)
+def place_slots(slots, start, length, capacity, window, align_code, uniforms, win_start, n_valid, pad_front):
+    """:func:`place_windows` for table ``slots`` (their ``start`` and ``length`` read here), with
+    ``win_start`` wrapped into the ring. O(B), serial (one pass, no temporaries)."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        _place_one_values(i, start[s], length[s], window, align_code, uniforms, win_start, n_valid, pad_front)
+        win_start[i] %= capacity
 
 
 @njit(cache=True, parallel=True)
