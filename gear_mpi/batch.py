@@ -24,6 +24,7 @@ class Batch:
                  probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray):
         self._np = data
         self._bytes = None
+        self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
         self.mask = torch.from_numpy(mask)
@@ -39,6 +40,7 @@ class Batch:
         self = cls.__new__(cls)
         self._np = None
         self._bytes = None
+        self._meta_np = None
         self._mask_np = None
         self.data, self.mask, self.keys = dict(data), mask, keys
         self.probabilities, self.weights, self.lengths = probabilities, weights, lengths
@@ -57,6 +59,12 @@ class Batch:
         if self._bytes is None:
             self._bytes = tuple(a.reshape(-1).view(np.uint8) for a in self.numpy().values())
         return self._bytes
+
+    def meta_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(keys, probabilities, weights, lengths)`` as numpy arrays (same memory); host batches only."""
+        if self._meta_np is None:
+            raise RuntimeError("this batch lives on a device; use its tensors")
+        return self._meta_np
 
     def numpy(self) -> dict[str, np.ndarray]:
         """The column buffers as numpy arrays (same memory as the tensors); host batches only."""

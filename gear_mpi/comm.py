@@ -35,9 +35,20 @@ def _error_code(exc: BaseException) -> int:
     return best
 
 
+_MPI = None
+
+
 def _mpi():
-    from mpi4py import MPI
-    return MPI
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+        _MPI = MPI
+    return _MPI
+
+
+def _displacements(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums of ``counts`` (int64)."""
+    return np.cumsum(counts) - counts
 
 
 class MpiComm:
@@ -103,11 +114,10 @@ class MpiComm:
         MPI = _mpi()
         sc = np.asarray(send_counts, np.int64)
         rc = np.asarray(recv_counts, np.int64)
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]) if send_displs is None else np.asarray(send_displs, np.int64)
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]) if recv_displs is None else np.asarray(recv_displs, np.int64)
-        st = MPI._typedict[send.dtype.char]
-        rt = MPI._typedict[recv.dtype.char]
-        return self.comm.Ialltoallv([send, (sc, sd), st], [recv, (rc, rd), rt])
+        sd = _displacements(sc) if send_displs is None else np.asarray(send_displs, np.int64)
+        rd = _displacements(rc) if recv_displs is None else np.asarray(recv_displs, np.int64)
+        types = MPI._typedict
+        return self.comm.Ialltoallv([send, (sc, sd), types[send.dtype.char]], [recv, (rc, rd), types[recv.dtype.char]])
 
     def alltoallv_bytes(self, send, send_counts, recv, recv_counts, what: str) -> None:
         """Personalised exchange of byte buffers given as torch tensors (uint8): CUDA tensors go to

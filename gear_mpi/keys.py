@@ -41,6 +41,11 @@ def encode(tag: int, rank: int, slots: np.ndarray, generations: np.ndarray) -> n
     return head | (gens << _GEN_SHIFT) | slots
 
 
+def key_head(tag: int, rank: int) -> int:
+    """The tag and rank bits shared by every key of shard ``rank`` of replay ``tag``."""
+    return (int(tag) << _TAG_SHIFT) | (int(rank) << _RANK_SHIFT)
+
+
 def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Split keys into (tag, rank, generation, slot) arrays. Cost: O(n) vectorised."""
     keys = np.asarray(keys, dtype=np.int64)

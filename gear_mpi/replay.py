@@ -58,11 +58,12 @@ from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .keys import as_key_array
 from .selectors import Selector, Uniform
-from .shard import Shard, attach_columns, check_batch_size, check_window, gather_into
+from .shard import Shard, attach_columns, check_batch_size, check_window
 from .spec import TrajectorySpec, validate_priorities
 
 MODES = ("decentralized", "centralized", "local")
-_META = 6  # key, window start, real steps, leading padding, probability bits, weight bits
+_META = gather_kernels.META  # key, window start, real steps, leading padding, probability bits, weight bits
+_NO_UNIFORMS = np.zeros(0)
 _STATS = ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
           "stale_updates", "stored_bytes", "raw_bytes", "windows_shared", "windows_mpi")
 
@@ -137,6 +138,17 @@ class Replay:
         self.direct = np.array([r in self.peer_views and (r == rank or not self.force_alltoallv)
                                 for r in range(size)])
         self.any_remote = any(self.comm.comm.allgather(not bool(self.direct.all())))
+        # the address of every directly readable column (owner x column), for the gather kernel
+        self._column_addrs = np.zeros((size, len(spec.columns)), np.int64)
+        for r, views in self.peer_views.items():
+            if self.direct[r]:
+                for c, col in enumerate(spec.columns):
+                    if views[col.name].nbytes < col.step_bytes * self.shard.capacity_steps:
+                        raise ValueError(f"rank {r}'s column {col.name!r} is shorter than its ring")
+                    self._column_addrs[r, c] = views[col.name].ctypes.data
+        self._peer_direct = (self.direct & (np.arange(size) != rank)).astype(np.int64)  # node peers read directly
+        self._remote = (~self.direct).astype(np.int64)
+        self._node_peers = bool(self._peer_direct.any())
         self.device_views: dict[int, dict] = {}
         self._mapped = []
         self.torch_comm = None
@@ -210,26 +222,25 @@ class Replay:
         head = self.comm.agree(err, "sample", [batch_size, window, code, sh.total_weight, len(sh), sh.min_weight])
         self._settle()  # every rank has reached this call, so the last sample's fence completes at once
         sizes = head[:, 0].astype(np.int64)
-        if len(set(head[:, 1])) > 1 or len(set(head[:, 2])) > 1:
+        if (head[:, 1:3] != head[0, 1:3]).any():
             raise ValueError(f"sample: window and align must be the same on every rank; got windows "
                              f"{head[:, 1].astype(int).tolist()} and align codes {head[:, 2].astype(int).tolist()}")
         masses, counts, mins = head[:, 3], head[:, 4].astype(np.int64), head[:, 5]
-        if sizes.sum() > 0 and counts.sum() == 0:
-            raise EmptyReplayError("sample: the replay is empty on every rank")
-        if sizes.sum() > 0 and self.selector.proportional and masses.sum() <= 0.0:
-            raise EmptyReplayError("sample: every live item of the replay has priority 0")
         total, wmin = float(masses.sum()), float(mins.min())
+        if sizes.any() and not counts.any():
+            raise EmptyReplayError("sample: the replay is empty on every rank")
+        if sizes.any() and self.selector.proportional and total <= 0.0:
+            raise EmptyReplayError("sample: every live item of the replay has priority 0")
         if self.selector.proportional:
             if self.mode == "decentralized":
-                assign, recv_counts = self._draw_decentralized(sizes, masses)
-            else:
-                assign, recv_counts = self._draw_centralized(sizes)
+                return self._exchange(*self._draw_decentralized(sizes, masses, total), window, code, total, wmin)
+            assign, recv_counts = self._draw_centralized(sizes)
         else:
             if self.mode == "decentralized":
                 assign, recv_counts = self._merge_ordered(sizes, counts)
             else:
                 assign, recv_counts = self._merge_ordered_at_root(sizes, counts)
-        return self._exchange(assign, recv_counts, window, code, total, wmin)
+        return self._exchange(*_flatten(assign), recv_counts, window, code, total, wmin)
 
     def _sample_local_device(self, batch_size: int, window: int | None, align: str) -> Batch:
         """Mode "local" on a GPU: select from this shard, gather on the device; no communication."""
@@ -237,23 +248,23 @@ class Replay:
         window, code = check_window(self.spec, window, align)
         if batch_size:
             self.shard.check_can_sample()
-        assign = [np.zeros(0, np.int64) for _ in range(self.size)]
-        assign[self.rank] = self.shard.select(batch_size)
         counts = np.zeros(self.size, np.int64)
         counts[self.rank] = batch_size
-        return self._exchange(assign, counts, window, code, self.shard.total_weight, self.shard.min_weight, local=True)
+        return self._exchange(self.shard.select(batch_size), counts, counts, window, code, self.shard.total_weight,
+                              self.shard.min_weight, local=True)
 
-    def _draw_decentralized(self, sizes: np.ndarray, masses: np.ndarray):
+    def _draw_decentralized(self, sizes: np.ndarray, masses: np.ndarray, total: float):
         """Counts[r, o] ~ Multinomial(B_r, mass_o / total), independently per requester r.
 
         Drawn from a stream that every rank holds and advances identically, so the
         whole count matrix is known everywhere without an alltoall. Owners then draw
         that many items from their own shard: P(item) = w_i / total exactly.
+        Returns (this rank's slots in requester order, how many for each requester,
+        how many each owner serves this rank).
         """
-        counts = self.shared_rng.multinomial(sizes, masses / masses.sum())
-        serve = counts[:, self.rank]
-        slots = self.shard.select(int(serve.sum())) if serve.sum() else np.zeros(0, np.int64)
-        return np.split(slots, np.cumsum(serve)[:-1]), counts[self.rank]
+        counts = self.shared_rng.multinomial(sizes, masses / total)
+        serve = np.ascontiguousarray(counts[:, self.rank])
+        return self.shard.select(int(serve.sum())), serve, counts[self.rank]
 
     def _draw_centralized(self, sizes: np.ndarray):
         """Rank 0 gathers every live weight, draws for everybody, scatters the choices."""
@@ -311,29 +322,19 @@ class Replay:
         recv = self.comm.alltoall(np.array([len(a) for a in assign], np.int64), "sample (counts)")
         return assign, recv
 
-    def _exchange(self, assign: list[np.ndarray], recv_counts: np.ndarray, window: int, code: int,
-                  total: float, wmin: float, local: bool = False) -> Batch:
+    def _exchange(self, slots: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
+                  code: int, total: float, wmin: float, local: bool = False) -> Batch:
         """Owners send choices (and windows for remote requesters); requesters assemble the batch.
 
+        ``slots``: what this rank serves, in requester order (``send_counts`` each).
         ``local``: this rank serves only itself (mode "local" on a GPU): no communication.
         """
-        sh, size, me = self.shard, self.size, self.rank
-        send_counts = np.array([len(a) for a in assign], np.int64)
-        slots = np.concatenate(assign) if len(assign) else np.zeros(0, np.int64)
-        win_start, n_valid, pad_front = sh.place(slots, window, code)
-        meta = np.empty((len(slots), _META), np.int64)
-        meta[:, 0] = sh.store.keys_of(slots)
-        meta[:, 1], meta[:, 2], meta[:, 3] = win_start, n_valid, pad_front
-        if self.selector.proportional:
-            w = sh.index.weights_of(slots)
-            meta[:, 4] = (w / total).view(np.int64)
-            meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
-        else:
-            meta[:, 4] = np.ones(len(slots)).view(np.int64)
-            meta[:, 5] = meta[:, 4]
-        nb = int(recv_counts.sum())
-        rows = np.arange(nb, dtype=np.int64)
-        row_of_owner = np.concatenate([[0], np.cumsum(recv_counts)])
+        sh, size = self.shard, self.size
+        meta = self._choice_rows(slots, window, code, total, wmin)
+        win_start, n_valid, pad_front = meta[:, 1], meta[:, 2], meta[:, 3]
+        row_of_owner = np.zeros(size + 1, np.int64)
+        np.cumsum(recv_counts, out=row_of_owner[1:])
+        nb = int(row_of_owner[-1])
         if self.device is None:
             batch = Batch.empty(self.spec, nb, window)
             data, mask = batch.numpy(), batch._mask_np
@@ -356,27 +357,24 @@ class Replay:
                                      data, window)
             self.comm.wait_all(requests, "sample (choices and windows)")
             del send_buffers
-        g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
-        # windows read directly: this rank's own and (shared-memory path) the node's
-        for o in range(size):
-            lo, hi = row_of_owner[o], row_of_owner[o + 1]
-            if hi > lo and self.direct[o]:
-                part = (g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi], rows[lo:hi])
-                if self.device is None:
-                    gather_into(self.peer_views[o], self.spec, sh.capacity_steps, *part, batch)
-                else:
-                    self._device_gather(self.device_views[o], part, data, mask)
-                if o != me:
-                    self.windows_shared += int(hi - lo)
-            elif hi > lo:
-                self.windows_mpi += int(hi - lo)
+        self.windows_shared += int(recv_counts @ self._peer_direct)
+        self.windows_mpi += int(recv_counts @ self._remote)
         if self.device is None:
-            gather_kernels.fill_mask(g_valid, g_pad, rows, mask)
-            batch.keys.numpy()[:] = got[:, 0]
-            batch.lengths.numpy()[:] = g_valid
-            batch.probabilities.numpy()[:] = got[:, 4].view(np.float64)
-            batch.weights.numpy()[:] = got[:, 5].view(np.float64)
+            # windows read directly (this rank's own and, on the shared-memory path, the node's), keys,
+            # lengths, probabilities and mask of every row: one kernel
+            keys, probabilities, weights, lengths = batch.meta_numpy()
+            gather_kernels.gather_from_owners(self._column_addrs, self.spec.step_bytes_array, sh.capacity_steps,
+                                              self.direct, row_of_owner, got, batch.byte_views(), window, mask,
+                                              keys, lengths, probabilities)
+            weights[:] = got[:, 5].view(np.float64)
         else:
+            g_start, g_valid, g_pad = got[:, 1].copy(), got[:, 2].copy(), got[:, 3].copy()
+            rows = np.arange(nb, dtype=np.int64)
+            for o in range(size):
+                lo, hi = row_of_owner[o], row_of_owner[o + 1]
+                if hi > lo and self.direct[o]:
+                    self._device_gather(self.device_views[o], (g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi],
+                                                               rows[lo:hi]), data, mask)
             from .kernels import cuda_gather
             cuda_gather.fill_mask(g_valid, g_pad, rows, self.device.numba_view(mask), self.device.threads)
             dev = self.device.torch_device
@@ -385,11 +383,33 @@ class Replay:
                                        torch.from_numpy(got[:, 5].view(np.float64).astype(np.float32)).to(dev),
                                        torch.from_numpy(g_valid).to(dev))
             self.device.synchronize()
-        if self.direct.sum() > 1 and not local:
+        if self._node_peers and not local:
             # node peers may still be copying this rank's windows: fence before the next write
             self._fence = self.node_comm.Ibarrier()
         sh.after_sampling(slots)
         return batch
+
+    def _choice_rows(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
+        """The meta row of each slot this rank serves (key, placement, probability, importance
+        weight; see ``gather.META``): one kernel plus the selector's importance weights. O(B)."""
+        sh = self.shard
+        st = sh.store
+        meta = np.empty((len(slots), _META), np.int64)
+        w = np.empty(len(slots), np.float64)
+        uniforms = sh.rng.random(len(slots)) if code == 0 else _NO_UNIFORMS
+        proportional = self.selector.proportional
+        on_host = proportional and self.device is None  # a device index: weights gathered on the GPU below
+        leaves = sh.index.host_leaves(st.max_items) if on_host else _NO_UNIFORMS
+        gather_kernels.window_meta(slots, st.start, st.length, st.generation, keyspace.key_head(st.tag, st.rank), keyspace.SLOT_BITS,
+                                   keyspace.GEN_MASK, st.capacity, window, code, uniforms, leaves, total, meta, w)
+        if proportional and not on_host:
+            w = sh.index.weights_of(slots)
+            meta[:, 4] = (w / total).view(np.int64)
+        if proportional:
+            meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
+        else:
+            meta[:, 5] = meta[:, 4]
+        return meta
 
     def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
         """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""
@@ -588,6 +608,12 @@ def _share_cores(ranks_on_node: int) -> None:
     import numba
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, cores // max(1, ranks_on_node))))
+
+
+def _flatten(assign: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-requester slot lists as (slots in requester order, count for each requester)."""
+    counts = np.array([len(a) for a in assign], np.int64)
+    return np.concatenate(assign).astype(np.int64, copy=False), counts
 
 
 def _global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray):

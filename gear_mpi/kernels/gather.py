@@ -7,6 +7,8 @@ from ``start`` (wrapping at the end of the ring) placed at row ``pad_front`` of 
 """
 from __future__ import annotations
 
+import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -232,3 +234,180 @@ def place_windows(starts, lengths, window, align_code, uniforms, win_start, n_va
     else:
         for i in prange(b):
             _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front)
+
+
+# ---- the replay's exchange: choices ("meta" rows) out of the owner, windows into the requester ----
+# A meta row is 6 int64: key, ring start of the window, real steps, leading padding, probability
+# (float64 bits), importance weight (float64 bits).
+META = 6
+
+
+@njit(cache=True)
+def window_meta(slots, start, length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
+                uniforms, leaves, total, meta, weights):
+    """Owner side: the meta row of each chosen slot (key, placement, probability ``w / total``),
+    and the index weight ``w`` of each (``leaves`` empty: ordered selectors, probability 1).
+    Importance weights (column 5) are the caller's. O(B), one pass."""
+    proportional = leaves.shape[0] > 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        meta[i, 0] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
+        ln = length[s]
+        if ln >= window:
+            if align_code == 0:
+                span = ln - window + 1
+                off = min(int(uniforms[i] * span), span - 1)
+            elif align_code == 1:
+                off = 0
+            else:
+                off = ln - window
+            meta[i, 1] = (start[s] + off) % capacity
+            meta[i, 2] = window
+            meta[i, 3] = 0
+        else:
+            meta[i, 1] = start[s] % capacity
+            meta[i, 2] = ln
+            meta[i, 3] = window - ln if align_code == 2 else 0
+        w = leaves[s] if proportional else 1.0
+        weights[i] = w
+        meta[i, 4] = _float_bits(w / total if proportional else 1.0)
+
+
+@intrinsic
+def _float_bits(typingctx, x):
+    """The IEEE bits of a float64, as an int64 (numpy's ``.view(np.int64)`` of one value)."""
+    sig = types.int64(types.float64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_float(typingctx, x):
+    """The float64 whose IEEE bits are the int64 ``x``."""
+    sig = types.float64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _memmove_from(typingctx, dst, dst_off, src_addr, nbytes):
+    """``memmove(dst + dst_off, (void *) src_addr, nbytes)``: a copy from a mapping given by address."""
+    sig = types.void(dst, types.intp, types.int64, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d = context.make_array(signature.args[0])(context, builder, args[0])
+        dp = builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [args[1]])
+        sp = builder.inttoptr(args[2], cgutils.voidptr_t)
+        cgutils.raw_memmove(builder, dp, sp, args[3], 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch_addr(typingctx, addr):
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module,
+                                            ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(args[0], cgutils.voidptr_t), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _copy_window_from(base, capacity, step_bytes, start, nv, front_steps, out, row_base, row_bytes):
+    """:func:`_gather_one` from a column at address ``base``."""
+    front = front_steps * step_bytes
+    if front > 0:
+        _memzero(out, row_base, front)
+    first = min(nv, capacity - start)
+    o = row_base + front
+    nb = first * step_bytes
+    if nb > 0:
+        _memmove_from(out, o, base + start * step_bytes, nb)
+        o += nb
+    rest = nv - first
+    if rest > 0:
+        nb = rest * step_bytes
+        _memmove_from(out, o, base, nb)
+        o += nb
+    end = row_base + row_bytes
+    if o < end:
+        _memzero(out, o, end - o)
+
+
+@njit(cache=True, parallel=True)
+def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, outs, window, mask, keys, lengths,
+                       probabilities):
+    """Requester side: the rows of a batch from the meta rows its owners sent (``meta``, in owner order:
+    owner ``o`` has rows ``row_of_owner[o]:row_of_owner[o + 1]``). Keys, lengths, probabilities and the
+    mask of every row; the data of the rows whose owner's columns this process maps (``direct[o]``),
+    copied from ``addrs[o, c]``, the address of owner ``o``'s column ``c`` (a ring of ``capacity``
+    steps of ``step_bytes[c]`` bytes, kept mapped by the caller). Every window is checked first: one
+    outside the ring raises ValueError before anything is copied. One call per sample; the copies run
+    in parallel over runs of >= 32 rows, each prefetching ``PREFETCH_AHEAD`` windows ahead.
+    Cost: O(B W) for the mask, each delivered byte copied once."""
+    nb = meta.shape[0]
+    for i in range(nb):
+        if not (0 <= meta[i, 1] < capacity and 0 <= meta[i, 2] <= min(window, capacity)
+                and 0 <= meta[i, 3] <= window - meta[i, 2]):
+            raise ValueError("gather: a window lies outside the ring")
+        keys[i] = meta[i, 0]
+        lengths[i] = meta[i, 2]
+        probabilities[i] = _bits_float(meta[i, 4])
+        _mask_row(mask, i, meta[i, 3], meta[i, 3] + meta[i, 2], window)
+    # tasks: runs of rows of one direct owner
+    n_owners = direct.shape[0]
+    ntask = 0
+    for o in range(n_owners):
+        if direct[o]:
+            ntask += max(1, (row_of_owner[o + 1] - row_of_owner[o]) // 32)
+    task_owner = np.empty(ntask, np.int64)
+    task_lo = np.empty(ntask, np.int64)
+    task_hi = np.empty(ntask, np.int64)
+    t = 0
+    for o in range(n_owners):
+        if direct[o]:
+            lo = row_of_owner[o]
+            cnt = row_of_owner[o + 1] - lo
+            runs = max(1, cnt // 32)
+            for k in range(runs):
+                task_owner[t] = o
+                task_lo[t] = lo + k * cnt // runs
+                task_hi[t] = lo + (k + 1) * cnt // runs
+                t += 1
+    for t in prange(ntask):
+        o = task_owner[t]
+        lo = task_lo[t]
+        hi = task_hi[t]
+        for c in range(step_bytes.shape[0]):
+            sb = step_bytes[c]
+            base = addrs[o, c]
+            out = outs[c]
+            row_bytes = window * sb
+            for i in range(lo, min(lo + PREFETCH_AHEAD, hi)):
+                _prefetch_window_addr(base, capacity, sb, meta[i, 1], meta[i, 2])
+            for i in range(lo, hi):
+                if i + PREFETCH_AHEAD < hi:
+                    _prefetch_window_addr(base, capacity, sb, meta[i + PREFETCH_AHEAD, 1], meta[i + PREFETCH_AHEAD, 2])
+                _copy_window_from(base, capacity, sb, meta[i, 1], meta[i, 2], meta[i, 3], out, i * row_bytes,
+                                  row_bytes)
+
+
+@njit(cache=True, inline="always")
+def _prefetch_window_addr(base, capacity, step_bytes, start, nv):
+    nb = min(nv, capacity - start) * step_bytes
+    a = base + start * step_bytes
+    for q in range(0, min(nb, PREFETCH_BYTES), 64):
+        _prefetch_addr(a + q)
