@@ -278,6 +278,86 @@ def test_place_windows_matches_the_formula(align_code):
             assert pad_front[i] == (window - L if align_code == 2 else 0)
 
 
+@pytest.mark.parametrize("align_code", [0, 1, 2])
+def test_window_meta_and_place_slots_agree_with_place_windows(align_code):
+    """The replay's owner-side kernel and the shard's: the same placement as place_windows, keys as
+    keys.encode, probability w / total (1 without an index)."""
+    from gear_mpi import keys as ks
+    rng = np.random.default_rng(10 + align_code)
+    n, b, window, capacity = 300, 500, 10, 2000
+    start = rng.integers(0, 3000, n).astype(np.int64)   # ring positions, wrapped by the kernels
+    length = rng.integers(1, 25, n).astype(np.int64)
+    generation = rng.integers(0, 1 << 20, n).astype(np.int64)
+    leaves = rng.random(n) + 0.1
+    slots = rng.integers(0, n, b).astype(np.int64)
+    u = rng.random(b)
+    ws, nv, pf = (np.empty(b, np.int64) for _ in range(3))
+    gather.place_windows(start[slots], length[slots], window, align_code, u, ws, nv, pf)
+    ws %= capacity
+    got = [np.empty(b, np.int64) for _ in range(3)]
+    gather.place_slots(slots, start, length, capacity, window, align_code, u, *got)
+    for a, w in zip(got, (ws, nv, pf)):
+        np.testing.assert_array_equal(a, w)
+    for lv, total in ((leaves, 7.5), (np.zeros(0), 1.0)):
+        meta = np.empty((b, gather.META), np.int64)
+        w = np.empty(b)
+        gather.window_meta(slots, start, length, generation, ks.key_head(9, 3), ks.SLOT_BITS, ks.GEN_MASK, capacity,
+                           window, align_code, u, lv, total, meta, w)
+        np.testing.assert_array_equal(meta[:, 0], ks.encode(9, 3, slots, generation[slots]))
+        np.testing.assert_array_equal(meta[:, 1:4], np.stack([ws, nv, pf], 1))
+        want = leaves[slots] / total if len(lv) else np.ones(b)
+        np.testing.assert_array_equal(meta[:, 4].view(np.float64), want)
+        np.testing.assert_array_equal(w, leaves[slots] if len(lv) else np.ones(b))
+
+
+def test_gather_from_owners_matches_numpy_and_checks_windows():
+    """Two owners' columns read by address, one owner skipped (its rows come through MPI)."""
+    rng = np.random.default_rng(5)
+    capacity, window = 97, 16
+    cols = (5, 1)  # step bytes of two columns
+    owners = [[rng.integers(0, 256, capacity * sb).astype(np.uint8) for sb in cols] for _ in range(3)]
+    addrs = np.array([[a.ctypes.data for a in cs] for cs in owners], np.int64)
+    direct = np.array([True, False, True])
+    counts = np.array([40, 7, 33])
+    row_of_owner = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    nb = int(counts.sum())
+    n_valid = rng.integers(0, window + 1, nb)
+    pad_front = np.array([rng.integers(0, window - v + 1) for v in n_valid])
+    starts = rng.integers(0, capacity, nb)
+    starts[:10] = capacity - 3  # these wrap
+    n_valid[:10] = window
+    pad_front[:10] = 0
+    meta = np.zeros((nb, gather.META), np.int64)
+    meta[:, 0] = rng.integers(0, 1 << 40, nb)
+    meta[:, 1], meta[:, 2], meta[:, 3] = starts, n_valid, pad_front
+    meta[:, 4] = rng.random(nb).view(np.int64)
+    outs = tuple(np.full(nb * window * sb, 0xAB, np.uint8) for sb in cols)
+    mask = np.ones((nb, window), np.bool_)
+    keys, lengths, probs = np.empty(nb, np.int64), np.empty(nb, np.int64), np.empty(nb)
+    gather.gather_from_owners(addrs, np.array(cols, np.int64), capacity, direct, row_of_owner, meta, outs, window,
+                              mask, keys, lengths, probs)
+    rows = np.arange(nb)
+    for c, sb in enumerate(cols):
+        want = np.full(nb * window * sb, 0xAB, np.uint8)
+        for o in (0, 2):
+            lo, hi = row_of_owner[o], row_of_owner[o + 1]
+            reference_gather(owners[o][c], capacity, sb, starts[lo:hi], n_valid[lo:hi], pad_front[lo:hi],
+                             rows[lo:hi], want, window)
+        np.testing.assert_array_equal(outs[c], want)  # owner 1's rows untouched
+    t = np.arange(window)
+    np.testing.assert_array_equal(mask, (t >= pad_front[:, None]) & (t < (pad_front + n_valid)[:, None]))
+    np.testing.assert_array_equal(keys, meta[:, 0])
+    np.testing.assert_array_equal(lengths, n_valid)
+    np.testing.assert_array_equal(probs, meta[:, 4].view(np.float64))
+    bad = meta.copy()
+    bad[5, 1] = capacity  # a window outside the ring: refused before any copy
+    fresh = tuple(np.full_like(o, 0xAB) for o in outs)
+    with pytest.raises(ValueError, match="outside the ring"):
+        gather.gather_from_owners(addrs, np.array(cols, np.int64), capacity, direct, row_of_owner, bad, fresh, window,
+                                  mask, keys, lengths, probs)
+    assert all((o == 0xAB).all() for o in fresh)
+
+
 # ---- ring and table (through a Shard) ------------------------------------------------------------
 
 def check_ring_invariants(shard: gm.Shard) -> None:
