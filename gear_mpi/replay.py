@@ -63,7 +63,6 @@ from .spec import TrajectorySpec, validate_priorities
 
 MODES = ("decentralized", "centralized", "local")
 _META = gather_kernels.META  # key, window start, real steps, leading padding, probability bits, weight bits
-_NO_UNIFORMS = np.zeros(0)
 _STATS = ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
           "stale_updates", "stored_bytes", "raw_bytes", "windows_shared", "windows_mpi")
 
@@ -330,7 +329,7 @@ class Replay:
         ``local``: this rank serves only itself (mode "local" on a GPU): no communication.
         """
         sh, size = self.shard, self.size
-        meta = self._choice_rows(slots, window, code, total, wmin)
+        meta = sh.choice_rows(slots, window, code, total, wmin)
         win_start, n_valid, pad_front = meta[:, 1], meta[:, 2], meta[:, 3]
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
@@ -388,28 +387,6 @@ class Replay:
             self._fence = self.node_comm.Ibarrier()
         sh.after_sampling(slots)
         return batch
-
-    def _choice_rows(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
-        """The meta row of each slot this rank serves (key, placement, probability, importance
-        weight; see ``gather.META``): one kernel plus the selector's importance weights. O(B)."""
-        sh = self.shard
-        st = sh.store
-        meta = np.empty((len(slots), _META), np.int64)
-        w = np.empty(len(slots), np.float64)
-        uniforms = sh.rng.random(len(slots)) if code == 0 else _NO_UNIFORMS
-        proportional = self.selector.proportional
-        on_host = proportional and self.device is None  # a device index: weights gathered on the GPU below
-        leaves = sh.index.host_leaves(st.max_items) if on_host else _NO_UNIFORMS
-        gather_kernels.window_meta(slots, st.start, st.length, st.generation, keyspace.key_head(st.tag, st.rank), keyspace.SLOT_BITS,
-                                   keyspace.GEN_MASK, st.capacity, window, code, uniforms, leaves, total, meta, w)
-        if proportional and not on_host:
-            w = sh.index.weights_of(slots)
-            meta[:, 4] = (w / total).view(np.int64)
-        if proportional:
-            meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
-        else:
-            meta[:, 5] = meta[:, 4]
-        return meta
 
     def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
         """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""

@@ -10,7 +10,7 @@ from .batch import Batch
 from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
 from .kernels import gather as gather_kernels
 from .kernels import ring
-from .keys import as_key_array
+from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .memory import SharedArena, check_header, column_layout
 from .selectors import PriorityIndex, Selector, Uniform, rank_by_priority
 from .spec import TrajectorySpec, validate_priorities
@@ -18,6 +18,7 @@ from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}
 _NO_UNIFORMS = np.zeros(0)
+_ONE_OWNER = np.ones(1, np.bool_)
 
 
 def check_window(spec: TrajectorySpec, window: int | None, align: str) -> tuple[int, int]:
@@ -110,6 +111,7 @@ class Shard:
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.samples_drawn = 0
         self.stale_updates = 0
+        self._addresses = None
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -280,20 +282,46 @@ class Shard:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
         slots = self.select(batch_size)
-        win_start, n_valid, pad_front = self.place(slots, window, code)
-        gather_into(self.store.byte_views(), self.spec, self.store.capacity, win_start, n_valid, pad_front,
-                    np.arange(batch_size, dtype=np.int64), batch)
-        self.store.keys_of(slots, out=batch.keys.numpy())
-        batch.lengths.numpy()[:] = n_valid
-        if self.index is not None:
-            w = self.index.weights_of(slots)
-            batch.probabilities.numpy()[:] = w / self.index.total
-            batch.weights.numpy()[:] = self.selector.importance_weights(w, self.index.min_positive)
-        else:
-            batch.probabilities.numpy()[:] = 1.0
-            batch.weights.numpy()[:] = 1.0
+        meta = self.choice_rows(slots, window, code, self.total_weight, self.min_weight)
+        keys, probabilities, weights, lengths = batch.meta_numpy()
+        gather_kernels.gather_from_owners(self.column_addresses(), self.spec.step_bytes_array, self.store.capacity,
+                                          _ONE_OWNER, np.array([0, batch_size], np.int64), meta, batch.byte_views(),
+                                          window, batch._mask_np, keys, lengths, probabilities)
+        weights[:] = meta[:, 5].view(np.float64)
         self.after_sampling(slots)
         return batch
+
+    def choice_rows(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
+        """What a requester needs to copy and describe each chosen window: a row of
+        ``gather.META`` int64 per slot (key, ring start, real steps, leading padding,
+        probability ``w / total`` and importance weight as float64 bits). ``total`` and
+        ``wmin`` are the selection mass and smallest weight the draw was made over (the
+        whole replay's, for a Replay). O(B): one kernel plus the selector's weights."""
+        st = self.store
+        meta = np.empty((len(slots), gather_kernels.META), np.int64)
+        w = np.empty(len(slots), np.float64)
+        uniforms = self.rng.random(len(slots)) if code == 0 else _NO_UNIFORMS
+        proportional = self.index is not None
+        on_host = isinstance(self.index, PriorityIndex)  # a device index: weights gathered on the GPU below
+        leaves = self.index.leaves if on_host else _NO_UNIFORMS
+        gather_kernels.window_meta(np.ascontiguousarray(slots, np.int64), st.start, st.length, st.generation,
+                                   key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
+                                   uniforms, leaves, total, meta, w)
+        if proportional and not on_host:
+            w = self.index.weights_of(slots)
+            meta[:, 4] = (w / total).view(np.int64)
+        if proportional:
+            meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
+        else:
+            meta[:, 5] = meta[:, 4]
+        return meta
+
+    def column_addresses(self) -> np.ndarray:
+        """The address of each column's ring (``[1, columns]`` int64), for the gather kernel; built once."""
+        if self._addresses is None:
+            views = self.store.byte_views()
+            self._addresses = np.array([[views[name].ctypes.data for name in self.spec.names]], np.int64)
+        return self._addresses
 
     # ---- updates and reads ------------------------------------------------------------
     def update_priorities(self, keys: Any, priorities: Any) -> int:
@@ -354,6 +382,7 @@ class Shard:
 
     def close(self) -> None:
         """Release the columns (and unlink shared memory this shard created). Idempotent."""
+        self._addresses = None
         self.store.close()
 
     def __enter__(self) -> "Shard":
