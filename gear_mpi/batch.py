@@ -23,6 +23,7 @@ class Batch:
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
                  probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray):
         self._np = data
+        self._fits = None
         self._bytes = None
         self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
@@ -39,6 +40,7 @@ class Batch:
         """A batch over existing tensors (e.g. on a GPU); :meth:`numpy` is then unavailable."""
         self = cls.__new__(cls)
         self._np = None
+        self._fits = None
         self._bytes = None
         self._meta_np = None
         self._mask_np = None
@@ -110,10 +112,16 @@ class Batch:
                 + 8 * 3 * self.batch_size + 4 * self.batch_size)
 
     def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
-        """True when this batch's buffers fit ``batch_size`` windows of ``window`` steps of ``spec``."""
-        return (self._np is not None and tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window
+        """True when this batch's buffers fit ``batch_size`` windows of ``window`` steps of ``spec``
+        (remembered for the last spec it fitted, so a reused ``out=`` batch is checked once)."""
+        if self._fits is not None and self._fits[0] is spec and self._fits[1:] == (batch_size, window):
+            return True
+        ok = (self._np is not None and tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window
                 and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[2:] == c.shape
                         for c in spec.columns))
+        if ok:
+            self._fits = (spec, batch_size, window)
+        return ok
 
     def __repr__(self) -> str:
         cols = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.data.items())

@@ -6,6 +6,7 @@ from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from numba import njit
 
 from .errors import InvalidPriorityError, InvalidTrajectoryError
 
@@ -151,12 +152,22 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
         raise InvalidPriorityError(f"{what} must be numbers, got {priorities!r:.80}") from None
     if arr.shape[0] != count:
         raise InvalidPriorityError(f"{what}: got {arr.shape[0]} values for {count} items")
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise InvalidPriorityError(f"{what}[{i}] is {arr[i]}: priorities must be finite")
-    neg = arr < 0
-    if neg.any():
-        i = int(np.flatnonzero(neg)[0])
+    out = np.empty(count, np.float64)
+    i = _copy_checked(arr, out)
+    if i >= 0:
+        if not np.isfinite(arr[i]):
+            raise InvalidPriorityError(f"{what}[{i}] is {arr[i]}: priorities must be finite")
         raise InvalidPriorityError(f"{what}[{i}] is {arr[i]}: priorities must be non-negative")
-    return arr + 0.0  # a copy, with -0.0 made +0.0
+    return out
+
+
+@njit(cache=True)
+def _copy_checked(src, out):
+    """``out[:] = src + 0.0`` (-0.0 made +0.0) while checking each value is finite and >= 0;
+    returns the index of the first that is not (nothing is promised about ``out`` then), or -1."""
+    for i in range(src.shape[0]):
+        v = src[i]
+        if not (v >= 0.0 and v < np.inf):  # false for NaN too
+            return i
+        out[i] = v + 0.0
+    return -1

@@ -240,6 +240,7 @@ def place_windows(starts, lengths, window, align_code, uniforms, win_start, n_va
 # A meta row is 6 int64: key, ring start of the window, real steps, leading padding, probability
 # (float64 bits), importance weight (float64 bits).
 META = 6
+META_AHEAD = 16  # table rows requested this many slots ahead
 
 
 @njit(cache=True)
@@ -249,7 +250,13 @@ def window_meta(slots, start, length, generation, key_head, gen_shift, gen_mask,
     and the index weight ``w`` of each (``leaves`` empty: ordered selectors, probability 1).
     Importance weights (column 5) are the caller's. O(B), one pass."""
     proportional = leaves.shape[0] > 0
-    for i in range(slots.shape[0]):
+    b = slots.shape[0]
+    for i in range(b):
+        if i + META_AHEAD < b:  # random table rows: ask for later ones while this one is served
+            t = slots[i + META_AHEAD]
+            _prefetch(start, t)
+            _prefetch(length, t)
+            _prefetch(generation, t)
         s = slots[i]
         meta[i, 0] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
         ln = length[s]
