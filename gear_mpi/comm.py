@@ -138,9 +138,10 @@ class MpiComm:
 
     def wait_all(self, requests: list, what: str) -> None:
         """Wait for several requests at once, with one deadline."""
-        MPI = _mpi()
-        if requests:
-            self.wait(_AllOf(MPI, requests), what)
+        if len(requests) == 1:
+            self.wait(requests[0], what)
+        elif requests:
+            self.wait(_AllOf(_mpi(), requests), what)
 
     def alltoall(self, values: np.ndarray, what: str) -> np.ndarray:
         """``out[r]`` = what rank r sent to this rank as ``values[this rank]`` (one int64 per peer)."""
@@ -202,12 +203,14 @@ class MpiComm:
         ``8 (1 + len(values))`` bytes per rank, plus one of 1 KiB per rank on failure.
         """
         self.check_usable()
-        values = np.zeros(0) if values is None else np.asarray(values, np.float64).reshape(-1)
-        head = np.concatenate([[-1.0 if error is None else float(_error_code(error))], values])
+        values = () if values is None else values
+        head = np.empty(1 + len(values), np.float64)
+        head[0] = -1.0 if error is None else float(_error_code(error))
+        head[1:] = values
         table = self.allgather(head, what)
-        statuses = table[:, 0].astype(np.int64)
-        if (statuses < 0).all():
+        if table[:, 0].max() < 0:  # nobody failed
             return table[:, 1:]
+        statuses = table[:, 0].astype(np.int64)
         msg = b"" if error is None else str(error).encode("utf-8", "replace")[:MESSAGE_BYTES]
         buf = np.zeros(MESSAGE_BYTES, np.uint8)
         buf[:len(msg)] = np.frombuffer(msg, np.uint8)

@@ -220,25 +220,25 @@ class Replay:
         sh = self.shard
         head = self.comm.agree(err, "sample", [batch_size, window, code, sh.total_weight, len(sh), sh.min_weight])
         self._settle()  # every rank has reached this call, so the last sample's fence completes at once
-        sizes = head[:, 0].astype(np.int64)
-        if (head[:, 1:3] != head[0, 1:3]).any():
+        sizes_f, windows, codes, masses_f, counts_f, mins = zip(*head.tolist())  # a few numbers per rank
+        if len(set(windows)) > 1 or len(set(codes)) > 1:
             raise ValueError(f"sample: window and align must be the same on every rank; got windows "
-                             f"{head[:, 1].astype(int).tolist()} and align codes {head[:, 2].astype(int).tolist()}")
-        masses, counts, mins = head[:, 3], head[:, 4].astype(np.int64), head[:, 5]
-        total, wmin = float(masses.sum()), float(mins.min())
-        if sizes.any() and not counts.any():
+                             f"{[int(w) for w in windows]} and align codes {[int(c) for c in codes]}")
+        total, wmin, wanted = sum(masses_f), min(mins), sum(sizes_f) > 0
+        if wanted and sum(counts_f) == 0:
             raise EmptyReplayError("sample: the replay is empty on every rank")
-        if sizes.any() and self.selector.proportional and total <= 0.0:
+        if wanted and self.selector.proportional and total <= 0.0:
             raise EmptyReplayError("sample: every live item of the replay has priority 0")
+        sizes = np.array(sizes_f, np.int64)
         if self.selector.proportional:
             if self.mode == "decentralized":
-                return self._exchange(*self._draw_decentralized(sizes, masses, total), window, code, total, wmin)
+                return self._exchange(*self._draw_decentralized(sizes, head[:, 3], total), window, code, total, wmin)
             assign, recv_counts = self._draw_centralized(sizes)
         else:
             if self.mode == "decentralized":
-                assign, recv_counts = self._merge_ordered(sizes, counts)
+                assign, recv_counts = self._merge_ordered(sizes, np.array(counts_f, np.int64))
             else:
-                assign, recv_counts = self._merge_ordered_at_root(sizes, counts)
+                assign, recv_counts = self._merge_ordered_at_root(sizes, np.array(counts_f, np.int64))
         return self._exchange(*_flatten(assign), recv_counts, window, code, total, wmin)
 
     def _sample_local_device(self, batch_size: int, window: int | None, align: str) -> Batch:
