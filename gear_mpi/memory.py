@@ -30,15 +30,19 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "gear_mpi_"
 
 
-HEADER_BYTES = ALIGN
-_MAGIC = b"GEARMPI1"
+HEADER_BYTES = 2 * ALIGN
+# the second cache line of the header: the last sample after which this arena's owner finished
+# reading its node peers' windows (int64, written by the owner only; see Replay's node fence)
+READS_DONE_OFFSET = ALIGN
+_MAGIC = b"GEARMPI2"
 
 
 def column_layout(spec: TrajectorySpec, capacity_steps: int) -> tuple[dict[str, int], int]:
     """Byte offset of each column in an arena, and the arena's size. Cost: O(columns).
 
-    The first 64 bytes hold a header (magic, capacity, spec fingerprint) that
-    :func:`check_header` compares when another process attaches.
+    The first 128 bytes hold a header: a fingerprint (magic, spec and capacity) that
+    :func:`check_header` compares when another process attaches, and on its own
+    cache line the owner's "reads done" counter (``READS_DONE_OFFSET``).
     """
     offsets: dict[str, int] = {}
     pos = HEADER_BYTES
@@ -57,6 +61,11 @@ def write_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int) 
     """Stamp an arena with the layout it holds."""
     tag = _fingerprint(spec, capacity_steps)
     buffer[:len(tag)] = np.frombuffer(tag, np.uint8)
+
+
+def reads_done_counter(buffer: np.ndarray) -> np.ndarray:
+    """The arena's "reads done" counter: a one-element int64 view into its header."""
+    return buffer[READS_DONE_OFFSET:READS_DONE_OFFSET + 8].view(np.int64)
 
 
 def check_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int, name: str) -> None:

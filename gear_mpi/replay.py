@@ -32,8 +32,12 @@ of their shared memory (the owner sends only the 48-byte choice); windows owned
 by ranks on other nodes travel in one alltoallv per column, received straight
 into the batch (``B W S`` bytes in all, plus padding). ``force_alltoallv=True``
 sends every window owned by another rank through MPI, so the inter-node path
-runs and is measured on one machine. After a shared-memory gather the node's
-ranks meet in one barrier, so no owner overwrites a window a peer still reads.
+runs and is measured on one machine. The node fence keeps an owner from
+overwriting a window a peer still reads: after a sample each rank publishes, in
+its shared memory's header, that it finished reading its peers' windows; an
+owner about to write its shard (insert) first waits until every node peer has
+published the last sample. No message is sent: when another collective has been
+passed since, the wait is free, which it always is in a sampling loop.
 
 Failures: arguments are checked on every rank and agreed in the first
 collective of the call, so a bad argument on one rank raises the same error
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -54,9 +59,11 @@ from . import keys as keyspace
 from .batch import Batch
 from .comm import MpiComm
 from .device import DeviceContext, parse_device
-from .errors import EmptyReplayError, InvalidKeyError
+from .errors import CollectiveTimeoutError, EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
+from .kernels import hints
 from .keys import as_key_array
+from .memory import reads_done_counter
 from .selectors import Selector, Uniform
 from .shard import Shard, attach_columns, check_batch_size, check_window
 from .spec import TrajectorySpec, validate_priorities
@@ -119,7 +126,8 @@ class Replay:
         self.rng = np.random.Generator(np.random.PCG64(streams[1]))
         # the same on every rank: per-requester shard counts (decentralized) are drawn from it
         self.shared_rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1 << 30,))))
-        self._fence = None
+        self._epoch = 0    # samples this rank has entered (the same count on every rank: sample is collective)
+        self._settled = 0  # the last sample whose node-peer reads are known to be over
         self.spec = spec
         self.selector = sampler
         # the node peers' columns, mapped from their shared memory (rank -> arena, byte views)
@@ -137,6 +145,10 @@ class Replay:
         self.direct = np.array([r in self.peer_views and (r == rank or not self.force_alltoallv)
                                 for r in range(size)])
         self.any_remote = any(self.comm.comm.allgather(not bool(self.direct.all())))
+        # the node fence's counters: this rank's own (peers read it) and every peer's that reads this rank
+        self._reads_done = reads_done_counter(self.shard.store.arena.buffer)
+        self._peer_done = [reads_done_counter(self._arenas[r].buffer) for r in range(size)
+                           if r != rank and self.direct[r]]
         # the address of every directly readable column (owner x column), for the gather kernel
         self._column_addrs = np.zeros((size, len(spec.columns)), np.int64)
         for r, views in self.peer_views.items():
@@ -200,9 +212,9 @@ class Replay:
         Cost per call (decentralized, proportional): two rounds of latency -- an
         allgather of 56 bytes per rank, then, in flight together, one alltoallv of
         48 bytes per item and one alltoallv per column carrying ``W S`` bytes per
-        window owned on another node. A node barrier posted at the end (waited for
-        before this rank next writes its shard) keeps owners from overwriting
-        windows that node peers still copy.
+        window owned on another node. A counter published at the end (read by an
+        owner before it next writes its shard; see the module docstring) keeps owners
+        from overwriting windows that node peers still copy.
         Selection on the owner: O(items log n); copies: each delivered byte once
         on a node, twice (pack + MPI) across nodes.
         """
@@ -219,7 +231,17 @@ class Replay:
             err, batch_size, window, code = e, 0, 0, 0
         sh = self.shard
         head = self.comm.agree(err, "sample", [batch_size, window, code, sh.total_weight, len(sh), sh.min_weight])
-        self._settle()  # every rank has reached this call, so the last sample's fence completes at once
+        # every rank has entered this sample, so every node peer is done reading the last one's windows
+        self._epoch += 1
+        self._settled = self._epoch - 1
+        try:
+            return self._sample_agreed(head, window, code)
+        finally:
+            if self._node_peers:  # this rank's reads of its node peers' memory for this sample are over
+                hints.publish(self._reads_done, self._epoch)
+
+    def _sample_agreed(self, head: np.ndarray, window: int, code: int) -> Batch:
+        """The part of :meth:`sample` after the arguments are agreed (``head``: a row per rank)."""
         sizes_f, windows, codes, masses_f, counts_f, mins = zip(*head.tolist())  # a few numbers per rank
         if len(set(windows)) > 1 or len(set(codes)) > 1:
             raise ValueError(f"sample: window and align must be the same on every rank; got windows "
@@ -382,9 +404,6 @@ class Replay:
                                        torch.from_numpy(got[:, 5].view(np.float64).astype(np.float32)).to(dev),
                                        torch.from_numpy(g_valid).to(dev))
             self.device.synchronize()
-        if self._node_peers and not local:
-            # node peers may still be copying this rank's windows: fence before the next write
-            self._fence = self.node_comm.Ibarrier()
         sh.after_sampling(slots)
         return batch
 
@@ -459,10 +478,21 @@ class Replay:
         return buffers
 
     def _settle(self) -> None:
-        """Complete the node fence of the last sample before this rank writes its shard again."""
-        if self._fence is not None:
-            fence, self._fence = self._fence, None
-            self.comm.wait(fence, "node fence (peers still reading this rank's windows)")
+        """The node fence: before this rank writes its shard again, wait until every node peer has
+        finished reading its windows of the last sample (each publishes the last sample it finished
+        in its arena's header). Free when a collective has been passed since; otherwise a spin on
+        a few shared counters, with the communicator's deadline."""
+        if not self._node_peers or self._settled == self._epoch:
+            return
+        epoch = self._epoch
+        deadline = time.monotonic() + self.comm.timeout
+        while any(int(d[0]) < epoch for d in self._peer_done):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(f"node fence: a node peer did not finish reading this rank's windows "
+                                             f"of sample {epoch} within timeout={self.comm.timeout:g} s")
+            os.sched_yield()
+        hints.fence()  # no write of ours before the peers' reads that the counters vouch for
+        self._settled = epoch
 
     # ---- priorities ---------------------------------------------------------------------------
     def update_priorities(self, keys: Any, priorities: Any) -> int:

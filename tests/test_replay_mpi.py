@@ -48,6 +48,11 @@ def test_rank_that_never_arrives_is_reported_after_timeout():
         assert f"PASS timeout rank={r}" in got, proc.stdout + proc.stderr[-3000:]
 
 
+def test_node_fence_holds_inserts_until_peers_finished_reading():
+    proc = run_mpi(3, "check_replay.py", "fence", timeout=120)
+    expect_passes(proc, 3, ["fence"])
+
+
 def test_one_rank_without_mpiexec():
     proc = run_single("check_replay.py", "single")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Memory hints for the CPU kernels: software prefetch.
+"""Memory hints for the CPU kernels: software prefetch; ordered stores for flags that other
+processes read.
 
 Batched draws, updates and window copies touch memory at random: cache misses
 that, issued one after another, cost a DRAM latency each. Asking for the next
@@ -7,7 +8,7 @@ ones while the current one is served lets the memory system overlap them.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -29,3 +30,28 @@ def prefetch(typingctx, arr, idx):
 
     return sig, codegen
 
+
+
+@intrinsic
+def _fence(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def publish(flag, value):
+    """``flag[0] = value`` after every earlier load and store of this process (a full fence first):
+    a reader in another process that sees ``value`` sees all that came before it."""
+    _fence()
+    flag[0] = value
+
+
+@njit(cache=True)
+def fence():
+    """A full memory fence: nothing after it is done before everything before it."""
+    _fence()

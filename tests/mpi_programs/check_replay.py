@@ -307,6 +307,56 @@ def scenario_timeout() -> None:
     os._exit(0)  # pending requests would make MPI_Finalize wait for the late rank's collective
 
 
+def scenario_fence() -> None:
+    """The node fence: an owner's insert after a sample waits until every node peer has published
+    that it finished reading that sample's windows; it raises CollectiveTimeoutError when one never does."""
+    from gear_mpi.memory import reads_done_counter
+    replay = gm.Replay(SPEC, 400, gm.Uniform(), seed=2, timeout=3.0)
+    ref = fill(replay, 8, seed=9)
+    mine = reads_done_counter(replay.shard.store.arena.buffer)
+    batch = replay.sample(6, 4, "head")
+    check_windows(batch, ref, 4, "head")
+    assert int(mine[0]) == 1, f"sample 1 not published: {int(mine[0])}"
+    # rank 1 pretends to be still reading sample 1 for 1.5 s; rank 0's insert must wait for it
+    if RANK == 1:
+        mine[0] = 0
+    comm.Barrier()  # blocking: ranks wait here while rank 0 is held
+    if RANK == 1:
+        time.sleep(1.5)
+        t_pub = time.time()
+        mine[0] = 1
+        replay.comm.comm.send(t_pub, dest=0)
+    elif RANK == 0:
+        replay.insert(ref[next(iter(ref))][0])
+        t_ins = time.time()
+        t_pub = replay.comm.comm.recv(source=1)
+        assert t_ins >= t_pub, f"the insert went ahead {t_pub - t_ins:.3f} s before the peer published"
+    comm.Barrier()  # blocking: ranks wait here while rank 0 is held
+    # after another collective the fence is free: inserts do not wait
+    replay.sample(2, 4, "head")
+    t0 = time.monotonic()
+    replay.insert(ref[next(iter(ref))][0])
+    assert time.monotonic() - t0 < 0.5
+    # a peer that never publishes: the owner's insert raises after the timeout
+    replay.sample(2, 4, "head")
+    if RANK == 1:
+        mine[0] = 0
+    comm.Barrier()  # blocking: ranks wait here while rank 0 is held
+    if RANK == 0:
+        t0 = time.monotonic()
+        try:
+            replay.insert(ref[next(iter(ref))][0])
+        except gm.CollectiveTimeoutError as e:
+            assert "node fence" in str(e) and 2.5 < time.monotonic() - t0 < 6.0, (str(e), time.monotonic() - t0)
+        else:
+            raise AssertionError("insert went ahead although a node peer never finished reading")
+    comm.Barrier()  # blocking: ranks wait here while rank 0 is held
+    if RANK == 1:
+        mine[0] = replay._epoch
+    replay.close()
+    passed("fence")
+
+
 def scenario_single() -> None:
     """Run without mpiexec: a 1-rank replay in every mode."""
     assert SIZE == 1
@@ -322,4 +372,4 @@ def scenario_single() -> None:
 
 if __name__ == "__main__":
     {"exact": scenario_exact, "chisquare": scenario_chisquare, "errors": scenario_errors,
-     "timeout": scenario_timeout, "single": scenario_single}[sys.argv[1]]()
+     "timeout": scenario_timeout, "single": scenario_single, "fence": scenario_fence}[sys.argv[1]]()
