@@ -151,7 +151,7 @@ class Shard:
 
     def stored_bytes(self) -> int:
         """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves."""
-        per_item = TABLE_BYTES_PER_SLOT + (9 if self.index is not None else 0)
+        per_item = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)  # index: ~9.3 bytes a slot
         return self.store.steps_used * self.spec.step_bytes + len(self) * per_item
 
     # ---- insertion --------------------------------------------------------------------

@@ -403,13 +403,21 @@ def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, 
             base = addrs[o, c]
             out = outs[c]
             row_bytes = window * sb
-            for i in range(lo, min(lo + PREFETCH_AHEAD, hi)):
+            ahead = _ahead(row_bytes)
+            for i in range(lo, min(lo + ahead, hi)):
                 _prefetch_window_addr(base, capacity, sb, meta[i, 1], meta[i, 2])
             for i in range(lo, hi):
-                if i + PREFETCH_AHEAD < hi:
-                    _prefetch_window_addr(base, capacity, sb, meta[i + PREFETCH_AHEAD, 1], meta[i + PREFETCH_AHEAD, 2])
+                if i + ahead < hi:
+                    _prefetch_window_addr(base, capacity, sb, meta[i + ahead, 1], meta[i + ahead, 2])
                 _copy_window_from(base, capacity, sb, meta[i, 1], meta[i, 2], meta[i, 3], out, i * row_bytes,
                                   row_bytes)
+
+
+@njit(cache=True, inline="always")
+def _ahead(row_bytes):
+    """How many windows ahead to prefetch: about PREFETCH_AHEAD * PREFETCH_BYTES bytes in flight,
+    so narrow columns (a few bytes a window, one cache miss each) look further ahead."""
+    return min(64, max(PREFETCH_AHEAD, PREFETCH_AHEAD * PREFETCH_BYTES // max(row_bytes, 64)))
 
 
 @njit(cache=True, inline="always")

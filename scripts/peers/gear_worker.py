@@ -73,17 +73,21 @@ def w1(cfg: dict) -> None:
                 n += 1
                 if comm.allreduce(n >= 2 and time.perf_counter() > t_end, op=MPI.LOR):
                     break
-            # the timed calls: a count agreed from the warm-up rate, so the loop needs no collective of
-            # its own between calls (sample is the only collective timed, as a training loop would run it)
+            # the timed calls, in chunks of about 0.1 s (sized from the warm-up rate) with one allreduce
+            # after each deciding whether to stop: between calls the loop runs no collective of its own
+            # (sample is the only one timed, as a training loop would run it)
             rate = comm.allreduce(n / (time.perf_counter() - t_start), op=MPI.MIN)
-            count = max(3, int(rate * cfg["seconds"]))
+            chunk = max(1, int(rate * 0.1))
             times = []
             comm.Barrier()
             t_start = time.perf_counter()
-            for _ in range(count):
-                t0 = time.perf_counter()
-                replay.sample(W1_BATCH, HOPPER_T, "head")
-                times.append(time.perf_counter() - t0)
+            while True:
+                for _ in range(chunk):
+                    t0 = time.perf_counter()
+                    replay.sample(W1_BATCH, HOPPER_T, "head")
+                    times.append(time.perf_counter() - t0)
+                if comm.allreduce(time.perf_counter() - t_start >= cfg["seconds"] and len(times) >= 3, op=MPI.LOR):
+                    break
             elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
             comm.Barrier()
             med = comm.allreduce(float(np.median(times)), op=MPI.MAX)
