@@ -28,24 +28,6 @@ PREFETCH_BYTES = 4096
 
 
 @intrinsic
-def _memmove(typingctx, dst, dst_off, src, src_off, nbytes):
-    """``dst[dst_off:dst_off + nbytes] = src[src_off:src_off + nbytes]`` for 1-d byte arrays, as one
-    libc ``memmove`` (numba's slice assignment checks for overlap and copies through a temporary
-    outside ``prange``: about 10x slower). No bounds check: the caller's indices are trusted."""
-    sig = types.void(dst, types.intp, src, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        d = context.make_array(signature.args[0])(context, builder, args[0])
-        s = context.make_array(signature.args[2])(context, builder, args[2])
-        dp = builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [args[1]])
-        sp = builder.gep(builder.bitcast(s.data, cgutils.voidptr_t), [args[3]])
-        cgutils.raw_memmove(builder, dp, sp, args[4], 1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def _memzero(typingctx, dst, dst_off, nbytes):
     """``dst[dst_off:dst_off + nbytes] = 0`` for a 1-d byte array, as one ``memset``."""
     sig = types.void(dst, types.intp, types.intp)
@@ -62,32 +44,13 @@ def _memzero(typingctx, dst, dst_off, nbytes):
 @njit(cache=True, inline="always")
 def _prefetch_window(src, capacity, step_bytes, start, nv):
     """Request the first ``PREFETCH_BYTES`` of a window (up to the ring's end) into the cache."""
-    nb = min(nv, capacity - start) * step_bytes
-    base = start * step_bytes
-    for q in range(0, min(nb, PREFETCH_BYTES), 64):
-        _prefetch(src, base + q)
+    _prefetch_window_addr(src.ctypes.data, capacity, step_bytes, start, nv)
 
 
 @njit(cache=True, inline="always")
 def _gather_one(src, capacity, step_bytes, start, nv, front_steps, base, out, row_bytes):
     """Window ``(start, nv, front_steps)`` into ``out[base:base + row_bytes]``: at most two copies, two zero fills."""
-    front = front_steps * step_bytes
-    if front > 0:
-        _memzero(out, base, front)
-    first = min(nv, capacity - start)
-    o = base + front
-    nb = first * step_bytes
-    if nb > 0:
-        _memmove(out, o, src, start * step_bytes, nb)
-        o += nb
-    rest = nv - first
-    if rest > 0:
-        nb = rest * step_bytes
-        _memmove(out, o, src, 0, nb)
-        o += nb
-    end = base + row_bytes
-    if o < end:
-        _memzero(out, o, end - o)
+    _copy_window_from(src.ctypes.data, capacity, step_bytes, start, nv, front_steps, out, base, row_bytes)
 
 
 @njit(cache=True, inline="always")
@@ -189,22 +152,25 @@ def _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_va
 
 
 @njit(cache=True, inline="always")
-def _place_one_values(i, start, length, window, align_code, uniforms, win_start, n_valid, pad_front):
+def _placement(start, length, window, align_code, u):
+    """(ring step the window starts at, real steps, leading padding) of a ``window``-step window of a
+    trajectory at ring position ``start``; ``u`` in [0, 1) picks the offset for align 0 (random)."""
     if length >= window:
         if align_code == 0:
             span = length - window + 1
-            off = min(int(uniforms[i] * span), span - 1)
+            off = min(int(u * span), span - 1)
         elif align_code == 1:
             off = 0
         else:
             off = length - window
-        win_start[i] = start + off
-        n_valid[i] = window
-        pad_front[i] = 0
-    else:
-        win_start[i] = start
-        n_valid[i] = length
-        pad_front[i] = window - length if align_code == 2 else 0
+        return start + off, window, 0
+    return start, length, window - length if align_code == 2 else 0
+
+
+@njit(cache=True, inline="always")
+def _place_one_values(i, start, length, window, align_code, uniforms, win_start, n_valid, pad_front):
+    u = uniforms[i] if align_code == 0 else 0.0
+    win_start[i], n_valid[i], pad_front[i] = _placement(start, length, window, align_code, u)
 
 
 @njit(cache=True)
@@ -259,22 +225,11 @@ def window_meta(slots, start, length, generation, key_head, gen_shift, gen_mask,
             _prefetch(generation, t)
         s = slots[i]
         meta[i, 0] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
-        ln = length[s]
-        if ln >= window:
-            if align_code == 0:
-                span = ln - window + 1
-                off = min(int(uniforms[i] * span), span - 1)
-            elif align_code == 1:
-                off = 0
-            else:
-                off = ln - window
-            meta[i, 1] = (start[s] + off) % capacity
-            meta[i, 2] = window
-            meta[i, 3] = 0
-        else:
-            meta[i, 1] = start[s] % capacity
-            meta[i, 2] = ln
-            meta[i, 3] = window - ln if align_code == 2 else 0
+        u = uniforms[i] if align_code == 0 else 0.0
+        ws, nv, pf = _placement(start[s], length[s], window, align_code, u)
+        meta[i, 1] = ws % capacity
+        meta[i, 2] = nv
+        meta[i, 3] = pf
         w = leaves[s] if proportional else 1.0
         weights[i] = w
         meta[i, 4] = _float_bits(w / total if proportional else 1.0)
@@ -304,7 +259,9 @@ def _bits_float(typingctx, x):
 
 @intrinsic
 def _memmove_from(typingctx, dst, dst_off, src_addr, nbytes):
-    """``memmove(dst + dst_off, (void *) src_addr, nbytes)``: a copy from a mapping given by address."""
+    """``memmove(dst + dst_off, (void *) src_addr, nbytes)``: a copy from a mapping given by address, as
+    one libc ``memmove`` (numba's slice assignment checks for overlap and copies through a temporary
+    outside ``prange``: about 10x slower). No bounds check: the callers check every window first."""
     sig = types.void(dst, types.intp, types.int64, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -334,7 +291,8 @@ def _prefetch_addr(typingctx, addr):
 
 @njit(cache=True, inline="always")
 def _copy_window_from(base, capacity, step_bytes, start, nv, front_steps, out, row_base, row_bytes):
-    """:func:`_gather_one` from a column at address ``base``."""
+    """Window ``(start, nv, front_steps)`` of the column ring at address ``base`` into
+    ``out[row_base:row_base + row_bytes]``: at most two copies (the ring wraps), two zero fills."""
     front = front_steps * step_bytes
     if front > 0:
         _memzero(out, row_base, front)

@@ -86,8 +86,8 @@ def rebuild(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix):
     n0 = l0_sum.shape[0]
     for b in prange(l1_sum.shape[0]):
         for g in range(b * LINE, min(b * LINE + LINE, n0)):
-            _recompute_line(leaves, l0_sum, g, n)
-        _recompute_l1_sum(l0_sum, l1_sum, b, n0)
+            _sum_group(leaves, l0_sum, g, n)
+        _sum_group(l0_sum, l1_sum, b, n0)
         _recompute_l1_min(leaves, l1_min, b, n)
     n1 = l1_sum.shape[0]
     for c in prange(l2_sum.shape[0]):
@@ -117,25 +117,15 @@ DRAW_PIPE = 32
 
 
 @njit(cache=True, inline="always")
-def _recompute_line(leaves, l0_sum, g, n):
-    """``l0_sum[g]`` = the sum of the (up to) 8 leaves of line ``g``, in index order."""
-    lo = g * LINE
+def _sum_group(src, dst, i, n):
+    """``dst[i]`` = the sum of the (up to) 8 entries ``src[8 i : min(8 i + 8, n)]``, in index order:
+    a line's leaves into its line sum, or a block's line sums into its level-1 sum."""
+    lo = i * LINE
     hi = min(lo + LINE, n)
     s = 0.0
-    for i in range(lo, hi):
-        s += leaves[i]
-    l0_sum[g] = s
-
-
-@njit(cache=True, inline="always")
-def _recompute_l1_sum(l0_sum, l1_sum, b, n0):
-    """``l1_sum[b]`` = the sum of the (up to) 8 line sums of block ``b``, in index order."""
-    lo = b * LINE
-    hi = min(lo + LINE, n0)
-    s = 0.0
-    for i in range(lo, hi):
-        s += l0_sum[i]
-    l1_sum[b] = s
+    for k in range(lo, hi):
+        s += src[k]
+    dst[i] = s
 
 
 @njit(cache=True, inline="always")
@@ -182,10 +172,10 @@ def _finish_blocks(leaves, l0_sum, l1_sum, l1_min, flags1, slots, lo, hi, blocks
     n = leaves.shape[0]
     n0 = l0_sum.shape[0]
     for k in range(lo, hi):
-        _recompute_line(leaves, l0_sum, slots[k] // LINE, n)
+        _sum_group(leaves, l0_sum, slots[k] // LINE, n)
     for k in range(blo, bhi):
         b = blocks[k]
-        _recompute_l1_sum(l0_sum, l1_sum, b, n0)
+        _sum_group(l0_sum, l1_sum, b, n0)
         if flags1[b] == 2:
             _recompute_l1_min(leaves, l1_min, b, n)
         flags1[b] = 0
