@@ -324,20 +324,7 @@ def draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, u):
     n1 = l1_sum.shape[0]
     n2 = l2_sum.shape[0]
     target = u * prefix[n2]
-    # last j with prefix[j] <= target and a positive block
-    lo = 0
-    hi = n2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if prefix[mid] <= target:
-            lo = mid
-        else:
-            hi = mid
-    j = lo
-    while j > 0 and l2_sum[j] <= 0.0:
-        j -= 1
-    while j < n2 - 1 and l2_sum[j] <= 0.0:
-        j += 1
+    _, j = _top_block(l2_sum, prefix, target, n2, -1)  # last j with prefix[j] <= target and a positive block
     r = target - prefix[j]
     b, r = _scan(l1_sum, j * FANOUT, min(j * FANOUT + FANOUT, n1), r)
     g, r = _scan(l0_sum, b * LINE, min(b * LINE + LINE, n0), r)
