@@ -65,7 +65,7 @@ from .kernels import hints
 from .keys import as_key_array
 from .memory import reads_done_counter
 from .selectors import Selector, Uniform
-from .shard import Shard, attach_columns, check_batch_size, check_window
+from .shard import Shard, attach_columns, check_batch_size, check_window, column_addresses
 from .spec import TrajectorySpec, validate_priorities
 
 MODES = ("decentralized", "centralized", "local")
@@ -153,10 +153,7 @@ class Replay:
         self._column_addrs = np.zeros((size, len(spec.columns)), np.int64)
         for r, views in self.peer_views.items():
             if self.direct[r]:
-                for c, col in enumerate(spec.columns):
-                    if views[col.name].nbytes < col.step_bytes * self.shard.capacity_steps:
-                        raise ValueError(f"rank {r}'s column {col.name!r} is shorter than its ring")
-                    self._column_addrs[r, c] = views[col.name].ctypes.data
+                self._column_addrs[r] = column_addresses(views, spec, self.shard.capacity_steps)
         self._peer_direct = (self.direct & (np.arange(size) != rank)).astype(np.int64)  # node peers read directly
         self._remote = (~self.direct).astype(np.int64)
         self._node_peers = bool(self._peer_direct.any())

@@ -54,6 +54,19 @@ def gather_into(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capa
                                   batch._mask_np)
 
 
+def column_addresses(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capacity: int) -> np.ndarray:
+    """The address of each column ring in ``byte_views`` (int64, in column order), for the gather
+    kernels that read by address; raises ValueError if a view is shorter than its ring. The
+    views must stay mapped while the addresses are used."""
+    out = np.empty(len(spec.columns), np.int64)
+    for c, col in enumerate(spec.columns):
+        view = byte_views[col.name]
+        if view.nbytes < col.step_bytes * capacity:
+            raise ValueError(f"column {col.name!r} has {view.nbytes} bytes, shorter than its ring of {capacity} steps")
+        out[c] = view.ctypes.data
+    return out
+
+
 def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tuple[SharedArena, dict[str, np.ndarray]]:
     """Map another process's shard columns (``Shard(..., memory="shm").shm_name``).
 
@@ -319,8 +332,7 @@ class Shard:
     def column_addresses(self) -> np.ndarray:
         """The address of each column's ring (``[1, columns]`` int64), for the gather kernel; built once."""
         if self._addresses is None:
-            views = self.store.byte_views()
-            self._addresses = np.array([[views[name].ctypes.data for name in self.spec.names]], np.int64)
+            self._addresses = column_addresses(self.store.byte_views(), self.spec, self.store.capacity)[None]
         return self._addresses
 
     # ---- updates and reads ------------------------------------------------------------

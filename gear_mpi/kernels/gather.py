@@ -42,27 +42,17 @@ def _memzero(typingctx, dst, dst_off, nbytes):
 
 
 @njit(cache=True, inline="always")
-def _prefetch_window(src, capacity, step_bytes, start, nv):
-    """Request the first ``PREFETCH_BYTES`` of a window (up to the ring's end) into the cache."""
-    _prefetch_window_addr(src.ctypes.data, capacity, step_bytes, start, nv)
-
-
-@njit(cache=True, inline="always")
-def _gather_one(src, capacity, step_bytes, start, nv, front_steps, base, out, row_bytes):
-    """Window ``(start, nv, front_steps)`` into ``out[base:base + row_bytes]``: at most two copies, two zero fills."""
-    _copy_window_from(src.ctypes.data, capacity, step_bytes, start, nv, front_steps, out, base, row_bytes)
-
-
-@njit(cache=True, inline="always")
-def _gather_run(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, lo, hi):
-    """Windows ``lo:hi`` in order, each prefetched ``PREFETCH_AHEAD`` windows before it is copied."""
-    for i in range(lo, min(lo + PREFETCH_AHEAD, hi)):
-        _prefetch_window(src, capacity, step_bytes, starts[i], n_valid[i])
+def _gather_run(base, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, lo, hi):
+    """Windows ``lo:hi`` of the column ring at address ``base`` into rows ``out_rows`` of ``out``, in
+    order, each prefetched ``_ahead(row_bytes)`` windows before it is copied."""
+    ahead = _ahead(row_bytes)
+    for i in range(lo, min(lo + ahead, hi)):
+        _prefetch_window_addr(base, capacity, step_bytes, starts[i], n_valid[i])
     for i in range(lo, hi):
-        if i + PREFETCH_AHEAD < hi:
-            _prefetch_window(src, capacity, step_bytes, starts[i + PREFETCH_AHEAD], n_valid[i + PREFETCH_AHEAD])
-        _gather_one(src, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out_rows[i] * row_bytes,
-                    out, row_bytes)
+        if i + ahead < hi:
+            _prefetch_window_addr(base, capacity, step_bytes, starts[i + ahead], n_valid[i + ahead])
+        _copy_window_from(base, capacity, step_bytes, starts[i], n_valid[i], pad_front[i], out,
+                          out_rows[i] * row_bytes, row_bytes)
 
 
 @njit(cache=True, inline="always")
@@ -78,11 +68,11 @@ def _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     row_bytes = window * step_bytes
     b = starts.shape[0]
     if b * row_bytes < SERIAL_BYTES:
-        _gather_run(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, 0, b)
+        _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, 0, b)
     else:
         chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
         for t in prange(chunks):
-            _gather_run(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes,
+            _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes,
                         t * b // chunks, (t + 1) * b // chunks)
 
 
@@ -95,7 +85,7 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     ring's wrap-around), padding bytes are written once (zeros). Batches under
     ``SERIAL_BYTES`` run on the calling thread. Cost: O(sum n_valid * step_bytes)
     copied plus O(padding) zeroed; memory-bandwidth bound; no allocation. Each thread
-    prefetches the start of the window ``PREFETCH_AHEAD`` places ahead of the one it copies.
+    prefetches the start of a window some places ahead of the one it copies (``_ahead``).
     ``out`` must not overlap ``src``. The copies are raw ``memmove`` calls, so every
     window is checked first (O(B), serial): a window outside the ring or the batch
     raises ``ValueError`` before anything is written.
@@ -321,7 +311,7 @@ def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, 
     copied from ``addrs[o, c]``, the address of owner ``o``'s column ``c`` (a ring of ``capacity``
     steps of ``step_bytes[c]`` bytes, kept mapped by the caller). Every window is checked first: one
     outside the ring raises ValueError before anything is copied. One call per sample; the copies run
-    in parallel over runs of >= 32 rows, each prefetching ``PREFETCH_AHEAD`` windows ahead.
+    in parallel over runs of >= 32 rows, each prefetching some windows ahead (``_ahead``).
     Cost: O(B W) for the mask, each delivered byte copied once."""
     nb = meta.shape[0]
     for i in range(nb):
@@ -352,23 +342,13 @@ def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, 
                 task_lo[t] = lo + k * cnt // runs
                 task_hi[t] = lo + (k + 1) * cnt // runs
                 t += 1
+    starts, n_valid, pad_front = meta[:, 1], meta[:, 2], meta[:, 3]
+    rows = np.arange(nb)
     for t in prange(ntask):
         o = task_owner[t]
-        lo = task_lo[t]
-        hi = task_hi[t]
         for c in range(step_bytes.shape[0]):
-            sb = step_bytes[c]
-            base = addrs[o, c]
-            out = outs[c]
-            row_bytes = window * sb
-            ahead = _ahead(row_bytes)
-            for i in range(lo, min(lo + ahead, hi)):
-                _prefetch_window_addr(base, capacity, sb, meta[i, 1], meta[i, 2])
-            for i in range(lo, hi):
-                if i + ahead < hi:
-                    _prefetch_window_addr(base, capacity, sb, meta[i + ahead, 1], meta[i + ahead, 2])
-                _copy_window_from(base, capacity, sb, meta[i, 1], meta[i, 2], meta[i, 3], out, i * row_bytes,
-                                  row_bytes)
+            _gather_run(addrs[o, c], capacity, step_bytes[c], starts, n_valid, pad_front, rows, outs[c],
+                        window * step_bytes[c], task_lo[t], task_hi[t])
 
 
 @njit(cache=True, inline="always")
