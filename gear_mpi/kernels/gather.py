@@ -14,6 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .hints import prefetch as _prefetch
+from .hints import prefetch_address
 
 # Smaller batches than these run on the calling thread: a parallel region costs microseconds
 # of thread-pool hand-off when the pool is spinning, and a scheduler tick (~4 ms) when
@@ -264,21 +265,6 @@ def _memmove_from(typingctx, dst, dst_off, src_addr, nbytes):
     return sig, codegen
 
 
-@intrinsic
-def _prefetch_addr(typingctx, addr):
-    sig = types.void(types.int64)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module,
-                                            ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [builder.inttoptr(args[0], cgutils.voidptr_t), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @njit(cache=True, inline="always")
 def _copy_window_from(base, capacity, step_bytes, start, nv, front_steps, out, row_base, row_bytes):
     """Window ``(start, nv, front_steps)`` of the column ring at address ``base`` into
@@ -363,4 +349,4 @@ def _prefetch_window_addr(base, capacity, step_bytes, start, nv):
     nb = min(nv, capacity - start) * step_bytes
     a = base + start * step_bytes
     for q in range(0, min(nb, PREFETCH_BYTES), 64):
-        _prefetch_addr(a + q)
+        prefetch_address(a + q)

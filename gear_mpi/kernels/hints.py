@@ -13,6 +13,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
+def _emit_prefetch(builder, ptr):
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module,
+                                        ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+
+
 @intrinsic
 def prefetch(typingctx, arr, idx):
     """Hint the CPU to load the cache line of ``arr[idx]`` (``llvm.prefetch``: no fault, no effect on results)."""
@@ -20,12 +28,19 @@ def prefetch(typingctx, arr, idx):
 
     def codegen(context, builder, signature, args):
         a = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t)
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module,
-                                            ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        _emit_prefetch(builder, builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_address(typingctx, addr):
+    """Hint the CPU to load the cache line at address ``addr`` (an int64; never faults)."""
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        _emit_prefetch(builder, builder.inttoptr(args[0], cgutils.voidptr_t))
         return context.get_dummy_value()
 
     return sig, codegen
