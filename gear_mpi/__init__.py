@@ -1,12 +1,12 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
 from .batch import Batch
-from .errors import (CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
+from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
                      InvalidPriorityError, InvalidTrajectoryError, StaleKeyError)
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
 from .shard import Shard, attach_columns
 from .spec import TrajectorySpec
-from .checkpoint import CheckpointError, load as load_checkpoint, save as save_checkpoint
+from .checkpoint import load as load_checkpoint, save as save_checkpoint
 
 __version__ = "0.1.0"
 

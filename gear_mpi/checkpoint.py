@@ -64,7 +64,7 @@ import numpy as np
 
 from . import selectors as selector_module
 from .comm import MpiComm
-from .errors import CollectiveError, GearError
+from .errors import CheckpointError, CollectiveError
 from .kernels import ring
 from .selectors import PriorityIndex, Selector
 from .spec import TrajectorySpec
@@ -78,10 +78,6 @@ _TABLE_ROWS = ("start", "length", "priority", "generation", "seq", "stamp", "tim
 _INDEX_ARRAYS = ("l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
                 "max_times_sampled", "device", "process_group")
-
-
-class CheckpointError(GearError, RuntimeError):
-    """A checkpoint is missing, partial, corrupted or of another format; the message names the file."""
 
 
 def rank_dir(rank: int) -> str:

@@ -23,6 +23,7 @@ from . import errors
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
+    errors.CheckpointError,
 ]
 MESSAGE_BYTES = 1024
 

@@ -32,3 +32,7 @@ class CollectiveError(GearError, RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A rank did not reach a collective call within the replay's timeout."""
+
+
+class CheckpointError(GearError, RuntimeError):
+    """A checkpoint is missing, partial, corrupted or of another format; the message names the file."""
