@@ -5,11 +5,15 @@
   ``t`` column numbers every step uniquely, so a sampled window tells where it came from.
 - A session-wide check that every POSIX shared-memory segment created in this
   process (``/dev/shm/gear_mpi_*``) has been unlinked when the tests end.
+- ``tests/mpi/`` (pytest modules that every rank of an ``mpiexec`` job runs) is collected
+  only when named on the command line; a plain ``pytest tests`` runs them through the
+  wrapper tests (tests/test_replay_mpi.py, tests/test_device_path.py) on K ranks instead.
 """
 from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +22,17 @@ import gear_mpi as gm
 from gear_mpi import memory
 
 SHM_DIR = memory.SHM_DIR
+MPI_TESTS = Path(__file__).resolve().parent / "mpi"
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """Skip tests/mpi unless a command-line argument points into it (an mpiexec job does)."""
+    if collection_path != MPI_TESTS:
+        return None
+    named = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    if any(p == MPI_TESTS or MPI_TESTS in p.parents for p in named):
+        return None
+    return True
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,14 +1,37 @@
-"""Start ``mpiexec -n K python PROGRAM ...`` from a pytest process, with a timeout."""
+"""Start multi-rank tests from a single pytest process, with a timeout.
+
+Two kinds of multi-rank checks live in this suite:
+
+- pytest modules in ``tests/mpi/`` that every rank runs (``mpiexec -n K python -m
+  pytest tests/mpi/test_x.py``, as mpi4py's own suite does). :func:`run_pytest_mpi`
+  starts them, reads back one JUnit XML report per rank and, when a test failed,
+  fails the calling test with the failing rank's assertion and traceback.
+- programs in ``tests/mpi_programs/`` that print ``PASS <check> rank=R`` lines
+  (:func:`run_mpi`, :func:`expect_passes`), kept for checks that do not fit pytest
+  (ranks that must leave with a collective pending, ranks killed on purpose).
+"""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).parent / "mpi_programs"
+MPI_TESTS = Path(__file__).parent / "mpi"
+#: the variable naming the folder where each rank of a tests/mpi run writes ``rank<R>.xml``
+REPORT_DIR_VAR = "GEAR_MPI_REPORT_DIR"
 
 
 def mpiexec_path() -> str:
@@ -20,14 +43,160 @@ def mpiexec_path() -> str:
     return found
 
 
-def run_mpi(nprocs: int, program: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """Run a program of tests/mpi_programs on ``nprocs`` ranks; kill it after ``timeout`` seconds."""
+@functools.lru_cache(maxsize=None)
+def _is_hydra(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is MPICH's hydra (which knows ``-prepend-rank``)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in out
+
+
+def _mpi_env(extra: dict | None) -> dict:
     # no PYTHONUNBUFFERED: the programs print whole lines with flush=True, one write() each,
     # so lines of different ranks do not interleave
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     env.pop("PYTHONUNBUFFERED", None)
+    env.update(extra or {})
+    return env
+
+
+# ---- pytest modules of tests/mpi ------------------------------------------------------------
+
+@dataclass
+class RankFailure:
+    """One failed or erroring test of one rank, with pytest's report of it."""
+    rank: int
+    test: str
+    kind: str        # "failure" or "error"
+    text: str        # the assertion and its traceback, as pytest printed it
+
+
+@dataclass
+class MpiPytestRun:
+    """The outcome of :func:`run_pytest_mpi`: exit status, output and every rank's per-test outcomes."""
+    nprocs: int
+    command: list[str]
+    returncode: int | None          # None: killed after the timeout
+    output: str
+    outcomes: dict[int, dict[str, str]] = field(default_factory=dict)   # rank -> {test: passed|failed|error|skipped}
+    failures: list[RankFailure] = field(default_factory=list)
+
+    def passed(self, rank: int) -> set[str]:
+        """Names (``module::test[param]``) of the tests that passed on ``rank``."""
+        return {t for t, o in self.outcomes.get(rank, {}).items() if o == "passed"}
+
+    def problems(self) -> list[str]:
+        """Why this run does not count as a pass; empty when every rank passed every test it ran."""
+        out = []
+        if self.returncode is None:
+            out.append("the run did not finish before its timeout and was killed")
+        elif self.returncode != 0:
+            out.append(f"exit status {self.returncode}")
+        missing = [r for r in range(self.nprocs) if r not in self.outcomes]
+        if missing:
+            out.append(f"no report from rank(s) {missing}"
+                       + (" (ended when a failing rank aborted the job)" if self.failures else ""))
+        sets = {r: set(o) for r, o in self.outcomes.items()}
+        if sets and not self.failures and len({frozenset(s) for s in sets.values()}) > 1:
+            counts = ", ".join(f"rank {r}: {len(s)}" for r, s in sets.items())
+            out.append(f"the ranks did not run the same tests ({counts})")
+        if any(not o for o in self.outcomes.values()):
+            out.append("a rank collected no test")
+        return out
+
+    def report(self) -> str:
+        """A readable account: each failing rank's pytest report first, then the tail of the output."""
+        parts = [f"{' '.join(self.command)}\n" + "; ".join(self.problems() or ["failed"])]
+        for f in self.failures:
+            parts.append(f"---- rank {f.rank}: {f.kind} in {f.test} ----\n{f.text.rstrip()}")
+        if not self.failures:
+            parts.append("---- no rank reported a failing test; the last output: ----\n" + self.output[-6000:])
+        else:
+            parts.append("---- the last output (every rank): ----\n" + self.output[-2500:])
+        return "\n\n".join(parts)
+
+
+def _read_junit(path: Path, rank: int, run: MpiPytestRun) -> None:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return
+    outcomes = run.outcomes.setdefault(rank, {})
+    for case in root.iter("testcase"):
+        module = case.get("classname", "").rsplit(".", 1)[-1]
+        name = f"{module}::{case.get('name')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed" if child.tag == "failure" else "error"
+                text = child.text or child.get("message", "")
+                run.failures.append(RankFailure(rank, name, child.tag, text))
+                break
+            if child.tag == "skipped":
+                outcome = "skipped"
+        outcomes[name] = outcome
+
+
+def run_pytest_mpi(nprocs: int, *modules_and_args: str, timeout: float = 300.0, env: dict | None = None,
+                   mpiexec: bool = True, check: bool = True) -> MpiPytestRun:
+    """Run pytest modules of ``tests/mpi`` on ``nprocs`` ranks: ``mpiexec -n K python -m pytest ...``.
+
+    Every rank writes its own JUnit report (tests/mpi/conftest.py names it by rank); a
+    rank whose test fails stops at that test and, after printing its report, aborts
+    the job (so ranks waiting for it in a collective do not hang). On failure the
+    calling test fails with the failing rank's assertion and traceback.
+
+    Args:
+        nprocs: number of ranks.
+        *modules_and_args: module names relative to tests/mpi (``"test_windows.py"``,
+            ``"test_device.py::test_torch_comm"``) and further pytest arguments.
+        timeout: seconds before the whole job is killed (a hang then fails the test).
+        env: variables added to this process's environment for the ranks.
+        mpiexec: False runs one plain process (an MPI singleton, no mpiexec); needs ``nprocs == 1``.
+        check: fail the calling test unless every rank passed every test it ran.
+
+    Returns:
+        The run's exit status, output and per-rank outcomes.
+    """
+    args = [str(MPI_TESTS / a) if a.startswith("test_") else a for a in modules_and_args]
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    if mpiexec:
+        launcher = mpiexec_path()
+        cmd = [launcher, "-n", str(nprocs), *(["-prepend-rank"] if _is_hydra(launcher) else []), *pytest_cmd]
+    else:
+        assert nprocs == 1, "without mpiexec there is one rank"
+        cmd = pytest_cmd
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="gear_mpi_reports_") as reports:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env=_mpi_env({**(env or {}), REPORT_DIR_VAR: reports}), start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            code = None
+        run = MpiPytestRun(nprocs, [Path(cmd[0]).name, *cmd[1:]], code, out)
+        for r in range(nprocs):
+            _read_junit(Path(reports) / f"rank{r}.xml", r, run)
+    if run.returncode != 0:
+        # aborted or killed ranks did not unlink their shared memory (MPICH's, and their shards')
+        remove_leaked_mpich_segments(started, ("mpich_shm_", "gear_mpi_"))
+    if check and run.problems():
+        pytest.fail(run.report(), pytrace=False)
+    return run
+
+
+# ---- programs of tests/mpi_programs ---------------------------------------------------------
+
+def run_mpi(nprocs: int, program: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run a program of tests/mpi_programs on ``nprocs`` ranks; kill it after ``timeout`` seconds."""
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(PROGRAMS / program), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_mpi_env(None),
+                          start_new_session=True)
     return proc
 
 
@@ -54,19 +223,20 @@ def _mapped_paths() -> set[str]:
     return paths
 
 
-def remove_leaked_mpich_segments(since: float) -> list[str]:
+def remove_leaked_mpich_segments(since: float, prefixes: tuple[str, ...] = ("mpich_shm_",)) -> list[str]:
     """Unlink MPICH shared-memory segments created after ``since`` that no process maps any more.
 
     MPICH unlinks its ``/dev/shm/mpich_shm_*`` segment in MPI_Finalize; a test whose
     ranks end without finalizing (killed, or ``os._exit`` with a collective pending)
-    leaves it behind. Call this after such a run.
+    leaves it behind. Call this after such a run. ``prefixes`` names other segments to
+    remove the same way (``gear_mpi_`` after ranks were aborted).
     """
     mapped = _mapped_paths()
     removed = []
     for name in os.listdir("/dev/shm"):
         path = os.path.join("/dev/shm", name)
         try:
-            if name.startswith("mpich_shm_") and os.stat(path).st_mtime >= since - 1 and path not in mapped:
+            if name.startswith(prefixes) and os.stat(path).st_mtime >= since - 1 and path not in mapped:
                 os.unlink(path)
                 removed.append(name)
         except OSError:

@@ -1,35 +1,23 @@
 """The ``device="cuda"`` path without a GPU: CUDA kernels on numba's simulator, exchange over gloo.
 
-Each test starts ``mpiexec`` with ``NUMBA_ENABLE_CUDASIM=1`` on
-tests/mpi_programs/check_device.py, which compares a GPU replay against a CPU
-replay with the same seed, bit for bit.
+Each test starts ``mpiexec`` with ``NUMBA_ENABLE_CUDASIM=1`` on the pytest module
+tests/mpi/test_device.py, which compares a GPU replay against a CPU replay with the
+same seed, bit for bit (its torch.distributed test runs with tests/test_replay_mpi.py).
 """
 from __future__ import annotations
 
 import pytest
 
 from gear_mpi.device import gpu_for, parse_device
-from mpi_util import expect_passes, run_mpi
-
-
-@pytest.fixture
-def simulated(monkeypatch):
-    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+from mpi_util import run_pytest_mpi
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
-def test_gpu_replay_matches_cpu_replay(simulated, nprocs):
-    proc = run_mpi(nprocs, "check_device.py", "replay", timeout=600)
-    names = []
-    for mode in ("decentralized", "centralized", "local"):
-        for path in (("shm", "alltoallv") if mode != "local" and nprocs > 1 else ("shm",)):
-            names += [f"replay/{mode}/{path}/{s}" for s in ("Prioritized", "MaxPriority")]
-    expect_passes(proc, nprocs, names)
-
-
-def test_torch_communicator_over_gloo():
-    proc = run_mpi(3, "check_device.py", "torchcomm", timeout=180)
-    expect_passes(proc, 3, ["torchcomm"])
+def test_gpu_replay_matches_cpu_replay(nprocs):
+    run = run_pytest_mpi(nprocs, "test_device.py::test_gpu_replay_matches_cpu_replay",
+                         env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=600)
+    paths = 5 if nprocs > 1 else 3   # (mode, window path) pairs
+    assert len(run.passed(0)) == 2 * paths, sorted(run.passed(0))
 
 
 def test_gpu_follows_the_local_rank():

@@ -1,8 +1,10 @@
-"""Multi-rank tests of gm.Replay: each starts ``mpiexec -n K`` on tests/mpi_programs/check_replay.py.
+"""Multi-rank tests of gm.Replay: each starts the pytest modules of tests/mpi on K ranks.
 
 K = 1..4 ranks, uneven shards with an empty one, both window paths (node shared
-memory, and every window forced through alltoallv). See the program's docstring
-for what each scenario checks; here we check that every rank passed every check.
+memory, and every remote window forced through alltoallv). Each start runs several
+modules, so that the suite starts few jobs; a failing rank's assertion and traceback
+become this test's failure (mpi_util.run_pytest_mpi). The modules' docstrings say what
+each checks; run one by hand with ``mpiexec -n 3 python -m pytest tests/mpi/test_windows.py``.
 """
 from __future__ import annotations
 
@@ -10,50 +12,39 @@ import time
 
 import pytest
 
-from mpi_util import expect_passes, passes, remove_leaked_mpich_segments, run_mpi, run_single
+from mpi_util import passes, remove_leaked_mpich_segments, run_mpi, run_pytest_mpi
 
-SELECTORS = ("Uniform", "Prioritized", "Fifo", "Lifo", "MaxPriority", "MinPriority")
-
-
-@pytest.mark.parametrize("nprocs,force", [(1, False), (2, False), (2, True), (3, True), (4, False), (4, True)])
-def test_exact_windows_updates_and_order(nprocs, force):
-    args = ["exact"] + (["--force"] if force else [])
-    proc = run_mpi(nprocs, "check_replay.py", *args, timeout=400)
-    names = [f"exact/{m}/{s}" for m in ("decentralized", "centralized") for s in SELECTORS]
-    expect_passes(proc, nprocs, names + ["updates", "transport"])
-
-
-@pytest.mark.parametrize("nprocs", [3, 4])
-def test_global_distribution_is_exact(nprocs):
-    proc = run_mpi(nprocs, "check_replay.py", "chisquare", timeout=300)
-    names = [f"chisquare/{m}/{s}" for m in ("decentralized", "centralized") for s in ("Prioritized", "Uniform")]
-    expect_passes(proc, nprocs, names)
-    assert proc.stdout.count("chisquare ") >= 4  # rank 0's p-value lines
+# (ranks, force every remote window through MPI, modules run by that one start)
+RUNS = [
+    (1, False, ["test_windows.py"]),                    # one plain process: an MPI singleton, no mpiexec
+    (2, False, ["test_windows.py", "test_errors.py"]),
+    (2, True, ["test_windows.py"]),
+    (3, True, ["test_windows.py", "test_distribution.py", "test_fence.py",
+               "test_device.py::test_torch_comm_alltoallv_over_gloo"]),
+    (4, False, ["test_windows.py", "test_distribution.py"]),
+    (4, True, ["test_windows.py", "test_errors.py"]),
+]
 
 
-@pytest.mark.parametrize("nprocs,force", [(2, False), (4, True)])
-def test_invalid_arguments_fail_on_every_rank(nprocs, force):
-    proc = run_mpi(nprocs, "check_replay.py", "errors", *(["--force"] if force else []), timeout=200)
-    expect_passes(proc, nprocs, ["errors"])
+@pytest.mark.parametrize("nprocs,force,modules", RUNS,
+                         ids=[f"{n}-{'alltoallv' if f else 'shm'}" for n, f, _ in RUNS])
+def test_replay_on_ranks(nprocs, force, modules):
+    run = run_pytest_mpi(nprocs, *modules, *(["--force-alltoallv"] if force else []), mpiexec=nprocs > 1,
+                         timeout=600)
+    ran = run.passed(0)
+    # every module ran (none was skipped whole); ranks ran the same tests (checked by run_pytest_mpi)
+    for m in modules:
+        assert any(t.startswith(m.split("::")[0][:-3] + "::") for t in ran), (m, sorted(ran))
+    if nprocs == 1:
+        assert sum("test_one_rank_in_every_mode" in t for t in ran) == 3, sorted(ran)
 
 
 def test_rank_that_never_arrives_is_reported_after_timeout():
     started = time.time()
     try:
-        proc = run_mpi(3, "check_replay.py", "timeout", timeout=120)
+        proc = run_mpi(3, "check_timeout.py", timeout=120)
     finally:
         remove_leaked_mpich_segments(started)  # the ranks end with a collective pending: no MPI_Finalize
     got = passes(proc.stdout)
     for r in (0, 1):
         assert f"PASS timeout rank={r}" in got, proc.stdout + proc.stderr[-3000:]
-
-
-def test_node_fence_holds_inserts_until_peers_finished_reading():
-    proc = run_mpi(3, "check_replay.py", "fence", timeout=120)
-    expect_passes(proc, 3, ["fence"])
-
-
-def test_one_rank_without_mpiexec():
-    proc = run_single("check_replay.py", "single")
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert passes(proc.stdout) >= {f"PASS single/{m} rank=0" for m in ("decentralized", "centralized", "local")}

@@ -1,0 +1,71 @@
+"""What the multi-rank replay tests share: the spec, uneven shards, filling and window checks.
+
+Every function runs on every rank (SPMD); those that gather use ``MPI.COMM_WORLD``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+import gear_mpi as gm
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.rank, COMM.size
+SPEC = gm.TrajectorySpec({"obs": ((3,), "float32"), "step": ((), "int64"), "flag": ((2,), "uint8")}, max_length=12)
+#: the collective deadline of the replays built here: short, so that a rank left waiting
+#: for a failed one fails too within seconds (a failing rank also aborts the job, see conftest.py)
+TIMEOUT = 20.0
+
+
+def owner_of(key: int) -> int:
+    """The rank whose shard issued ``key``."""
+    return int(gm.keys.decode(np.array([key]))[1][0])
+
+
+def shard_sizes() -> list[int]:
+    """Uneven shards: rank 1 is empty (when there are 2+ ranks), others differ."""
+    return [0 if (r == 1 and SIZE > 1) else 4 + 3 * r for r in range(SIZE)]
+
+
+def make_replay(sampler, mode="decentralized", capacity=400, force=False, **kw) -> gm.Replay:
+    return gm.Replay(SPEC, capacity, sampler, mode=mode, seed=7, timeout=TIMEOUT, force_alltoallv=force, **kw)
+
+
+def fill(replay: gm.Replay, n: int, seed: int) -> dict[int, tuple[dict, float]]:
+    """Insert ``n`` trajectories on this rank; return {key: (data, priority)} of every rank's inserts."""
+    rng = np.random.default_rng(1000 * seed + RANK)
+    mine = {}
+    for i in range(n):
+        length = int(rng.integers(1, SPEC.max_length + 1))
+        data = {"obs": rng.standard_normal((length, 3)).astype(np.float32),
+                "step": np.arange(length, dtype=np.int64) + 100_000 * RANK + 1000 * i,
+                "flag": rng.integers(0, 255, (length, 2)).astype(np.uint8)}
+        prio = float(rng.uniform(0.1, 3.0))
+        mine[replay.insert(data, priority=prio)] = (data, prio)
+    ref = {}
+    for m in COMM.allgather(mine):
+        ref.update(m)
+    return ref
+
+
+def check_windows(batch: gm.Batch, ref: dict, window: int, align: str) -> None:
+    """Every row equals the window its key must contain; padding is zero; mask and lengths agree."""
+    cols = batch.numpy()
+    mask = batch.mask.numpy()
+    for i, key in enumerate(batch.keys.numpy().tolist()):
+        data, _ = ref[key]
+        length = len(data["step"])
+        n = min(length, window)
+        assert batch.lengths[i].item() == n, (key, batch.lengths[i].item(), n)
+        pad = window - n if (align == "tail" and length < window) else 0
+        assert mask[i].tolist() == [pad <= t < pad + n for t in range(window)], (key, mask[i])
+        got_steps = cols["step"][i, pad:pad + n]
+        offset = int(got_steps[0] - data["step"][0])
+        if align == "head":
+            assert offset == 0
+        elif align == "tail":
+            assert offset == length - n
+        assert 0 <= offset <= length - n
+        for name in SPEC.names:
+            np.testing.assert_array_equal(cols[name][i, pad:pad + n], data[name][offset:offset + n], err_msg=name)
+            assert not cols[name][i, :pad].any() and not cols[name][i, pad + n:].any(), f"padding of {name}"

@@ -1,0 +1,89 @@
+"""The ``device="cuda"`` path on numba's CUDA simulator, and the torch.distributed communicator.
+
+- ``test_gpu_replay_matches_cpu_replay`` (needs ``NUMBA_ENABLE_CUDASIM=1``, set by
+  tests/test_device_path.py): a ``device="cuda"`` replay (selection in CUDA kernels over
+  a device index, zero-copy gather from mapped host memory, remote windows over
+  torch.distributed -- gloo here, NCCL on GPUs -- or over MPI with device buffers)
+  returns exactly the batches of a ``device="cpu"`` replay with the same seed, in every
+  mode and on both window paths.
+- ``test_torch_comm_alltoallv_over_gloo``: TorchComm.alltoallv over gloo with uneven
+  counts, zeros included.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import gear_mpi as gm
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.rank, COMM.size
+SPEC = gm.TrajectorySpec({"obs": ((3,), "float32"), "step": ((), "int64"), "flag": ((), "bool")}, max_length=6)
+#: collective deadline: the simulator runs every CUDA thread in Python, so it is longer than elsewhere
+TIMEOUT = 60.0
+
+
+def same_batches(a: gm.Batch, b: gm.Batch) -> None:
+    for name in SPEC.names:
+        np.testing.assert_array_equal(a[name].cpu().numpy(), b[name].cpu().numpy(), err_msg=name)
+    for attr in ("mask", "lengths", "probabilities", "weights"):
+        np.testing.assert_array_equal(getattr(a, attr).cpu().numpy(), getattr(b, attr).cpu().numpy(), err_msg=attr)
+
+
+PATHS = [(m, f) for m in ("decentralized", "centralized", "local")
+         for f in ((False, True) if m != "local" and SIZE > 1 else (False,))]
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="run with NUMBA_ENABLE_CUDASIM=1")
+@pytest.mark.parametrize("selector", ["Prioritized", "MaxPriority"])  # (Fifo orders by wall-clock stamps)
+@pytest.mark.parametrize("mode,force", PATHS, ids=[f"{m}-{'alltoallv' if f else 'shm'}" for m, f in PATHS])
+def test_gpu_replay_matches_cpu_replay(mode, force, selector):
+    sampler = gm.Prioritized(0.7, 0.5) if selector == "Prioritized" else gm.MaxPriority()
+    kw = dict(mode=mode, force_alltoallv=force, seed=11, timeout=TIMEOUT)
+    # remote windows over torch.distributed, or (Prioritized) over MPI with device buffers
+    transport = "mpi" if force and sampler.proportional else "nccl"
+    gpu = gm.Replay(SPEC, 48, sampler, device="cuda", window_transport=transport, **kw)
+    cpu = gm.Replay(SPEC, 48, sampler, device="cpu", **kw)
+    rng = np.random.default_rng(RANK + 1)
+    for i in range(2 + RANK):
+        n = int(rng.integers(1, 7))
+        t = {"obs": rng.random((n, 3)).astype(np.float32), "step": np.arange(n) + 100 * i + 1000 * RANK,
+             "flag": rng.random(n) < 0.5}
+        p = float(rng.uniform(0.2, 2.0))
+        gpu.insert(t, p)
+        cpu.insert(t, p)
+    for align in ("random", "tail"):
+        b_gpu = gpu.sample(2 + RANK, 4, align)
+        b_cpu = cpu.sample(2 + RANK, 4, align)
+        assert b_gpu.device == gpu.device.torch_device
+        same_batches(b_gpu, b_cpu)
+        # the key's tag differs between two replays; owner and slot agree
+        ka, kb = gm.keys.decode(b_gpu.keys.cpu().numpy()), gm.keys.decode(b_cpu.keys.numpy())
+        np.testing.assert_array_equal(ka[1:], kb[1:])
+        assert gpu.update_priorities(b_gpu.keys, np.ones(len(b_gpu))) == len(b_gpu)
+        cpu.update_priorities(b_cpu.keys, np.ones(len(b_cpu)))
+    st = gpu.stats()
+    if force and SIZE > 1:
+        assert (gpu.torch_comm is not None) == (transport == "nccl")
+        if sampler.proportional:  # random owners: some windows surely crossed (fixed seed)
+            assert st["total_windows_mpi"] > 0, st
+    gpu.close()
+    cpu.close()
+
+
+def test_torch_comm_alltoallv_over_gloo():
+    from gear_mpi.comm_torch import TorchComm
+    tc = TorchComm(COMM, "gloo", timeout=30)
+    # rank r sends (r + d) % 3 elements to rank d: zeros included
+    send_counts = np.array([(RANK + d) % 3 for d in range(SIZE)])
+    recv_counts = np.array([(s + RANK) % 3 for s in range(SIZE)])
+    send = torch.cat([torch.full((int(c),), 100 * RANK + d, dtype=torch.int64) for d, c in enumerate(send_counts)])
+    recv = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+    tc.alltoallv(send, send_counts, recv, recv_counts, "test")
+    expect = torch.cat([torch.full((int(c),), 100 * s + RANK, dtype=torch.int64) for s, c in enumerate(recv_counts)])
+    assert torch.equal(recv, expect), (recv, expect)
+    tc.close()
