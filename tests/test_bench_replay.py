@@ -1,22 +1,21 @@
-"""scripts/bench_replay.py runs under mpiexec (the README's main job) and prints one JSON row per case."""
+"""``python -m scripts.bench.bench_replay`` runs under mpiexec (the README's main job), one JSON row per case."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from mpi_util import mpiexec_path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_replay.py"
+from mpi_util import ROOT
 
 
 def test_bench_replay_prints_a_row_per_case():
     env = dict(os.environ, NUMBA_NUM_THREADS="1")
-    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(SCRIPT), "--quick", "--json",
-                           "--workloads", "hopper,image", "--modes", "decentralized,local", "--items", "3",
-                           "--seconds", "0.05"], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "scripts.bench.bench_replay",
+                           "--quick", "--json", "--workloads", "hopper,image", "--modes", "decentralized,local",
+                           "--items", "3", "--seconds", "0.05"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     cases = {(r["workload"], r["mode"], r["path"]) for r in rows}

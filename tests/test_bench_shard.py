@@ -1,4 +1,4 @@
-"""scripts/bench_shard.py runs: --help, and a tiny --quick --json run whose lines are JSON objects."""
+"""``python -m scripts.bench.bench_shard`` runs: --help, and a tiny --quick --json run whose lines are JSON objects."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "bench_shard.py")
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    # from the repository root, as the README says: the checkout's gear_mpi and scripts package
+    return subprocess.run([sys.executable, "-m", "scripts.bench.bench_shard", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 def test_help():

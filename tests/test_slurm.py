@@ -1,13 +1,12 @@
 """A real single-node Slurm cluster: slurm/replay_sample.sbatch runs a 2-rank replay job.
 
 The cluster (munged, slurmctld, slurmd from Debian's packages, configured in a temporary
-directory) is started by scripts/local_slurm.py and stopped in the fixture's teardown,
+directory) is started by scripts/slurm/local_slurm.py and stopped in the fixture's teardown,
 which also checks that no daemon of it is left running. Skips where the test cannot be
 root, or Slurm is missing and apt-get cannot install it. Every wait is bounded.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -17,20 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from scripts.slurm import local_slurm  # the repository root is on sys.path (pyproject: pythonpath)
+
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "slurm" / "replay_sample.sbatch"
 JOB_TIMEOUT_S = 120      # sbatch --wait, whole job
 LINE = re.compile(r"^rank (\d+) of (\d+): sampled (\d+), total (\d+)$", re.M)
 
 
-def load_local_slurm():
-    spec = importlib.util.spec_from_file_location("local_slurm", REPO / "scripts" / "local_slurm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-local_slurm = load_local_slurm()
 
 
 def clean_env(cluster: Path) -> dict:
@@ -76,7 +69,7 @@ def test_cluster_is_up_and_has_pmi2(cluster):
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
 def test_replay_sample_job_two_ranks(cluster, launcher):
     """sbatch --wait a 2-rank job (srun --mpi=pmi2, or MPICH's mpiexec inside the allocation)
-    running scripts/slurm_smoke.py with this interpreter; check every rank's line."""
+    running scripts/slurm/slurm_smoke.py with this interpreter; check every rank's line."""
     env = clean_env(cluster)
     env.update(GEAR_PYTHON=sys.executable, GEAR_REPO=str(REPO), GEAR_LAUNCHER=launcher)
     out = cluster / f"replay-sample-{launcher}-%j.out"

@@ -1,4 +1,4 @@
-"""scripts/soak.py, briefly: 2 ranks for ~10 s must reach capacity, print a row per interval and
+"""``python -m scripts.checks.soak``, briefly: 2 ranks for ~10 s must reach capacity, print a row per interval and
 find resident memory flat afterwards (exit 0); a growth beyond the tolerance must exit 1."""
 from __future__ import annotations
 
@@ -8,19 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-from mpi_util import remove_leaked_mpich_segments
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+from mpi_util import ROOT, remove_leaked_mpich_segments
 
 
 def soak(*args: str, limit: float = 120.0) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     env.pop("PYTHONUNBUFFERED", None)
     started = time.time()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--ranks", "2", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.checks.soak", "--ranks", "2", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:

@@ -3,8 +3,8 @@
 
 Two ways to run it:
 
-    mpiexec -n 4 python scripts/bench_replay.py --quick      # on the ranks it was started with
-    python scripts/bench_replay.py --ranks 1,2,4             # starts mpiexec -n K itself for each K
+    mpiexec -n 4 python -m scripts.bench.bench_replay --quick   # on the ranks it was started with
+    python -m scripts.bench.bench_replay --ranks 1,2,4          # starts mpiexec -n K itself for each K
 
 Workloads (``--workloads``):
   hopper -- trajectories of T=1000 steps (obs 11 float32, action 3 float32, reward float32,
@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]   # the repository: run as modules from there
 
 WORKLOADS = {
     "hopper": dict(columns={"obs": ((11,), "float32"), "action": ((3,), "float32"), "reward": ((), "float32"),
@@ -174,8 +176,8 @@ def driver(args, argv: list[str]) -> int:
     copy_rates = []
     for k in [int(x) for x in args.ranks.split(",")]:
         env = dict(os.environ, NUMBA_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // k)))
-        proc = subprocess.run([mpiexec, "-n", str(k), sys.executable, __file__, "--json", *passthrough],
-                              capture_output=True, text=True, env=env, timeout=args.timeout)
+        proc = subprocess.run([mpiexec, "-n", str(k), sys.executable, "-m", "scripts.bench.bench_replay", "--json",
+                               *passthrough], capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT)
         if proc.returncode != 0:
             print(f"# ranks={k}: mpiexec failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
             status = 1

@@ -18,9 +18,9 @@ Times are the best of the repetitions (the median is printed too): on a shared
 machine the best is the figure least disturbed by other work. --json prints one
 JSON object per case, on its own line, instead of the tables.
 
-    python scripts/bench_shard.py            # full sizes (needs about 6 GiB free memory for N=1e8)
-    python scripts/bench_shard.py --quick    # small sizes, a few seconds
-    python scripts/bench_shard.py --json > shard.jsonl
+    python -m scripts.bench.bench_shard            # full sizes (needs about 6 GiB free memory for N=1e8)
+    python -m scripts.bench.bench_shard --quick    # small sizes, a few seconds
+    python -m scripts.bench.bench_shard --json > shard.jsonl
 """
 from __future__ import annotations
 
@@ -34,11 +34,7 @@ import time
 
 import numpy as np
 
-try:
-    import gear_mpi as gm
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import gear_mpi as gm
+import gear_mpi as gm
 from gear_mpi.selectors import PriorityIndex
 
 GB = 1e9

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """gear_mpi against Reverb, cpprb and TorchRL on the same workloads, side by side in one run.
 
-    python scripts/compare_peers.py                       # set up the peers (once), then measure
-    python scripts/compare_peers.py --quick --reps 2      # small sizes: a few minutes
-    python scripts/compare_peers.py --json > peers.jsonl  # JSON lines (for scripts/plot_results.py)
-    python scripts/compare_peers.py --save peers.jsonl    # the table, and the JSON lines into a file
-    python scripts/compare_peers.py --setup-only          # only create the peers' environments
+    python -m scripts.bench.compare_peers                       # set up the peers (once), then measure
+    python -m scripts.bench.compare_peers --quick --reps 2      # small sizes: a few minutes
+    python -m scripts.bench.compare_peers --json > peers.jsonl  # JSON lines (for scripts/plots/plot_results.py)
+    python -m scripts.bench.compare_peers --save peers.jsonl    # the table, and the JSON lines into a file
+    python -m scripts.bench.compare_peers --setup-only          # only create the peers' environments
 
 Peers. Each one lives in its own virtual environment under --cache (default
 ~/.cache/gear_mpi_peers/<peer>/venv), created with this interpreter's base Python and pip:
@@ -59,11 +59,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_replay import memcpy_gbps  # noqa: E402  (the same-run memcpy ceiling, one definition)
+from scripts.bench.bench_replay import memcpy_gbps  # the same-run memcpy ceiling, one definition
 
-HERE = Path(__file__).resolve().parent
-PEERS_DIR = HERE / "peers"
+ROOT = Path(__file__).resolve().parents[2]   # the repository: workers run as modules from there
+PEERS = "scripts.peers"
 
 PEERS = {
     "reverb": {"requirements": ["dm-reverb[tensorflow]==0.14.0"],
@@ -176,7 +175,7 @@ def run_worker(cmd: list[str], timeout: float, env: dict) -> tuple[list[dict], s
     Returns (JSON rows, error or None)."""
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                cwd=str(PEERS_DIR), start_new_session=True)
+                                cwd=str(ROOT), start_new_session=True)
     except OSError as e:
         return [], f"cannot start {cmd[0]}: {e}"
     try:
@@ -215,26 +214,26 @@ def worker_commands(system: str, workload: str, cfg: dict, setup: dict, args) ->
     """The commands (with environments) that measure ``workload`` on ``system`` once."""
     blob = json.dumps(cfg)
     if system == GEAR:
-        script = str(PEERS_DIR / "gear_worker.py")
+        script = ["-m", f"{PEERS}.gear_worker"]
         if workload == "W1":
             cores = os.cpu_count() or 1
             cmds = []
             for k in args.clients:  # one numba thread per core per rank; and 1 for K=1 too (see thread_counts)
                 for n in sorted({max(1, cores // k)} | ({1} if args.threads == "both" else set())):
-                    cmds.append(([mpiexec(), "-n", str(k), sys.executable, script, json.dumps({**cfg, "clients": k})],
+                    cmds.append(([mpiexec(), "-n", str(k), sys.executable, *script, json.dumps({**cfg, "clients": k})],
                                  _clean_env({"NUMBA_NUM_THREADS": str(n)})))
             return cmds
-        return [([sys.executable, script, json.dumps({**cfg, "threads": n})],
+        return [([sys.executable, *script, json.dumps({**cfg, "threads": n})],
                  _clean_env({"NUMBA_NUM_THREADS": str(n)})) for n in thread_counts(args)]
     py = setup[system]["python"]
-    script = str(PEERS_DIR / f"{system}_worker.py")
+    script = ["-m", f"{PEERS}.{system}_worker"]
     if system == "reverb":
-        return [(["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", py, script, blob],
+        return [(["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", py, *script, blob],
                  _clean_env())]
     if system == "torchrl":
-        return [([py, script, json.dumps({**cfg, "threads": n})], _clean_env({"OMP_NUM_THREADS": str(n)}))
+        return [([py, *script, json.dumps({**cfg, "threads": n})], _clean_env({"OMP_NUM_THREADS": str(n)}))
                 for n in thread_counts(args)]
-    return [([py, script, blob], _clean_env())]
+    return [([py, *script, blob], _clean_env())]
 
 
 def thread_counts(args) -> list[int]:

@@ -26,9 +26,9 @@ Without a GPU it prints why and exits 0. ``--sim`` runs the same logic on the nu
 simulator at tiny sizes (timings then mean nothing); the test suite does that.
 Exit status: 0 when every check matched, 1 on a mismatch or an error.
 
-    python scripts/gpu_check.py            # on a GPU node
-    python scripts/gpu_check.py --json > gpu_check.json
-    python scripts/gpu_check.py --sim      # anywhere
+    python -m scripts.checks.gpu_check            # on a GPU node
+    python -m scripts.checks.gpu_check --json > gpu_check.json
+    python -m scripts.checks.gpu_check --sim      # anywhere
 """
 from __future__ import annotations
 
@@ -43,10 +43,6 @@ import traceback
 import warnings
 
 import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 TORCH_MAX_CATEGORIES = 2 ** 24
 

@@ -2,8 +2,8 @@
 """Soak test of gm.Replay: inserts, samples and priority updates on K ranks for a while, with
 throughput over time and a check that resident memory stays flat once the replay is full.
 
-    mpiexec -n 4 python scripts/soak.py --seconds 600      # on the ranks it was started with
-    python scripts/soak.py --ranks 2 --seconds 10           # starts mpiexec -n 2 itself
+    mpiexec -n 4 python -m scripts.checks.soak --seconds 600   # on the ranks it was started with
+    python -m scripts.checks.soak --ranks 2 --seconds 10        # starts mpiexec -n 2 itself
 
 Every iteration, on every rank: ``insert_many`` of ``--inserts`` trajectories (random lengths
 up to ``--length``), one collective ``sample(--batch, --window)``, one collective
@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]   # the repository: run as modules from there
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -157,8 +159,8 @@ def driver(args, argv: list[str]) -> int:
     env.setdefault("NUMBA_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.ranks)))
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
-        proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, os.path.abspath(__file__),
-                               *passthrough], env=env, timeout=args.seconds + args.timeout + 120)
+        proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, "-m", "scripts.checks.soak",
+                               *passthrough], env=env, timeout=args.seconds + args.timeout + 120, cwd=ROOT)
     except subprocess.TimeoutExpired:
         print("# soak: mpiexec did not finish in time", file=sys.stderr)
         return 3

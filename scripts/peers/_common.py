@@ -1,4 +1,4 @@
-"""Helpers shared by the peer workers of scripts/compare_peers.py (stdlib + numpy only).
+"""Helpers shared by the peer workers of scripts/bench/compare_peers.py (stdlib + numpy only).
 
 Each worker runs in its own virtual environment (Reverb brings numpy<2, TorchRL its own
 torch), so nothing here may import gear_mpi or any peer. Every worker prints one JSON

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""cpprb worker for scripts/compare_peers.py (runs in cpprb's own virtual environment).
+"""cpprb worker for scripts/bench/compare_peers.py (runs in cpprb's own virtual environment).
 
     python cpprb_worker.py '{"workload": "W2", "N": 100000, "batches": [256], "seconds": 2}'
     python cpprb_worker.py '{"workload": "W3", "Ns": [100000, 10000000], "B": 65536, "seconds": 2}'
@@ -16,8 +16,10 @@ import time
 
 import numpy as np
 
-from _common import ALPHA, BETA, TRANSITION, available_bytes, emit, fail, initial_priorities, parse_config, \
-    step_bytes, steady_loop, transitions
+from scripts.peers._common import (
+    ALPHA, BETA, TRANSITION, available_bytes, emit, fail, initial_priorities, parse_config, step_bytes,
+    steady_loop, transitions)
+
 
 PEER = "cpprb"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""gear_mpi worker for scripts/compare_peers.py (runs in the project's environment).
+"""gear_mpi worker for scripts/bench/compare_peers.py (runs in the project's environment).
 
     mpiexec -n K python gear_worker.py '{"workload": "W1", "items": 256, "seconds": 3, ...}'
     python gear_worker.py '{"workload": "W2", "N": 100000, "batches": [256], "seconds": 2}'
@@ -14,23 +14,19 @@ W2: gm.Shard(Prioritized) with N length-1 items; one step = sample(B, 1, out=bat
 update_priorities(batch.keys, new priorities).
 W3: the shard's priority index (gear_mpi.selectors.PriorityIndex): draw B + set B per step
 ("draw+set"), and the same plus probabilities and importance weights ("+IS weights"),
-as scripts/bench_shard.py does.
+as scripts/bench/bench_shard.py does.
 """
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import time
 
 import numpy as np
 
-from _common import ALPHA, BETA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, available_bytes, emit, fail, \
-    hopper_priorities, hopper_trajectory, initial_priorities, parse_config, step_bytes, steady_loop, transitions
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))  # a checkout without installing
-import gear_mpi as gm  # noqa: E402
+import gear_mpi as gm
+from scripts.peers._common import (
+    ALPHA, BETA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, available_bytes, emit, fail, hopper_priorities,
+    hopper_trajectory, initial_priorities, parse_config, step_bytes, steady_loop, transitions)
 
 PEER = "gear_mpi"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Reverb worker for scripts/compare_peers.py (runs in Reverb's own virtual environment).
+"""Reverb worker for scripts/bench/compare_peers.py (runs in Reverb's own virtual environment).
 
     python reverb_worker.py '{"workload": "W1", "items": 256, "clients": [1, 2, 4], "seconds": 3}'
     python reverb_worker.py '{"workload": "W2", "N": 100000, "batches": [256], "seconds": 2}'
@@ -43,8 +43,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
-from _common import ALPHA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, emit, fail, hopper_priorities, \
-    hopper_trajectory, initial_priorities, parse_config, step_bytes, transitions  # noqa: E402
+from scripts.peers._common import (  # noqa: E402
+    ALPHA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, emit, fail, hopper_priorities, hopper_trajectory,
+    initial_priorities, parse_config, step_bytes, transitions)
 
 PEER = "reverb"
 HANDSHAKE_TIMEOUT = 300.0
@@ -122,7 +123,7 @@ class ClientPool:
     """K client processes; lines over pipes; every read bounded by a deadline."""
 
     def __init__(self, k: int, addr: str):
-        self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client", addr],
+        self.procs = [subprocess.Popen([sys.executable, "-m", "scripts.peers.reverb_worker", "--client", addr],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
                       for _ in range(k)]
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""PNG plots from the JSON output of scripts/compare_peers.py and scripts/bench_replay.py.
+"""PNG plots from the JSON output of scripts/bench/compare_peers.py and scripts/bench/bench_replay.py.
 
-    python scripts/compare_peers.py --save peers.jsonl
-    python scripts/bench_replay.py --ranks 1,2,4 --json > replay.jsonl
-    python scripts/plot_results.py peers.jsonl replay.jsonl --out docs/img
+    python -m scripts.bench.compare_peers --save peers.jsonl
+    python -m scripts.bench.bench_replay --ranks 1,2,4 --json > replay.jsonl
+    python -m scripts.plots.plot_results peers.jsonl replay.jsonl --out docs/img
 
 Reads JSON lines (other lines are skipped) and writes, for what the files hold:
   peers_w1_clients.png   W1: delivered GB/s against clients (1 panel per sampler), log scale,

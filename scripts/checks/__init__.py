@@ -1,0 +1,1 @@
+"""Long-running checks: soak (memory stays flat), gpu_check (CUDA kernels on a real GPU)."""

@@ -1,0 +1,1 @@
+"""Figures from the benchmarks' JSON lines (``python -m scripts.plots.plot_results``)."""
