@@ -41,7 +41,8 @@ def test_invalid_arguments_fail_on_every_rank(force):
         pr[0] = -1.0
     expect_same_error(lambda: replay.update_priorities(batch.keys, pr), gm.InvalidPriorityError, "non-negative")
     other = make_replay(gm.Prioritized(0.6, 0.4), force=force)
-    other_key = other.insert({"obs": np.zeros((2, 3)), "step": np.zeros(2, np.int64), "flag": np.zeros((2, 2), np.uint8)})
+    other_key = other.insert({"obs": np.zeros((2, 3)), "step": np.zeros(2, np.int64),
+                              "flag": np.zeros((2, 2), np.uint8)})
     if other.shard.tag == replay.shard.tag:
         other_key = int(other_key) ^ (1 << 62)  # same random tag (1 in 256): make it foreign anyway
     foreign = [other_key] if RANK == bad else []

@@ -105,7 +105,8 @@ def test_priority_updates_reach_owners_and_stale_keys_are_dropped(force):
     for _ in range(7):
         replay.insert({"obs": rng.random((12, 3)), "step": np.zeros(12, np.int64), "flag": np.zeros((12, 2), np.uint8)})
     everyone_old = [k for part in COMM.allgather(old) for k in part]
-    applied = replay.update_priorities(everyone_old if RANK == 0 else [], np.ones(len(everyone_old) if RANK == 0 else 0))
+    asked = everyone_old if RANK == 0 else []
+    applied = replay.update_priorities(asked, np.ones(len(asked)))
     assert applied == 0, applied
     st = replay.stats()
     assert st["total_stale_updates"] == len(everyone_old), st
