@@ -541,8 +541,7 @@ if __name__ == "__main__":
 def runs():
     """The three subprocesses, started together (they are independent): the simulator checks,
     ``gpu_check.py --sim --json`` and the plain (no simulator) import + PTX check."""
-    cmds = {"sim": ([HERE, *CHECKS], True), "gpu_check": ([os.path.join(ROOT, "scripts", "gpu_check.py"), "--sim",
-                                                          "--json"], True),
+    cmds = {"sim": ([HERE, *CHECKS], True), "gpu_check": (["-m", "scripts.checks.gpu_check", "--sim", "--json"], True),
             "plain": ([HERE, "--plain"], False)}
     procs = {k: subprocess.Popen([sys.executable, *args], env=_env(sim), cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for k, (args, sim) in cmds.items()}
@@ -608,7 +607,7 @@ def test_gpu_check_script_runs_on_the_simulator(runs):
 
 
 def test_gpu_check_script_without_a_gpu_exits_cleanly():
-    proc = _run_script([os.path.join(ROOT, "scripts", "gpu_check.py")], sim=False, timeout=120)
+    proc = _run_script(["-m", "scripts.checks.gpu_check"], sim=False, timeout=120)
     if "no CUDA GPU" not in proc.stdout:
         pytest.skip("this machine has a CUDA GPU: the no-GPU path is not exercised here")
     assert proc.returncode == 0, proc.stderr
