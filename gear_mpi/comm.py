@@ -3,8 +3,11 @@
 :class:`MpiComm` wraps an mpi4py communicator. Every collective is posted
 non-blocking and polled until it completes or ``timeout`` seconds pass, so a
 rank that never arrives is reported (``CollectiveTimeoutError``) instead of
-waited on forever. After a timeout the communicator holds a pending request and
-is marked broken: later calls raise at once.
+waited on forever. That includes the steps of construction:
+:meth:`MpiComm.agree_signature` (argument digests), :meth:`MpiComm.split_node`
+(the node split, behind an Ibarrier), :meth:`MpiComm.bcast` and
+:meth:`MpiComm.allgather_bytes`. After a timeout the communicator holds a
+pending request and is marked broken: later calls raise at once.
 
 :meth:`MpiComm.agree` turns a local exception into the same exception on every
 rank: it costs one allgather of an 8-byte status, plus one allgather of the
@@ -102,6 +105,7 @@ class MpiComm:
                 raise errors.CollectiveTimeoutError(self.broken)
 
     def check_usable(self) -> None:
+        """Raise CollectiveError if an earlier collective of this communicator failed (local)."""
         if self.broken is not None:
             raise errors.CollectiveError(f"communicator unusable after an earlier failure: {self.broken}")
 
@@ -175,6 +179,7 @@ class MpiComm:
         return None, counts
 
     def gather_counts(self, n: int, root: int, what: str) -> np.ndarray:
+        """Every rank's ``n`` at ``root`` (int64, one per rank; undefined elsewhere)."""
         out = np.empty(self.size, np.int64)
         self.wait(self.comm.Igather(np.array([n], np.int64), out, root), what)
         return out
