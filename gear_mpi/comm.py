@@ -3,8 +3,11 @@
 :class:`MpiComm` wraps an mpi4py communicator. Every collective is posted
 non-blocking and polled until it completes or ``timeout`` seconds pass, so a
 rank that never arrives is reported (``CollectiveTimeoutError``) instead of
-waited on forever. After a timeout the communicator holds a pending request and
-is marked broken: later calls raise at once.
+waited on forever. That includes the steps of construction:
+:meth:`MpiComm.agree_signature` (argument digests), :meth:`MpiComm.split_node`
+(the node split, behind an Ibarrier), :meth:`MpiComm.bcast` and
+:meth:`MpiComm.allgather_bytes`. After a timeout the communicator holds a
+pending request and is marked broken: later calls raise at once.
 
 :meth:`MpiComm.agree` turns a local exception into the same exception on every
 rank: it costs one allgather of an 8-byte status, plus one allgather of the
@@ -12,6 +15,7 @@ messages when some rank failed.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any
@@ -47,9 +51,24 @@ def _mpi():
     return _MPI
 
 
-def _displacements(counts: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums of ``counts`` (int64)."""
+def displacements(counts) -> np.ndarray:
+    """Where each part starts when parts of ``counts`` elements lie one after another: the
+    exclusive prefix sum ``[0, c0, c0 + c1, ...]`` (int64, same length as ``counts``). O(len)."""
+    counts = np.asarray(counts, np.int64)
     return np.cumsum(counts) - counts
+
+
+_TYPES: dict = {}
+
+
+def mpi_type(dtype) -> Any:
+    """The MPI datatype of a numpy dtype (mpi4py's public mapping, looked up once per dtype)."""
+    dtype = np.dtype(dtype)
+    found = _TYPES.get(dtype)
+    if found is None:
+        from mpi4py.util.dtlib import from_numpy_dtype
+        found = _TYPES[dtype] = from_numpy_dtype(dtype)
+    return found
 
 
 class MpiComm:
@@ -86,6 +105,7 @@ class MpiComm:
                 raise errors.CollectiveTimeoutError(self.broken)
 
     def check_usable(self) -> None:
+        """Raise CollectiveError if an earlier collective of this communicator failed (local)."""
         if self.broken is not None:
             raise errors.CollectiveError(f"communicator unusable after an earlier failure: {self.broken}")
 
@@ -99,26 +119,22 @@ class MpiComm:
 
     def allgatherv(self, values: np.ndarray, counts: np.ndarray, what: str) -> np.ndarray:
         """Concatenation of every rank's 1-D ``values``; ``counts[r]`` elements from rank r."""
-        MPI = _mpi()
         values = np.ascontiguousarray(values)
         counts = np.asarray(counts, np.int64)
         out = np.empty(int(counts.sum()), values.dtype)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        dtype = MPI._typedict[values.dtype.char]
-        self.wait(self.comm.Iallgatherv([values, dtype], [out, (counts, displs), dtype]), what)
+        dtype = mpi_type(values.dtype)
+        self.wait(self.comm.Iallgatherv([values, dtype], [out, (counts, displacements(counts)), dtype]), what)
         return out
 
     def ialltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts,
                    send_displs=None, recv_displs=None):
         """Post a personalised exchange of 1-D arrays (counts and displacements in elements);
         returns the request. Several may be in flight at once (posted in the same order on every rank)."""
-        MPI = _mpi()
         sc = np.asarray(send_counts, np.int64)
         rc = np.asarray(recv_counts, np.int64)
-        sd = _displacements(sc) if send_displs is None else np.asarray(send_displs, np.int64)
-        rd = _displacements(rc) if recv_displs is None else np.asarray(recv_displs, np.int64)
-        types = MPI._typedict
-        return self.comm.Ialltoallv([send, (sc, sd), types[send.dtype.char]], [recv, (rc, rd), types[recv.dtype.char]])
+        sd = displacements(sc) if send_displs is None else np.asarray(send_displs, np.int64)
+        rd = displacements(rc) if recv_displs is None else np.asarray(recv_displs, np.int64)
+        return self.comm.Ialltoallv([send, (sc, sd), mpi_type(send.dtype)], [recv, (rc, rd), mpi_type(recv.dtype)])
 
     def alltoallv_bytes(self, send, send_counts, recv, recv_counts, what: str) -> None:
         """Personalised exchange of byte buffers given as torch tensors (uint8): CUDA tensors go to
@@ -127,8 +143,7 @@ class MpiComm:
         MPI = _mpi()
         sc = np.asarray(send_counts, np.int64)
         rc = np.asarray(recv_counts, np.int64)
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        sd, rd = displacements(sc), displacements(rc)
         sb, rb = (t if t.is_cuda else t.numpy() for t in (send, recv))
         self.wait(self.comm.Ialltoallv([sb, (sc, sd), MPI.BYTE], [rb, (rc, rd), MPI.BYTE]), what)
 
@@ -153,46 +168,86 @@ class MpiComm:
 
     def gatherv(self, values: np.ndarray, root: int, what: str) -> tuple[np.ndarray | None, np.ndarray]:
         """Concatenation of every rank's 1-D ``values`` at ``root`` (None elsewhere), and the counts."""
-        MPI = _mpi()
         values = np.ascontiguousarray(values)
         counts = self.gather_counts(len(values), root, what)
-        dtype = MPI._typedict[values.dtype.char]
+        dtype = mpi_type(values.dtype)
         if self.rank == root:
             out = np.empty(int(counts.sum()), values.dtype)
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            self.wait(self.comm.Igatherv([values, dtype], [out, (counts, displs), dtype], root), what)
+            self.wait(self.comm.Igatherv([values, dtype], [out, (counts, displacements(counts)), dtype], root), what)
             return out, counts
         self.wait(self.comm.Igatherv([values, dtype], None, root), what)
         return None, counts
 
     def gather_counts(self, n: int, root: int, what: str) -> np.ndarray:
+        """Every rank's ``n`` at ``root`` (int64, one per rank; undefined elsewhere)."""
         out = np.empty(self.size, np.int64)
         self.wait(self.comm.Igather(np.array([n], np.int64), out, root), what)
         return out
 
     def scatterv(self, chunks: list[np.ndarray] | None, dtype, root: int, what: str) -> np.ndarray:
         """Rank r receives ``chunks[r]`` from ``root`` (1-D arrays of ``dtype``)."""
-        MPI = _mpi()
         dtype = np.dtype(dtype)
         counts = np.array([len(c) for c in chunks], np.int64) if self.rank == root else np.zeros(self.size, np.int64)
         mine = np.empty(1, np.int64)
         self.wait(self.comm.Iscatter(counts, mine, root), what)
         out = np.empty(int(mine[0]), dtype)
-        mt = MPI._typedict[dtype.char]
+        mt = mpi_type(dtype)
         if self.rank == root:
             send = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            self.wait(self.comm.Iscatterv([send, (counts, displs), mt], [out, mt], root), what)
+            self.wait(self.comm.Iscatterv([send, (counts, displacements(counts)), mt], [out, mt], root), what)
         else:
             self.wait(self.comm.Iscatterv(None, [out, mt], root), what)
         return out
 
     def barrier(self, what: str) -> None:
+        """Wait until every rank has called ``barrier`` (an Ibarrier, with the deadline)."""
         self.wait(self.comm.Ibarrier(), what)
 
-    def bcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a small picklable object (blocking; used at construction only)."""
-        return self.comm.bcast(obj, root=root)
+    def bcast(self, values: np.ndarray, root: int, what: str) -> np.ndarray:
+        """``root``'s ``values`` on every rank (an Ibcast of a buffer of the same shape and dtype
+        on every rank). Returns a new array."""
+        out = np.array(values, copy=True, order="C")
+        self.wait(self.comm.Ibcast(out, root), what)
+        return out
+
+    def allgather_bytes(self, data: bytes, width: int, what: str) -> list[bytes]:
+        """Every rank's ``data`` (at most ``width`` bytes; the same ``width`` on every rank), in rank
+        order: one Iallgather of ``width`` bytes per rank. Trailing zero bytes are not kept."""
+        if len(data) > width:
+            raise ValueError(f"{what}: {len(data)} bytes do not fit in {width}")
+        buf = np.zeros(width, np.uint8)
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+        return [bytes(row).rstrip(b"\0") for row in self.allgather(buf, what)]
+
+    def agree_signature(self, signature: str, what: str, hint: str = "") -> None:
+        """Check that every rank passed the same ``signature`` (e.g. the repr of its arguments).
+
+        One Iallgather of a 32-byte digest per rank. Raises ValueError on every rank, naming the
+        lowest rank whose signature differs from rank 0's (``hint`` is appended to the message),
+        or CollectiveTimeoutError when a rank does not arrive within the deadline.
+        """
+        digest = np.frombuffer(hashlib.sha256(signature.encode("utf-8", "replace")).digest(), np.uint8)
+        table = self.allgather(digest, what)
+        differs = np.flatnonzero((table != table[0]).any(axis=1))
+        if len(differs):
+            raise ValueError(f"{what}: rank {int(differs[0])} was constructed with other arguments than rank 0"
+                             + (f" ({hint})" if hint else ""))
+
+    def split_node(self, what: str) -> "MpiComm":
+        """The ranks of this node (``MPI_COMM_TYPE_SHARED``, ordered by rank) as a new MpiComm with the
+        same deadline. ``Split_type`` blocks, so an Ibarrier waited with the deadline goes first:
+        a rank that never arrives raises CollectiveTimeoutError instead of a hang. Free it with
+        :meth:`free`."""
+        self.barrier(what)
+        node = self.comm.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank)
+        return MpiComm(node, self.timeout)
+
+    def free(self) -> None:
+        """Free the wrapped communicator (for communicators this layer created). Local; idempotent."""
+        try:
+            self.comm.Free()
+        except Exception:
+            pass
 
     # ---- error agreement --------------------------------------------------------------
     def agree(self, error: BaseException | None, what: str, values=None) -> np.ndarray:

@@ -18,10 +18,14 @@ import os
 import socket
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from .comm import MpiComm
 from .errors import CollectiveError, CollectiveTimeoutError
+
+ADDRESS_BYTES = 256  # rank 0's "host:port", broadcast over MPI
 
 
 def _free_port() -> int:
@@ -39,12 +43,24 @@ class TorchComm:
 
     def __init__(self, mpi_comm, backend: str = "nccl", timeout: float = 60.0, process_group=None,
                  host: str | None = None):
+        """Args:
+            mpi_comm: an :class:`~gear_mpi.comm.MpiComm` or an mpi4py communicator over the same ranks.
+            backend: ``"nccl"`` or ``"gloo"``.
+            timeout: seconds every collective (the bootstrap included) may wait for a rank.
+            process_group: an existing torch.distributed group over the same ranks (no bootstrap).
+            host: the address rank 0 listens on (default ``$GEAR_MPI_TORCH_HOST`` or its host name).
+
+        Collective. Raises:
+            ValueError: a bad backend, or a group over other ranks.
+            CollectiveTimeoutError: a rank did not arrive at the bootstrap within ``timeout``.
+        """
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        mpi = mpi_comm if isinstance(mpi_comm, MpiComm) else MpiComm(mpi_comm, timeout)
         self.backend = backend
         self.timeout = float(timeout)
-        self.rank = mpi_comm.Get_rank()
-        self.size = mpi_comm.Get_size()
+        self.rank = mpi.rank
+        self.size = mpi.size
         self.broken: str | None = None
         self.owns_group = False
         if process_group is not None:
@@ -53,11 +69,12 @@ class TorchComm:
                 raise ValueError(f"process_group has {dist.get_world_size(process_group)} ranks, "
                                  f"the MPI communicator {self.size}")
             return
+        buf = np.zeros(ADDRESS_BYTES, np.uint8)
         if self.rank == 0:
-            address = (host or os.environ.get("GEAR_MPI_TORCH_HOST") or socket.gethostname(), _free_port())
-        else:
-            address = None
-        address = mpi_comm.bcast(address, root=0)
+            text = f"{host or os.environ.get('GEAR_MPI_TORCH_HOST') or socket.gethostname()}:{_free_port()}"
+            buf[:len(text)] = np.frombuffer(text.encode()[:ADDRESS_BYTES], np.uint8)
+        text = bytes(mpi.bcast(buf, 0, "TorchComm (address)")).rstrip(b"\0").decode()
+        address = text.rsplit(":", 1)
         td = datetime.timedelta(seconds=max(self.timeout, 1.0))
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}", rank=self.rank,
@@ -68,7 +85,7 @@ class TorchComm:
             if dist.get_world_size() != self.size:
                 raise ValueError("torch.distributed is already initialised over other ranks: pass process_group=")
             self.group = dist.new_group(backend=backend, timeout=td)
-        mpi_comm.Barrier()
+        mpi.barrier("TorchComm (construction)")
 
     def _wait(self, work, what: str) -> None:
         deadline = time.monotonic() + self.timeout

@@ -295,39 +295,49 @@ class Shard:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
         slots = self.select(batch_size)
-        meta = self.choice_rows(slots, window, code, self.total_weight, self.min_weight)
+        choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
         keys, probabilities, weights, lengths = batch.meta_numpy()
         gather_kernels.gather_from_owners(self.column_addresses(), self.spec.step_bytes_array, self.store.capacity,
-                                          _ONE_OWNER, np.array([0, batch_size], np.int64), meta, batch.byte_views(),
+                                          _ONE_OWNER, np.array([0, batch_size], np.int64), choices, batch.byte_views(),
                                           window, batch._mask_np, keys, lengths, probabilities)
-        weights[:] = meta[:, 5].view(np.float64)
+        weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
         return batch
 
-    def choice_rows(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
-        """What a requester needs to copy and describe each chosen window: a row of
-        ``gather.META`` int64 per slot (key, ring start, real steps, leading padding,
-        probability ``w / total`` and importance weight as float64 bits). ``total`` and
-        ``wmin`` are the selection mass and smallest weight the draw was made over (the
-        whole replay's, for a Replay). O(B): one kernel plus the selector's weights."""
+    def make_choices(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
+        """The choice of each chosen slot: what a requester needs to copy and describe its window.
+
+        Args:
+            slots: the chosen slots (int64).
+            window: steps per window; ``code``: the align code (see :func:`check_window`).
+            total, wmin: the selection mass and smallest weight the draw was made over (the whole
+                replay's, for a Replay).
+
+        Returns:
+            ``[len(slots), gather.CHOICE_WIDTH]`` int64: one record of dtype ``gather.CHOICE`` per slot
+            (key, ring start, real steps, leading padding, probability ``w / total``, importance
+            weight); read fields with ``gather.choice_records``. Cost: O(B), one kernel plus the
+            selector's weights.
+        """
         st = self.store
-        meta = np.empty((len(slots), gather_kernels.META), np.int64)
+        choices = np.empty((len(slots), gather_kernels.CHOICE_WIDTH), np.int64)
+        fields = gather_kernels.choice_records(choices)
         w = np.empty(len(slots), np.float64)
         uniforms = self.rng.random(len(slots)) if code == 0 else _NO_UNIFORMS
         proportional = self.index is not None
         on_host = isinstance(self.index, PriorityIndex)  # a device index: weights gathered on the GPU below
         leaves = self.index.leaves if on_host else _NO_UNIFORMS
-        gather_kernels.window_meta(np.ascontiguousarray(slots, np.int64), st.start, st.length, st.generation,
-                                   key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
-                                   uniforms, leaves, total, meta, w)
+        gather_kernels.fill_choices(np.ascontiguousarray(slots, np.int64), st.start, st.length, st.generation,
+                                    key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
+                                    uniforms, leaves, total, choices, w)
         if proportional and not on_host:
             w = self.index.weights_of(slots)
-            meta[:, 4] = (w / total).view(np.int64)
+            fields["probability"] = w / total
         if proportional:
-            meta[:, 5] = self.selector.importance_weights(w, wmin).astype(np.float64).view(np.int64)
+            fields["weight"] = self.selector.importance_weights(w, wmin)
         else:
-            meta[:, 5] = meta[:, 4]
-        return meta
+            fields["weight"] = fields["probability"]
+        return choices
 
     def column_addresses(self) -> np.ndarray:
         """The address of each column's ring (``[1, columns]`` int64), for the gather kernel; built once."""

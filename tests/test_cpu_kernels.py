@@ -299,10 +299,10 @@ def test_window_meta_and_place_slots_agree_with_place_windows(align_code):
     for a, w in zip(got, (ws, nv, pf)):
         np.testing.assert_array_equal(a, w)
     for lv, total in ((leaves, 7.5), (np.zeros(0), 1.0)):
-        meta = np.empty((b, gather.META), np.int64)
+        meta = np.empty((b, gather.CHOICE_WIDTH), np.int64)
         w = np.empty(b)
-        gather.window_meta(slots, start, length, generation, ks.key_head(9, 3), ks.SLOT_BITS, ks.GEN_MASK, capacity,
-                           window, align_code, u, lv, total, meta, w)
+        gather.fill_choices(slots, start, length, generation, ks.key_head(9, 3), ks.SLOT_BITS, ks.GEN_MASK, capacity,
+                            window, align_code, u, lv, total, meta, w)
         np.testing.assert_array_equal(meta[:, 0], ks.encode(9, 3, slots, generation[slots]))
         np.testing.assert_array_equal(meta[:, 1:4], np.stack([ws, nv, pf], 1))
         want = leaves[slots] / total if len(lv) else np.ones(b)
@@ -327,7 +327,7 @@ def test_gather_from_owners_matches_numpy_and_checks_windows():
     starts[:10] = capacity - 3  # these wrap
     n_valid[:10] = window
     pad_front[:10] = 0
-    meta = np.zeros((nb, gather.META), np.int64)
+    meta = np.zeros((nb, gather.CHOICE_WIDTH), np.int64)
     meta[:, 0] = rng.integers(0, 1 << 40, nb)
     meta[:, 1], meta[:, 2], meta[:, 3] = starts, n_valid, pad_front
     meta[:, 4] = rng.random(nb).view(np.int64)

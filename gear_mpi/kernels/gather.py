@@ -193,37 +193,50 @@ def place_windows(starts, lengths, window, align_code, uniforms, win_start, n_va
             _place_one(i, starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front)
 
 
-# ---- the replay's exchange: choices ("meta" rows) out of the owner, windows into the requester ----
-# A meta row is 6 int64: key, ring start of the window, real steps, leading padding, probability
-# (float64 bits), importance weight (float64 bits).
-META = 6
-META_AHEAD = 16  # table rows requested this many slots ahead
+# ---- the replay's exchange: a choice per sampled item, from its owner to its requester ----
+# A *choice* is the 48-byte record that tells a requester which window to copy and how to describe
+# it. Python reads it through the structured dtype CHOICE (fields by name); kernels and MPI see the
+# same bytes as CHOICE_WIDTH int64 words a row, the float fields as their IEEE bits.
+CHOICE = np.dtype([("key", np.int64), ("start", np.int64), ("valid", np.int64), ("pad_front", np.int64),
+                   ("probability", np.float64), ("weight", np.float64)])
+CHOICE_WIDTH = 6  # int64 words per choice
+# the word of each field (for kernels)
+KEY, START, VALID, PAD_FRONT, PROBABILITY, WEIGHT = range(CHOICE_WIDTH)
+assert CHOICE.itemsize == 8 * CHOICE_WIDTH and list(CHOICE.names)[START] == "start"
+CHOICE_AHEAD = 16  # table rows requested this many slots ahead
+
+
+def choice_records(words: np.ndarray) -> np.ndarray:
+    """The choices of an ``[n, CHOICE_WIDTH]`` int64 array (C-contiguous rows) as ``n`` records of
+    dtype :data:`CHOICE` (a view: no copy), for reading fields by name."""
+    return words.view(CHOICE).reshape(words.shape[0])
 
 
 @njit(cache=True)
-def window_meta(slots, start, length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
-                uniforms, leaves, total, meta, weights):
-    """Owner side: the meta row of each chosen slot (key, placement, probability ``w / total``),
-    and the index weight ``w`` of each (``leaves`` empty: ordered selectors, probability 1).
-    Importance weights (column 5) are the caller's. O(B), one pass."""
+def fill_choices(slots, start, length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
+                 uniforms, leaves, total, choices, weights):
+    """Owner side: the choice of each chosen slot in ``choices`` (``[B, CHOICE_WIDTH]`` int64): key,
+    placement (ring start, real steps, leading padding) and probability ``w / total``; and the index
+    weight ``w`` of each in ``weights`` (``leaves`` empty: ordered selectors, probability 1). The
+    importance weights (field ``weight``) are the caller's. O(B), one pass."""
     proportional = leaves.shape[0] > 0
     b = slots.shape[0]
     for i in range(b):
-        if i + META_AHEAD < b:  # random table rows: ask for later ones while this one is served
-            t = slots[i + META_AHEAD]
+        if i + CHOICE_AHEAD < b:  # random table rows: ask for later ones while this one is served
+            t = slots[i + CHOICE_AHEAD]
             _prefetch(start, t)
             _prefetch(length, t)
             _prefetch(generation, t)
         s = slots[i]
-        meta[i, 0] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
+        choices[i, KEY] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
         u = uniforms[i] if align_code == 0 else 0.0
         ws, nv, pf = _placement(start[s], length[s], window, align_code, u)
-        meta[i, 1] = ws % capacity
-        meta[i, 2] = nv
-        meta[i, 3] = pf
+        choices[i, START] = ws % capacity
+        choices[i, VALID] = nv
+        choices[i, PAD_FRONT] = pf
         w = leaves[s] if proportional else 1.0
         weights[i] = w
-        meta[i, 4] = _float_bits(w / total if proportional else 1.0)
+        choices[i, PROBABILITY] = _float_bits(w / total if proportional else 1.0)
 
 
 @intrinsic
@@ -289,9 +302,10 @@ def _copy_window_from(base, capacity, step_bytes, start, nv, front_steps, out, r
 
 
 @njit(cache=True, parallel=True)
-def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, outs, window, mask, keys, lengths,
-                       probabilities):
-    """Requester side: the rows of a batch from the meta rows its owners sent (``meta``, in owner order:
+def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, choices, outs, window, mask, keys,
+                       lengths, probabilities):
+    """Requester side: the rows of a batch from the choices its owners sent (``choices``,
+    ``[B, CHOICE_WIDTH]`` int64, in owner order:
     owner ``o`` has rows ``row_of_owner[o]:row_of_owner[o + 1]``). Keys, lengths, probabilities and the
     mask of every row; the data of the rows whose owner's columns this process maps (``direct[o]``),
     copied from ``addrs[o, c]``, the address of owner ``o``'s column ``c`` (a ring of ``capacity``
@@ -299,15 +313,15 @@ def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, 
     outside the ring raises ValueError before anything is copied. One call per sample; the copies run
     in parallel over runs of >= 32 rows, each prefetching some windows ahead (``_ahead``).
     Cost: O(B W) for the mask, each delivered byte copied once."""
-    nb = meta.shape[0]
+    nb = choices.shape[0]
     for i in range(nb):
-        if not (0 <= meta[i, 1] < capacity and 0 <= meta[i, 2] <= min(window, capacity)
-                and 0 <= meta[i, 3] <= window - meta[i, 2]):
+        if not (0 <= choices[i, START] < capacity and 0 <= choices[i, VALID] <= min(window, capacity)
+                and 0 <= choices[i, PAD_FRONT] <= window - choices[i, VALID]):
             raise ValueError("gather: a window lies outside the ring")
-        keys[i] = meta[i, 0]
-        lengths[i] = meta[i, 2]
-        probabilities[i] = _bits_float(meta[i, 4])
-        _mask_row(mask, i, meta[i, 3], meta[i, 3] + meta[i, 2], window)
+        keys[i] = choices[i, KEY]
+        lengths[i] = choices[i, VALID]
+        probabilities[i] = _bits_float(choices[i, PROBABILITY])
+        _mask_row(mask, i, choices[i, PAD_FRONT], choices[i, PAD_FRONT] + choices[i, VALID], window)
     # tasks: runs of rows of one direct owner
     n_owners = direct.shape[0]
     ntask = 0
@@ -328,7 +342,7 @@ def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, meta, 
                 task_lo[t] = lo + k * cnt // runs
                 task_hi[t] = lo + (k + 1) * cnt // runs
                 t += 1
-    starts, n_valid, pad_front = meta[:, 1], meta[:, 2], meta[:, 3]
+    starts, n_valid, pad_front = choices[:, START], choices[:, VALID], choices[:, PAD_FRONT]
     rows = np.arange(nb)
     for t in prange(ntask):
         o = task_owner[t]

@@ -1,0 +1,181 @@
+"""The node: the ranks that share this rank's memory, their mapped shard columns, and the node fence.
+
+A requester copies windows owned by ranks on its own node straight out of their
+shared memory (POSIX segments of ``memory="shm"`` shards, mapped at
+construction); windows owned by any other rank travel through the window
+transport. :class:`NodeView` holds what that needs: which owners this rank reads
+directly (``direct``), the address of every directly readable column ring (for
+the gather kernel), the same memory mapped into the GPU (``device="cuda"``).
+
+The node fence keeps an owner from overwriting a window a node peer still reads:
+after a sample each rank publishes, in its own segment's header, that it has
+finished reading its peers' windows of that sample; an owner about to write its
+shard waits (:meth:`NodeView.settle`) until every node peer that reads it
+directly has published the last sample. No message is sent: when another
+collective has been passed since, the wait is free.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .comm import MpiComm
+from .errors import CollectiveTimeoutError
+from .kernels import hints
+from .memory import reads_done_counter
+from .shard import Shard, attach_columns, column_addresses
+
+NAME_BYTES = 256  # room for a shared-memory segment's name in the construction allgather
+
+
+class NodeView:
+    """This rank's view of its node (see the module docstring). Build it with :meth:`join`,
+    then :meth:`attach` once this rank's shard exists.
+
+    Attributes (after :meth:`attach`; arrays indexed by rank of the whole communicator):
+        direct: bool, whether this rank copies owner o's windows from memory (always itself;
+            its node peers unless ``force_alltoallv``). Symmetric on a node.
+        any_remote: whether any rank of the communicator reads some owner through the transport.
+        column_addrs: ``[ranks, columns]`` int64, the address of each directly readable column ring.
+        peer_direct, remote: int64 0/1, owners read directly other than this rank / read through
+            the transport (for the window counters).
+        device_views: owner -> column -> the owner's columns mapped into the GPU (device replays).
+    """
+
+    def __init__(self, comm: MpiComm, node_comm: MpiComm, ranks: list[int]):
+        self.comm = comm
+        self.node_comm = node_comm
+        self.ranks = ranks
+        self.epoch = 0    # samples this rank has entered (the same count on every rank: sample is collective)
+        self.settled = 0  # the last sample whose node-peer reads are known to be over
+        self.node_peers = False
+        self._arenas: dict = {}
+        self.peer_views: dict[int, dict[str, np.ndarray]] = {}
+        self.device_views: dict[int, dict] = {}
+        self._mapped: list = []
+
+    @classmethod
+    def join(cls, comm: MpiComm, what: str = "Replay construction") -> "NodeView":
+        """Collective: split ``comm`` by node and learn the node's ranks (an Ibarrier, ``Split_type``
+        and one allgather of 8 bytes per node rank, each with the deadline).
+
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+        """
+        node_comm = comm.split_node(f"{what} (node split)")
+        try:
+            ranks = node_comm.allgather(np.array([comm.rank], np.int64), f"{what} (node ranks)")[:, 0]
+        except BaseException:
+            node_comm.free()
+            raise
+        return cls(comm, node_comm, [int(r) for r in ranks])
+
+    @property
+    def size(self) -> int:
+        """Ranks on this node."""
+        return len(self.ranks)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's rank within its node."""
+        return self.node_comm.rank
+
+    def attach(self, shard: Shard, memory: str, force_alltoallv: bool, device=None,
+               what: str = "Replay construction") -> None:
+        """Collective: map the node peers' columns (``memory == "shm"``), decide which owners are read
+        directly, and (``device``, a DeviceContext) map the node's arenas into the GPU.
+
+        Cost: one allgather of 256 bytes per node rank, a node barrier, one allgather of 8 bytes
+        per rank, one mmap per node peer; each with the deadline.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+        """
+        rank, size, spec, cap = self.comm.rank, self.comm.size, shard.spec, shard.capacity_steps
+        self._arenas = {rank: shard.store.arena}
+        self.peer_views = {rank: shard.store.byte_views()}
+        name = (shard.shm_name or "").encode()
+        names = self.node_comm.allgather_bytes(name, NAME_BYTES, f"{what} (shared-memory names)")
+        if memory == "shm":
+            for peer, peer_name in zip(self.ranks, names):
+                if peer != rank and peer_name:
+                    self._arenas[peer], self.peer_views[peer] = attach_columns(peer_name.decode(), spec, cap)
+            self.node_comm.barrier(f"{what} (shared memory mapped)")  # every peer has mapped the segments:
+            shard.store.arena.unlink()  # drop their names, so that no crash can leave them behind in /dev/shm
+        self.direct = np.array([r in self.peer_views and (r == rank or not force_alltoallv) for r in range(size)])
+        anyone = self.comm.allgather(np.array([not bool(self.direct.all())], np.int64), f"{what} (transport)")
+        self.any_remote = bool(anyone.any())
+        # the node fence's counters: this rank's own (peers read it) and every peer's that reads this rank
+        self._reads_done = reads_done_counter(shard.store.arena.buffer)
+        self._peer_done = [reads_done_counter(self._arenas[r].buffer) for r in range(size)
+                           if r != rank and self.direct[r]]
+        self.column_addrs = np.zeros((size, len(spec.columns)), np.int64)
+        for r, views in self.peer_views.items():
+            if self.direct[r]:
+                self.column_addrs[r] = column_addresses(views, spec, cap)
+        self.peer_direct = (self.direct & (np.arange(size) != rank)).astype(np.int64)
+        self.remote = (~self.direct).astype(np.int64)
+        self.node_peers = bool(self.peer_direct.any())
+        if device is not None:
+            # page-lock the node's arenas and map them into this GPU's address space (zero copy)
+            from .pinned import map_byte_views
+            for r, arena in self._arenas.items():
+                mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
+                self._mapped.append(mapped)
+                self.device_views[r] = views
+
+    def share_cores(self) -> None:
+        """Give this rank's numba kernels its share of the node's cores (unless NUMBA_NUM_THREADS is
+        set): ranks that each start as many threads as the node has cores oversubscribe it."""
+        if "NUMBA_NUM_THREADS" in os.environ:
+            return
+        import numba
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, cores // max(1, self.size))))
+
+    # ---- the node fence -----------------------------------------------------------------
+    def begin_sample(self) -> None:
+        """Every rank has entered a new sample, so every node peer is done reading the last one's windows."""
+        self.epoch += 1
+        self.settled = self.epoch - 1
+
+    def publish(self) -> None:
+        """This rank's reads of its node peers' memory for the current sample are over."""
+        if self.node_peers:
+            hints.publish(self._reads_done, self.epoch)
+
+    def settle(self) -> None:
+        """Before this rank writes its shard again, wait until every node peer has finished reading
+        its windows of the last sample. Free when a collective has been passed since; otherwise a
+        spin on a few shared counters, with the communicator's deadline.
+
+        Raises:
+            CollectiveTimeoutError: a node peer did not publish within the deadline.
+        """
+        if not self.node_peers or self.settled == self.epoch:
+            return
+        epoch = self.epoch
+        timeout = self.comm.timeout
+        deadline = time.monotonic() + timeout
+        while any(int(d[0]) < epoch for d in self._peer_done):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(f"node fence: a node peer did not finish reading this rank's windows "
+                                             f"of sample {epoch} within timeout={timeout:g} s")
+            os.sched_yield()
+        hints.fence()  # no write of ours before the peers' reads that the counters vouch for
+        self.settled = epoch
+
+    def close(self) -> None:
+        """Unmap the GPU mappings and the node peers' columns, free the node communicator (local).
+        Idempotent; this rank's own arena is its shard's to close."""
+        for mapped in self._mapped:  # unregister the pinned mappings before unmapping the arenas
+            mapped.close()
+        self._mapped, self.device_views = [], {}
+        self.peer_views = {}
+        rank = self.comm.rank
+        for r, arena in self._arenas.items():
+            if r != rank:
+                arena.close()
+        self._arenas = {}
+        self.node_comm.free()
