@@ -601,7 +601,7 @@ class Replay:
     def load(cls, path, comm=None, **overrides) -> tuple["Replay", tuple[np.ndarray, np.ndarray]]:
         """Collective: restore a checkpoint onto ``comm``; returns ``(replay, key_map)`` (old -> new keys)."""
         from .checkpoint import load
-        return load(path, comm, **overrides)
+        return load(path, comm, cls, **overrides)
 
 
 def _share_cores(ranks_on_node: int) -> None:

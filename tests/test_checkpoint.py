@@ -6,12 +6,14 @@ checkpoints, and leaves a checkpoint that jobs on 3 ranks and on 1 rank reshard.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 import pytest
 
 from gear_mpi import checkpoint as ck
+from gear_mpi.checkpoint import files
 from mpi_util import expect_passes, run_mpi, run_single
 
 
@@ -85,12 +87,40 @@ def test_remap():
 
 def test_files_are_written_in_chunks_with_checksums(tmp_path):
     data = np.arange(1000, dtype=np.uint8)
-    info = ck._write_file(str(tmp_path / "f"), ck._slices(data, 0, 1000, step=64))
-    import hashlib
+    info = files.write_file(str(tmp_path / "f"), files.slices(data, 0, 1000, step=64))
     assert info == {"bytes": 1000, "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
-    assert ck._ring_segments(8, 5, 10) == [(8, 10), (0, 3)]
-    assert ck._ring_segments(0, 10, 10) == [(0, 10)]
-    assert ck._ring_segments(4, 0, 10) == []
+    assert [len(p) for p in files.slices(data, 100, 300, step=64)] == [64, 64, 64, 8]
     with pytest.raises(FileExistsError):  # never overwrites
-        ck._write_file(str(tmp_path / "f"), [b"x"])
+        files.write_file(str(tmp_path / "f"), [b"x"])
     assert os.path.getsize(tmp_path / "f") == 1000
+    with files.CheckedFile(str(tmp_path / "f"), info) as c:  # reads back, checking size and sha256
+        head = np.empty(10, np.uint8)
+        c.read_into(head)
+        assert head.tolist() == list(range(10))
+        c.finish()
+    with pytest.raises(ck.CheckpointError, match="sha256 does not match"):
+        with files.CheckedFile(str(tmp_path / "f"), dict(info, sha256="0" * 64)) as c:
+            c.finish()
+    with pytest.raises(ck.CheckpointError, match="the manifest says 999"):
+        files.CheckedFile(str(tmp_path / "f"), dict(info, bytes=999))
+
+
+def test_public_names_and_layers():
+    """The names of the old gear_mpi.checkpoint module still work; the package imports no replay code."""
+    import gear_mpi as gm
+    from gear_mpi.errors import CheckpointError
+    assert ck.CheckpointError is CheckpointError and ck.MANIFEST == "MANIFEST.json" and ck.FORMAT_VERSION == 2
+    assert ck.rank_dir(3) == "rank-00003"
+    assert gm.save_checkpoint is ck.save and gm.load_checkpoint == gm.Replay.load
+    with pytest.raises(TypeError, match="build"):
+        ck.load("anywhere")  # the package cannot build a Replay by itself
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ck.load("anywhere", build=gm.Replay, colour="red")
+    import ast
+    import pathlib
+    for source in pathlib.Path(ck.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").endswith("replay"), (source.name, node.module)
+                names = {a.name for a in node.names}
+                assert not names & {"replay", "Replay", "__version__"}, (source.name, names)
