@@ -11,8 +11,9 @@ from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError, S
 from .kernels import gather as gather_kernels
 from .kernels import ring
 from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
-from .memory import SharedArena, check_header, column_layout
-from .selectors import PriorityIndex, Selector, Uniform, rank_by_priority
+from .memory import SharedArena, check_header, column_layout, memory_kind
+from .priority_index import DevicePriorityIndex, PriorityIndex
+from .selectors import Selector, Uniform, rank_by_priority
 from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
 
@@ -93,13 +94,14 @@ class Shard:
 
     ``sampler`` is any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
     ``max_times_sampled`` removes an item once it has been sampled that many times.
-    ``memory`` is ``"numpy"`` or ``"shm"`` (POSIX shared memory that other
-    processes on the node attach to by :attr:`shm_name`). ``rank`` and ``tag`` go
+    ``memory`` is ``"private"`` (an anonymous private mapping of this process) or
+    ``"shm"`` (POSIX shared memory that other processes on the node attach to by
+    :attr:`shm_name`); ``"numpy"`` is the deprecated name of ``"private"``. ``rank`` and ``tag`` go
     into the keys; ``seed`` fixes the random stream.
     """
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
-                 max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "numpy",
+                 max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "private",
                  seed: int | None = 0, rank: int = 0, tag: int | None = None, device_context=None):
         if not isinstance(spec, TrajectorySpec):
             raise TypeError(f"spec must be a TrajectorySpec, got {type(spec).__name__}")
@@ -108,6 +110,7 @@ class Shard:
             raise TypeError(f"sampler must be a gear_mpi selector (Uniform(), Prioritized(...), ...), got {sampler!r}")
         if max_times_sampled is not None and (isinstance(max_times_sampled, bool) or int(max_times_sampled) < 1):
             raise ValueError(f"max_times_sampled must be a positive integer or None, got {max_times_sampled!r}")
+        memory = memory_kind(memory, stacklevel=3)
         self.spec = spec
         self.selector = sampler
         self.max_times_sampled = int(max_times_sampled or 0)
@@ -119,7 +122,6 @@ class Shard:
         elif device_context is None:
             self.index = PriorityIndex(self.store.max_items)
         else:  # selection in CUDA kernels over a device-resident index
-            from .kernels.cuda_priority import DevicePriorityIndex
             self.index = DevicePriorityIndex(self.store.max_items, threads=device_context.threads)
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.samples_drawn = 0
@@ -141,7 +143,7 @@ class Shard:
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the shared-memory segment holding the columns (None for numpy memory)."""
+        """Name of the shared-memory segment holding the columns (None for private memory)."""
         return self.store.shm_name
 
     def __len__(self) -> int:
@@ -271,8 +273,7 @@ class Shard:
         """Count uses; remove items that reached ``max_times_sampled``. O(B)."""
         self.samples_drawn += len(slots)
         st = self.store
-        removed = ring.count_samples(slots, self.max_times_sampled, st.state, st.capacity, st.length, st.generation,
-                                     st.times_sampled, st.alive, st.order, st.free)
+        removed = ring.count_samples(st.table, st.capacity, slots, self.max_times_sampled)
         if self.index is not None and len(removed):
             self.index.set(removed, np.zeros(len(removed)))
 
