@@ -1,5 +1,10 @@
 """Fault scenarios for tests/test_faults.py, run as ``mpiexec -n K python check_faults.py SCENARIO DIR [...]``.
 
+This stays a program rather than a tests/mpi pytest module: its ranks are killed
+on purpose (SIGKILL) or must leave with ``os._exit`` while a collective is
+pending (MPI_Finalize would wait for the dead rank), which a pytest session
+cannot survive to report; tests/test_faults.py reads what they print instead.
+
 Lines printed (whole lines, flush=True):
 - ``SAVED <name> rank=R`` once a checkpoint has been written;
 - ``PASS <check> rank=R`` for each check passed;
