@@ -15,7 +15,18 @@ import gear_mpi as gm
 from checkpoint_checks import SIZE, SPEC, drive, fill, same_batch, shared_dir  # noqa: F401
 
 
+def _cuda_usable() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return True
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 @pytest.mark.skipif(SIZE != 1, reason="one rank")
+@pytest.mark.skipif(not _cuda_usable(), reason="no GPU, and NUMBA_ENABLE_CUDASIM=1 is not set")
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_device_index_restores_onto_gpu_and_cpu_paths(shared_dir, device):
     pytest.importorskip("numba.cuda")
