@@ -6,7 +6,9 @@ from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Select
 from .replay import Replay
 from .shard import Shard, attach_columns
 from .spec import TrajectorySpec
-from .checkpoint import load as load_checkpoint, save as save_checkpoint
+from .checkpoint import save as save_checkpoint
+
+load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay
 
 __version__ = "0.1.0"
 

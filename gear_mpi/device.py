@@ -14,14 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
-def simulator_enabled() -> bool:
-    """True when numba-cuda runs on its CPU simulator."""
-    try:
-        from numba.cuda.core import config
-    except ImportError:  # older numba-cuda layouts
-        from numba.core import config
-    return bool(getattr(config, "ENABLE_CUDASIM", False))
+from .cuda_support import cuda_module, simulated_device_array, simulator_enabled
 
 
 def parse_device(device: str) -> tuple[str, int | None]:
@@ -66,7 +59,7 @@ class DeviceContext:
         else:
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' but torch sees no GPU (set NUMBA_ENABLE_CUDASIM=1 to simulate)")
-            from numba import cuda
+            cuda = cuda_module()
             self.index = gpu_for(local_rank, torch.cuda.device_count(), index)
             torch.cuda.set_device(self.index)
             cuda.select_device(self.index)
@@ -80,11 +73,9 @@ class DeviceContext:
 
     def numba_view(self, tensor: torch.Tensor):
         """A numba-cuda device array over the tensor's memory (no copy)."""
-        from numba import cuda
         if self.simulator:
-            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-            return FakeCUDAArray(tensor.numpy())
-        return cuda.as_cuda_array(tensor)
+            return simulated_device_array(tensor.numpy())
+        return cuda_module().as_cuda_array(tensor)
 
     def synchronize(self) -> None:
         if not self.simulator:

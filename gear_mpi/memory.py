@@ -1,10 +1,11 @@
-"""Where a shard's step columns live: process memory, or POSIX shared memory.
+"""Where a shard's step columns live: private process memory, or POSIX shared memory.
 
 An *arena* is one contiguous byte region; the shard carves its columns out of it
 at 64-byte aligned offsets given by :func:`column_layout`, so any process that
 knows the spec and capacity can map the same columns by name.
 
-- :class:`HeapArena` -- plain numpy memory (the default).
+- :class:`PrivateArena` -- an anonymous private mapping of this process (``memory="private"``,
+  the default; ``"numpy"`` is its deprecated old name).
 - :class:`SharedArena` -- a POSIX shared-memory segment (``/dev/shm/gear_mpi_*``)
   that other processes on the node attach to by name and read directly. The
   creator unlinks it on :meth:`close` (or at interpreter exit); attachers only
@@ -19,6 +20,7 @@ import json
 import mmap
 import os
 import uuid
+import warnings
 import weakref
 
 import numpy as np
@@ -79,13 +81,42 @@ def check_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int, 
                          f"{spec!r} with capacity_steps={capacity_steps}")
 
 
-class HeapArena:
+MEMORY_KINDS = ("private", "shm")
+
+
+def memory_kind(memory: str, stacklevel: int = 2) -> str:
+    """The arena kind ``memory`` names, with the deprecated ``"numpy"`` read as ``"private"``.
+
+    Args:
+        memory: ``"private"``, ``"shm"`` or ``"numpy"`` (deprecated).
+        stacklevel: where the DeprecationWarning points (2: the caller of this function).
+
+    Returns:
+        ``"private"`` or ``"shm"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if memory == "numpy":
+        warnings.warn('memory="numpy" is deprecated: it always meant an anonymous private mapping; '
+                      'use memory="private"', DeprecationWarning, stacklevel=stacklevel)
+        return "private"
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory must be 'private' or 'shm', got {memory!r}")
+    return memory
+
+
+class PrivateArena:
     """An arena in this process's memory: an anonymous private mapping, page-aligned (so the
     64-byte column offsets fall on cache lines), zero-filled and faulted in lazily, with
     transparent huge pages requested where the kernel offers them (fewer TLB misses on
-    the random window reads of sampling). Cost: one mmap."""
+    the random window reads of sampling). Cost: one mmap.
 
-    kind = "numpy"
+    Args:
+        nbytes: the arena's size.
+    """
+
+    kind = "private"
     name = None
 
     def __init__(self, nbytes: int):
@@ -179,13 +210,25 @@ class SharedArena:
             self._finalizer()
 
 
-def make_arena(kind: str, nbytes: int):
-    """An arena of ``kind`` ``"numpy"`` or ``"shm"``."""
-    if kind == "numpy":
-        return HeapArena(nbytes)
-    if kind == "shm":
-        return SharedArena(nbytes)
-    raise ValueError(f"memory must be 'numpy' or 'shm', got {kind!r}")
+HeapArena = PrivateArena  # the old name of PrivateArena
+
+
+def make_arena(kind: str, nbytes: int) -> PrivateArena | SharedArena:
+    """A new arena.
+
+    Args:
+        kind: ``"private"`` (:class:`PrivateArena`), ``"shm"`` (:class:`SharedArena`, a new
+            segment this process owns) or ``"numpy"`` (deprecated name of ``"private"``).
+        nbytes: its size.
+
+    Returns:
+        The arena. Cost: one mmap (and, for ``"shm"``, one file in /dev/shm).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    kind = memory_kind(kind, stacklevel=3)
+    return PrivateArena(nbytes) if kind == "private" else SharedArena(nbytes)
 
 
 def cleanup() -> list[str]:

@@ -1,6 +1,6 @@
 """Page-lock an existing host buffer and map it into the GPU's address space (zero copy).
 
-A shard keeps its columns in one host arena (:mod:`gear_mpi.memory`: numpy memory
+A shard keeps its columns in one host arena (:mod:`gear_mpi.memory`: private memory
 or a POSIX shared-memory segment). :func:`map_host` registers such a buffer with
 the CUDA driver (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_DEVICEMAP``,
 through numba-cuda's ``Context.mempin(..., mapped=True)``, the call behind
@@ -35,13 +35,11 @@ import weakref
 
 import numpy as np
 
+from .cuda_support import cuda_module, simulated_device_array, simulator_enabled
+
+is_simulator = simulator_enabled  # the name this module has always exported
+
 __all__ = ["MappedBuffer", "map_host", "map_byte_views", "is_simulator"]
-
-
-def is_simulator() -> bool:
-    """True when numba-cuda runs on its CPU simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
-    from numba.cuda.core import config
-    return bool(config.ENABLE_CUDASIM)
 
 
 def _address(a: np.ndarray) -> int:
@@ -145,10 +143,9 @@ def map_host(array: np.ndarray) -> MappedBuffer:
                     and m.host.shape == array.shape:
                 return m
             return MappedBuffer(array, m.view(array), m.view(_host_bytes(array)), m.mode, parent=m)
-    from numba import cuda
-    if is_simulator():
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        m = MappedBuffer(array, FakeCUDAArray(array), FakeCUDAArray(_host_bytes(array)), "simulator")
+    cuda = cuda_module()
+    if simulator_enabled():
+        m = MappedBuffer(array, simulated_device_array(array), simulated_device_array(_host_bytes(array)), "simulator")
     else:
         from numba.cuda.cudadrv import devicearray, driver
         ctx = cuda.current_context()

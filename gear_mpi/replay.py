@@ -440,5 +440,5 @@ class Replay:
         Cost: see :func:`gear_mpi.checkpoint.load`.
         """
         from .checkpoint import load
-        return load(path, comm, **overrides)
+        return load(path, comm, cls, **overrides)
 

@@ -1,7 +1,8 @@
-"""Selection policies and the priority index they draw from.
+"""Selection policies: which items a sample takes.
 
-Proportional selectors (:class:`Uniform`, :class:`Prioritized`) keep one weight
-per slot in a :class:`PriorityIndex` and draw with replacement; P(item) =
+Proportional selectors (:class:`Uniform`, :class:`Prioritized`) give the shard
+one weight per slot, which it keeps in a priority index
+(:mod:`gear_mpi.priority_index`) and draws from with replacement; P(item) =
 weight / total. Ordered selectors (:class:`Fifo`, :class:`Lifo`,
 :class:`MaxPriority`, :class:`MinPriority`) return the first ``B`` live items in
 their order (cycling when fewer than ``B`` are live); their probability is 1.
@@ -10,69 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import priority_tree as tree
 
+def __getattr__(name: str):
+    # PriorityIndex moved to gear_mpi.priority_index; the old import path keeps working, with a warning
+    if name == "PriorityIndex":
+        import warnings
 
-def _aligned_zeros(n: int, fill: float = 0.0) -> np.ndarray:
-    """A float64 array of ``n`` entries starting on a 64-byte (cache-line) boundary."""
-    raw = np.empty(n + 8, np.float64)
-    skip = (-raw.ctypes.data % 64) // 8
-    out = raw[skip:skip + n]
-    out.fill(fill)
-    return out
-
-
-class PriorityIndex:
-    """Per-slot weights in the blocked sum/min structure of :mod:`gear_mpi.kernels.priority_tree`.
-
-    Memory: about 9.3 bytes per slot. ``set``: O(B + n / 4096) (each update recounts
-    one cache line of leaves and one of line sums). ``draw``: O(B (log(n / 4096) + 80)),
-    two cache misses per draw, parallel.
-    """
-
-    def __init__(self, n: int):
-        n1, n2 = tree.level_sizes(n)
-        self.leaves = _aligned_zeros(n)
-        self.l0_sum = _aligned_zeros(tree.line_count(n))
-        self.l1_sum = _aligned_zeros(n1)
-        self.l1_min = np.full(n1, np.inf)
-        self.l2_sum = np.zeros(n2, np.float64)
-        self.l2_min = np.full(n2, np.inf)
-        self.prefix = np.zeros(n2 + 1, np.float64)
-        self._flags1 = np.zeros(n1, np.uint8)
-        self._flags2 = np.zeros(n2, np.uint8)
-
-    @property
-    def total(self) -> float:
-        """Sum of all weights. O(1)."""
-        return float(self.prefix[-1])
-
-    @property
-    def min_positive(self) -> float:
-        """Smallest positive weight (inf if none). O(n / 4096)."""
-        return float(self.l2_min.min())
-
-    def set(self, slots: np.ndarray, values: np.ndarray) -> None:
-        if len(slots):
-            tree.set_leaves(self.leaves, self.l0_sum, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix,
-                            self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
-                            np.ascontiguousarray(values, np.float64))
-
-    def draw(self, uniforms: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        out = np.empty(len(uniforms), np.int64) if out is None else out
-        tree.draw(self.leaves, self.l0_sum, self.l1_sum, self.l2_sum, self.prefix, uniforms, out)
-        return out
-
-    def rebuild(self) -> None:
-        tree.rebuild(self.leaves, self.l0_sum, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix)
-
-    def weights_of(self, slots: np.ndarray) -> np.ndarray:
-        """The weights of ``slots`` (host float64 array). O(B)."""
-        return self.leaves[slots]
-
-    def host_leaves(self, count: int) -> np.ndarray:
-        """The first ``count`` weights as a host array (a view here). O(1)."""
-        return self.leaves[:count]
+        from .priority_index import PriorityIndex
+        warnings.warn("gear_mpi.selectors.PriorityIndex moved to gear_mpi.priority_index.PriorityIndex",
+                      DeprecationWarning, stacklevel=2)
+        return PriorityIndex
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Selector:

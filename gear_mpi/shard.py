@@ -7,12 +7,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .batch import Batch
-from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
+from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from .kernels import gather as gather_kernels
 from .kernels import ring
-from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
-from .memory import SharedArena, check_header, column_layout
-from .selectors import PriorityIndex, Selector, Uniform, rank_by_priority
+from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
+from .memory import SharedArena, check_header, column_layout, memory_kind
+from .priority_index import DevicePriorityIndex, PriorityIndex
+from .selectors import Selector, Uniform, rank_by_priority
 from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
 
@@ -93,13 +94,14 @@ class Shard:
 
     ``sampler`` is any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
     ``max_times_sampled`` removes an item once it has been sampled that many times.
-    ``memory`` is ``"numpy"`` or ``"shm"`` (POSIX shared memory that other
-    processes on the node attach to by :attr:`shm_name`). ``rank`` and ``tag`` go
+    ``memory`` is ``"private"`` (an anonymous private mapping of this process) or
+    ``"shm"`` (POSIX shared memory that other processes on the node attach to by
+    :attr:`shm_name`); ``"numpy"`` is the deprecated name of ``"private"``. ``rank`` and ``tag`` go
     into the keys; ``seed`` fixes the random stream.
     """
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
-                 max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "numpy",
+                 max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "private",
                  seed: int | None = 0, rank: int = 0, tag: int | None = None, device_context=None):
         if not isinstance(spec, TrajectorySpec):
             raise TypeError(f"spec must be a TrajectorySpec, got {type(spec).__name__}")
@@ -108,6 +110,7 @@ class Shard:
             raise TypeError(f"sampler must be a gear_mpi selector (Uniform(), Prioritized(...), ...), got {sampler!r}")
         if max_times_sampled is not None and (isinstance(max_times_sampled, bool) or int(max_times_sampled) < 1):
             raise ValueError(f"max_times_sampled must be a positive integer or None, got {max_times_sampled!r}")
+        memory = memory_kind(memory, stacklevel=3)
         self.spec = spec
         self.selector = sampler
         self.max_times_sampled = int(max_times_sampled or 0)
@@ -119,7 +122,6 @@ class Shard:
         elif device_context is None:
             self.index = PriorityIndex(self.store.max_items)
         else:  # selection in CUDA kernels over a device-resident index
-            from .kernels.cuda_priority import DevicePriorityIndex
             self.index = DevicePriorityIndex(self.store.max_items, threads=device_context.threads)
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.samples_drawn = 0
@@ -141,7 +143,7 @@ class Shard:
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the shared-memory segment holding the columns (None for numpy memory)."""
+        """Name of the shared-memory segment holding the columns (None for private memory)."""
         return self.store.shm_name
 
     def __len__(self) -> int:
@@ -271,8 +273,7 @@ class Shard:
         """Count uses; remove items that reached ``max_times_sampled``. O(B)."""
         self.samples_drawn += len(slots)
         st = self.store
-        removed = ring.count_samples(slots, self.max_times_sampled, st.state, st.capacity, st.length, st.generation,
-                                     st.times_sampled, st.alive, st.order, st.free)
+        removed = ring.count_samples(st.table, st.capacity, slots, self.max_times_sampled)
         if self.index is not None and len(removed):
             self.index.set(removed, np.zeros(len(removed)))
 
@@ -387,6 +388,90 @@ class Shard:
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
         return np.where(live, self.store.priority[slots], np.nan)
+
+    # ---- state (checkpoints) ----------------------------------------------------------
+    @property
+    def index_kind(self) -> str:
+        """The priority index's ``KIND`` (``"blocked"`` host, ``"generic"`` device), or ``"none"``."""
+        return "none" if self.index is None else self.index.KIND
+
+    def state(self) -> dict[str, Any]:
+        """Everything this shard holds besides its arrays, JSON-able. O(1); local.
+
+        Returns:
+            ``rank``, ``capacity_steps``, ``max_items``, ``hwm`` (slots ever used), ``ring``
+            (the ``ring.STATE_SIZE`` counters), ``index`` (:attr:`index_kind`), ``rng``
+            (the stream's state), ``samples_drawn``, ``stale_updates``, ``tag`` (key tag).
+        """
+        s = self.store.state
+        return {"rank": self.rank, "capacity_steps": self.capacity_steps, "max_items": self.store.max_items,
+                "hwm": int(s[ring.NEXT_FRESH]), "ring": [int(v) for v in s], "index": self.index_kind,
+                "rng": self.rng.bit_generator.state, "samples_drawn": int(self.samples_drawn),
+                "stale_updates": int(self.stale_updates), "tag": int(self.tag)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Take back the stream, counters and key tag of a :meth:`state` (the table and index
+        come back through :meth:`restore_sections`). O(1); local.
+
+        Args:
+            state: as :meth:`state` returns it (``rng``, ``samples_drawn``, ``stale_updates``, ``tag``).
+        Raises:
+            KeyError, TypeError, ValueError: a field is missing or the stream's state is invalid.
+        """
+        self.rng.bit_generator.state = state["rng"]
+        self.samples_drawn = int(state["samples_drawn"])
+        self.stale_updates = int(state["stale_updates"])
+        self.store.tag = int(state["tag"]) & TAG_MASK
+
+    def sections(self) -> list[tuple[str, np.ndarray]]:
+        """The table in use then the priority index, as ``(name, array)`` pairs in checkpoint order:
+        the store's ``table_sections()`` and the index's ``sections(hwm)``. Views where possible
+        (write them out before the shard changes); a device index copies ``hwm`` weights to the host."""
+        out = list(self.store.table_sections())
+        if self.index is not None:
+            out += self.index.sections(int(self.store.state[ring.NEXT_FRESH]))
+        return out
+
+    def restore_sections(self, state: Mapping[str, Any], sections: Mapping[str, np.ndarray]) -> None:
+        """Put :meth:`sections` back into this new, empty shard of the same sizes; then load the
+        steps through :meth:`column_segments`. O(hwm).
+
+        Args:
+            state: the saved shard's :meth:`state` (``ring``, ``hwm``, ``index`` are used).
+            sections: the sections by name (the order ring as one array, oldest first); an
+                index of another kind than this shard's is rebuilt from ``leaves``.
+        Raises:
+            ValueError: a section missing or misshapen, counters that do not fit, or an index
+                kind that does not fit this shard's selector.
+        """
+        if (state["index"] == "none") != (self.index is None):
+            raise ValueError(f"priority index {state['index']!r} does not fit the sampler {self.selector!r}")
+        self.store.restore_table(np.asarray(state["ring"], np.int64), sections)
+        if self.index is not None:
+            given = sections if state["index"] == self.index.KIND else {"leaves": sections.get("leaves")}
+            self.index.restore(given, int(state["hwm"]))
+
+    def column_segments(self, name: str) -> list[np.ndarray]:
+        """Column ``name``'s ring steps in use as flat byte views, oldest first (at most two):
+        read to save, filled to load after :meth:`restore_sections`. KeyError if unknown. O(1)."""
+        return self.store.step_segments(name)
+
+    def live_keys(self) -> np.ndarray:
+        """The keys of the live trajectories, oldest first (int64). O(slots used); local."""
+        return self.store.keys_of(self.store.live_slots())
+
+    def restore_history(self, keys: Any, stamps: Any, times_sampled: Any) -> None:
+        """Give trajectories re-inserted by a reshard their insertion stamps (ns) and use counts. O(n).
+
+        Raises:
+            InvalidKeyError: a key of another shard or replay. StaleKeyError: a key whose trajectory is gone.
+        """
+        keys = as_key_array(keys)
+        slots, live = self.store.resolve(keys)
+        if not live.all():
+            raise StaleKeyError(f"key {int(keys[np.flatnonzero(~live)[0]])}: its trajectory is gone")
+        self.store.stamp[slots] = np.asarray(stamps, np.int64)
+        self.store.times_sampled[slots] = np.asarray(times_sampled, np.int64)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this shard (O(1))."""

@@ -2,22 +2,33 @@
 
 Columns are packed back to back in a ring of ``capacity_steps`` steps (no padding
 is stored); the table holds, per slot, start step, length, priority (float64),
-generation, insertion sequence, insertion stamp and times sampled. The oldest
-trajectories are evicted (FIFO) when the ring or the table is full.
+generation, insertion sequence, insertion stamp and times sampled (one
+:class:`~gear_mpi.kernels.ring.Table`). The oldest trajectories are evicted (FIFO)
+when the ring or the table is full.
+
+For checkpoints the store exports and restores its own state: :meth:`TrajectoryStore.table_sections`
+/ :meth:`TrajectoryStore.restore_table` for the table, :meth:`TrajectoryStore.step_segments` for
+the steps in use.
 """
 from __future__ import annotations
 
 import time
+from typing import Mapping
 
 import numpy as np
 
 from . import keys as keyspace
 from .errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from .kernels import ring
-from .memory import SharedArena, column_layout, make_arena, write_header
+from .memory import SharedArena, column_layout, make_arena, memory_kind, write_header
 from .spec import TrajectorySpec
 
 TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # start, length, priority, generation, seq, stamp, times, order + alive
+_ROW_DTYPES = {"priority": np.float64, "alive": np.uint8}  # every other table array is int64
+
+
+def _table_array(name: str) -> property:
+    return property(lambda self: getattr(self.table, name), doc=f"The table's ``{name}`` array (``table.{name}``).")
 
 
 class TrajectoryStore:
@@ -25,11 +36,24 @@ class TrajectoryStore:
 
     Memory: ``capacity_steps * spec.step_bytes`` for the columns (in the chosen
     arena) plus ``65 * max_items`` bytes of table, committed lazily as slots are
-    first used.
+    first used. The table's arrays are ``store.table`` (a :class:`ring.Table`) and,
+    by name, ``store.start``, ``store.alive``, ... ``store.state``.
+
+    Args:
+        spec: the trajectory layout.
+        capacity_steps: steps the ring holds (at least ``spec.max_length``).
+        max_items: table slots (default ``capacity_steps``), at most ``keys.MAX_SLOTS``.
+        memory: ``"private"`` or ``"shm"`` (``"numpy"``: deprecated name of ``"private"``).
+        rank: the shard's rank, written into its keys.
+        tag: the replay's key tag (its low 8 bits are kept).
+        arena: an arena to use instead of a new one of ``memory``.
+
+    Raises:
+        ValueError: a size or rank out of range, or an unknown ``memory``.
     """
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, max_items: int | None = None,
-                 memory: str = "numpy", rank: int = 0, tag: int = 0, arena=None):
+                 memory: str = "private", rank: int = 0, tag: int = 0, arena=None):
         if isinstance(capacity_steps, bool) or not isinstance(capacity_steps, (int, np.integer)) or capacity_steps < 1:
             raise ValueError(f"capacity_steps must be a positive integer, got {capacity_steps!r}")
         if capacity_steps < spec.max_length:
@@ -45,6 +69,7 @@ class TrajectoryStore:
         self.rank = int(rank)
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
+        memory = memory_kind(memory, stacklevel=3)
         self.arena = arena if arena is not None else make_arena(memory, nbytes)
         write_header(self.arena.buffer, spec, self.capacity)
         self.columns: dict[str, np.ndarray] = {}
@@ -52,18 +77,10 @@ class TrajectoryStore:
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
-        m = max_items
-        self.start = np.zeros(m, np.int64)
-        self.length = np.zeros(m, np.int64)
-        self.priority = np.zeros(m, np.float64)
-        self.generation = np.zeros(m, np.int64)
-        self.seq = np.zeros(m, np.int64)
-        self.stamp = np.zeros(m, np.int64)
-        self.times_sampled = np.zeros(m, np.int64)
-        self.alive = np.zeros(m, np.uint8)
-        self.order = np.zeros(m, np.int64)
-        self.free = np.zeros(m, np.int64)
-        self.state = np.zeros(ring.STATE_SIZE, np.int64)
+        # np.zeros: the pages are committed as slots are first used
+        self.table = ring.Table(**{name: np.zeros(max_items, _ROW_DTYPES.get(name, np.int64))
+                                   for name in ring.TABLE_FIELDS if name != "state"},
+                                state=np.zeros(ring.STATE_SIZE, np.int64))
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -104,10 +121,8 @@ class TrajectoryStore:
         slices per column, for the ring's wrap-around).
         """
         slots = np.empty(len(lengths), np.int64)
-        evicted = ring.plan_insert(lengths, time.time_ns(), self.state, self.capacity, self.start, self.length,
-                                   self.generation, self.seq, self.stamp, self.times_sampled, self.alive,
-                                   self.order, self.free, slots)
-        self.priority[slots] = priorities
+        evicted = ring.plan_insert(self.table, self.capacity, lengths, time.time_ns(), slots)
+        self.table.priority[slots] = priorities
         total = int(lengths.sum())
         first = int(self.start[slots[0]])
         head = min(total, self.capacity - first)
@@ -161,7 +176,109 @@ class TrajectoryStore:
         idx = (start + np.arange(length)) % self.capacity
         return {name: col[idx] for name, col in self.columns.items()}
 
+    # ---- order ------------------------------------------------------------------------
+    def live_slots(self, newest_first: bool = False, limit: int | None = None) -> np.ndarray:
+        """The live slots in insertion order.
+
+        Args:
+            newest_first: newest first instead of oldest first.
+            limit: at most this many (None: all).
+
+        Returns:
+            An int64 array of slots. Cost: O(slots scanned), one kernel.
+        """
+        t = self.table
+        return ring.live_in_order(t.state, t.alive, t.order, newest_first, len(self) if limit is None else int(limit))
+
+    # ---- checkpoint state -------------------------------------------------------------
+    def table_sections(self) -> list[tuple[str, np.ndarray]]:
+        """The table in use, as (name, array view) pairs in the checkpoint's order.
+
+        Returns:
+            The rows ``ring.TABLE_ROWS``, each ``[:hwm]`` (``hwm = state[NEXT_FRESH]``, the slots
+            ever used); then ``"order"``, the live part of the order ring oldest first, as one
+            or two views of the same name; then ``"free"``, the free-slot stack ``[:FREE_TOP]``.
+            Views, no copy: write them out before the store changes. ``state`` itself is not
+            among them (save ``store.state``).
+        """
+        t = self.table
+        hwm = int(t.state[ring.NEXT_FRESH])
+        sections = [(name, getattr(t, name)[:hwm]) for name in ring.TABLE_ROWS]
+        for a, b in ring.ring_segments(int(t.state[ring.ORDER_HEAD]), int(t.state[ring.ORDER_COUNT]), self.max_items):
+            sections.append(("order", t.order[a:b]))
+        sections.append(("free", t.free[:int(t.state[ring.FREE_TOP])]))
+        return sections
+
+    def restore_table(self, state: np.ndarray, sections: Mapping[str, np.ndarray]) -> None:
+        """Load a table saved by :meth:`table_sections` (the inverse), with its counters ``state``.
+
+        Everything is checked before anything changes. Rows past the saved high-water
+        mark are reset to zero (only those this store had used: no page is committed).
+        Load the steps afterwards, through :meth:`step_segments`.
+
+        Args:
+            state: the ``ring.STATE_SIZE`` counters (``store.state`` when saved).
+            sections: each row of ``ring.TABLE_ROWS`` with ``state[NEXT_FRESH]`` entries,
+                ``"order"`` (the live order ring concatenated, oldest first, ``state[ORDER_COUNT]``
+                entries) and ``"free"`` (``state[FREE_TOP]`` entries), in the table's dtypes.
+
+        Raises:
+            ValueError: a section missing or of the wrong length or dtype (named in the message),
+                or counters that do not fit this store's capacity and max_items.
+        """
+        state = np.asarray(state)
+        if state.shape != (ring.STATE_SIZE,) or state.dtype.kind not in "iu":
+            raise ValueError(f"section 'state' has {state.shape} x {state.dtype}, expected "
+                             f"({ring.STATE_SIZE},) x int64")
+        state = state.astype(np.int64)
+        cap, m = self.capacity, self.max_items
+        hwm, o_head, o_count = int(state[ring.NEXT_FRESH]), int(state[ring.ORDER_HEAD]), int(state[ring.ORDER_COUNT])
+        if not (0 <= hwm <= m and 0 <= o_head < m and 0 <= o_count <= hwm and 0 <= state[ring.FREE_TOP] <= hwm
+                and 0 <= state[ring.STEP_HEAD] < cap and 0 <= state[ring.STEPS_USED] <= cap):
+            raise ValueError(f"section 'state' {state.tolist()} does not fit a store of capacity_steps={cap}, "
+                             f"max_items={m}")
+        expect = {name: (hwm, getattr(self.table, name).dtype) for name in ring.TABLE_ROWS}
+        expect["order"] = (o_count, np.dtype(np.int64))
+        expect["free"] = (int(state[ring.FREE_TOP]), np.dtype(np.int64))
+        for name, (count, dtype) in expect.items():
+            got = sections.get(name)
+            if got is None:
+                raise ValueError(f"section {name!r} is missing")
+            got = np.asarray(got)
+            if got.shape != (count,) or got.dtype != dtype:
+                raise ValueError(f"section {name!r} has {got.shape} x {got.dtype}, expected ({count},) x {dtype}")
+        t = self.table
+        old_hwm = int(t.state[ring.NEXT_FRESH])
+        for name in ring.TABLE_ROWS:
+            row = getattr(t, name)
+            row[:hwm] = sections[name]
+            row[hwm:old_hwm] = 0
+        t.order[(o_head + np.arange(o_count)) % m] = sections["order"]
+        t.free[:len(sections["free"])] = sections["free"]
+        t.state[:] = state
+
+    def step_segments(self, name: str) -> list[np.ndarray]:
+        """The ring steps in use of column ``name``, as flat byte views, oldest first.
+
+        Read them to save the steps; after :meth:`restore_table`, read a saved copy into
+        them to load the steps back where they were.
+
+        Args:
+            name: a column of the spec.
+
+        Returns:
+            At most two uint8 views (the ring wraps), ``steps_used * step_bytes`` bytes in all.
+
+        Raises:
+            KeyError: no column ``name``.
+        """
+        view = self.byte_views()[name]
+        sb = next(c.step_bytes for c in self.spec.columns if c.name == name)
+        head, used = int(self.state[ring.STEP_HEAD]), int(self.state[ring.STEPS_USED])
+        return [view[a * sb:b * sb] for a, b in ring.ring_segments(head, used, self.capacity)]
+
     def close(self) -> None:
+        """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
         self.columns = {}
         self._byte_views = None
         if self.arena is not None:
@@ -170,4 +287,10 @@ class TrajectoryStore:
 
     @property
     def shm_name(self) -> str | None:
+        """The name of the shared-memory segment holding the columns (None for private memory)."""
         return self.arena.name if isinstance(self.arena, SharedArena) else None
+
+
+for _name in ring.TABLE_FIELDS:
+    setattr(TrajectoryStore, _name, _table_array(_name))
+del _name

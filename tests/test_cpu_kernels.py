@@ -8,8 +8,8 @@ import pytest
 
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
-from gear_mpi.kernels import gather, priority_tree as tree, ring
-from gear_mpi.selectors import PriorityIndex
+from gear_mpi.kernels import gather, priority_draw, priority_tree as tree, ring
+from gear_mpi.priority_index import PriorityIndex
 
 
 # ---- priority tree ------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ def loaded_index(weights: np.ndarray) -> PriorityIndex:
 
 def kernel_draw(index: PriorityIndex, uniforms: np.ndarray) -> np.ndarray:
     out = np.full(len(uniforms), -7, np.int64)
-    tree.draw(index.leaves, index.l0_sum, index.l1_sum, index.l2_sum, index.prefix, uniforms, out)
+    priority_draw.draw(index.tree, uniforms, out)
     return out
 
 
@@ -169,8 +169,7 @@ def test_set_leaves_duplicates_last_wins_and_levels_stay_exact(n):
         vals = rng.uniform(0, 10, batch)
         vals[rng.random(batch) < 0.2] = 0.0
         # raw kernel call, as PriorityIndex.set makes it
-        tree.set_leaves(index.leaves, index.l0_sum, index.l1_sum, index.l1_min, index.l2_sum, index.l2_min, index.prefix,
-                        index._flags1, index._flags2, slots.astype(np.int64), vals)
+        tree.set_leaves(index.tree, index._flags1, index._flags2, slots.astype(np.int64), vals)
         for s, v in zip(slots, vals):
             want[s] = v
         assert index.leaves[slots[0]] == vals[-1]

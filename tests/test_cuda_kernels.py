@@ -69,11 +69,10 @@ def _weights(rng, n):
 
 def _index_pair(w, threads=64):
     import numpy as np
-    from gear_mpi.kernels import cuda_priority as cp
-    from gear_mpi.selectors import PriorityIndex
+    from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
     idx = PriorityIndex(len(w))
     idx.set(np.arange(len(w)), w)
-    return idx, cp.DevicePriorityIndex.from_host(idx, threads=threads)
+    return idx, DevicePriorityIndex.from_host(idx, threads=threads)
 
 
 def _edge_uniforms(idx):
@@ -89,8 +88,8 @@ def _edge_uniforms(idx):
 
 def _assert_same_arrays(host: dict, idx, what=""):
     import numpy as np
-    from gear_mpi.kernels import cuda_priority as cp
-    for name in cp.ARRAYS:
+    from gear_mpi.kernels.priority_tree import TREE_FIELDS
+    for name in TREE_FIELDS:
         a, b = host[name], getattr(idx, name)
         if not np.array_equal(a, b):
             bad = np.flatnonzero(a != b)
@@ -115,13 +114,13 @@ def draws_match_cpu():
 
 @check
 def draws_match_cpu_sorted_batch_path():
-    """More draws than priority_tree.DRAW_SERIAL_MAX: the CPU kernel's sorted-run path."""
+    """More draws than priority_draw.DRAW_THREADS_MIN: the CPU kernel's sorted runs, in parallel."""
     import numpy as np
-    from gear_mpi.kernels import priority_tree as tree
+    from gear_mpi.kernels import priority_draw
     rng = _rng(2)
     w = _weights(rng, N_TREE)
     idx, dev = _index_pair(w, threads=128)
-    b = getattr(tree, "DRAW_SERIAL_MAX", 1024) + 64
+    b = max(2112, priority_draw.DRAW_THREADS_MIN + 64)
     u = rng.random(b)
     u[:5] = [0.0, np.nextafter(1.0, 0.0), idx.prefix[1] / idx.total, idx.prefix[2] / idx.total, 0.5]
     cpu = idx.draw(u)
@@ -139,7 +138,9 @@ def draw_rounding_fallbacks():
     """Inconsistent sums (as rounding can leave them): both kernels fall back the same way."""
     import numpy as np
     from gear_mpi.kernels import cuda_priority as cp
+    from gear_mpi.kernels import priority_draw
     from gear_mpi.kernels import priority_tree as tree
+    from gear_mpi.kernels.priority_tree import Tree
     rng = _rng(3)
     w = _weights(rng, N_TREE)
     u = np.concatenate([np.linspace(0.0, np.nextafter(1.0, 0.0), 700), [np.nextafter(1.0, 0.0)]])
@@ -147,10 +148,10 @@ def draw_rounding_fallbacks():
 
     def both(leaves, l0_sum, l1_sum, l2_sum, prefix):
         cpu = np.empty(len(u), np.int64)
-        tree.draw(leaves, l0_sum, l1_sum, l2_sum, prefix, u, cpu)
-        d = [cp_device(x) for x in (leaves, l0_sum, l1_sum, l2_sum, prefix, u)]
+        host = Tree(leaves, l0_sum, l1_sum, l1m, l2_sum, l2m, prefix)  # a draw reads no minimum
+        priority_draw.draw(host, u, cpu)
         out = cp_device(np.full(len(u), -7, np.int64))
-        cp.draw(*d, out, threads=64)
+        cp.draw(Tree(*(cp_device(x) for x in host)), cp_device(u), out, threads=64)
         gpu = out.copy_to_host()
         assert np.array_equal(cpu, gpu), f"{int((cpu != gpu).sum())} draws differ: {np.flatnonzero(cpu != gpu)[:5]}"
         return cpu
@@ -159,7 +160,7 @@ def draw_rounding_fallbacks():
     n0 = tree.line_count(len(w))
     l0s, l1s, l1m, l2s, l2m, pre = (np.zeros(n0), np.zeros(n1), np.full(n1, np.inf), np.zeros(n2),
                                     np.full(n2, np.inf), np.zeros(n2 + 1))
-    tree.rebuild(w, l0s, l1s, l1m, l2s, l2m, pre)
+    tree.rebuild(Tree(w, l0s, l1s, l1m, l2s, l2m, pre))
 
     def above(l0):  # the levels above line sums ``l0``
         l1 = np.array([l0[b * 8:(b + 1) * 8].sum() for b in range(n1)])
@@ -186,12 +187,11 @@ def draw_rounding_fallbacks():
 @check
 def updates_match_cpu():
     import numpy as np
-    from gear_mpi.kernels import cuda_priority as cp
-    from gear_mpi.selectors import PriorityIndex
+    from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
     rng = _rng(4)
     n = N_TREE
     idx = PriorityIndex(n)
-    dev = cp.DevicePriorityIndex(n, threads=64)
+    dev = DevicePriorityIndex(n, threads=64)
     _assert_same_arrays(dev.to_host(), idx, "fresh index: ")
     assert dev.total == 0.0 and dev.min_positive == np.inf
     # full load + rebuild on both sides
@@ -241,7 +241,7 @@ def updates_match_cpu():
     u = np.concatenate([_edge_uniforms(idx), rng.random(300)])
     assert np.array_equal(dev.draw(u).copy_to_host(), idx.draw(u))
     # emptied: min_positive is inf, total 0 (a small index)
-    small, dsmall = PriorityIndex(300), cp.DevicePriorityIndex(300, threads=64)
+    small, dsmall = PriorityIndex(300), DevicePriorityIndex(300, threads=64)
     s = rng.integers(0, 300, 200)
     for vals in (rng.random(200) + 0.5, np.zeros(200)):
         small.set(s, vals)
@@ -253,10 +253,10 @@ def updates_match_cpu():
 @check
 def index_argument_checks():
     import numpy as np
-    from gear_mpi.kernels import cuda_priority as cp
-    dev = cp.DevicePriorityIndex(100, threads=32)
+    from gear_mpi.priority_index import DevicePriorityIndex
+    dev = DevicePriorityIndex(100, threads=32)
     for bad in (lambda: dev.set([1, 2], [1.0]), lambda: dev.set([100], [1.0]), lambda: dev.set([-1], [1.0]),
-                lambda: cp.DevicePriorityIndex(0), lambda: cp.DevicePriorityIndex(10, threads=2048),
+                lambda: DevicePriorityIndex(0), lambda: DevicePriorityIndex(10, threads=2048),
                 lambda: dev.draw(cp_device(np.zeros(3, np.float32)))):
         try:
             bad()
@@ -377,7 +377,7 @@ def shard_gather_into_matches_cpu():
     spec = gm.TrajectorySpec({"t": ((), "int64"), "obs": ((3, 2), "float32"), "act": ((2,), "int16"),
                               "done": ((), "bool"), "img": ((5,), "uint8")}, max_length=12)
     rng = _rng(7)
-    for memory in ("numpy", "shm"):
+    for memory in ("private", "shm"):
         with gm.Shard(spec, 50, gm.Prioritized(0.7, 0.4), memory=memory, seed=3, tag=1) as shard:
             for i in range(14):
                 ln = int(rng.integers(1, 13))
@@ -520,7 +520,7 @@ def _main_plain():
             cp._l0_kernel: (f, f, i), cp._l1_kernel: (f, f, f, f, i), cp._l2_kernel: (f, f, f, f, i),
             cp._l0_all_kernel: (f, f), cp._l1_all_kernel: (f, f, f, f),
             cp._l2_all_kernel: (f, f, f, f), cp._prefix_kernel: (f, f), cp._min_kernel: (f, f),
-            cp._fill_kernel: (f, float64)}
+            cp._fill_kernel: (f, float64), cp._take_kernel: (f, i, f)}
     sigs.update(cg._ptx_signatures())
     for k, sig in sigs.items():
         ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))

@@ -127,7 +127,7 @@ class ShardMachine(RuleBasedStateMachine):
 
     @initialize(selector=st.sampled_from(sorted(SELECTORS)), capacity=st.integers(5, 14),
                 max_items=st.sampled_from([None, 2, 3, 5]), max_times=st.sampled_from([0, 0, 1, 2, 3]),
-                memory=st.sampled_from(["numpy", "numpy", "shm"]), seed=st.integers(0, 3))
+                memory=st.sampled_from(["private", "private", "shm"]), seed=st.integers(0, 3))
     def setup(self, selector, capacity, max_items, max_times, memory, seed):
         self.selector = SELECTORS[selector]
         self.shard = gm.Shard(SPEC, capacity, self.selector, max_items=max_items,

@@ -577,6 +577,149 @@ def test_stored_bytes_within_5_percent_of_raw_bytes(shard_factory, sampler):
 def test_close_and_context_manager(spec, make_traj):
     with gm.Shard(spec, 50, tag=1) as shard:
         shard.insert(make_traj(3))
-        assert "memory=numpy" in repr(shard)
+        assert "memory=private" in repr(shard)
     assert "closed" in repr(shard)
     shard.close()  # idempotent
+
+
+# ---- state export (what checkpoints save and load) ---------------------------------------------
+
+def _concat_sections(sections) -> dict:
+    out: dict = {}
+    for name, arr in sections:
+        out.setdefault(name, []).append(np.array(arr))
+    return {name: np.concatenate(parts) for name, parts in out.items()}
+
+
+def _copy_state(src: gm.Shard, dst: gm.Shard, with_levels: bool = True) -> None:
+    """Move ``src``'s shard state into the new ``dst`` through the export methods only."""
+    st = src.store
+    dst.store.restore_table(st.state.copy(), _concat_sections(st.table_sections()))
+    for c in src.spec.columns:
+        saved = np.concatenate([np.array(seg) for seg in st.step_segments(c.name)]) \
+            if st.steps_used else np.zeros(0, np.uint8)
+        pos = 0
+        for seg in dst.store.step_segments(c.name):
+            seg[:] = saved[pos:pos + len(seg)]
+            pos += len(seg)
+        assert pos == len(saved) == st.steps_used * c.step_bytes
+    hwm = int(st.state[gm.shard.ring.NEXT_FRESH])
+    sections = dict(src.index.sections(hwm))
+    if not with_levels:
+        sections = {"leaves": sections["leaves"]}
+    dst.index.restore(sections, hwm)
+    dst.store.tag = st.tag
+    dst.rng.bit_generator.state = src.rng.bit_generator.state
+
+
+@pytest.mark.parametrize("with_levels", [True, False])
+def test_table_and_index_state_round_trip(shard_factory, spec, make_traj, with_levels):
+    from gear_mpi.kernels import ring
+    from gear_mpi.kernels.priority_tree import TREE_FIELDS
+    a = shard_factory(spec, 97, gm.Prioritized(0.7, 0.5), max_items=23, max_times_sampled=3, seed=5, tag=7)
+    for i in range(60):  # wraps the ring, fills the table, evicts
+        a.insert(make_traj(int(1 + i % 9)), priority=0.5 + i % 4)
+    a.sample(40, 4)      # some reach max_times_sampled and are removed
+    a.update_priorities(a.store.keys_of(a.store.live_slots()[:5]), [9.0, 0.0, 1.0, 2.0, 3.0])
+    assert a.store.steps_used and a.stats()["removed"] and a.stats()["evicted"]
+    names = [n for n, _ in a.store.table_sections()]
+    assert names[:8] == list(ring.TABLE_ROWS) and set(names[8:-1]) == {"order"} and names[-1] == "free"
+    b = shard_factory(spec, 97, gm.Prioritized(0.7, 0.5), max_items=23, max_times_sampled=3, seed=99, tag=7)
+    _copy_state(a, b, with_levels)
+    for name in ring.TABLE_FIELDS:
+        if name not in ("order", "free"):  # only the live part of the order ring and free stack is state
+            np.testing.assert_array_equal(getattr(b.store, name), getattr(a.store, name), err_msg=name)
+    top = int(a.store.state[ring.FREE_TOP])
+    np.testing.assert_array_equal(b.store.free[:top], a.store.free[:top])
+    np.testing.assert_array_equal(b.store.live_slots(), a.store.live_slots())
+    for name in TREE_FIELDS:
+        np.testing.assert_array_equal(getattr(b.index, name), getattr(a.index, name), err_msg=name)
+    for key in a.store.keys_of(a.store.live_slots()):
+        assert_same_bytes(b.get(int(key)), a.get(int(key)))
+    assert b.stats()["items"] == a.stats()["items"]
+    for _ in range(3):  # the same future
+        x, y = a.sample(16, 5), b.sample(16, 5)
+        np.testing.assert_array_equal(x.keys.numpy(), y.keys.numpy())
+        for name in spec.names:
+            np.testing.assert_array_equal(x.numpy()[name], y.numpy()[name])
+        k = x.keys.numpy()[:3]
+        assert a.update_priorities(k, [1.0, 2.0, 3.0]) == b.update_priorities(k, [1.0, 2.0, 3.0])
+        tr = make_traj(4)
+        assert a.insert(tr) == b.insert(tr)
+
+
+def test_restore_table_refuses_bad_sections_and_changes_nothing(shard_factory, spec, make_traj):
+    a = shard_factory(spec, 50, max_items=20, tag=3)
+    for i in range(8):
+        a.insert(make_traj(3))
+    good = _concat_sections(a.store.table_sections())
+    b = shard_factory(spec, 50, max_items=20, tag=3)
+    b.insert(make_traj(2))
+    before = {name: np.array(getattr(b.store, name)) for name in gm.shard.ring.TABLE_FIELDS}
+    cases = {"seq": good["seq"][:-1], "alive": good["alive"].astype(np.int64), "free": None,
+             "order": np.concatenate([good["order"], [0]])}
+    for name, bad in cases.items():
+        sections = dict(good)
+        if bad is None:
+            del sections[name]
+        else:
+            sections[name] = bad
+        with pytest.raises(ValueError, match=repr(name)):
+            b.store.restore_table(a.store.state.copy(), sections)
+        for k, arr in before.items():
+            np.testing.assert_array_equal(getattr(b.store, k), arr, err_msg=k)
+    with pytest.raises(ValueError, match="'state'"):
+        b.store.restore_table(a.store.state[:5], good)
+    with pytest.raises(ValueError, match="'leaves'"):
+        b.index.restore({"leaves": np.zeros(3)}, 4)
+
+
+def test_ring_segments():
+    from gear_mpi.kernels.ring import ring_segments
+    assert ring_segments(8, 5, 10) == [(8, 10), (0, 3)]
+    assert ring_segments(0, 10, 10) == [(0, 10)]
+    assert ring_segments(4, 0, 10) == []
+
+
+def test_index_kinds_and_sections():
+    from gear_mpi.priority_index import DevicePriorityIndex, LEVEL_FIELDS, PriorityIndex
+    assert PriorityIndex.KIND == "blocked" and DevicePriorityIndex.KIND == "generic"
+    idx = PriorityIndex(300)
+    idx.set(np.arange(10), np.arange(10, dtype=np.float64))
+    sec = idx.sections(10)
+    assert [n for n, _ in sec] == ["leaves", *LEVEL_FIELDS]
+    np.testing.assert_array_equal(sec[0][1], np.arange(10.0))
+    other = PriorityIndex(300)
+    other.restore({"leaves": sec[0][1], "l0_sum": np.zeros(2)}, 10)  # levels that do not fit: rebuilt from leaves
+    for name, arr in sec:
+        np.testing.assert_array_equal(getattr(other, name)[:len(arr)], arr, err_msg=name)
+
+
+# ---- memory="private" and the deprecated "numpy" ----------------------------------------------
+
+def test_memory_numpy_is_a_deprecated_name_of_private(spec):
+    from gear_mpi.memory import PrivateArena, make_arena
+    from gear_mpi.storage import TrajectoryStore
+    with pytest.warns(DeprecationWarning, match='memory="numpy" is deprecated'):
+        shard = gm.Shard(spec, 20, memory="numpy")
+    assert isinstance(shard.store.arena, PrivateArena) and "memory=private" in repr(shard)
+    shard.close()
+    with pytest.warns(DeprecationWarning, match="private"):
+        store = TrajectoryStore(spec, 20, memory="numpy")
+    assert store.arena.kind == "private"
+    store.close()
+    with pytest.warns(DeprecationWarning, match="private"):
+        arena = make_arena("numpy", 128)
+    assert isinstance(arena, PrivateArena)
+    arena.close()
+    with pytest.raises(ValueError, match="memory must be 'private' or 'shm'"):
+        make_arena("heap", 128)
+
+
+def test_priority_index_old_import_path_warns():
+    import gear_mpi.selectors as selectors
+    from gear_mpi.priority_index import PriorityIndex
+    with pytest.warns(DeprecationWarning, match="gear_mpi.priority_index"):
+        assert selectors.PriorityIndex is PriorityIndex
+    with pytest.raises(AttributeError):
+        selectors.NoSuchThing  # noqa: B018

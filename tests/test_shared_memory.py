@@ -180,7 +180,7 @@ def test_close_unlinks_even_while_an_attacher_holds_it(spec):
 
 def test_shm_and_numpy_shards_sample_the_same(shard_factory, spec, make_traj):
     a = shard_factory(spec, 45, gm.Prioritized(0.6, 0.4), memory="shm", seed=9)
-    b = shard_factory(spec, 45, gm.Prioritized(0.6, 0.4), memory="numpy", seed=9)
+    b = shard_factory(spec, 45, gm.Prioritized(0.6, 0.4), memory="private", seed=9)
     rng = np.random.default_rng(0)
     for _ in range(9):
         tr, p = make_traj(int(rng.integers(1, 17))), float(rng.uniform(0.1, 2))

@@ -1,12 +1,18 @@
 """Pure numba kernels over arrays: no classes, no MPI, no allocation of state.
 
-One module per job:
+The classes that own the arrays live a floor up (:mod:`gear_mpi.storage`,
+:mod:`gear_mpi.priority_index`) and pass them in as one named tuple each
+(:class:`ring.Table`, :class:`priority_tree.Tree`), built once. One module per job:
 
+- :mod:`~gear_mpi.kernels.ring` -- the step ring and trajectory table bookkeeping
+  (insert with FIFO eviction, sample counting, live slots in insertion order).
 - :mod:`~gear_mpi.kernels.priority_tree` -- the blocked sum/min structure that
-  prioritized and uniform selection draw from.
-- :mod:`~gear_mpi.kernels.gather` -- copies sampled windows into a batch.
-- :mod:`~gear_mpi.kernels.ring` -- the step ring and trajectory table bookkeeping.
-- :mod:`~gear_mpi.kernels.order` -- FIFO/LIFO/top-k selection over live items.
+  prioritized and uniform selection draw from: layout, rebuild, batched update.
+- :mod:`~gear_mpi.kernels.priority_draw` -- batched proportional draws from it.
+- :mod:`~gear_mpi.kernels.gather` -- window placement and the copy of sampled windows
+  into a batch (from this process's ring or, by address, from node peers' rings).
+- :mod:`~gear_mpi.kernels.hints` -- software prefetch and ordered stores used by the above.
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
-  twins of the priority and gather kernels, same results (imported only for ``device="cuda"``).
+  twins of the priority and gather kernels, same results (imported only for ``device="cuda"``
+  and by the tests; they need numba-cuda, see :mod:`gear_mpi.cuda_support`).
 """

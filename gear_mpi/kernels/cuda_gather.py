@@ -30,13 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    from numba import cuda
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("gear_mpi's CUDA kernels need numba-cuda: pip install 'gear-mpi[cuda12]' "
-                      "(or [cuda13]); set NUMBA_ENABLE_CUDASIM=1 to run them on the CUDA simulator") from exc
+from ..cuda_support import as_device, cuda_module, device_address, is_device_array, simulator_enabled
 
-from .cuda_priority import as_device, is_device_array, simulator_enabled
+cuda = cuda_module()  # ImportError with the install hint when numba-cuda is missing
 
 VECS = (0, 8, 16)
 MAX_GRID = 1 << 30
@@ -142,14 +138,6 @@ def fill_mask_kernel(n_valid, pad_front, out_rows, mask):
 
 
 # ---- host side ---------------------------------------------------------------------------
-def device_address(arr) -> int:
-    """Device address of a device array's first element (the numpy address under the simulator)."""
-    ary = getattr(arr, "_ary", None)  # simulator FakeCUDAArray
-    if ary is not None:
-        return int(ary.__array_interface__["data"][0])
-    return int(arr.__cuda_array_interface__["data"][0])
-
-
 _dummy = {}
 
 

@@ -1,10 +1,11 @@
-"""CUDA twins (numba-cuda) of :mod:`gear_mpi.kernels.priority_tree`, and :class:`DevicePriorityIndex`.
+"""CUDA twins (numba-cuda) of :mod:`gear_mpi.kernels.priority_tree` and :mod:`gear_mpi.kernels.priority_draw`.
 
-The device structure has exactly the CPU layout (``leaves``, ``l0_sum``, ``l1_sum``,
+The device structure is a :class:`~gear_mpi.kernels.priority_tree.Tree` of device
+arrays with exactly the CPU layout (``leaves``, ``l0_sum``, ``l1_sum``,
 ``l1_min``, ``l2_sum``, ``l2_min``, ``prefix``; lines of 8, fan-out 64), and every
 kernel performs the CPU kernel's float64 operations in the CPU kernel's order, so:
 
-- a draw returns the same leaf as :func:`priority_tree.draw` for the same uniform
+- a draw returns the same leaf as :func:`priority_draw.draw` for the same uniform
   (same binary search, same 64-entry and two 8-entry scans, same fallback to the
   last positive entry when rounding leaves the target past the end);
 - after an update, leaves, level sums/mins and ``prefix`` are bit-identical to
@@ -38,51 +39,14 @@ import math
 
 import numpy as np
 
-try:
-    from numba import cuda
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("gear_mpi's CUDA kernels need numba-cuda: pip install 'gear-mpi[cuda12]' "
-                      "(or [cuda13]); set NUMBA_ENABLE_CUDASIM=1 to run them on the CUDA simulator") from exc
+from ..cuda_support import blocks_for, cuda_module, simulator_enabled
+from .priority_tree import FANOUT, FANOUT2, LINE
 
-from . import priority_tree as tree
+cuda = cuda_module()  # ImportError with the install hint when numba-cuda is missing
 
-LINE = tree.LINE
-FANOUT = tree.FANOUT
-ARRAYS = ("leaves", "l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
-FANOUT2 = tree.FANOUT2
 TILE = 1024            # prefix-scan tile (float64 in shared memory: 8 KiB)
 MAX_THREADS = 1024     # largest block the single-block kernels accept
 CLAIM_MARK = 0x7FF8000000000000  # above the bits of every non-NaN non-negative float64
-
-
-def simulator_enabled() -> bool:
-    """True when numba-cuda runs on its CPU simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
-    from numba.cuda.core import config
-    return bool(config.ENABLE_CUDASIM)
-
-
-def is_device_array(x) -> bool:
-    """True for numba device arrays (and simulator arrays) and objects with ``__cuda_array_interface__``."""
-    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
-
-
-def as_device(x, dtype, copy_host: bool = True):
-    """``x`` as a 1-D device array of ``dtype``: device arrays and CUDA tensors are used in place
-    (their dtype must match); host arrays are copied to the device."""
-    dtype = np.dtype(dtype)
-    if getattr(x, "__cuda_ndarray__", False):
-        arr = x
-    elif hasattr(x, "__cuda_array_interface__"):
-        arr = cuda.as_cuda_array(x)
-    else:
-        return cuda.to_device(np.ascontiguousarray(x, dtype))
-    if np.dtype(arr.dtype) != dtype:
-        raise TypeError(f"device array has dtype {arr.dtype}; {dtype} is needed")
-    return arr
-
-
-def blocks_for(n: int, threads: int) -> int:
-    return max(1, -(-int(n) // int(threads)))
 
 
 # ---- device functions: the same operations, in the same order, as the CPU kernels ----
@@ -147,7 +111,7 @@ def _scan(sums, lo, hi, r):
 
 @cuda.jit(device=True)
 def draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, u):
-    """Twin of :func:`priority_tree.draw_one`."""
+    """Twin of :func:`priority_draw.draw_one`."""
     n = leaves.shape[0]
     n0 = l0_sum.shape[0]
     n1 = l1_sum.shape[0]
@@ -305,7 +269,6 @@ def _fill_kernel(values, v):
         values[i] = v
 
 
-# ---- host-side launchers ------------------------------------------------------------------
 @cuda.jit
 def _take_kernel(values, slots, out):
     i = cuda.grid(1)
@@ -313,19 +276,28 @@ def _take_kernel(values, slots, out):
         out[i] = values[slots[i]]
 
 
-def draw(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out, threads: int = 256) -> None:
-    """Device twin of :func:`priority_tree.draw` (device arrays). The caller guarantees a positive total."""
+# ---- host-side launchers: the structure as one Tree of device arrays ----------------------
+def draw(tree, uniforms, out, threads: int = 256) -> None:
+    """Device twin of :func:`priority_draw.draw`: ``out[i]`` = the leaf chosen by ``uniforms[i]``.
+
+    ``tree`` is a :class:`~gear_mpi.kernels.priority_tree.Tree` of device arrays;
+    ``uniforms`` (float64) and ``out`` (int64) are device arrays. One thread per draw.
+    The caller guarantees a positive total.
+    """
     b = uniforms.shape[0]
     if b:
-        draw_kernel[blocks_for(b, threads), threads](leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out)
+        draw_kernel[blocks_for(b, threads), threads](tree.leaves, tree.l0_sum, tree.l1_sum, tree.l2_sum,
+                                                     tree.prefix, uniforms, out)
 
 
-def set_leaves(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix, slots, values, threads: int = 256) -> None:
+def set_leaves(tree, slots, values, threads: int = 256) -> None:
     """Device twin of :func:`priority_tree.set_leaves`: ``leaves[slots[i]] = values[i]``, last of
-    duplicates wins; touched blocks and ``prefix`` recomputed (bit-identical to the CPU kernel)."""
+    duplicates wins; touched blocks and ``prefix`` recomputed (bit-identical to the CPU kernel).
+    ``slots`` (int64) and ``values`` (float64) are device arrays. Six launches."""
     b = slots.shape[0]
     if b == 0:
         return
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     grid = blocks_for(b, threads)
     bits = leaves.view(np.int64)
     _claim_kernel[grid, threads](bits, slots)
@@ -336,8 +308,9 @@ def set_leaves(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix, slots, va
     _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
 
 
-def rebuild(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix, threads: int = 256) -> None:
-    """Device twin of :func:`priority_tree.rebuild`: every level from ``leaves``. O(n) reads."""
+def rebuild(tree, threads: int = 256) -> None:
+    """Device twin of :func:`priority_tree.rebuild`: every level of ``tree`` from its leaves. O(n) reads."""
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     _l0_all_kernel[blocks_for(l0_sum.shape[0], threads), threads](leaves, l0_sum)
     _l1_all_kernel[blocks_for(l1_sum.shape[0], threads), threads](leaves, l0_sum, l1_sum, l1_min)
     _l2_all_kernel[blocks_for(l2_sum.shape[0], threads), threads](l1_sum, l1_min, l2_sum, l2_min)
@@ -351,102 +324,13 @@ def fill(values, v: float, threads: int = 256) -> None:
         _fill_kernel[min(blocks_for(n, threads), 2 if simulator_enabled() else 4096), threads](values, v)
 
 
-class DevicePriorityIndex:
-    """:class:`gear_mpi.selectors.PriorityIndex` on the GPU: same layout, same results.
+def smallest(values, out, threads: int = 256) -> None:
+    """``out[0] = min(values)`` (inf if empty): one single-block reduction on the device."""
+    _min_kernel[1, min(threads, MAX_THREADS)](values, out)
 
-    ``set``/``draw`` take host arrays (copied to the device) or device arrays /
-    CUDA tensors (used in place); ``draw`` returns a device int64 array (call
-    ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory, no
-    scratch. ``set``: six launches, O(B * 64 + n / 4096). ``draw``: one thread per
-    draw, O(log(n / 4096) + 128) reads each. ``threads`` is the CUDA block size.
-    """
 
-    def __init__(self, n: int, threads: int = 256, *, _fill: bool = True):
-        n = int(n)
-        if n < 1:
-            raise ValueError(f"a priority index needs at least one slot, got {n}")
-        if not 1 <= threads <= MAX_THREADS:
-            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
-        self.n = n
-        self.threads = int(threads)
-        n1, n2 = tree.level_sizes(n)
-        self.leaves = cuda.device_array(n, np.float64)
-        self.l0_sum = cuda.device_array(tree.line_count(n), np.float64)
-        self.l1_sum = cuda.device_array(n1, np.float64)
-        self.l1_min = cuda.device_array(n1, np.float64)
-        self.l2_sum = cuda.device_array(n2, np.float64)
-        self.l2_min = cuda.device_array(n2, np.float64)
-        self.prefix = cuda.device_array(n2 + 1, np.float64)
-        self._scalar = cuda.device_array(1, np.float64)
-        if _fill:  # an empty index: weights 0, minima inf
-            for a, v in ((self.leaves, 0.0), (self.l0_sum, 0.0), (self.l1_sum, 0.0), (self.l1_min, math.inf), (self.l2_sum, 0.0),
-                         (self.l2_min, math.inf), (self.prefix, 0.0)):
-                fill(a, v, self.threads)
-
-    @classmethod
-    def from_host(cls, index, threads: int = 256) -> "DevicePriorityIndex":
-        """A device copy of a CPU :class:`PriorityIndex` (or anything with its seven arrays)."""
-        self = cls(len(index.leaves), threads, _fill=False)
-        for name in ARRAYS:
-            getattr(self, name).copy_to_device(np.ascontiguousarray(getattr(index, name), np.float64))
-        return self
-
-    def to_host(self) -> dict[str, np.ndarray]:
-        """The seven arrays, copied to host numpy arrays (for checks)."""
-        return {name: getattr(self, name).copy_to_host()
-                for name in ARRAYS}
-
-    def __len__(self) -> int:
-        return self.n
-
-    @property
-    def total(self) -> float:
-        """Sum of all weights (one 8-byte device-to-host copy)."""
-        return float(self.prefix[self.prefix.shape[0] - 1])
-
-    @property
-    def min_positive(self) -> float:
-        """Smallest positive weight (inf if none): one single-block reduction over ``n / 4096`` entries."""
-        _min_kernel[1, min(self.threads, MAX_THREADS)](self.l2_min, self._scalar)
-        return float(self._scalar.copy_to_host()[0])
-
-    def set(self, slots, values) -> None:
-        """``leaves[slots] = values`` (last of duplicates wins). Slots must be in ``[0, n)``."""
-        if len(slots) != len(values):
-            raise ValueError(f"{len(slots)} slots but {len(values)} values")
-        if len(slots) == 0:
-            return
-        if not is_device_array(slots):
-            s = np.asarray(slots, np.int64)
-            if s.min() < 0 or s.max() >= self.n:
-                raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
-        set_leaves(self.leaves, self.l0_sum, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix,
-                   as_device(slots, np.int64), as_device(values, np.float64), self.threads)
-
-    def draw(self, uniforms, out=None):
-        """Leaf chosen by each uniform in [0, 1); returns a device int64 array (``out`` if given).
-        The caller guarantees a positive total."""
-        u = as_device(uniforms, np.float64)
-        b = u.shape[0]
-        out = cuda.device_array(b, np.int64) if out is None else out
-        draw(self.leaves, self.l0_sum, self.l1_sum, self.l2_sum, self.prefix, u, out, self.threads)
-        return out
-
-    def rebuild(self) -> None:
-        rebuild(self.leaves, self.l0_sum, self.l1_sum, self.l1_min, self.l2_sum, self.l2_min, self.prefix, self.threads)
-
-    def weights_of(self, slots) -> np.ndarray:
-        """The weights of ``slots``, gathered on the device and copied to a host float64 array. O(B)."""
-        b = len(slots)
-        if b == 0:
-            return np.zeros(0, np.float64)
-        out = cuda.device_array(b, np.float64)
-        _take_kernel[blocks_for(b, self.threads), self.threads](self.leaves, as_device(slots, np.int64), out)
-        return out.copy_to_host()
-
-    def host_leaves(self, count: int) -> np.ndarray:
-        """The first ``count`` weights copied to the host. O(count) over the bus."""
-        return self.leaves[:count].copy_to_host() if count else np.zeros(0, np.float64)
-
-    def __repr__(self) -> str:
-        return f"DevicePriorityIndex(n={self.n}, simulator={simulator_enabled()})"
+def take(values, slots, out, threads: int = 256) -> None:
+    """``out[i] = values[slots[i]]`` on the device, one thread per entry."""
+    b = slots.shape[0]
+    if b:
+        _take_kernel[blocks_for(b, threads), threads](values, slots, out)

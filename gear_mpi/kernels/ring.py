@@ -1,15 +1,18 @@
 """Step ring and trajectory table bookkeeping (CPU kernels over the table arrays).
 
-The table is a set of per-slot arrays (``start``, ``length``, ``generation``,
-``seq``, ``times_sampled``, ``alive``), a ring ``order`` of slots in insertion
-order, a stack ``free`` of recycled slots, and ``state``, an int64 array of the
-counters below. Steps of live trajectories occupy the ring contiguously in
-insertion order, so the oldest trajectory always sits at ``state[STEP_HEAD]``.
+The table is one :class:`Table`: the per-slot rows (``TABLE_ROWS``: ``start``,
+``length``, ``priority``, ``generation``, ``seq``, ``stamp``, ``times_sampled``,
+``alive``), a ring ``order`` of slots in insertion order, a stack ``free`` of
+recycled slots, and ``state``, an int64 array of the counters below. Steps of live
+trajectories occupy the ring contiguously in insertion order, so the oldest
+trajectory always sits at ``state[STEP_HEAD]``.
 
 ``alive``: 0 free or evicted, 1 live, 2 removed (by ``max_times_sampled``) but
 still holding its steps until it reaches an end of the order ring.
 """
 from __future__ import annotations
+
+from collections import namedtuple
 
 import numpy as np
 from numba import njit
@@ -31,6 +34,32 @@ STATE_SIZE = 12
 DEAD = 0
 LIVE = 1
 REMOVED = 2
+
+# One row per slot, in this order everywhere (a checkpoint stores them in it).
+TABLE_ROWS = ("start", "length", "priority", "generation", "seq", "stamp", "times_sampled", "alive")
+Table = namedtuple("Table", TABLE_ROWS + ("order", "free", "state"))
+Table.__doc__ = """The arrays of one trajectory table: int64 rows except ``priority`` (float64) and
+``alive`` (uint8), the ``order`` ring and ``free`` stack (int64, one entry per slot), and
+``state`` (int64[STATE_SIZE]). Built once by its store and passed whole to the kernels."""
+TABLE_FIELDS = Table._fields
+
+
+def ring_segments(head: int, used: int, size: int) -> list[tuple[int, int]]:
+    """The index ranges ``[a, b)`` of ``used`` consecutive entries of a ring of ``size`` from ``head``.
+
+    Args:
+        head: the position of the oldest entry, in ``[0, size)``.
+        used: how many entries are in use, in ``[0, size]``.
+        size: the ring's length.
+
+    Returns:
+        At most two ranges, oldest first (none when ``used`` is 0).
+    """
+    first = min(used, size - head)
+    segments = [(head, head + first)] if first else []
+    if used > first:
+        segments.append((0, used - first))
+    return segments
 
 
 @njit(cache=True)
@@ -59,15 +88,25 @@ def _evict_oldest(state, capacity, n_slots, length, generation, alive, order, fr
 
 
 @njit(cache=True)
-def plan_insert(lengths, stamp, state, capacity, start, length, generation, seq, stamps,
-                times_sampled, alive, order, free, slots_out):
-    """Reserve a slot and ring steps for each new trajectory, evicting the oldest (FIFO) as needed.
+def plan_insert(table, capacity, lengths, stamp, slots_out):
+    """Reserve a slot of ``table`` and ring steps for each new trajectory, evicting the oldest (FIFO)
+    as needed; ``stamp`` is the insertion time recorded for all of them.
 
     Writes the new slots to ``slots_out`` and returns the slots of evicted live
     trajectories (their weights must be zeroed before the new ones are set).
     The caller has checked ``sum(lengths) <= capacity`` and ``len(lengths) <= n_slots``.
     Cost: O(n + evictions); no data is copied here.
     """
+    state = table.state
+    start = table.start
+    length = table.length
+    generation = table.generation
+    seq = table.seq
+    stamps = table.stamp
+    times_sampled = table.times_sampled
+    alive = table.alive
+    order = table.order
+    free = table.free
     n_slots = order.shape[0]
     evicted = np.empty(state[ORDER_COUNT] + lengths.shape[0], dtype=np.int64)
     n_evicted = 0
@@ -121,12 +160,19 @@ def _trim_ends(state, capacity, length, generation, alive, order, free):
 
 
 @njit(cache=True)
-def count_samples(slots, max_times, state, capacity, length, generation, times_sampled, alive, order, free):
-    """Add one use to each sampled slot; remove those that reached ``max_times`` (0 = never).
+def count_samples(table, capacity, slots, max_times):
+    """Add one use to each sampled slot of ``table``; remove those that reached ``max_times`` (0 = never).
 
     Returns the removed slots (their weights must be zeroed). Cost: O(B) plus the
     trimmed ends.
     """
+    state = table.state
+    length = table.length
+    generation = table.generation
+    times_sampled = table.times_sampled
+    alive = table.alive
+    order = table.order
+    free = table.free
     removed = np.empty(slots.shape[0], dtype=np.int64)
     k = 0
     for i in range(slots.shape[0]):

@@ -1,5 +1,10 @@
 """Fault scenarios for tests/test_faults.py, run as ``mpiexec -n K python check_faults.py SCENARIO DIR [...]``.
 
+This stays a program rather than a tests/mpi pytest module: its ranks are killed
+on purpose (SIGKILL) or must leave with ``os._exit`` while a collective is
+pending (MPI_Finalize would wait for the dead rank), which a pytest session
+cannot survive to report; tests/test_faults.py reads what they print instead.
+
 Lines printed (whole lines, flush=True):
 - ``SAVED <name> rank=R`` once a checkpoint has been written;
 - ``PASS <check> rank=R`` for each check passed;
@@ -17,8 +22,9 @@ Scenarios:
   ``DIR/cp.expect.json``), inserts more, and saves again, but dies inside that
   save: MODE ``files`` -- the last rank is SIGKILLed after writing two of its
   files; MODE ``rename`` -- rank 0 is SIGKILLed between the two renames that
-  install the new checkpoint. Done by wrapping functions of gear_mpi.checkpoint
-  here, so the library carries no test hook.
+  install the new checkpoint. Done by wrapping ``write_file`` and ``rename`` of
+  gear_mpi.checkpoint.files (the protocol calls them through that module) here,
+  so the library carries no test hook.
 - ``verify DIR NAME...``: a later job loads each ``DIR/NAME`` (on however many
   ranks it runs: resharding when that differs) and compares every trajectory bit
   for bit, and every priority, with what was inserted before the save.
@@ -35,7 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 import gear_mpi as gm
-from gear_mpi import checkpoint as ck
+from gear_mpi.checkpoint import files as ck_files
 from gear_mpi.kernels import ring
 
 comm = MPI.COMM_WORLD
@@ -123,7 +129,7 @@ def scenario_crash_save(base: str, mode: str) -> None:
     save_with_expectation(replay, path, [1])
     insert_batch(replay, 2)
     if mode == "files" and RANK == SIZE - 1:
-        original, written = ck._write_file, []
+        original, written = ck_files.write_file, []
 
         def write_then_die(filename, chunks):
             if len(written) == 2:
@@ -131,14 +137,14 @@ def scenario_crash_save(base: str, mode: str) -> None:
             out = original(filename, chunks)
             written.append(filename)
             return out
-        ck._write_file = write_then_die
+        ck_files.write_file = write_then_die
     if mode == "rename" and RANK == 0:
-        original_rename = ck._rename
+        original_rename = ck_files.rename
 
         def rename_then_die(src, dst):
             original_rename(src, dst)
             os.kill(os.getpid(), signal.SIGKILL)
-        ck._rename = rename_then_die
+        ck_files.rename = rename_then_die
     survive(lambda: replay.save(path), "save", 10.0)
 
 

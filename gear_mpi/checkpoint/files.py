@@ -1,0 +1,276 @@
+"""The checkpoint's files: format constants, checksummed writing and reading, the manifest.
+
+Every file of a checkpoint is written by :func:`write_file` (streamed, hashed
+while written, fsynced, never overwriting) and read back through
+:class:`CheckedFile` (size checked before reading, sha256 at the end). The
+manifest is the one file that describes all others; :func:`read_manifest`
+checks it and :func:`resolve` applies the crash-recovery rule to find it.
+
+:func:`write_file` and :func:`rename` are the only ways the protocol touches
+the file system to create or install a checkpoint, and it calls them through
+this module, so that tests can wrap them to kill a save midway.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+FORMAT = "gear_mpi-checkpoint"
+FORMAT_VERSION = 2  # 2: the priority index has line sums (l0_sum)
+MANIFEST = "MANIFEST.json"
+SHARD_JSON = "shard.json"
+TABLE = "table.bin"
+CHUNK_BYTES = 16 << 20
+
+
+def rank_dir(rank: int) -> str:
+    """The directory name of rank ``rank``'s files inside a checkpoint (``rank-00000``).
+
+    Args:
+        rank: the rank of the replay that wrote them.
+    Returns:
+        The name, relative to the checkpoint directory.
+    """
+    return f"rank-{rank:05d}"
+
+
+def column_file(index: int) -> str:
+    """The file name of column ``index`` (in the spec's column order) inside a rank's directory."""
+    return f"column-{index:03d}.bin"
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def write_file(filename: str, chunks: Iterable) -> dict[str, Any]:
+    """Write ``chunks`` to a new file, fsync it, and describe it for the manifest.
+
+    Every file of a checkpoint goes through here (tests wrap it to crash a save midway).
+
+    Args:
+        filename: the file to create; it must not exist.
+        chunks: bytes-like objects (numpy arrays included), written in order.
+    Returns:
+        ``{"bytes": size, "sha256": hex digest}``.
+    Raises:
+        FileExistsError: ``filename`` exists (a checkpoint file is never overwritten).
+        OSError: the file system refused.
+    """
+    digest = hashlib.sha256()
+    size = 0
+    with open(filename, "xb") as f:
+        for chunk in chunks:
+            mv = memoryview(chunk).cast("B")
+            if len(mv):
+                digest.update(mv)
+                f.write(mv)
+                size += len(mv)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def rename(src: str, dst: str) -> None:
+    """One step of installing a checkpoint (tests wrap it to crash between the two renames).
+
+    Args:
+        src: the directory to move.
+        dst: its new name (must not exist).
+    Raises:
+        OSError: the rename failed.
+    """
+    os.rename(src, dst)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable (best effort: ignored where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def slices(buf: np.ndarray, lo: int = 0, hi: int | None = None, step: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+    """``buf[lo:hi]`` as consecutive views of at most ``step`` elements (no copy)."""
+    hi = len(buf) if hi is None else hi
+    for a in range(lo, hi, step):
+        yield buf[a:min(hi, a + step)]
+
+
+def canonical(body: dict) -> bytes:
+    """The bytes the manifest's checksum is taken over: ``body`` as sorted, compact JSON."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_manifest(directory: str, body: dict) -> dict[str, Any]:
+    """Write ``MANIFEST.json`` (format, version, ``body`` and the sha256 of its canonical form).
+
+    Args:
+        directory: the checkpoint directory being assembled.
+        body: JSON-able description of the checkpoint (see :mod:`gear_mpi.checkpoint.protocol`).
+    Returns:
+        The manifest file's size and sha256.
+    Raises:
+        OSError: the file system refused.
+    """
+    doc = {"format": FORMAT, "version": FORMAT_VERSION, "sha256": hashlib.sha256(canonical(body)).hexdigest(),
+           "body": body}
+    return write_file(os.path.join(directory, MANIFEST), [json.dumps(doc, indent=1).encode()])
+
+
+# ---- reading -------------------------------------------------------------------------------------
+class CheckedFile:
+    """One checkpoint file opened for reading: its size is checked at once, its sha256 by :meth:`finish`.
+
+    Args:
+        filename: the file.
+        entry: its ``{"bytes", "sha256"}`` from the manifest (None: not listed).
+    Raises:
+        CheckpointError: not listed, missing, or of another size than the manifest says.
+    """
+
+    def __init__(self, filename: str, entry: dict | None):
+        self.filename = filename
+        if entry is None:
+            raise CheckpointError(f"{filename}: not listed in the manifest")
+        if not os.path.isfile(filename):
+            raise CheckpointError(f"{filename}: missing (the checkpoint is incomplete)")
+        size = os.path.getsize(filename)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{filename}: {size} bytes, the manifest says {entry['bytes']} "
+                                  f"(truncated or overwritten)")
+        self.size = size
+        self.expect = entry["sha256"]
+        self.digest = hashlib.sha256()
+        self.f = open(filename, "rb")
+
+    def __enter__(self) -> "CheckedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read_into(self, dst: np.ndarray) -> None:
+        """Fill the contiguous array ``dst`` with the next bytes. Raises CheckpointError if the file ends."""
+        if not dst.flags.c_contiguous:
+            raise ValueError("read_into needs a contiguous destination")
+        mv = memoryview(dst).cast("B")
+        got = self.f.readinto(mv)
+        if got != len(mv):
+            raise CheckpointError(f"{self.filename}: ended early (truncated)")
+        self.digest.update(mv)
+
+    def read_bytes(self, n: int) -> bytes:
+        """The next ``n`` bytes. Raises CheckpointError if the file ends."""
+        data = self.f.read(n)
+        if len(data) != n:
+            raise CheckpointError(f"{self.filename}: ended early (truncated)")
+        self.digest.update(data)
+        return data
+
+    def finish(self) -> None:
+        """Hash what was not read, close, and compare with the manifest. Raises CheckpointError on a mismatch."""
+        while True:
+            data = self.f.read(CHUNK_BYTES)
+            if not data:
+                break
+            self.digest.update(data)
+        self.f.close()
+        if self.digest.hexdigest() != self.expect:
+            raise CheckpointError(f"{self.filename}: sha256 does not match the manifest (corrupted)")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_json(filename: str, entry: dict | None) -> dict:
+    """Read and check a JSON file of the checkpoint. Raises CheckpointError if damaged."""
+    with CheckedFile(filename, entry) as c:
+        data = c.read_bytes(entry["bytes"])
+        c.finish()
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise CheckpointError(f"{filename}: not valid JSON") from None
+
+
+def resolve(path) -> str:
+    """The directory a load reads for ``path``: ``path``, else ``path.old``.
+
+    ``path.old`` alone is what a save that died between its two renames leaves
+    (see :mod:`gear_mpi.checkpoint`). Local; O(1) file-system calls.
+
+    Args:
+        path: the checkpoint's path (str or os.PathLike).
+    Returns:
+        The directory to read.
+    Raises:
+        CheckpointError: neither exists, or ``path`` is not a directory.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    old = path + ".old"
+    if not os.path.lexists(path) and os.path.isdir(old):
+        return old
+    if os.path.lexists(path):
+        raise CheckpointError(f"{path}: not a directory, so not a gear_mpi checkpoint")
+    raise CheckpointError(f"{path}: no checkpoint there (neither {path} nor {old} exists)")
+
+
+def read_manifest(path) -> dict:
+    """Parse and check ``MANIFEST.json`` of checkpoint directory ``path``.
+
+    Checks the format name and version, the manifest's own checksum, and that the
+    rank directories present are exactly those it lists. Local.
+
+    Args:
+        path: a checkpoint directory (as returned by :func:`resolve`).
+    Returns:
+        The manifest: ``format``, ``version``, ``sha256``, ``body``, plus ``path``.
+    Raises:
+        CheckpointError: missing, damaged, of another format or version, or not
+            matching the rank directories; the message names the file.
+    """
+    filename = os.path.join(os.fspath(path), MANIFEST)
+    if not os.path.isfile(filename):
+        raise CheckpointError(f"{filename}: missing (an interrupted save, or not a gear_mpi checkpoint)")
+    try:
+        with open(filename, "rb") as f:
+            doc = json.loads(f.read())
+    except ValueError:
+        raise CheckpointError(f"{filename}: not valid JSON (truncated or corrupted)") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{filename}: not a gear_mpi checkpoint manifest")
+    if doc.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{filename}: format version {doc.get('version')!r}; this gear_mpi reads "
+                              f"version {FORMAT_VERSION}")
+    body = doc.get("body")
+    if not isinstance(body, dict) or hashlib.sha256(canonical(body)).hexdigest() != doc.get("sha256"):
+        raise CheckpointError(f"{filename}: sha256 of the manifest body does not match (corrupted)")
+    shards = body.get("shards")
+    if not isinstance(shards, list) or len(shards) != body.get("ranks") or \
+            [s.get("rank") for s in shards] != list(range(len(shards))):
+        raise CheckpointError(f"{filename}: says ranks={body.get('ranks')!r} but lists "
+                              f"{len(shards) if isinstance(shards, list) else 'no'} shards")
+    for s in shards:
+        d = os.path.join(os.fspath(path), rank_dir(s["rank"]))
+        if not os.path.isdir(d):
+            raise CheckpointError(f"{d}: missing, but the manifest lists rank {s['rank']} of {body['ranks']}")
+    extra = sorted(n for n in os.listdir(path) if n.startswith("rank-") and
+                   n not in {rank_dir(s["rank"]) for s in shards})
+    if extra:
+        raise CheckpointError(f"{os.path.join(os.fspath(path), extra[0])}: not listed in the manifest, which "
+                              f"says ranks={body['ranks']} (files of another save mixed in?)")
+    doc["path"] = os.fspath(path)
+    return doc

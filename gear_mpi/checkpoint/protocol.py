@@ -1,0 +1,279 @@
+"""Saving and loading as collectives: agreement, the crash-safe install, the exact restore.
+
+:func:`save` has every rank write its files under ``path.tmp-<token>``; once all
+ranks agree that they succeeded, rank 0 writes the manifest and installs the new
+directory with two renames (:func:`_install`). :func:`load` agrees on one
+manifest, builds a replay through the factory it is given, and restores it
+exactly (same ranks and sizes) or hands it to :mod:`~gear_mpi.checkpoint.reshard`.
+
+Every step that can fail on one rank ends in ``comm.agree``, so every rank raises
+the same error (:class:`~gear_mpi.errors.CheckpointError` for file problems).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import selectors as selector_module
+from ..comm import MpiComm
+from ..errors import CheckpointError
+from ..selectors import Selector
+from ..spec import TrajectorySpec
+from . import files, reshard, shard_files
+from .files import MANIFEST, rank_dir, read_manifest, resolve
+
+LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
+                "max_times_sampled", "device", "process_group")
+
+
+def _package_version() -> str | None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("gear-mpi")
+    except (ImportError, PackageNotFoundError):
+        return None
+
+
+def _sampler_dict(sel: Selector) -> dict:
+    return {"class": type(sel).__name__, "params": dict(vars(sel)), "repr": repr(sel)}
+
+
+def _make_sampler(d: dict, where: str) -> Selector:
+    cls = getattr(selector_module, d.get("class", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, Selector)):
+        raise CheckpointError(f"{where}: unknown sampler {d.get('repr', d.get('class'))!r}")
+    return cls(**d.get("params", {}))
+
+
+# ---- save ----------------------------------------------------------------------------------------
+def save(replay, path) -> None:
+    """Collective: write a checkpoint of ``replay`` (every rank's shard) to directory ``path``.
+
+    Replaces an existing checkpoint at ``path`` only once the new one is complete
+    (see :mod:`gear_mpi.checkpoint` for the protocol and what a crash leaves).
+    Do not run two saves to the same path at once.
+
+    Args:
+        replay: an open :class:`~gear_mpi.replay.Replay`; every rank passes its own.
+        path: the checkpoint directory (str or os.PathLike), the same on every rank,
+            on a file system every rank sees; its parent must exist.
+    Raises:
+        CheckpointError: the path cannot hold a checkpoint (e.g. a non-empty directory
+            that is not one) or writing failed; the same on every rank.
+        TypeError: ``path`` is not a path.
+        RuntimeError: the replay is closed.
+        CollectiveError: a rank failed or did not arrive within the replay's timeout.
+    Cost: each rank writes ``steps_used * step_bytes`` of columns plus ~70 bytes per
+    table slot in use, in chunks of :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES`;
+    three small collectives and one gather of the file list at rank 0.
+    """
+    if replay.closed:
+        raise RuntimeError("this Replay is closed")
+    comm: MpiComm = replay.comm
+    comm.check_usable()
+    rank = comm.rank
+    err = None
+    token = secrets.randbits(48)
+    try:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        path = os.path.abspath(os.fspath(path))
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise CheckpointError(f"{parent}: no such directory (the checkpoint's parent must exist)")
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise CheckpointError(f"{path}: exists and is not a directory")
+        if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
+            raise CheckpointError(f"{path}: a non-empty directory that is not a gear_mpi checkpoint; "
+                                  f"refusing to replace it")
+    except Exception as e:
+        err = e
+    table = comm.agree(err, "save", [token])
+    replay.settle()
+    tmp = f"{path}.tmp-{int(table[0, 0]):012x}"
+    err, info = None, b""
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        d = os.path.join(tmp, rank_dir(rank))
+        os.mkdir(d)
+        written = shard_files.write_rank(d, replay.shard, replay.state())
+        files.fsync_dir(d)
+        stats = replay.shard.stats()
+        info = json.dumps({"rank": rank, "items": stats["items"], "steps_used": stats["steps_used"],
+                           "files": written}).encode()
+    except Exception as e:
+        err = e if not isinstance(e, OSError) else CheckpointError(f"save: writing under {tmp}: {e}")
+    try:
+        comm.agree(err, "save")
+        gathered, counts = comm.gatherv(np.frombuffer(info, np.uint8), 0, "save (manifest)")
+        err = None
+        if rank == 0:
+            try:
+                starts = np.cumsum(counts) - counts
+                shards = [json.loads(bytes(gathered[a:a + n])) for a, n in zip(starts.tolist(), counts.tolist())]
+                _install(_manifest_body(replay, shards), path, tmp)
+            except Exception as e:
+                err = e if not isinstance(e, OSError) else CheckpointError(f"save: installing {path}: {e}")
+        comm.agree(err, "save (install)")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _manifest_body(replay, shards: list[dict]) -> dict:
+    """What the manifest says about the whole replay (rank 0's view; the same on every rank)."""
+    sh = replay.shard
+    own = sh.state()
+    how = replay.describe()
+    return {
+        "spec": replay.spec.to_dict(), "column_order": list(replay.spec.names), "ranks": replay.size,
+        "capacity_steps": own["capacity_steps"], "max_items": own["max_items"],
+        "max_times_sampled": sh.max_times_sampled or None, "sampler": _sampler_dict(replay.selector),
+        "mode": how["mode"], "timeout": how["timeout"], "force_alltoallv": bool(how["force_alltoallv"]),
+        "memory": how["memory"], "device": how["device"],
+        "tag": int(own["tag"]), "shared_rng": replay.state()["shared_rng"],
+        "created": time.time(), "items": sum(s["items"] for s in shards), "shards": shards,
+        "gear_mpi_version": _package_version(),
+    }
+
+
+def _install(body: dict, path: str, tmp: str) -> None:
+    """Rank 0: write the manifest into ``tmp`` and swap ``tmp`` in for ``path``.
+
+    The two renames go through :func:`files.rename`; a crash between them leaves
+    only ``path.old``, which :func:`~gear_mpi.checkpoint.files.resolve` then picks.
+    """
+    files.write_manifest(tmp, body)
+    files.fsync_dir(tmp)
+    parent = os.path.dirname(path)
+    old = path + ".old"
+    if os.path.isdir(path):
+        if os.path.lexists(old):  # left by a save that crashed after installing its checkpoint
+            shutil.rmtree(old)
+        files.rename(path, old)
+        files.rename(tmp, path)
+    else:  # first save, or an earlier save crashed between its renames (path.old is the checkpoint)
+        files.rename(tmp, path)
+    files.fsync_dir(parent)
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+    prefix = os.path.basename(path) + ".tmp-"
+    for name in os.listdir(parent):  # interrupted saves of this path
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def load(path, comm=None, build: Callable[..., Any] | None = None,
+         **overrides) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+    """Collective: restore a checkpoint written by :func:`save`; returns ``(replay, key_map)``.
+
+    ``gear_mpi.load_checkpoint(path, comm, **overrides)`` and
+    ``Replay.load(path, comm, **overrides)`` call this with ``build=Replay``.
+
+    Args:
+        path: the checkpoint directory (str or os.PathLike), the same on every rank.
+        comm: the mpi4py communicator (default COMM_WORLD).
+        build: the replay factory, called as ``build(spec, capacity_steps, sampler,
+            mode=..., comm=..., seed=..., timeout=..., ...)`` (the Replay class).
+        **overrides: any of :data:`LOAD_OPTIONS`. ``mode``, ``timeout``, ``memory``,
+            ``force_alltoallv``, ``device``, ``process_group``, ``max_times_sampled``
+            change how the replay runs and keep an exact restore; ``capacity_steps``
+            or ``max_items`` other than the saved ones reshard (as does another
+            number of ranks); ``seed`` seeds the streams of a resharded replay
+            (default: derived from the saved streams).
+    Returns:
+        ``(replay, key_map)``: ``key_map = (old_keys, new_keys)``, two int64 arrays
+        sorted by old key, one entry per live trajectory of the checkpoint (all
+        ranks), the same on every rank; -1 for a trajectory dropped because the new
+        replay is too small. The identity for an exact restore. See :func:`remap`.
+    Raises:
+        CheckpointError: missing, partial or damaged checkpoint, or ranks that read
+            different manifests; the same on every rank, naming the file.
+        TypeError: an unknown override, ``path`` not a path, or no ``build``.
+        ValueError: ``timeout`` not a positive number.
+        CollectiveError: a rank failed or did not arrive within the timeout.
+    Cost: an exact restore reads each rank's own files once; resharding reads every
+    rank's table (O(total items) memory on every rank) and the steps it receives.
+    """
+    unknown = sorted(set(overrides) - set(LOAD_OPTIONS))
+    if unknown:
+        raise TypeError(f"load: unexpected keyword argument(s) {unknown}; allowed: {list(LOAD_OPTIONS)}")
+    if build is None:
+        raise TypeError("load: build (the Replay class) is required; gear_mpi.load_checkpoint and Replay.load "
+                        "pass it")
+    timeout = overrides.get("timeout", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    mc = MpiComm(comm, timeout)
+    err, doc, digest = None, None, 0
+    try:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        doc = read_manifest(resolve(os.path.abspath(os.fspath(path))))
+        digest = int(doc["sha256"][:12], 16)
+    except Exception as e:
+        err = e
+    table = mc.agree(err, "load", [digest])
+    if len(set(table[:, 0].tolist())) > 1:
+        raise CheckpointError(f"load: the ranks read different manifests at {os.fspath(path)} (is it on a file "
+                              f"system that every rank sees, and was it being replaced?)")
+    body, where = doc["body"], doc["path"]
+    columns = body["spec"]["columns"]  # in the saved column order (the files are numbered in it)
+    spec = TrajectorySpec.from_dict({"columns": {k: columns[k] for k in body["column_order"]},
+                                     "max_length": body["spec"]["max_length"]})
+    sampler = _make_sampler(body["sampler"], os.path.join(where, MANIFEST))
+    cap = int(overrides.get("capacity_steps", body["capacity_steps"]))
+    max_items = int(overrides.get("max_items", body["max_items"]))
+    exact = mc.size == body["ranks"] and cap == body["capacity_steps"] and max_items == body["max_items"]
+    if exact:
+        seed = 0  # every stream is restored from the checkpoint
+    elif "seed" in overrides:
+        seed = overrides["seed"]
+    else:  # deterministic: the same checkpoint reshards to the same streams
+        seed = int(hashlib.sha256(json.dumps(body["shared_rng"], sort_keys=True).encode()).hexdigest()[:15], 16)
+    kw = dict(mode=overrides.get("mode", body["mode"]), comm=mc.comm, seed=seed,
+              timeout=float(overrides.get("timeout", body["timeout"])), max_items=max_items,
+              max_times_sampled=overrides.get("max_times_sampled", body["max_times_sampled"]),
+              memory=overrides.get("memory"), force_alltoallv=overrides.get("force_alltoallv", body["force_alltoallv"]))
+    device = overrides.get("device", body.get("device", "cpu"))
+    if device != "cpu":
+        kw["device"] = device
+    if overrides.get("process_group") is not None:
+        kw["process_group"] = overrides["process_group"]
+    replay = build(spec, cap, sampler, **kw)
+    try:
+        key_map = _restore_exact(replay, where, body) if exact else reshard.reshard(replay, where, body)
+    except BaseException:
+        try:
+            replay.close()
+        except Exception:
+            pass
+        raise
+    return replay, key_map
+
+
+def _restore_exact(replay, where: str, body: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank restores its own saved shard and streams; key_map is the identity."""
+    comm: MpiComm = replay.comm
+    err = None
+    try:
+        meta = shard_files.restore_rank(replay.shard, where, body, comm.rank)
+        replay.load_state({"rng": meta["rng_replay"], "shared_rng": body["shared_rng"],
+                           "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
+    except Exception as e:
+        err = e
+    comm.agree(err, "load")
+    mine = replay.shard.live_keys()
+    counts = comm.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
+    keys = np.sort(comm.allgatherv(mine, counts, "load (keys)"))
+    return keys, keys.copy()
+

@@ -1,0 +1,186 @@
+"""One rank's part of a checkpoint: its column files, ``table.bin`` and ``shard.json``.
+
+A rank's directory holds (format version 2)::
+
+    column-NNN.bin  column NNN's ring steps in use, oldest first (``steps_used * step_bytes``)
+    table.bin       the shard's sections back to back: table rows in use, the order ring,
+                    the free-slot stack, the priority index (names, dtypes and counts in
+                    shard.json's ``table_layout``)
+    shard.json      ring counters, sizes, index kind, the shard's and the rank's random
+                    streams and counters
+
+The shard hands out and takes back its own state (:meth:`Shard.state`,
+:meth:`Shard.sections`, :meth:`Shard.column_segments`, :meth:`Shard.load_state`,
+:meth:`Shard.restore_sections`); this module only maps it to and from these files.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..kernels import ring
+from ..spec import TrajectorySpec
+from . import files
+from .files import SHARD_JSON, TABLE, CheckedFile, column_file, rank_dir, read_json, slices
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str, dict]:
+    """Write ``shard``'s files into ``directory`` (which exists and is empty).
+
+    Args:
+        directory: this rank's directory of the checkpoint being assembled.
+        shard: the rank's :class:`~gear_mpi.shard.Shard`.
+        rank_state: the rank's own state beside the shard (:meth:`Replay.state`:
+            ``rng``, ``windows_shared``, ``windows_mpi``).
+    Returns:
+        ``{file name: {"bytes", "sha256"}}`` for the manifest.
+    Raises:
+        OSError: writing failed.
+    Cost: streams ``steps_used * step_bytes`` of columns in chunks of
+    :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES` straight from the shard's memory,
+    plus the table sections (about 70 bytes per slot in use).
+    """
+    state = shard.state()
+    out = {}
+    for i, c in enumerate(shard.spec.columns):
+        segments = shard.column_segments(c.name)
+        out[column_file(i)] = files.write_file(os.path.join(directory, column_file(i)),
+                                               (part for seg in segments for part in slices(seg)))
+    sections = shard.sections()
+    layout: list[list] = []  # consecutive sections of one name (the order ring's two halves) are one entry
+    for name, arr in sections:
+        if layout and layout[-1][0] == name:
+            layout[-1][2] += len(arr)
+        else:
+            layout.append([name, arr.dtype.str, len(arr)])
+    out[TABLE] = files.write_file(os.path.join(directory, TABLE), (np.ascontiguousarray(a) for _, a in sections))
+    meta = {"rank": state["rank"], "state": [int(v) for v in state["ring"]], "hwm": int(state["hwm"]),
+            "max_items": state["max_items"], "capacity_steps": state["capacity_steps"], "table_layout": layout,
+            "index": state["index"], "rng_shard": state["rng"], "rng_replay": rank_state["rng"],
+            "samples_drawn": int(state["samples_drawn"]), "stale_updates": int(state["stale_updates"]),
+            "windows_shared": int(rank_state.get("windows_shared", 0)),
+            "windows_mpi": int(rank_state.get("windows_mpi", 0))}
+    out[SHARD_JSON] = files.write_file(os.path.join(directory, SHARD_JSON),
+                                       [json.dumps(meta, sort_keys=True).encode()])
+    return out
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def rank_files(where: str, body: dict, r: int) -> tuple[str, dict]:
+    """Rank ``r``'s directory in checkpoint ``where`` and its files' manifest entries."""
+    return os.path.join(where, rank_dir(r)), body["shards"][r]["files"]
+
+
+def read_meta(where: str, body: dict, r: int) -> dict:
+    """Read and check rank ``r``'s ``shard.json``. Raises CheckpointError if damaged or not rank ``r``'s."""
+    d, entries = rank_files(where, body, r)
+    meta = read_json(os.path.join(d, SHARD_JSON), entries.get(SHARD_JSON))
+    if meta.get("rank") != r or len(meta.get("state", ())) != ring.STATE_SIZE:
+        raise CheckpointError(f"{os.path.join(d, SHARD_JSON)}: not the description of rank {r}")
+    return meta
+
+
+def steps_used(meta: dict) -> int:
+    """Ring steps in use by the shard ``meta`` describes (the length of each column file in steps)."""
+    return int(meta["state"][ring.STEPS_USED])
+
+
+def ring_head(meta: dict) -> int:
+    """The ring step of the oldest step in use (where each column file starts)."""
+    return int(meta["state"][ring.STEP_HEAD])
+
+
+def read_table(where: str, body: dict, r: int, meta: dict) -> dict[str, np.ndarray]:
+    """Read and check rank ``r``'s ``table.bin``: a new array per section name.
+
+    Raises:
+        CheckpointError: the file is missing, damaged or shorter than its layout.
+    """
+    d, entries = rank_files(where, body, r)
+    out = {}
+    with CheckedFile(os.path.join(d, TABLE), entries.get(TABLE)) as c:
+        for name, dtype, count in meta["table_layout"]:
+            dst = np.empty(int(count), np.dtype(dtype))
+            c.read_into(dst)
+            out[name] = dst
+        c.finish()
+    return out
+
+
+def _open_column(where: str, body: dict, r: int, meta: dict, index: int, step_bytes: int) -> CheckedFile:
+    d, entries = rank_files(where, body, r)
+    chk = CheckedFile(os.path.join(d, column_file(index)), entries.get(column_file(index)))
+    used = steps_used(meta)
+    if chk.size != used * step_bytes:
+        chk.close()
+        raise CheckpointError(f"{chk.filename}: {chk.size} bytes, but {used} steps of {step_bytes} bytes are in use")
+    return chk
+
+
+def check_columns(where: str, body: dict, r: int, meta: dict, spec: TrajectorySpec) -> None:
+    """Check the size and sha256 of every column file of rank ``r`` (reading each once, keeping nothing)."""
+    for i, c in enumerate(spec.columns):
+        with _open_column(where, body, r, meta, i, c.step_bytes) as chk:
+            chk.finish()
+
+
+def map_column(where: str, r: int, meta: dict, index: int, column) -> np.ndarray:
+    """Column file ``index`` of rank ``r`` as a read-only array of ``steps_used`` steps (a memmap)."""
+    filename = os.path.join(where, rank_dir(r), column_file(index))
+    return np.memmap(filename, dtype=column.dtype, mode="r", shape=(steps_used(meta),) + column.shape)
+
+
+def shard_state(meta: dict, tag: int) -> dict[str, Any]:
+    """The :meth:`Shard.state` dictionary that ``shard.json`` (and the manifest's ``tag``) describe."""
+    return {"rank": meta["rank"], "capacity_steps": meta["capacity_steps"], "max_items": meta["max_items"],
+            "hwm": int(meta["hwm"]), "ring": [int(v) for v in meta["state"]], "index": meta["index"],
+            "rng": meta["rng_shard"], "samples_drawn": int(meta["samples_drawn"]),
+            "stale_updates": int(meta["stale_updates"]), "tag": int(tag)}
+
+
+def restore_rank(shard, where: str, body: dict, r: int) -> dict:
+    """Exact restore of rank ``r``'s shard into ``shard`` (of the saved capacity and max_items).
+
+    Args:
+        shard: a new, empty shard built with the saved spec, sampler and sizes.
+        where: the checkpoint directory.
+        body: the manifest body.
+        r: the saved rank to restore.
+    Returns:
+        The rank's ``shard.json`` (the rank's own streams are in it: ``rng_replay``,
+        ``windows_shared``, ``windows_mpi``).
+    Raises:
+        CheckpointError: a file is missing or damaged, or does not fit ``shard``; the message names it.
+    Cost: reads the rank's files once; the columns straight into the shard's ring.
+    """
+    meta = read_meta(where, body, r)
+    d, _ = rank_files(where, body, r)
+    own = shard.state()
+    if meta["capacity_steps"] != own["capacity_steps"] or meta["max_items"] != own["max_items"]:
+        raise CheckpointError(f"{os.path.join(d, SHARD_JSON)}: capacity or max_items differ from the manifest")
+    if (meta["index"] == "none") != (own["index"] == "none"):
+        raise CheckpointError(f"{os.path.join(d, SHARD_JSON)}: priority index {meta['index']!r} does not fit the "
+                              f"sampler {shard.selector!r}")
+    state = shard_state(meta, body["tag"])
+    sections = read_table(where, body, r, meta)
+    order = len(sections.get("order", ()))
+    if order != meta["state"][ring.ORDER_COUNT]:
+        raise CheckpointError(f"{os.path.join(d, TABLE)}: order ring has {order} entries, "
+                              f"shard.json says {int(meta['state'][ring.ORDER_COUNT])}")
+    try:
+        shard.restore_sections(state, sections)
+    except ValueError as e:
+        raise CheckpointError(f"{os.path.join(d, TABLE)}: {e}") from None
+    for i, c in enumerate(shard.spec.columns):
+        with _open_column(where, body, r, meta, i, c.step_bytes) as chk:
+            for seg in shard.column_segments(c.name):
+                for part in slices(seg):
+                    chk.read_into(part)
+            chk.finish()
+    shard.load_state(state)
+    return meta
