@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import checkpoint
 from . import keys as keyspace
 from .batch import Batch
 from .comm import MpiComm
@@ -267,7 +268,6 @@ class Replay:
         """
         self.node.settle()
 
-    _settle = settle  # the name gear_mpi.checkpoint looks up
 
     # ---- priorities ---------------------------------------------------------------------------
     def update_priorities(self, keys: Any, priorities: Any) -> int:
@@ -422,8 +422,7 @@ class Replay:
             CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
         Cost: see :func:`gear_mpi.checkpoint.save`.
         """
-        from .checkpoint import save
-        save(self, path)
+        checkpoint.save(self, path)
 
     @classmethod
     def load(cls, path, comm=None, **overrides) -> tuple["Replay", tuple[np.ndarray, np.ndarray]]:
@@ -439,6 +438,5 @@ class Replay:
             CheckpointError: a missing, partial or corrupted checkpoint (on every rank).
         Cost: see :func:`gear_mpi.checkpoint.load`.
         """
-        from .checkpoint import load
-        return load(path, comm, cls, **overrides)
+        return checkpoint.load(path, comm, cls, **overrides)
 

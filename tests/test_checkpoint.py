@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,26 +18,14 @@ import pytest
 from gear_mpi import checkpoint as ck
 from gear_mpi.checkpoint import files
 
-try:
-    from mpi_util import run_pytest_mpi
-except ImportError:  # the suite's runner of tests/mpi (h-tests) is not there: a plain start, checked by status
-    run_pytest_mpi = None
+from mpi_util import run_pytest_mpi
 
 MPI_TESTS = Path(__file__).parent / "mpi"
 
 
 def run_modules(nprocs: int, *modules: str, env: dict | None = None, timeout: float = 600.0) -> None:
     """Run pytest modules of tests/mpi on ``nprocs`` ranks (one plain process for 1); fail on any failure."""
-    if run_pytest_mpi is not None:
-        run_pytest_mpi(nprocs, *modules, env=env, mpiexec=nprocs > 1, timeout=timeout)
-        return
-    from mpi_util import mpiexec_path
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *(str(MPI_TESTS / m) for m in modules)]
-    if nprocs > 1:
-        cmd = [mpiexec_path(), "-n", str(nprocs), *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, start_new_session=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", **(env or {})))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run_pytest_mpi(nprocs, *modules, env=env, mpiexec=nprocs > 1, timeout=timeout)
 
 
 def test_checkpoints_on_two_ranks():
