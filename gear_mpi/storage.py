@@ -27,10 +27,6 @@ TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # start, length, priority, generation, seq, st
 _ROW_DTYPES = {"priority": np.float64, "alive": np.uint8}  # every other table array is int64
 
 
-def _table_array(name: str) -> property:
-    return property(lambda self: getattr(self.table, name), doc=f"The table's ``{name}`` array (``table.{name}``).")
-
-
 class TrajectoryStore:
     """Step ring + trajectory table of one shard.
 
@@ -81,6 +77,10 @@ class TrajectoryStore:
         self.table = ring.Table(**{name: np.zeros(max_items, _ROW_DTYPES.get(name, np.int64))
                                    for name in ring.TABLE_FIELDS if name != "state"},
                                 state=np.zeros(ring.STATE_SIZE, np.int64))
+        self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
+        # each array by name too (store.start, store.alive, ..., store.state): plain attributes, the same
+        # arrays as in the table (they are only ever written in place, never rebound)
+        self.__dict__.update(self.table._asdict())
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -121,8 +121,8 @@ class TrajectoryStore:
         slices per column, for the ring's wrap-around).
         """
         slots = np.empty(len(lengths), np.int64)
-        evicted = ring.plan_insert(self.table, self.capacity, lengths, time.time_ns(), slots)
-        self.table.priority[slots] = priorities
+        evicted = ring.plan_insert(self._arrays, self.capacity, lengths, time.time_ns(), slots)
+        self.priority[slots] = priorities
         total = int(lengths.sum())
         first = int(self.start[slots[0]])
         head = min(total, self.capacity - first)
@@ -132,6 +132,18 @@ class TrajectoryStore:
             if head < total:
                 dst[:total - head] = data[head:]
         return slots, evicted
+
+    def count_samples(self, slots: np.ndarray, max_times: int) -> np.ndarray:
+        """Add one use to each of ``slots``; remove those that reached ``max_times`` uses.
+
+        Args:
+            slots: the sampled slots (int64; repeats count once each).
+            max_times: uses after which an item is removed (0: never).
+
+        Returns:
+            The slots removed now (their index weights must be zeroed). Cost: O(B), one kernel.
+        """
+        return ring.count_samples(self._arrays, self.capacity, slots, max_times)
 
     # ---- keys -----------------------------------------------------------------------
     def keys_of(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -290,7 +302,3 @@ class TrajectoryStore:
         """The name of the shared-memory segment holding the columns (None for private memory)."""
         return self.arena.name if isinstance(self.arena, SharedArena) else None
 
-
-for _name in ring.TABLE_FIELDS:
-    setattr(TrajectoryStore, _name, _table_array(_name))
-del _name
