@@ -18,7 +18,18 @@ from .cuda_support import cuda_module, simulated_device_array, simulator_enabled
 
 
 def parse_device(device: str) -> tuple[str, int | None]:
-    """``"cpu"`` -> ("cpu", None); ``"cuda"`` -> ("cuda", None); ``"cuda:N"`` -> ("cuda", N)."""
+    """Split a device name: ``"cpu"`` -> ("cpu", None); ``"cuda"`` -> ("cuda", None); ``"cuda:N"`` -> ("cuda", N).
+
+    Args:
+        device: the name.
+
+    Returns:
+        (kind, GPU index or None).
+
+    Raises:
+        TypeError: not a string.
+        ValueError: another name.
+    """
     if not isinstance(device, str):
         raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
     if device == "cpu":
@@ -31,7 +42,20 @@ def parse_device(device: str) -> tuple[str, int | None]:
 
 
 def gpu_for(local_rank: int, gpus: int, index: int | None = None) -> int:
-    """The GPU a rank uses: ``index`` if given, else its local rank modulo the node's GPUs."""
+    """The GPU a rank uses: ``index`` if given, else its local rank modulo the node's GPUs.
+
+    Args:
+        local_rank: the rank within its node.
+        gpus: GPUs on the node.
+        index: an explicit GPU, or None.
+
+    Returns:
+        The GPU index.
+
+    Raises:
+        RuntimeError: no GPU.
+        ValueError: ``index`` does not exist.
+    """
     if gpus < 1:
         raise RuntimeError("no GPU on this node")
     chosen = local_rank % gpus if index is None else index
@@ -43,8 +67,13 @@ def gpu_for(local_rank: int, gpus: int, index: int | None = None) -> int:
 class DeviceContext:
     """The GPU of one rank: torch device, numba device, and buffer helpers.
 
-    ``local_rank`` picks the GPU when ``device == "cuda"`` (``local_rank % gpus``).
-    Raises RuntimeError with the reason when no GPU (and no simulator) is there.
+    Args:
+        device: ``"cuda"`` or ``"cuda:N"``.
+        local_rank: picks the GPU when ``device == "cuda"`` (``local_rank % gpus``).
+
+    Raises:
+        ValueError: not a CUDA device name, or a GPU that does not exist.
+        RuntimeError: no GPU (and no simulator), with the reason.
     """
 
     def __init__(self, device: str = "cuda", local_rank: int = 0):
@@ -68,16 +97,35 @@ class DeviceContext:
         self.name = f"cuda:{self.index}"
 
     def empty(self, shape: tuple[int, ...], dtype) -> torch.Tensor:
-        """An uninitialised tensor on this device (numpy dtype given)."""
+        """An uninitialised tensor on this device.
+
+        Args:
+            shape: its shape.
+            dtype: a numpy dtype (mapped to torch's).
+
+        Returns:
+            The tensor (a CPU tensor under the simulator).
+
+        Raises:
+            TypeError: torch has no such dtype.
+        """
         return torch.empty(shape, dtype=_torch_dtype(dtype), device=self.torch_device)
 
     def numba_view(self, tensor: torch.Tensor):
-        """A numba-cuda device array over the tensor's memory (no copy)."""
+        """A numba-cuda device array over the tensor's memory (no copy).
+
+        Args:
+            tensor: a tensor on this device.
+
+        Returns:
+            The device array (a simulator array under the simulator).
+        """
         if self.simulator:
             return simulated_device_array(tensor.numpy())
         return cuda_module().as_cuda_array(tensor)
 
     def synchronize(self) -> None:
+        """Wait for the work queued on this GPU (nothing to wait for under the simulator)."""
         if not self.simulator:
             torch.cuda.synchronize(self.torch_device)
 

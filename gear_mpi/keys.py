@@ -34,7 +34,17 @@ _TAG_SHIFT = SLOT_BITS + GEN_BITS + RANK_BITS
 
 
 def encode(tag: int, rank: int, slots: np.ndarray, generations: np.ndarray) -> np.ndarray:
-    """Pack keys for ``slots`` of shard ``rank``. Cost: O(n) vectorised."""
+    """Pack keys for ``slots`` of shard ``rank``. Cost: O(n) vectorised.
+
+    Args:
+        tag: the replay's key tag.
+        rank: the owner shard.
+        slots: table slots.
+        generations: each slot's generation (taken modulo 2**14).
+
+    Returns:
+        The int64 keys.
+    """
     slots = np.asarray(slots, dtype=np.int64)
     gens = np.asarray(generations, dtype=np.int64) & GEN_MASK
     head = np.int64((tag << _TAG_SHIFT) | (rank << _RANK_SHIFT))
@@ -42,12 +52,27 @@ def encode(tag: int, rank: int, slots: np.ndarray, generations: np.ndarray) -> n
 
 
 def key_head(tag: int, rank: int) -> int:
-    """The tag and rank bits shared by every key of shard ``rank`` of replay ``tag``."""
+    """The tag and rank bits shared by every key of shard ``rank`` of replay ``tag``.
+
+    Args:
+        tag: the replay's key tag.
+        rank: the shard.
+
+    Returns:
+        The bits, as an int (OR it with generation and slot bits).
+    """
     return (int(tag) << _TAG_SHIFT) | (int(rank) << _RANK_SHIFT)
 
 
 def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Split keys into (tag, rank, generation, slot) arrays. Cost: O(n) vectorised."""
+    """Split keys into their fields. Cost: O(n) vectorised.
+
+    Args:
+        keys: int64 keys.
+
+    Returns:
+        (tag, rank, generation, slot) int64 arrays.
+    """
     keys = np.asarray(keys, dtype=np.int64)
     return ((keys >> _TAG_SHIFT) & TAG_MASK, (keys >> _RANK_SHIFT) & RANK_MASK,
             (keys >> _GEN_SHIFT) & GEN_MASK, keys & SLOT_MASK)
@@ -56,7 +81,14 @@ def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 def as_key_array(keys) -> np.ndarray:
     """Keys from an int, sequence, numpy array or torch tensor, as a 1-D int64 array.
 
-    Raises TypeError for anything that is not integral.
+    Args:
+        keys: the keys in any of those forms.
+
+    Returns:
+        A 1-D int64 array (no copy when already one).
+
+    Raises:
+        TypeError: not integral (an empty sequence of any type is accepted).
     """
     if hasattr(keys, "detach") and hasattr(keys, "cpu"):
         keys = keys.detach().cpu().numpy()

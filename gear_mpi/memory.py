@@ -42,6 +42,13 @@ _MAGIC = b"GEARMPI2"
 def column_layout(spec: TrajectorySpec, capacity_steps: int) -> tuple[dict[str, int], int]:
     """Byte offset of each column in an arena, and the arena's size. Cost: O(columns).
 
+    Args:
+        spec: the trajectory layout.
+        capacity_steps: steps of each column ring.
+
+    Returns:
+        (column name -> byte offset, total bytes).
+
     The first 128 bytes hold a header: a fingerprint (magic, spec and capacity) that
     :func:`check_header` compares when another process attaches, and on its own
     cache line the owner's "reads done" counter (``READS_DONE_OFFSET``).
@@ -60,18 +67,41 @@ def _fingerprint(spec: TrajectorySpec, capacity_steps: int) -> bytes:
 
 
 def write_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int) -> None:
-    """Stamp an arena with the layout it holds."""
+    """Stamp an arena with the layout it holds (the fingerprint :func:`check_header` compares).
+
+    Args:
+        buffer: the arena's bytes.
+        spec: the trajectory layout.
+        capacity_steps: steps of each column ring.
+    """
     tag = _fingerprint(spec, capacity_steps)
     buffer[:len(tag)] = np.frombuffer(tag, np.uint8)
 
 
 def reads_done_counter(buffer: np.ndarray) -> np.ndarray:
-    """The arena's "reads done" counter: a one-element int64 view into its header."""
+    """The arena's "reads done" counter.
+
+    Args:
+        buffer: the arena's bytes.
+
+    Returns:
+        A one-element int64 view into its header.
+    """
     return buffer[READS_DONE_OFFSET:READS_DONE_OFFSET + 8].view(np.int64)
 
 
 def check_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int, name: str) -> None:
-    """Raise ValueError unless the arena was laid out for exactly this spec and capacity."""
+    """Check that an arena was laid out for exactly this spec and capacity.
+
+    Args:
+        buffer: the arena's bytes.
+        spec: the expected trajectory layout.
+        capacity_steps: the expected ring length.
+        name: the segment's name, for the message.
+
+    Raises:
+        ValueError: not a gear_mpi arena, or another spec or capacity.
+    """
     tag = _fingerprint(spec, capacity_steps)
     got = bytes(buffer[:len(tag)])
     if got[:len(_MAGIC)] != _MAGIC:
@@ -186,7 +216,17 @@ class SharedArena:
 
     @classmethod
     def attach(cls, name: str) -> "SharedArena":
-        """Map the existing segment ``name`` (read-write). Raises FileNotFoundError if gone."""
+        """Map an existing segment, read-write.
+
+        Args:
+            name: the segment's name (``shard.shm_name``).
+
+        Returns:
+            The arena (this process does not own it: closing only unmaps).
+
+        Raises:
+            FileNotFoundError: no such segment (its shard was closed).
+        """
         return cls(0, name, _attach=True)
 
     def unlink(self) -> None:
@@ -232,9 +272,12 @@ def make_arena(kind: str, nbytes: int) -> PrivateArena | SharedArena:
 
 
 def cleanup() -> list[str]:
-    """Unlink every gear_mpi shared-memory segment owned by this user; returns their names.
+    """Unlink every gear_mpi shared-memory segment owned by this user.
 
     For use after a crash only: it removes segments that live shards still use.
+
+    Returns:
+        The names removed.
     """
     removed = []
     for name in os.listdir(SHM_DIR):

@@ -74,18 +74,31 @@ class MappedBuffer:
 
     @property
     def nbytes(self) -> int:
+        """The size of the mapped buffer in bytes."""
         return int(self.host.nbytes)
 
     @property
     def address(self) -> int:
+        """The host address of the buffer."""
         return _address(self.host)
 
     def contains(self, a: np.ndarray) -> bool:
+        """Whether numpy array ``a`` lies wholly inside this buffer (by address)."""
         lo = _address(a)
         return self.address <= lo and lo + a.nbytes <= self.address + self.nbytes
 
     def view(self, a: np.ndarray):
-        """The device view of ``a``, a C-contiguous numpy view that lies inside ``host``. O(1), no copy."""
+        """The device view of ``a``, a numpy view inside ``host``. O(1), no copy.
+
+        Args:
+            a: a C-contiguous numpy array lying inside ``host``.
+
+        Returns:
+            A device array of ``a``'s shape and dtype over the same bytes.
+
+        Raises:
+            ValueError: the mapping is closed, or ``a`` is not C-contiguous or not inside ``host``.
+        """
         if self.closed:
             raise ValueError("this mapping is closed")
         if not a.flags.c_contiguous:
@@ -126,9 +139,20 @@ def _host_bytes(a: np.ndarray) -> np.ndarray:
 
 
 def map_host(array: np.ndarray) -> MappedBuffer:
-    """Page-lock ``array`` (C-contiguous, writable, non-empty) and map it into the device's
-    address space. If a live mapping already covers it, returns that mapping (same range)
-    or a non-owning view of it (sub-range). O(pages) once."""
+    """Page-lock ``array`` and map it into the device's address space.
+
+    Args:
+        array: a C-contiguous, writable, non-empty numpy array.
+
+    Returns:
+        A :class:`MappedBuffer`. If a live mapping already covers ``array``: that mapping
+        (same range) or a non-owning view of it (sub-range). O(pages) once.
+
+    Raises:
+        TypeError: not a numpy array.
+        ValueError: not C-contiguous, empty or read-only.
+        ImportError: numba-cuda is not installed.
+    """
     if not isinstance(array, np.ndarray):
         raise TypeError(f"map_host takes a numpy array, got {type(array).__name__}")
     if not array.flags.c_contiguous:
@@ -158,8 +182,18 @@ def map_host(array: np.ndarray) -> MappedBuffer:
 
 
 def map_byte_views(buffer: np.ndarray, views: dict) -> tuple[MappedBuffer, dict]:
-    """Map ``buffer`` (e.g. ``shard.store.arena.buffer``) once and return the device view of each
-    numpy view in ``views`` (e.g. ``shard.store.byte_views()``), which must lie inside it."""
+    """Map ``buffer`` once and give the device view of each numpy view inside it.
+
+    Args:
+        buffer: the host buffer, e.g. ``shard.store.arena.buffer``.
+        views: name -> numpy view inside ``buffer``, e.g. ``shard.store.byte_views()``.
+
+    Returns:
+        (the mapping, name -> device view). Close the mapping when done.
+
+    Raises:
+        ValueError: a view does not lie inside ``buffer``.
+    """
     lo, hi = _address(buffer), _address(buffer) + buffer.nbytes
     for name, v in views.items():
         if not (lo <= _address(v) and _address(v) + v.nbytes <= hi):

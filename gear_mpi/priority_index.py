@@ -34,10 +34,6 @@ def _aligned_zeros(n: int, fill: float = 0.0) -> np.ndarray:
     return out
 
 
-def _tree_array(name: str) -> property:
-    return property(lambda self: getattr(self.tree, name), doc=f"The ``{name}`` array of the structure.")
-
-
 def _leaves_section(sections: Mapping[str, np.ndarray], count: int) -> np.ndarray:
     leaves = sections.get("leaves")
     if leaves is None:
@@ -75,6 +71,8 @@ class PriorityIndex:
         self.tree = Tree(leaves=_aligned_zeros(n), l0_sum=_aligned_zeros(tree_kernels.line_count(n)),
                          l1_sum=_aligned_zeros(n1), l1_min=np.full(n1, np.inf), l2_sum=np.zeros(n2, np.float64),
                          l2_min=np.full(n2, np.inf), prefix=np.zeros(n2 + 1, np.float64))
+        self._arrays = tuple(self.tree)  # what the kernels get: a plain tuple dispatches faster (see Tree)
+        self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
         self._flags1 = np.zeros(n1, np.uint8)
         self._flags2 = np.zeros(n2, np.uint8)
 
@@ -101,7 +99,7 @@ class PriorityIndex:
         Cost: O(B + n / 4096), one kernel call (parallel from 513 slots).
         """
         if len(slots):
-            tree_kernels.set_leaves(self.tree, self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
+            tree_kernels.set_leaves(self._arrays, self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
                                     np.ascontiguousarray(values, np.float64))
 
     def draw(self, uniforms: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -117,12 +115,12 @@ class PriorityIndex:
         Cost: O(B (log(n / 4096) + 80)), one kernel call.
         """
         out = np.empty(len(uniforms), np.int64) if out is None else out
-        priority_draw.draw(self.tree, uniforms, out)
+        priority_draw.draw(self._arrays, uniforms, out)
         return out
 
     def rebuild(self) -> None:
         """Recompute every level from the leaves. O(n), parallel."""
-        tree_kernels.rebuild(self.tree)
+        tree_kernels.rebuild(self._arrays)
 
     def weights_of(self, slots: np.ndarray) -> np.ndarray:
         """The weights of ``slots`` (host float64 array). O(B)."""
@@ -171,9 +169,6 @@ class PriorityIndex:
         return f"PriorityIndex(n={len(self)}, total={self.total})"
 
 
-for _name in TREE_FIELDS:
-    setattr(PriorityIndex, _name, _tree_array(_name))
-
 _CP: list = []
 
 
@@ -219,6 +214,7 @@ class DevicePriorityIndex:
         sizes = dict(leaves=n, l0_sum=tree_kernels.line_count(n), l1_sum=n1, l1_min=n1, l2_sum=n2, l2_min=n2,
                      prefix=n2 + 1)
         self.tree = Tree(**{name: cuda.device_array(sizes[name], np.float64) for name in TREE_FIELDS})
+        self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
         self._scalar = cuda.device_array(1, np.float64)
         if _fill:  # an empty index: weights 0, minima inf
             for name, array in zip(TREE_FIELDS, self.tree):
@@ -350,7 +346,3 @@ class DevicePriorityIndex:
     def __repr__(self) -> str:
         return f"DevicePriorityIndex(n={self.n}, simulator={simulator_enabled()})"
 
-
-for _name in TREE_FIELDS:
-    setattr(DevicePriorityIndex, _name, _tree_array(_name))
-del _name

@@ -31,11 +31,29 @@ class Selector:
     uses_importance_weights = False
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
-        """Index weights for raw priorities (proportional selectors only)."""
+        """Index weights for raw priorities (proportional selectors only).
+
+        Args:
+            priorities: validated raw priorities (float64, >= 0).
+
+        Returns:
+            The float64 weights the priority index stores. O(n).
+
+        Raises:
+            NotImplementedError: an ordered selector (it keeps no index).
+        """
         raise NotImplementedError
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
-        """Importance-sampling weights for selected items; 1 unless prioritized."""
+        """Importance-sampling weights for selected items; 1 unless prioritized.
+
+        Args:
+            weights: the index weights of the selected items.
+            min_weight: the smallest positive weight of everything the draw was made over.
+
+        Returns:
+            float32 weights, one per item. O(B).
+        """
         return np.ones(len(weights), np.float32)
 
     def __repr__(self) -> str:
@@ -67,6 +85,14 @@ class Prioritized(Selector):
     uses_importance_weights = True
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4):
+        """
+        Args:
+            alpha: priority exponent (0: uniform).
+            beta: importance-sampling exponent (0: no correction).
+
+        Raises:
+            ValueError: ``alpha`` or ``beta`` negative or not finite.
+        """
         if not (np.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
         if not (np.isfinite(beta) and beta >= 0):
@@ -110,9 +136,16 @@ class MinPriority(_Ordered):
 
 
 def rank_by_priority(live: np.ndarray, priority: np.ndarray, k: int, largest: bool) -> np.ndarray:
-    """The ``k`` slots of ``live`` (in insertion order) with the largest/smallest priority.
+    """The ``k`` slots of ``live`` with the largest/smallest priority.
 
-    Ties go to the earlier (older) slot; returned best first. Cost: O(N + k log k).
+    Args:
+        live: live slots in insertion order.
+        priority: the raw priority of every slot.
+        k: how many (at most ``len(live)`` are returned).
+        largest: largest first (else smallest first).
+
+    Returns:
+        The chosen slots, best first; ties go to the earlier (older) slot. Cost: O(N + k log k).
     """
     k = min(k, len(live))
     p = priority[live]

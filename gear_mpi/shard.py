@@ -273,7 +273,7 @@ class Shard:
         """Count uses; remove items that reached ``max_times_sampled``. O(B)."""
         self.samples_drawn += len(slots)
         st = self.store
-        removed = ring.count_samples(st.table, st.capacity, slots, self.max_times_sampled)
+        removed = st.count_samples(slots, self.max_times_sampled)
         if self.index is not None and len(removed):
             self.index.set(removed, np.zeros(len(removed)))
 

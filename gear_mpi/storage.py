@@ -27,10 +27,6 @@ TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # start, length, priority, generation, seq, st
 _ROW_DTYPES = {"priority": np.float64, "alive": np.uint8}  # every other table array is int64
 
 
-def _table_array(name: str) -> property:
-    return property(lambda self: getattr(self.table, name), doc=f"The table's ``{name}`` array (``table.{name}``).")
-
-
 class TrajectoryStore:
     """Step ring + trajectory table of one shard.
 
@@ -81,21 +77,33 @@ class TrajectoryStore:
         self.table = ring.Table(**{name: np.zeros(max_items, _ROW_DTYPES.get(name, np.int64))
                                    for name in ring.TABLE_FIELDS if name != "state"},
                                 state=np.zeros(ring.STATE_SIZE, np.int64))
+        self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
+        # each array by name too (store.start, store.alive, ..., store.state): plain attributes, the same
+        # arrays as in the table (they are only ever written in place, never rebound)
+        self.__dict__.update(self.table._asdict())
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
+        """Live trajectories. O(1)."""
         return int(self.state[ring.LIVE_COUNT])
 
     @property
     def live_steps(self) -> int:
+        """Steps of the live trajectories. O(1)."""
         return int(self.state[ring.LIVE_STEPS])
 
     @property
     def steps_used(self) -> int:
+        """Ring steps in use: live trajectories and removed ones not yet released. O(1)."""
         return int(self.state[ring.STEPS_USED])
 
     def byte_views(self) -> dict[str, np.ndarray]:
-        """Each column as a flat uint8 array over the whole ring (for the gather kernel); built once."""
+        """Each column as a flat uint8 array over the whole ring (for the gather kernels).
+
+        Returns:
+            Column name -> uint8 view of ``capacity * step_bytes`` bytes of the arena; built
+            once, then the same dict.
+        """
         if self._byte_views is None:
             self._byte_views = {
                 c.name: self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
@@ -104,7 +112,15 @@ class TrajectoryStore:
 
     # ---- insertion ------------------------------------------------------------------
     def check_batch(self, lengths: np.ndarray) -> None:
-        """Raise if a batch of trajectories cannot be stored at once (before anything changes)."""
+        """Check that a batch of trajectories can be stored at once (before anything changes).
+
+        Args:
+            lengths: the steps of each trajectory.
+
+        Raises:
+            InvalidTrajectoryError: more steps than ``capacity_steps``, or more trajectories than
+                ``max_items``.
+        """
         total = int(lengths.sum())
         if total > self.capacity:
             raise InvalidTrajectoryError(
@@ -116,13 +132,23 @@ class TrajectoryStore:
     def insert(self, columns: dict[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store already-validated trajectories whose steps are concatenated in ``columns``.
 
-        Returns (slots of the new trajectories, slots of live trajectories evicted).
+        Evicts the oldest trajectories (FIFO) to make room. The caller has passed the
+        batch through :meth:`check_batch`.
+
+        Args:
+            columns: column name -> all the batch's steps, back to back, in the column's dtype.
+            lengths: int64 steps of each trajectory.
+            priorities: the raw priority of each (float64).
+
+        Returns:
+            (slots of the new trajectories, slots of the live trajectories evicted).
+
         Cost: O(n) table work in a kernel plus one copy of the steps (at most two
         slices per column, for the ring's wrap-around).
         """
         slots = np.empty(len(lengths), np.int64)
-        evicted = ring.plan_insert(self.table, self.capacity, lengths, time.time_ns(), slots)
-        self.table.priority[slots] = priorities
+        evicted = ring.plan_insert(self._arrays, self.capacity, lengths, time.time_ns(), slots)
+        self.priority[slots] = priorities
         total = int(lengths.sum())
         first = int(self.start[slots[0]])
         head = min(total, self.capacity - first)
@@ -133,18 +159,46 @@ class TrajectoryStore:
                 dst[:total - head] = data[head:]
         return slots, evicted
 
+    def count_samples(self, slots: np.ndarray, max_times: int) -> np.ndarray:
+        """Add one use to each of ``slots``; remove those that reached ``max_times`` uses.
+
+        Args:
+            slots: the sampled slots (int64; repeats count once each).
+            max_times: uses after which an item is removed (0: never).
+
+        Returns:
+            The slots removed now (their index weights must be zeroed). Cost: O(B), one kernel.
+        """
+        return ring.count_samples(self._arrays, self.capacity, slots, max_times)
+
     # ---- keys -----------------------------------------------------------------------
     def keys_of(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """The keys of ``slots`` (into ``out`` if given). O(B), one kernel."""
+        """The keys of ``slots``.
+
+        Args:
+            slots: table slots.
+            out: an int64 array of ``len(slots)`` to fill, or None for a new one.
+
+        Returns:
+            The keys (``out`` when given). O(B), one kernel.
+        """
         slots = np.ascontiguousarray(slots, np.int64)
         out = np.empty(len(slots), np.int64) if out is None else out
         keyspace.encode_slots(self.tag, self.rank, slots, self.generation, out)
         return out
 
     def resolve(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Map keys of this shard to slots. Returns (slots, live mask); stale keys are not live.
+        """Map keys of this shard to slots.
 
-        Raises InvalidKeyError for a key of another replay or shard, or out of range.
+        Args:
+            keys: int64 keys issued by this shard.
+
+        Returns:
+            (slots, live mask): a stale key (its trajectory evicted or removed) is not live.
+
+        Raises:
+            InvalidKeyError: a key of another replay or shard, or naming a slot out of range.
+
         Cost: O(n), one kernel.
         """
         keys = np.ascontiguousarray(keys, np.int64)
@@ -167,7 +221,18 @@ class TrajectoryStore:
         return slot, live
 
     def read(self, key: int) -> dict[str, np.ndarray]:
-        """A copy of the whole trajectory behind ``key``. Raises StaleKeyError if it is gone."""
+        """A copy of the whole trajectory behind ``key``.
+
+        Args:
+            key: a key of this shard.
+
+        Returns:
+            Column name -> array of the trajectory's steps. O(L).
+
+        Raises:
+            StaleKeyError: the trajectory has been evicted or removed.
+            InvalidKeyError: not a key of this shard.
+        """
         slots, live = self.resolve(np.array([key], np.int64))
         if not live[0]:
             raise StaleKeyError(f"key {key}: its trajectory has been evicted or removed")
@@ -290,7 +355,3 @@ class TrajectoryStore:
         """The name of the shared-memory segment holding the columns (None for private memory)."""
         return self.arena.name if isinstance(self.arena, SharedArena) else None
 
-
-for _name in ring.TABLE_FIELDS:
-    setattr(TrajectoryStore, _name, _table_array(_name))
-del _name

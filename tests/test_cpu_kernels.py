@@ -447,3 +447,34 @@ def test_a_removed_trajectory_brought_to_the_head_by_eviction_gives_its_steps_ba
     check_ring_invariants(shard)
     assert shard.locate(kc)[0][0] == shard.store.state[ring.STEP_HEAD] == 20
     assert shard.locate(kd)[0][0] == 30
+
+
+def test_kernels_unpack_named_state_in_field_order():
+    """The kernels receive a Table / Tree (or the plain tuple of its arrays) and unpack it by
+    position: the names they unpack must be the field list, in its order."""
+    import inspect
+    import re
+    cases = [(ring.TABLE_FIELDS, (ring.plan_insert, ring.count_samples)),
+             (tree.TREE_FIELDS, (tree.set_leaves, tree.rebuild, priority_draw.draw))]
+    for fields, kernels in cases:
+        for kernel in kernels:
+            src = inspect.getsource(kernel.py_func)
+            m = re.search(r"^\s*([\w, ]+) = (table|tree)$", src, re.M)
+            assert m is not None, kernel.__name__
+            assert tuple(x.strip() for x in m.group(1).split(",")) == fields, kernel.__name__
+
+
+def test_named_state_is_built_once_and_compiled_once(spec, make_traj):
+    shard = gm.Shard(spec, 64, gm.Prioritized(), max_times_sampled=2, tag=1)
+    arrays, tree_arrays = shard.store._arrays, shard.index._arrays
+    assert shard.store.start is shard.store.table.start and shard.index.leaves is shard.index.tree.leaves
+    for _ in range(3):
+        shard.insert(make_traj(3))
+        shard.sample(4, 2)
+    counts = {k: len(k.signatures) for k in (ring.plan_insert, ring.count_samples, tree.set_leaves, priority_draw.draw)}
+    for _ in range(5):
+        shard.insert(make_traj(3))
+        shard.sample(4, 2)
+    assert {k: len(k.signatures) for k in counts} == counts
+    assert shard.store._arrays is arrays and shard.index._arrays is tree_arrays
+    shard.close()

@@ -251,6 +251,27 @@ def updates_match_cpu():
 
 
 @check
+def device_index_state_round_trip():
+    """sections/restore of the device index: from leaves only, and from a CPU index's level arrays."""
+    import numpy as np
+    from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
+    rng = _rng(5)
+    w = rng.random(4096 + 700) * (rng.random(4096 + 700) > 0.3)  # two level-2 blocks, small for the simulator
+    count = len(w) - 100
+    w[count:] = 0.0
+    idx, dev = _index_pair(w)
+    assert DevicePriorityIndex.KIND == "generic" and [n for n, _ in dev.sections(count)] == ["leaves"]
+    assert np.array_equal(dev.sections(count)[0][1], idx.leaves[:count])
+    for sections in (dict(dev.sections(count)), dict(idx.sections(count))):
+        fresh = DevicePriorityIndex(len(w), threads=64)
+        fresh.restore(sections, count)
+        _assert_same_arrays(fresh.to_host(), idx, f"restore from {sorted(sections)}: ")
+    back = PriorityIndex(len(w))
+    back.restore(dict(dev.sections(count)), count)
+    _assert_same_arrays(dev.to_host(), back, "CPU restore from device sections: ")
+
+
+@check
 def index_argument_checks():
     import numpy as np
     from gear_mpi.priority_index import DevicePriorityIndex

@@ -232,8 +232,8 @@ def _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
 
 @njit(cache=True, parallel=True)
 def draw(tree, uniforms, out):
-    """Batched proportional draws with replacement from ``tree`` (a :class:`Tree`): ``out[i]`` is
-    the leaf chosen by ``uniforms[i]``.
+    """Batched proportional draws with replacement from ``tree`` (a :class:`Tree`, or the plain
+    tuple of its arrays): ``out[i]`` is the leaf chosen by ``uniforms[i]``.
 
     Identical to ``draw_one`` for every ``i``. Batches of fewer than ``DRAW_PIPE``
     draws go one by one. Larger ones are put in ascending order (counting sort, O(B))
@@ -245,11 +245,7 @@ def draw(tree, uniforms, out):
     cache-resident searches where consecutive draws change top-level block; O(B)
     scratch (16 bytes per draw). The caller guarantees a positive total.
     """
-    leaves = tree.leaves
-    l0_sum = tree.l0_sum
-    l1_sum = tree.l1_sum
-    l2_sum = tree.l2_sum
-    prefix = tree.prefix
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     if nb < DRAW_PIPE:
         for i in range(nb):

@@ -52,7 +52,12 @@ FANOUT2 = FANOUT * FANOUT     # leaves per level-2 block
 TREE_FIELDS = ("leaves", "l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
 Tree = namedtuple("Tree", TREE_FIELDS)
 Tree.__doc__ = """The arrays of one priority structure (host numpy arrays here, device arrays for
-:mod:`~gear_mpi.kernels.cuda_priority`). Built once by its index and passed whole to the kernels."""
+:mod:`~gear_mpi.kernels.cuda_priority`). Built once by its index.
+
+The CPU kernels take it whole, as a ``Tree`` or as the plain tuple of its arrays in
+``TREE_FIELDS`` order (``tuple(tree)``, which the index passes: numba types a plain
+tuple of arrays in its C dispatcher, a named tuple through Python, about 1 us a call),
+and unpack it in that order."""
 
 
 def level_sizes(n: int) -> tuple[int, int]:
@@ -89,7 +94,8 @@ def _rebuild_prefix(l2_sum, prefix):
 
 @njit(cache=True, parallel=True)
 def rebuild(tree):
-    """Recompute every level of ``tree`` (a :class:`Tree`) from its leaves. Cost: O(n) reads, parallel."""
+    """Recompute every level of ``tree`` (a :class:`Tree`, or the plain tuple of its arrays) from its
+    leaves. Cost: O(n) reads, parallel."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     n = leaves.shape[0]
     n0 = l0_sum.shape[0]
@@ -227,7 +233,8 @@ def _group_by_top(slots, values, n2, bounds, gslots, gvalues):
 
 @njit(cache=True, parallel=True)
 def set_leaves(tree, flags1, flags2, slots, values):
-    """Batched update of ``tree`` (a :class:`Tree`): ``leaves[slots[i]] = values[i]`` (the last of duplicates wins).
+    """Batched update of ``tree`` (a :class:`Tree`, or the plain tuple of its arrays):
+    ``leaves[slots[i]] = values[i]`` (the last of duplicates wins).
 
     Cost: O(B): each update writes its leaf and recounts its line (the 8 leaves of
     one cache line), each touched level-1 block is re-summed once from its 8 line

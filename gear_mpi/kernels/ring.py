@@ -37,11 +37,16 @@ REMOVED = 2
 
 # One row per slot, in this order everywhere (a checkpoint stores them in it).
 TABLE_ROWS = ("start", "length", "priority", "generation", "seq", "stamp", "times_sampled", "alive")
-Table = namedtuple("Table", TABLE_ROWS + ("order", "free", "state"))
+TABLE_FIELDS = TABLE_ROWS + ("order", "free", "state")
+Table = namedtuple("Table", TABLE_FIELDS)
 Table.__doc__ = """The arrays of one trajectory table: int64 rows except ``priority`` (float64) and
 ``alive`` (uint8), the ``order`` ring and ``free`` stack (int64, one entry per slot), and
-``state`` (int64[STATE_SIZE]). Built once by its store and passed whole to the kernels."""
-TABLE_FIELDS = Table._fields
+``state`` (int64[STATE_SIZE]). Built once by its store.
+
+The kernels take it whole, as a ``Table`` or as the plain tuple of its arrays in
+``TABLE_FIELDS`` order (``tuple(table)``, which the store passes: numba types a plain
+tuple of arrays in its C dispatcher, a named tuple through Python, about 1 us a call),
+and unpack it in that order."""
 
 
 def ring_segments(head: int, used: int, size: int) -> list[tuple[int, int]]:
@@ -88,25 +93,16 @@ def _evict_oldest(state, capacity, n_slots, length, generation, alive, order, fr
 
 
 @njit(cache=True)
-def plan_insert(table, capacity, lengths, stamp, slots_out):
+def plan_insert(table, capacity, lengths, now, slots_out):
     """Reserve a slot of ``table`` and ring steps for each new trajectory, evicting the oldest (FIFO)
-    as needed; ``stamp`` is the insertion time recorded for all of them.
+    as needed; ``now`` is the insertion stamp recorded for all of them.
 
     Writes the new slots to ``slots_out`` and returns the slots of evicted live
     trajectories (their weights must be zeroed before the new ones are set).
     The caller has checked ``sum(lengths) <= capacity`` and ``len(lengths) <= n_slots``.
     Cost: O(n + evictions); no data is copied here.
     """
-    state = table.state
-    start = table.start
-    length = table.length
-    generation = table.generation
-    seq = table.seq
-    stamps = table.stamp
-    times_sampled = table.times_sampled
-    alive = table.alive
-    order = table.order
-    free = table.free
+    start, length, priority, generation, seq, stamp, times_sampled, alive, order, free, state = table
     n_slots = order.shape[0]
     evicted = np.empty(state[ORDER_COUNT] + lengths.shape[0], dtype=np.int64)
     n_evicted = 0
@@ -129,7 +125,7 @@ def plan_insert(table, capacity, lengths, stamp, slots_out):
         start[slot] = (state[STEP_HEAD] + state[STEPS_USED]) % capacity
         length[slot] = steps
         seq[slot] = state[NEXT_SEQ]
-        stamps[slot] = stamp
+        stamp[slot] = now
         state[NEXT_SEQ] += 1
         times_sampled[slot] = 0
         alive[slot] = LIVE
@@ -166,13 +162,7 @@ def count_samples(table, capacity, slots, max_times):
     Returns the removed slots (their weights must be zeroed). Cost: O(B) plus the
     trimmed ends.
     """
-    state = table.state
-    length = table.length
-    generation = table.generation
-    times_sampled = table.times_sampled
-    alive = table.alive
-    order = table.order
-    free = table.free
+    start, length, priority, generation, seq, stamp, times_sampled, alive, order, free, state = table
     removed = np.empty(slots.shape[0], dtype=np.int64)
     k = 0
     for i in range(slots.shape[0]):
