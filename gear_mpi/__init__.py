@@ -4,8 +4,9 @@ from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, E
                      InvalidPriorityError, InvalidTrajectoryError, StaleKeyError)
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
-from .shard import Shard, attach_columns
+from .shard import Shard
 from .spec import TrajectorySpec
+from .windows import attach_columns
 from .checkpoint import save as save_checkpoint
 
 load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay

@@ -25,7 +25,8 @@ from .comm import MpiComm
 from .errors import CollectiveTimeoutError
 from .kernels import hints
 from .memory import reads_done_counter
-from .shard import Shard, attach_columns, column_addresses
+from .shard import Shard
+from .windows import attach_columns, column_addresses
 
 NAME_BYTES = 256  # room for a shared-memory segment's name in the construction allgather
 
@@ -34,6 +35,10 @@ class NodeView:
     """This rank's view of its node (see the module docstring). Build it with :meth:`join`,
     then :meth:`attach` once this rank's shard exists.
 
+    Args:
+        comm: the replay's communicator.
+        node_comm: the communicator of this node's ranks (this object frees it in :meth:`close`).
+        ranks: the node's ranks, as ranks of ``comm``, in node-rank order.
     Attributes (after :meth:`attach`; arrays indexed by rank of the whole communicator):
         direct: bool, whether this rank copies owner o's windows from memory (always itself;
             its node peers unless ``force_alltoallv``). Symmetric on a node.
@@ -61,6 +66,11 @@ class NodeView:
         """Collective: split ``comm`` by node and learn the node's ranks (an Ibarrier, ``Split_type``
         and one allgather of 8 bytes per node rank, each with the deadline).
 
+        Args:
+            comm: the replay's communicator.
+            what: names the call in errors.
+        Returns:
+            A new NodeView (not yet attached).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
         """
@@ -74,12 +84,12 @@ class NodeView:
 
     @property
     def size(self) -> int:
-        """Ranks on this node."""
+        """Ranks on this node. O(1)."""
         return len(self.ranks)
 
     @property
     def local_rank(self) -> int:
-        """This rank's rank within its node."""
+        """This rank's rank within its node. O(1)."""
         return self.node_comm.rank
 
     def attach(self, shard: Shard, memory: str, force_alltoallv: bool, device=None,
@@ -89,8 +99,15 @@ class NodeView:
 
         Cost: one allgather of 256 bytes per node rank, a node barrier, one allgather of 8 bytes
         per rank, one mmap per node peer; each with the deadline.
+        Args:
+            shard: this rank's shard.
+            memory: the replay's memory kind (``"shm"``: map the node peers' columns).
+            force_alltoallv: read node peers' windows through the transport, not from their memory.
+            device: the replay's ``DeviceContext`` (None: no GPU mapping).
+            what: names the call in errors.
         Raises:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
+            FileNotFoundError, ValueError: a node peer's segment is gone, or not of this spec and capacity.
         """
         rank, size, spec, cap = self.comm.rank, self.comm.size, shard.spec, shard.capacity_steps
         self._arenas = {rank: shard.store.arena}
@@ -127,7 +144,7 @@ class NodeView:
 
     def share_cores(self) -> None:
         """Give this rank's numba kernels its share of the node's cores (unless NUMBA_NUM_THREADS is
-        set): ranks that each start as many threads as the node has cores oversubscribe it."""
+        set): ranks that each start as many threads as the node has cores oversubscribe it. Local, O(1)."""
         if "NUMBA_NUM_THREADS" in os.environ:
             return
         import numba
@@ -136,12 +153,18 @@ class NodeView:
 
     # ---- the node fence -----------------------------------------------------------------
     def begin_sample(self) -> None:
-        """Every rank has entered a new sample, so every node peer is done reading the last one's windows."""
+        """Every rank has entered a new sample, so every node peer is done reading the last one's windows.
+
+        Local, O(1): no message (the sample's first collective is the proof).
+        """
         self.epoch += 1
         self.settled = self.epoch - 1
 
     def publish(self) -> None:
-        """This rank's reads of its node peers' memory for the current sample are over."""
+        """This rank's reads of its node peers' memory for the current sample are over.
+
+        Local, O(1): a fence and one store into this rank's own segment header (when it has node peers).
+        """
         if self.node_peers:
             hints.publish(self._reads_done, self.epoch)
 

@@ -36,12 +36,14 @@ from .comm import MpiComm
 from .device import DeviceContext, parse_device
 from .errors import InvalidKeyError
 from .keys import as_key_array
+from .memory import memory_kind
 from .node import NodeView
 from .plans import PLANS, Assignment, check_header
 from .selectors import Selector, Uniform
-from .shard import Shard, check_batch_size, check_window
+from .shard import Shard
 from .spec import TrajectorySpec, validate_priorities
 from .transport import WindowTransport
+from .windows import check_batch_size, check_window
 
 MODES = ("decentralized", "centralized", "local")
 _STATS = ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
@@ -59,7 +61,8 @@ class Replay:
         seed: fixes every rank's streams (each rank derives its own).
         timeout: seconds any collective waits for a rank, construction included.
         max_items, max_times_sampled: see :class:`~gear_mpi.shard.Shard`.
-        memory: ``"shm"`` or ``"numpy"``; None: POSIX shared memory when several ranks share a node.
+        memory: ``"shm"`` (POSIX shared memory) or ``"private"`` (an anonymous private mapping; ``"numpy"`` is
+            its deprecated name); None: shared memory when several ranks share a node, else private.
         force_alltoallv: send every window owned by another rank through MPI.
         device: ``"cpu"``, ``"cuda"`` (the GPU of this rank's local rank) or ``"cuda:i"``.
         process_group, window_transport: for device replays, an existing torch.distributed group,
@@ -92,6 +95,8 @@ class Replay:
         if size > keyspace.MAX_RANKS:
             raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
         device_kind, _ = parse_device(device)
+        if memory is not None:
+            memory = memory_kind(memory, stacklevel=2)
         signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
                           self.force_alltoallv, seed, memory, device_kind, window_transport))
         self.comm.agree_signature(signature, f"{_BUILD} (arguments)",
@@ -101,7 +106,7 @@ class Replay:
         try:
             self.node.share_cores()
             if memory is None:
-                memory = "shm" if self.node.size > 1 else "numpy"
+                memory = "shm" if self.node.size > 1 else "private"
             tag = np.array([secrets.randbits(keyspace.TAG_BITS)], np.int64)
             tag = int(self.comm.bcast(tag, 0, f"{_BUILD} (key tag)")[0])
             streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)
@@ -406,7 +411,7 @@ class Replay:
 
         Returns:
             ``{"mode", "timeout", "force_alltoallv", "device": "cpu" | "cuda", "memory": the shard
-            arena's kind ("numpy" | "shm")}``.
+            arena's kind ("private" | "shm")}``.
         """
         return {"mode": self.mode, "timeout": self.comm.timeout, "force_alltoallv": bool(self.force_alltoallv),
                 "device": "cuda" if self.device is not None else "cpu",

@@ -7,97 +7,41 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .batch import Batch
-from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError, StaleKeyError
+from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
 from .kernels import gather as gather_kernels
 from .kernels import ring
-from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
-from .memory import SharedArena, check_header, column_layout, memory_kind
+from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
+from .memory import memory_kind
 from .priority_index import DevicePriorityIndex, PriorityIndex
 from .selectors import Selector, Uniform, rank_by_priority
+from .shard_state import ShardState
 from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
+from .windows import check_batch_size, check_window, column_addresses
 
-ALIGNS = {"random": 0, "head": 1, "tail": 2}
 _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
 
 
-def check_window(spec: TrajectorySpec, window: int | None, align: str) -> tuple[int, int]:
-    """Validate ``window`` (None means max_length) and ``align``; return (window, align code)."""
-    if window is None:
-        window = spec.max_length
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be a positive integer or None, got {window!r}")
-    if align not in ALIGNS:
-        raise ValueError(f"align must be one of {sorted(ALIGNS)}, got {align!r}")
-    return int(window), ALIGNS[align]
+class Shard(ShardState):
+    """One rank's replay: a columnar step ring, a trajectory table, a selector (state: :class:`ShardState`).
 
-
-def check_batch_size(batch_size: int) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
-        raise ValueError(f"batch_size must be a non-negative integer, got {batch_size!r}")
-    return int(batch_size)
-
-
-def gather_into(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capacity: int,
-                win_start: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
-                out_rows: np.ndarray, batch: Batch) -> None:
-    """Copy windows from a shard's columns (``byte_views``, possibly another process's
-    shared memory) into rows ``out_rows`` of ``batch``, with padding and mask.
-
-    Cost: one kernel call; a parallel pass per column, each delivered byte copied once; O(B W) for the mask.
-    """
-    if len(out_rows) == 0:
-        return
-    starts = np.ascontiguousarray(win_start % capacity, np.int64)
-    gather_kernels.gather_columns(tuple(byte_views[name] for name in spec.names), spec.step_bytes_array, capacity,
-                                  starts, n_valid, pad_front, out_rows, batch.byte_views(), batch.window,
-                                  batch._mask_np)
-
-
-def column_addresses(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capacity: int) -> np.ndarray:
-    """The address of each column ring in ``byte_views`` (int64, in column order), for the gather
-    kernels that read by address; raises ValueError if a view is shorter than its ring. The
-    views must stay mapped while the addresses are used."""
-    out = np.empty(len(spec.columns), np.int64)
-    for c, col in enumerate(spec.columns):
-        view = byte_views[col.name]
-        if view.nbytes < col.step_bytes * capacity:
-            raise ValueError(f"column {col.name!r} has {view.nbytes} bytes, shorter than its ring of {capacity} steps")
-        out[c] = view.ctypes.data
-    return out
-
-
-def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tuple[SharedArena, dict[str, np.ndarray]]:
-    """Map another process's shard columns (``Shard(..., memory="shm").shm_name``).
-
-    Returns the arena (close it when done) and the byte view of each column.
-    Cost: one mmap; no copy.
-    """
-    arena = SharedArena.attach(name)
-    offsets, nbytes = column_layout(spec, capacity_steps)
-    try:
-        if arena.nbytes != nbytes:
-            raise ValueError(f"shared-memory segment {name!r} has {arena.nbytes} bytes; "
-                             f"this spec and capacity need {nbytes}")
-        check_header(arena.buffer, spec, capacity_steps, name)
-    except ValueError:
-        arena.close()
-        raise
-    views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + c.step_bytes * capacity_steps]
-             for c in spec.columns}
-    return arena, views
-
-
-class Shard:
-    """One rank's replay: a columnar step ring, a trajectory table and a selector.
-
-    ``sampler`` is any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
-    ``max_times_sampled`` removes an item once it has been sampled that many times.
-    ``memory`` is ``"private"`` (an anonymous private mapping of this process) or
-    ``"shm"`` (POSIX shared memory that other processes on the node attach to by
-    :attr:`shm_name`); ``"numpy"`` is the deprecated name of ``"private"``. ``rank`` and ``tag`` go
-    into the keys; ``seed`` fixes the random stream.
+    Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError.
+    Memory: ``capacity_steps * step_bytes`` plus 65 bytes per item slot (75 with a priority index).
+    Args:
+        spec: the columns and the longest trajectory.
+        capacity_steps: steps the ring holds (at least ``spec.max_length``).
+        sampler: any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
+        max_items: trajectory slots (default ``capacity_steps``).
+        max_times_sampled: remove an item once it has been sampled that many times (None: never).
+        memory: ``"private"`` (anonymous mapping) or ``"shm"`` (POSIX shared memory); ``"numpy"``: deprecated.
+        seed: the seed of this shard's random stream (None: fresh entropy).
+        rank: the owner rank written into the keys.
+        tag: the key tag (None: drawn at random).
+        device_context: a ``DeviceContext`` to keep a proportional selector's index on the GPU.
+    Raises:
+        TypeError: ``spec`` is not a TrajectorySpec or ``sampler`` not a selector.
+        ValueError: a size, rank or ``max_times_sampled`` out of range, or an unknown ``memory``.
     """
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
@@ -131,19 +75,22 @@ class Shard:
     # ---- properties -------------------------------------------------------------------
     @property
     def capacity_steps(self) -> int:
+        """Steps the ring holds. O(1)."""
         return self.store.capacity
 
     @property
     def rank(self) -> int:
+        """The owner rank in this shard's keys. O(1)."""
         return self.store.rank
 
     @property
     def tag(self) -> int:
+        """The key tag (8 bits) of this shard's keys. O(1)."""
         return self.store.tag
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the shared-memory segment holding the columns (None for private memory)."""
+        """Name of the shared-memory segment holding the columns (None for private memory). O(1)."""
         return self.store.shm_name
 
     def __len__(self) -> int:
@@ -152,38 +99,50 @@ class Shard:
 
     @property
     def total_weight(self) -> float:
-        """Selection mass: sum of index weights (proportional) or the live count (ordered)."""
+        """Selection mass: sum of index weights (proportional) or the live count (ordered). O(1)."""
         return self.index.total if self.index is not None else float(len(self))
 
     @property
     def min_weight(self) -> float:
-        """Smallest positive index weight (inf when none; 1 for ordered selectors)."""
+        """Smallest positive index weight (inf when none; 1 for ordered selectors). O(slots / 4096)."""
         return self.index.min_positive if self.index is not None else (1.0 if len(self) else np.inf)
 
     def raw_bytes(self) -> int:
-        """Bytes of the live trajectories' steps, as inserted."""
+        """Bytes of the live trajectories' steps, as inserted. O(1)."""
         return self.store.live_steps * self.spec.step_bytes
 
     def stored_bytes(self) -> int:
-        """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves."""
+        """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves. O(1)."""
         per_item = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)  # index: ~9.3 bytes a slot
         return self.store.steps_used * self.spec.step_bytes + len(self) * per_item
 
     # ---- insertion --------------------------------------------------------------------
     def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
-        """Add one trajectory; returns its key. Evicts the oldest (FIFO) when full.
+        """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
+        O(1 + evictions) table work, one index update.
 
-        Cost: O(L) copy of the steps, O(1 + evictions) table work, one index update.
+        Args:
+            trajectory: column name -> ``[L, *shape]`` array (numpy, torch or nested lists).
+            priority: its priority (finite, >= 0).
+        Returns:
+            Its key (int).
+        Raises:
+            InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
         """
         return int(self.insert_many([trajectory], [priority])[0])
 
     def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
-        """Add several trajectories at once; returns their keys (int64).
+        """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
+        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
 
-        All are validated before anything changes: one bad trajectory or priority
-        raises and stores none. Cost: one concatenation and one ring copy per
-        column (no Python loop over steps), O(n + evictions) table work in a kernel,
-        one batched index update.
+        Args:
+            trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
+            priorities: one priority per trajectory (None: all 1).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many.
+            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
         """
         self._check_open()
         if isinstance(trajectories, Mapping):
@@ -209,16 +168,26 @@ class Shard:
 
     # ---- selection --------------------------------------------------------------------
     def check_can_sample(self) -> None:
+        """Check that a draw can be made. O(1).
+
+        Raises:
+            EmptyReplayError: no live item, or (proportional selectors) every live item has priority 0.
+        """
         if len(self) == 0:
             raise EmptyReplayError("cannot sample: the replay is empty")
         if self.index is not None and self.index.total <= 0.0:
             raise EmptyReplayError("cannot sample: every live item has priority 0")
 
     def select(self, count: int) -> np.ndarray:
-        """Choose ``count`` slots by this shard's selector (its own random stream).
+        """Choose ``count`` slots with this shard's selector and stream. Cost: proportional O(count log n)
+        (draws with replacement), Fifo/Lifo O(count) (cycling), Max/MinPriority O(N + count log count).
 
-        Proportional: independent draws with replacement, O(count log n).
-        Fifo/Lifo: O(count) (cycling when fewer are live). Max/MinPriority: O(N + count log count).
+        Args:
+            count: how many slots (>= 0).
+        Returns:
+            The chosen slots (int64, ``count`` of them).
+        Raises:
+            EmptyReplayError: ``count > 0`` and nothing can be drawn (see :meth:`check_can_sample`).
         """
         if count == 0:
             return np.zeros(0, np.int64)
@@ -236,8 +205,12 @@ class Shard:
         return np.resize(picked, count) if len(picked) < count else picked
 
     def ordered_candidates(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Up to ``count`` best slots of an ordered selector, best first, with int64 sort keys
-        (smaller is better; exact, so shards merge without rounding). O(N) at most."""
+        """Returns up to ``count`` best slots of an ordered selector, best first, and their int64 sort
+        keys (smaller is better; exact, so shards merge without rounding). O(N) at most.
+
+        Args:
+            count: the most candidates wanted.
+        """
         st = self.store
         sel = self.selector
         if len(self) == 0 or count == 0:
@@ -252,13 +225,23 @@ class Shard:
         return picked, -stamps if sel.newest_first else stamps.copy()
 
     def live_weights(self) -> tuple[np.ndarray, np.ndarray]:
-        """Slots with positive index weight, and those weights (proportional selectors). O(slots used)."""
+        """Returns the slots with positive index weight (int64) and their weights (float64), for
+        proportional selectors. O(slots used).
+        """
         leaves = self.index.host_leaves(int(self.store.state[ring.NEXT_FRESH]))
         slots = np.flatnonzero(leaves > 0.0).astype(np.int64)
         return slots, leaves[slots]
 
     def place(self, slots: np.ndarray, window: int, align_code: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Ring coordinates of each window: (start step, real steps, leading padding). O(B)."""
+        """Ring coordinates of each window. O(B), one kernel.
+
+        Args:
+            slots: the chosen slots (int64).
+            window: steps per window.
+            align_code: the align code (see :func:`~gear_mpi.windows.check_window`).
+        Returns:
+            ``(start step, real steps, leading padding)``, int64 each, one entry per slot.
+        """
         st = self.store
         b = len(slots)
         win_start = np.empty(b, np.int64)
@@ -270,7 +253,11 @@ class Shard:
         return win_start, n_valid, pad_front
 
     def after_sampling(self, slots: np.ndarray) -> None:
-        """Count uses; remove items that reached ``max_times_sampled``. O(B)."""
+        """Count uses; remove items that reached ``max_times_sampled``. O(B).
+
+        Args:
+            slots: the slots just sampled (int64; each occurrence counts as one use).
+        """
         self.samples_drawn += len(slots)
         st = self.store
         removed = st.count_samples(slots, self.max_times_sampled)
@@ -279,13 +266,18 @@ class Shard:
 
     def sample(self, batch_size: int, window: int | None = None, align: str = "random",
                out: Batch | None = None) -> Batch:
-        """Sample ``batch_size`` windows of ``window`` steps (None: max_length).
+        """Sample windows; shorter trajectories are zero-padded (at the end, or at the front for ``"tail"``)
+        and ``mask`` marks real steps. Cost: :meth:`select` plus one parallel copy of ``B * W`` steps.
 
-        ``align``: ``"random"`` (start uniform over the windows inside the
-        trajectory), ``"head"`` or ``"tail"``; shorter trajectories are zero-padded
-        (at the end, or at the front for ``"tail"``) and ``mask`` marks real steps.
-        Returns a new Batch (or fills ``out``, reused). Cost: selection (see
-        :meth:`select`) plus one parallel copy of ``B * W`` steps.
+        Args:
+            batch_size: windows to sample (>= 0).
+            window: steps per window (None: ``max_length``).
+            align: ``"random"`` (start uniform over the windows inside the trajectory), ``"head"`` or ``"tail"``.
+            out: a batch to fill and reuse (None: a new one).
+        Returns:
+            The :class:`~gear_mpi.batch.Batch` (``out`` when given).
+        Raises:
+            ValueError, EmptyReplayError: a bad argument or an ``out`` that does not fit; nothing to draw.
         """
         self._check_open()
         batch_size = check_batch_size(batch_size)
@@ -306,19 +298,17 @@ class Shard:
         return batch
 
     def make_choices(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
-        """The choice of each chosen slot: what a requester needs to copy and describe its window.
+        """The choice of each slot: what a requester needs to copy and describe its window. O(B), one kernel.
 
         Args:
             slots: the chosen slots (int64).
-            window: steps per window; ``code``: the align code (see :func:`check_window`).
-            total, wmin: the selection mass and smallest weight the draw was made over (the whole
-                replay's, for a Replay).
-
+            window: steps per window.
+            code: the align code (see :func:`~gear_mpi.windows.check_window`).
+            total: the selection mass the draw was made over (the whole replay's, for a Replay).
+            wmin: the smallest positive weight the draw was made over (likewise).
         Returns:
-            ``[len(slots), gather.CHOICE_WIDTH]`` int64: one record of dtype ``gather.CHOICE`` per slot
-            (key, ring start, real steps, leading padding, probability ``w / total``, importance
-            weight); read fields with ``gather.choice_records``. Cost: O(B), one kernel plus the
-            selector's weights.
+            ``[len(slots), gather.CHOICE_WIDTH]`` int64, one ``gather.CHOICE`` record per slot (read with
+            ``gather.choice_records``): key, ring start, real steps, padding, ``w / total``, importance weight.
         """
         st = self.store
         choices = np.empty((len(slots), gather_kernels.CHOICE_WIDTH), np.int64)
@@ -341,25 +331,41 @@ class Shard:
         return choices
 
     def column_addresses(self) -> np.ndarray:
-        """The address of each column's ring (``[1, columns]`` int64), for the gather kernel; built once."""
+        """Returns the address of each column's ring (``[1, columns]`` int64, valid while the shard is
+        open), for the gather kernel. O(columns) once, then O(1).
+        """
         if self._addresses is None:
             self._addresses = column_addresses(self.store.byte_views(), self.spec, self.store.capacity)[None]
         return self._addresses
 
     # ---- updates and reads ------------------------------------------------------------
     def update_priorities(self, keys: Any, priorities: Any) -> int:
-        """Set new priorities; returns how many were applied. Stale keys are dropped and counted.
+        """Set new priorities, all validated first (a bad one or a foreign key changes nothing); stale keys
+        are dropped and counted; of duplicate keys the last wins. Cost: O(B), one batched index update.
 
-        Validates everything first (a bad priority or a foreign key changes
-        nothing). Duplicate keys: the last value wins. Cost: O(B) plus one batched
-        index update.
+        Args:
+            keys: this shard's keys (int, sequence, numpy array or tensor).
+            priorities: one new priority per key.
+        Returns:
+            How many were applied (keys still live).
+        Raises:
+            TypeError, InvalidKeyError, InvalidPriorityError: keys not integers or not this shard's; bad priorities.
         """
         keys = as_key_array(keys)
         pr = validate_priorities(priorities, len(keys))
         return int(self.apply_priorities(keys, pr).sum())
 
     def apply_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> np.ndarray:
-        """Set already-validated priorities of this shard's keys; returns the mask of keys applied."""
+        """Set already-validated priorities of this shard's keys. O(B) plus one batched index update.
+
+        Args:
+            keys: int64 keys of this shard.
+            priorities: float64 priorities, validated, one per key.
+        Returns:
+            bool mask of the keys applied (live); the others are counted as stale.
+        Raises:
+            InvalidKeyError: a key of another shard or replay (nothing changed).
+        """
         self._check_open()
         slots, live = self.store.resolve(keys)
         self.stale_updates += int((~live).sum())
@@ -370,7 +376,15 @@ class Shard:
         return live
 
     def get(self, key: int) -> dict[str, np.ndarray]:
-        """A copy of the whole stored trajectory behind ``key`` (StaleKeyError if evicted). O(L)."""
+        """A copy of the whole stored trajectory behind ``key``. O(L).
+
+        Args:
+            key: one key of this shard.
+        Returns:
+            Column name -> ``[L, *shape]`` array.
+        Raises:
+            TypeError, InvalidKeyError, StaleKeyError: not one integer key; not this shard's; evicted or removed.
+        """
         self._check_open()
         keys = as_key_array(key)
         if len(keys) != 1:
@@ -378,103 +392,33 @@ class Shard:
         return self.store.read(int(keys[0]))
 
     def locate(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Ring start step and length of each live key (-1, 0 for stale keys). O(n)."""
+        """Returns the ring start step and length of each key (int64; -1 and 0 for stale keys). O(n).
+
+        Args:
+            keys: keys of this shard.
+        Raises:
+            TypeError, InvalidKeyError: keys not integers, or of another shard or replay.
+        """
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
         return np.where(live, self.store.start[slots], -1), np.where(live, self.store.length[slots], 0)
 
     def priorities(self, keys: Any) -> np.ndarray:
-        """Current priority of each key (NaN for stale keys). O(n)."""
+        """Returns the current priority of each key (float64; NaN for stale keys). O(n).
+
+        Args:
+            keys: keys of this shard.
+        Raises:
+            TypeError, InvalidKeyError: keys not integers, or of another shard or replay.
+        """
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
         return np.where(live, self.store.priority[slots], np.nan)
 
-    # ---- state (checkpoints) ----------------------------------------------------------
-    @property
-    def index_kind(self) -> str:
-        """The priority index's ``KIND`` (``"blocked"`` host, ``"generic"`` device), or ``"none"``."""
-        return "none" if self.index is None else self.index.KIND
-
-    def state(self) -> dict[str, Any]:
-        """Everything this shard holds besides its arrays, JSON-able. O(1); local.
-
-        Returns:
-            ``rank``, ``capacity_steps``, ``max_items``, ``hwm`` (slots ever used), ``ring``
-            (the ``ring.STATE_SIZE`` counters), ``index`` (:attr:`index_kind`), ``rng``
-            (the stream's state), ``samples_drawn``, ``stale_updates``, ``tag`` (key tag).
-        """
-        s = self.store.state
-        return {"rank": self.rank, "capacity_steps": self.capacity_steps, "max_items": self.store.max_items,
-                "hwm": int(s[ring.NEXT_FRESH]), "ring": [int(v) for v in s], "index": self.index_kind,
-                "rng": self.rng.bit_generator.state, "samples_drawn": int(self.samples_drawn),
-                "stale_updates": int(self.stale_updates), "tag": int(self.tag)}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Take back the stream, counters and key tag of a :meth:`state` (the table and index
-        come back through :meth:`restore_sections`). O(1); local.
-
-        Args:
-            state: as :meth:`state` returns it (``rng``, ``samples_drawn``, ``stale_updates``, ``tag``).
-        Raises:
-            KeyError, TypeError, ValueError: a field is missing or the stream's state is invalid.
-        """
-        self.rng.bit_generator.state = state["rng"]
-        self.samples_drawn = int(state["samples_drawn"])
-        self.stale_updates = int(state["stale_updates"])
-        self.store.tag = int(state["tag"]) & TAG_MASK
-
-    def sections(self) -> list[tuple[str, np.ndarray]]:
-        """The table in use then the priority index, as ``(name, array)`` pairs in checkpoint order:
-        the store's ``table_sections()`` and the index's ``sections(hwm)``. Views where possible
-        (write them out before the shard changes); a device index copies ``hwm`` weights to the host."""
-        out = list(self.store.table_sections())
-        if self.index is not None:
-            out += self.index.sections(int(self.store.state[ring.NEXT_FRESH]))
-        return out
-
-    def restore_sections(self, state: Mapping[str, Any], sections: Mapping[str, np.ndarray]) -> None:
-        """Put :meth:`sections` back into this new, empty shard of the same sizes; then load the
-        steps through :meth:`column_segments`. O(hwm).
-
-        Args:
-            state: the saved shard's :meth:`state` (``ring``, ``hwm``, ``index`` are used).
-            sections: the sections by name (the order ring as one array, oldest first); an
-                index of another kind than this shard's is rebuilt from ``leaves``.
-        Raises:
-            ValueError: a section missing or misshapen, counters that do not fit, or an index
-                kind that does not fit this shard's selector.
-        """
-        if (state["index"] == "none") != (self.index is None):
-            raise ValueError(f"priority index {state['index']!r} does not fit the sampler {self.selector!r}")
-        self.store.restore_table(np.asarray(state["ring"], np.int64), sections)
-        if self.index is not None:
-            given = sections if state["index"] == self.index.KIND else {"leaves": sections.get("leaves")}
-            self.index.restore(given, int(state["hwm"]))
-
-    def column_segments(self, name: str) -> list[np.ndarray]:
-        """Column ``name``'s ring steps in use as flat byte views, oldest first (at most two):
-        read to save, filled to load after :meth:`restore_sections`. KeyError if unknown. O(1)."""
-        return self.store.step_segments(name)
-
-    def live_keys(self) -> np.ndarray:
-        """The keys of the live trajectories, oldest first (int64). O(slots used); local."""
-        return self.store.keys_of(self.store.live_slots())
-
-    def restore_history(self, keys: Any, stamps: Any, times_sampled: Any) -> None:
-        """Give trajectories re-inserted by a reshard their insertion stamps (ns) and use counts. O(n).
-
-        Raises:
-            InvalidKeyError: a key of another shard or replay. StaleKeyError: a key whose trajectory is gone.
-        """
-        keys = as_key_array(keys)
-        slots, live = self.store.resolve(keys)
-        if not live.all():
-            raise StaleKeyError(f"key {int(keys[np.flatnonzero(~live)[0]])}: its trajectory is gone")
-        self.store.stamp[slots] = np.asarray(stamps, np.int64)
-        self.store.times_sampled[slots] = np.asarray(times_sampled, np.int64)
-
     def stats(self) -> dict[str, Any]:
-        """Counters of this shard (O(1))."""
+        """Returns this shard's counters (O(1)): rank, items, live_steps, steps_used, capacity_steps,
+        total_weight, inserted, evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes.
+        """
         s = self.store.state
         return {"rank": self.rank, "items": len(self), "live_steps": self.store.live_steps,
                 "steps_used": self.store.steps_used, "capacity_steps": self.capacity_steps,

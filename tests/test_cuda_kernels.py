@@ -394,7 +394,7 @@ def shard_gather_into_matches_cpu():
     from gear_mpi import pinned
     from gear_mpi.batch import Batch
     from gear_mpi.kernels import cuda_gather as cg
-    from gear_mpi.shard import gather_into
+    from gear_mpi.windows import gather_into
     spec = gm.TrajectorySpec({"t": ((), "int64"), "obs": ((3, 2), "float32"), "act": ((2,), "int16"),
                               "done": ((), "bool"), "img": ((5,), "uint8")}, max_length=12)
     rng = _rng(7)

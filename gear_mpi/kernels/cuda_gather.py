@@ -200,7 +200,7 @@ def fill_mask(n_valid, pad_front, out_rows, mask, threads: int = 128) -> None:
 
 def gather_into(byte_views, spec, capacity, win_start, n_valid, pad_front, out_rows, columns, mask,
                 threads: int = 128, vec: int = 16) -> None:
-    """Device twin of :func:`gear_mpi.shard.gather_into`.
+    """Device twin of :func:`gear_mpi.windows.gather_into`.
 
     ``byte_views``: column name -> device uint8 array of the shard's ring (e.g. from
     :func:`gear_mpi.pinned.map_byte_views`, zero copy); ``columns``: name -> device

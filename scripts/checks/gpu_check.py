@@ -191,7 +191,7 @@ class Checker:
 
     # ---- match: each kernel against the CPU kernel ---------------------------------------------
     def match_priority(self):
-        from gear_mpi.selectors import PriorityIndex
+        from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
         z, cp, rep = self.z, self.cp, self.report
         n, b = z.parity_n, z.parity_b
         size = f"N={human(n)} B={human(b)}"
@@ -199,7 +199,7 @@ class Checker:
         idx = PriorityIndex(n)
         idx.leaves[:] = w
         idx.rebuild()
-        dev = cp.DevicePriorityIndex.from_host(idx, threads=z.threads)
+        dev = DevicePriorityIndex.from_host(idx, threads=z.threads)
         u = self.rng.random(b)
         u[:2] = [0.0, np.nextafter(1.0, 0.0)]
         cpu = idx.draw(u)
@@ -210,7 +210,7 @@ class Checker:
                 note=f"{int((cpu != gpu).sum())} of {b} draws differ" if not np.array_equal(cpu, gpu) else "")
         self.cpu_draw = (n, b, t_cpu)
         # rebuild from leaves on the device
-        d2 = cp.DevicePriorityIndex(n, threads=z.threads)
+        d2 = DevicePriorityIndex(n, threads=z.threads)
         d2.leaves.copy_to_device(w)
         d2.rebuild()
         rep.add("match", "rebuild (all levels + prefix)", f"N={human(n)}", match=self.same(d2, idx))
@@ -376,7 +376,8 @@ class Checker:
             self.release()
 
     def random_index(self, n):
-        dev = self.cp.DevicePriorityIndex(n, threads=self.z.threads, _fill=False)
+        from gear_mpi.priority_index import DevicePriorityIndex
+        dev = DevicePriorityIndex(n, threads=self.z.threads, _fill=False)
         grid = min(self.cp.blocks_for(n, self.z.threads), 2 if self.z.sim else 65535)
         self.random_weights[grid, self.z.threads](dev.leaves, float(self.args.seed + 1), 0.1)
         dev.rebuild()
@@ -464,7 +465,7 @@ class Checker:
     def shard_sample(self, gm, spec):
         from gear_mpi import pinned
         from gear_mpi.batch import Batch
-        from gear_mpi.shard import gather_into
+        from gear_mpi.windows import gather_into
         z, cg, cuda, rep = self.z, self.cg, self.cuda, self.report
         b, w = z.sample_b, z.sample_w
         size = f"B={b} W={w}"

@@ -138,7 +138,7 @@ def w2(cfg: dict) -> None:
 
 
 def w3(cfg: dict) -> None:
-    from gear_mpi.selectors import PriorityIndex
+    from gear_mpi.priority_index import PriorityIndex
 
     b = int(cfg["B"])
     sel = gm.Prioritized(ALPHA, BETA)

@@ -1,0 +1,141 @@
+"""Windows: the arguments that name them, where a shard's column rings are, and host copies.
+
+A sample asks for ``batch_size`` windows of ``window`` steps, aligned ``"random"``,
+``"head"`` or ``"tail"`` in their trajectories (:func:`check_window`,
+:func:`check_batch_size`). The windows are read from column rings: this process's,
+or another's mapped from POSIX shared memory (:func:`attach_columns`); the gather
+kernels read them by address (:func:`column_addresses`) or by view
+(:func:`gather_into`).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from .batch import Batch
+from .kernels import gather as gather_kernels
+from .memory import SharedArena, check_header, column_layout
+from .spec import TrajectorySpec
+
+ALIGNS = {"random": 0, "head": 1, "tail": 2}
+
+
+def check_window(spec: TrajectorySpec, window: int | None, align: str) -> tuple[int, int]:
+    """Validate a sample's ``window`` and ``align``. O(1).
+
+    Args:
+        spec: the replay's spec (its ``max_length`` is the default window).
+        window: steps per window, a positive integer, or None for ``spec.max_length``.
+        align: a key of :data:`ALIGNS` (``"random"``, ``"head"`` or ``"tail"``).
+
+    Returns:
+        ``(window, align code)`` as ints.
+
+    Raises:
+        ValueError: ``window`` is not a positive integer or None, or ``align`` is not in :data:`ALIGNS`.
+    """
+    if window is None:
+        window = spec.max_length
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {sorted(ALIGNS)}, got {align!r}")
+    return int(window), ALIGNS[align]
+
+
+def check_batch_size(batch_size: int) -> int:
+    """Validate a batch size. O(1).
+
+    Args:
+        batch_size: a non-negative integer (not a bool).
+
+    Returns:
+        It, as an int.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+        raise ValueError(f"batch_size must be a non-negative integer, got {batch_size!r}")
+    return int(batch_size)
+
+
+def gather_into(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capacity: int,
+                win_start: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
+                out_rows: np.ndarray, batch: Batch) -> None:
+    """Copy windows from a shard's columns into rows of a batch, with padding and mask.
+
+    Cost: one kernel call; a parallel pass per column, each delivered byte copied once; O(B W) for the mask.
+
+    Args:
+        byte_views: column name -> the shard's ring as flat bytes (possibly another process's shared memory).
+        spec: the columns.
+        capacity: steps in the shard's ring.
+        win_start: each window's first ring step (int64; taken modulo ``capacity``).
+        n_valid: each window's real steps (int64).
+        pad_front: each window's leading padding steps (int64).
+        out_rows: the batch row of each window (int64).
+        batch: a host batch to fill (its ``window`` is the window length).
+    """
+    if len(out_rows) == 0:
+        return
+    starts = np.ascontiguousarray(win_start % capacity, np.int64)
+    gather_kernels.gather_columns(tuple(byte_views[name] for name in spec.names), spec.step_bytes_array, capacity,
+                                  starts, n_valid, pad_front, out_rows, batch.byte_views(), batch.window,
+                                  batch._mask_np)
+
+
+def column_addresses(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec, capacity: int) -> np.ndarray:
+    """The address of each column ring, for the gather kernels that read by address. O(columns).
+
+    The views must stay mapped while the addresses are used.
+
+    Args:
+        byte_views: column name -> the ring as flat bytes.
+        spec: the columns.
+        capacity: steps in the ring.
+
+    Returns:
+        int64 addresses, in column order.
+
+    Raises:
+        ValueError: a view is shorter than its ring.
+    """
+    out = np.empty(len(spec.columns), np.int64)
+    for c, col in enumerate(spec.columns):
+        view = byte_views[col.name]
+        if view.nbytes < col.step_bytes * capacity:
+            raise ValueError(f"column {col.name!r} has {view.nbytes} bytes, shorter than its ring of {capacity} steps")
+        out[c] = view.ctypes.data
+    return out
+
+
+def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tuple[SharedArena, dict[str, np.ndarray]]:
+    """Map another process's shard columns (``Shard(..., memory="shm").shm_name``). Cost: one mmap; no copy.
+
+    Args:
+        name: the shared-memory segment's name.
+        spec: the shard's spec.
+        capacity_steps: the shard's ring size in steps.
+
+    Returns:
+        ``(arena, views)``: the arena (close it when done) and column name -> byte view of the column's ring.
+
+    Raises:
+        FileNotFoundError: no such segment (its shard was closed).
+        ValueError: an invalid name, or not a gear_mpi shard of this spec and capacity (then unmapped).
+    """
+    arena = SharedArena.attach(name)
+    offsets, nbytes = column_layout(spec, capacity_steps)
+    try:
+        if arena.nbytes != nbytes:
+            raise ValueError(f"shared-memory segment {name!r} has {arena.nbytes} bytes; "
+                             f"this spec and capacity need {nbytes}")
+        check_header(arena.buffer, spec, capacity_steps, name)
+    except ValueError:
+        arena.close()
+        raise
+    views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + c.step_bytes * capacity_steps]
+             for c in spec.columns}
+    return arena, views
