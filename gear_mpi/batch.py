@@ -18,6 +18,15 @@ class Batch:
     - ``probabilities`` -- ``[B]`` float64, the probability each item had of being chosen per draw;
     - ``weights`` -- ``[B]`` float32 importance weights (1 unless prioritized);
     - ``lengths`` -- ``[B]`` int64, real steps in each window.
+
+    Construction wraps the buffers: O(columns), no copy.
+    Args:
+        data: column name -> ``[B, W, *shape]`` numpy buffer.
+        mask: ``[B, W]`` bool numpy buffer.
+        keys: ``[B]`` int64 numpy buffer.
+        probabilities: ``[B]`` float64 numpy buffer.
+        weights: ``[B]`` float32 numpy buffer.
+        lengths: ``[B]`` int64 numpy buffer.
     """
 
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
@@ -37,7 +46,18 @@ class Batch:
     @classmethod
     def from_tensors(cls, data: dict[str, torch.Tensor], mask: torch.Tensor, keys: torch.Tensor,
                      probabilities: torch.Tensor, weights: torch.Tensor, lengths: torch.Tensor) -> "Batch":
-        """A batch over existing tensors (e.g. on a GPU); :meth:`numpy` is then unavailable."""
+        """A batch over existing tensors (e.g. on a GPU); :meth:`numpy` is then unavailable. O(1), no copy.
+
+        Args:
+            data: column name -> ``[B, W, *shape]`` tensor.
+            mask: ``[B, W]`` bool tensor.
+            keys: ``[B]`` int64 tensor.
+            probabilities: ``[B]`` float64 tensor.
+            weights: ``[B]`` float32 tensor.
+            lengths: ``[B]`` int64 tensor.
+        Returns:
+            The batch.
+        """
         self = cls.__new__(cls)
         self._np = None
         self._fits = None
@@ -50,44 +70,74 @@ class Batch:
 
     @classmethod
     def empty(cls, spec: TrajectorySpec, batch_size: int, window: int) -> "Batch":
-        """Fresh, uninitialised buffers for ``batch_size`` windows of ``window`` steps. O(B W step_bytes) memory."""
+        """Fresh, uninitialised host buffers. O(B W step_bytes) memory.
+
+        Args:
+            spec: the columns.
+            batch_size: windows (``B``).
+            window: steps per window (``W``).
+        Returns:
+            The batch.
+        """
         data = {c.name: np.empty((batch_size, window) + c.shape, c.dtype) for c in spec.columns}
         return cls(data, np.empty((batch_size, window), np.bool_), np.empty(batch_size, np.int64),
                    np.empty(batch_size, np.float64), np.empty(batch_size, np.float32),
                    np.empty(batch_size, np.int64))
 
     def byte_views(self) -> tuple[np.ndarray, ...]:
-        """Each column buffer as a flat uint8 array, in column order (for the gather kernels); built once."""
+        """Each column buffer as a flat uint8 array, for the gather kernels. Built once, then O(1).
+
+        Returns:
+            One view per column, in column order (same memory as the tensors).
+        Raises:
+            RuntimeError: a device batch.
+        """
         if self._bytes is None:
             self._bytes = tuple(a.reshape(-1).view(np.uint8) for a in self.numpy().values())
         return self._bytes
 
     def meta_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(keys, probabilities, weights, lengths)`` as numpy arrays (same memory); host batches only."""
+        """The per-item metadata as numpy arrays (same memory as the tensors). O(1).
+
+        Returns:
+            ``(keys, probabilities, weights, lengths)``.
+        Raises:
+            RuntimeError: a device batch.
+        """
         if self._meta_np is None:
             raise RuntimeError("this batch lives on a device; use its tensors")
         return self._meta_np
 
     def numpy(self) -> dict[str, np.ndarray]:
-        """The column buffers as numpy arrays (same memory as the tensors); host batches only."""
+        """The column buffers as numpy arrays (same memory as the tensors). O(1).
+
+        Returns:
+            Column name -> ``[B, W, *shape]`` array.
+        Raises:
+            RuntimeError: a device batch.
+        """
         if self._np is None:
             raise RuntimeError("this batch lives on a device; use its tensors (batch[name], batch.mask)")
         return self._np
 
     @property
     def device(self) -> torch.device:
+        """The torch device the tensors live on. O(1)."""
         return self.mask.device
 
     @property
     def columns(self) -> tuple[str, ...]:
+        """The column names, in spec order. O(columns)."""
         return tuple(self.data)
 
     @property
     def batch_size(self) -> int:
+        """Windows in the batch (``B``). O(1)."""
         return int(self.keys.shape[0])
 
     @property
     def window(self) -> int:
+        """Steps per window (``W``). O(1)."""
         return int(self.mask.shape[1])
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -107,13 +157,21 @@ class Batch:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all returned tensors (columns, mask, keys, probabilities, weights, lengths)."""
+        """Bytes of all returned tensors (columns, mask, keys, probabilities, weights, lengths). O(columns)."""
         return (sum(t.numel() * t.element_size() for t in self.data.values()) + self.mask.numel()
                 + 8 * 3 * self.batch_size + 4 * self.batch_size)
 
     def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
-        """True when this batch's buffers fit ``batch_size`` windows of ``window`` steps of ``spec``
-        (remembered for the last spec it fitted, so a reused ``out=`` batch is checked once)."""
+        """Whether this batch's buffers can take the windows of a sample, as ``out=``. O(columns), then O(1).
+
+        The last spec it fitted is remembered, so a reused ``out=`` batch is checked once.
+        Args:
+            spec: the columns.
+            batch_size: windows wanted.
+            window: steps per window.
+        Returns:
+            True when it is a host batch of ``batch_size`` windows of ``window`` steps of ``spec``'s columns.
+        """
         if self._fits is not None and self._fits[0] is spec and self._fits[1:] == (batch_size, window):
             return True
         ok = (self._np is not None and tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window

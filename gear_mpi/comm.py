@@ -52,8 +52,12 @@ def _mpi():
 
 
 def displacements(counts) -> np.ndarray:
-    """Where each part starts when parts of ``counts`` elements lie one after another: the
-    exclusive prefix sum ``[0, c0, c0 + c1, ...]`` (int64, same length as ``counts``). O(len)."""
+    """Returns where each part starts when parts of ``counts`` elements lie one after another: the
+    exclusive prefix sum ``[0, c0, c0 + c1, ...]`` (int64, same length as ``counts``). O(len).
+
+    Args:
+        counts: the parts' sizes.
+    """
     counts = np.asarray(counts, np.int64)
     return np.cumsum(counts) - counts
 
@@ -62,7 +66,13 @@ _TYPES: dict = {}
 
 
 def mpi_type(dtype) -> Any:
-    """The MPI datatype of a numpy dtype (mpi4py's public mapping, looked up once per dtype)."""
+    """Returns the ``MPI.Datatype`` of a numpy dtype (mpi4py's public mapping). O(1) after the first call.
+
+    Args:
+        dtype: anything ``np.dtype`` takes.
+    Raises:
+        ValueError: a dtype MPI has no datatype for.
+    """
     dtype = np.dtype(dtype)
     found = _TYPES.get(dtype)
     if found is None:
@@ -74,7 +84,11 @@ def mpi_type(dtype) -> Any:
 class MpiComm:
     """Collectives over an mpi4py communicator with a deadline of ``timeout`` seconds per call.
 
-    Costs are those of the MPI collective; the polling loop adds at most ~1 ms of latency.
+    Costs are those of the MPI collective; the polling loop adds at most ~1 ms of latency. Every
+    collective must be called by every rank, in the same order; ``what`` names the call in errors.
+    Args:
+        comm: an mpi4py communicator (None: ``MPI.COMM_WORLD``).
+        timeout: seconds each collective may wait for the slowest rank.
     """
 
     def __init__(self, comm=None, timeout: float = 60.0):
@@ -87,7 +101,14 @@ class MpiComm:
 
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, req, what: str) -> None:
-        """Poll ``req`` until done; raise CollectiveTimeoutError after ``timeout`` seconds."""
+        """Poll ``req`` until done (yielding the core, then sleeping up to 1 ms between polls).
+
+        Args:
+            req: an mpi4py request (anything with ``Test()``).
+            what: names the call in the error.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout`` (the communicator is then broken).
+        """
         if req.Test():
             return
         start = time.monotonic()
@@ -105,20 +126,43 @@ class MpiComm:
                 raise errors.CollectiveTimeoutError(self.broken)
 
     def check_usable(self) -> None:
-        """Raise CollectiveError if an earlier collective of this communicator failed (local)."""
+        """Raise if an earlier collective of this communicator failed. Local, O(1).
+
+        Raises:
+            CollectiveError: an earlier collective timed out.
+        """
         if self.broken is not None:
             raise errors.CollectiveError(f"communicator unusable after an earlier failure: {self.broken}")
 
     # ---- collectives ------------------------------------------------------------------
     def allgather(self, values: np.ndarray, what: str) -> np.ndarray:
-        """Every rank's ``values`` (same shape on all ranks), stacked: ``[size, *shape]``."""
+        """Every rank's ``values``, stacked. Collective: one Iallgather of ``values.nbytes`` per rank.
+
+        Args:
+            values: an array of the same shape and dtype on every rank.
+            what: names the call in errors.
+        Returns:
+            ``[size, *values.shape]``, row r from rank r.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         values = np.ascontiguousarray(values)
         out = np.empty((self.size,) + values.shape, values.dtype)
         self.wait(self.comm.Iallgather(values, out), what)
         return out
 
     def allgatherv(self, values: np.ndarray, counts: np.ndarray, what: str) -> np.ndarray:
-        """Concatenation of every rank's 1-D ``values``; ``counts[r]`` elements from rank r."""
+        """Concatenation of every rank's 1-D ``values``, in rank order. Collective: one Iallgatherv.
+
+        Args:
+            values: this rank's 1-D array (the same dtype on every rank).
+            counts: ``counts[r]`` elements come from rank r (the same on every rank).
+            what: names the call in errors.
+        Returns:
+            A new array of ``sum(counts)`` elements.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         values = np.ascontiguousarray(values)
         counts = np.asarray(counts, np.int64)
         out = np.empty(int(counts.sum()), values.dtype)
@@ -128,8 +172,18 @@ class MpiComm:
 
     def ialltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts,
                    send_displs=None, recv_displs=None):
-        """Post a personalised exchange of 1-D arrays (counts and displacements in elements);
-        returns the request. Several may be in flight at once (posted in the same order on every rank)."""
+        """Post a personalised exchange of 1-D arrays, not waited for. Collective: posted in the same order by all.
+
+        Args:
+            send: the 1-D array to send from (must outlive the request).
+            send_counts: elements for each rank.
+            recv: the 1-D array to receive into.
+            recv_counts: elements from each rank.
+            send_displs: where each rank's part starts in ``send`` (None: packed in rank order).
+            recv_displs: where each rank's part goes in ``recv`` (None: packed in rank order).
+        Returns:
+            The MPI request; wait for it with :meth:`wait` or :meth:`wait_all`.
+        """
         sc = np.asarray(send_counts, np.int64)
         rc = np.asarray(recv_counts, np.int64)
         sd = displacements(sc) if send_displs is None else np.asarray(send_displs, np.int64)
@@ -137,9 +191,18 @@ class MpiComm:
         return self.comm.Ialltoallv([send, (sc, sd), mpi_type(send.dtype)], [recv, (rc, rd), mpi_type(recv.dtype)])
 
     def alltoallv_bytes(self, send, send_counts, recv, recv_counts, what: str) -> None:
-        """Personalised exchange of byte buffers given as torch tensors (uint8): CUDA tensors go to
-        MPI as device buffers (``__cuda_array_interface__``; needs a CUDA-aware MPI), CPU tensors
-        as host memory."""
+        """Personalised exchange of uint8 torch tensors, waited for. Collective: one Ialltoallv.
+
+        CUDA tensors go to MPI as device buffers (needs a CUDA-aware MPI), CPU tensors as host memory.
+        Args:
+            send: the bytes to send, packed in rank order.
+            send_counts: bytes for each rank.
+            recv: the tensor to receive into, packed in rank order.
+            recv_counts: bytes from each rank.
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         MPI = _mpi()
         sc = np.asarray(send_counts, np.int64)
         rc = np.asarray(recv_counts, np.int64)
@@ -149,25 +212,61 @@ class MpiComm:
 
     def alltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts, what: str,
                   send_displs=None, recv_displs=None) -> None:
-        """Personalised exchange of 1-D arrays, waited for (see :meth:`ialltoallv`)."""
+        """Personalised exchange of 1-D arrays, waited for (see :meth:`ialltoallv`). Collective: one Ialltoallv.
+
+        Args:
+            send: the 1-D array to send from.
+            send_counts: elements for each rank.
+            recv: the 1-D array to receive into.
+            recv_counts: elements from each rank.
+            what: names the call in errors.
+            send_displs: where each rank's part starts in ``send`` (None: packed in rank order).
+            recv_displs: where each rank's part goes in ``recv`` (None: packed in rank order).
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         self.wait(self.ialltoallv(send, send_counts, recv, recv_counts, send_displs, recv_displs), what)
 
     def wait_all(self, requests: list, what: str) -> None:
-        """Wait for several requests at once, with one deadline."""
+        """Wait for several requests with one deadline (collective when they are).
+
+        Args:
+            requests: mpi4py requests (an empty list returns at once).
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         if len(requests) == 1:
             self.wait(requests[0], what)
         elif requests:
             self.wait(_AllOf(_mpi(), requests), what)
 
     def alltoall(self, values: np.ndarray, what: str) -> np.ndarray:
-        """``out[r]`` = what rank r sent to this rank as ``values[this rank]`` (one int64 per peer)."""
+        """Returns ``out[r]``: the int64 rank r sent to this rank. Collective: one Ialltoall of 8 bytes a pair.
+
+        Args:
+            values: ``values[r]`` goes to rank r (``size`` values).
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         values = np.ascontiguousarray(values, np.int64)
         out = np.empty(self.size, np.int64)
         self.wait(self.comm.Ialltoall(values, out), what)
         return out
 
     def gatherv(self, values: np.ndarray, root: int, what: str) -> tuple[np.ndarray | None, np.ndarray]:
-        """Concatenation of every rank's 1-D ``values`` at ``root`` (None elsewhere), and the counts."""
+        """Concatenation of every rank's 1-D ``values`` at ``root``. Collective: one Igather of counts, one Igatherv.
+
+        Args:
+            values: this rank's 1-D array (the same dtype on every rank).
+            root: the rank that receives.
+            what: names the call in errors.
+        Returns:
+            ``(values of all ranks, counts)`` at ``root``; ``(None, counts)`` elsewhere (counts undefined there).
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         values = np.ascontiguousarray(values)
         counts = self.gather_counts(len(values), root, what)
         dtype = mpi_type(values.dtype)
@@ -179,13 +278,32 @@ class MpiComm:
         return None, counts
 
     def gather_counts(self, n: int, root: int, what: str) -> np.ndarray:
-        """Every rank's ``n`` at ``root`` (int64, one per rank; undefined elsewhere)."""
+        """Returns every rank's ``n`` at ``root`` (int64; undefined elsewhere). Collective: one Igather of 8 bytes.
+
+        Args:
+            n: this rank's count.
+            root: the rank that receives.
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         out = np.empty(self.size, np.int64)
         self.wait(self.comm.Igather(np.array([n], np.int64), out, root), what)
         return out
 
     def scatterv(self, chunks: list[np.ndarray] | None, dtype, root: int, what: str) -> np.ndarray:
-        """Rank r receives ``chunks[r]`` from ``root`` (1-D arrays of ``dtype``)."""
+        """Rank r receives ``chunks[r]`` from ``root``. Collective: one Iscatter of counts, one Iscatterv.
+
+        Args:
+            chunks: at ``root``, one 1-D array per rank (ignored elsewhere).
+            dtype: the element type (the same on every rank).
+            root: the rank that sends.
+            what: names the call in errors.
+        Returns:
+            This rank's chunk, a new 1-D array of ``dtype``.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         dtype = np.dtype(dtype)
         counts = np.array([len(c) for c in chunks], np.int64) if self.rank == root else np.zeros(self.size, np.int64)
         mine = np.empty(1, np.int64)
@@ -200,19 +318,42 @@ class MpiComm:
         return out
 
     def barrier(self, what: str) -> None:
-        """Wait until every rank has called ``barrier`` (an Ibarrier, with the deadline)."""
+        """Wait until every rank has called ``barrier``. Collective: one Ibarrier, with the deadline.
+
+        Args:
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         self.wait(self.comm.Ibarrier(), what)
 
     def bcast(self, values: np.ndarray, root: int, what: str) -> np.ndarray:
-        """``root``'s ``values`` on every rank (an Ibcast of a buffer of the same shape and dtype
-        on every rank). Returns a new array."""
+        """Returns ``root``'s ``values`` on every rank, as a new array. Collective: one Ibcast of ``values.nbytes``.
+
+        Args:
+            values: an array of the same shape and dtype on every rank (its content matters at ``root`` only).
+            root: the rank that sends.
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         out = np.array(values, copy=True, order="C")
         self.wait(self.comm.Ibcast(out, root), what)
         return out
 
     def allgather_bytes(self, data: bytes, width: int, what: str) -> list[bytes]:
-        """Every rank's ``data`` (at most ``width`` bytes; the same ``width`` on every rank), in rank
-        order: one Iallgather of ``width`` bytes per rank. Trailing zero bytes are not kept."""
+        """Every rank's ``data``, in rank order. Collective: one Iallgather of ``width`` bytes per rank.
+
+        Args:
+            data: at most ``width`` bytes (trailing zero bytes are not kept).
+            width: the same on every rank.
+            what: names the call in errors.
+        Returns:
+            One bytes object per rank.
+        Raises:
+            ValueError: ``data`` is longer than ``width`` (raised before the collective, on this rank only).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         if len(data) > width:
             raise ValueError(f"{what}: {len(data)} bytes do not fit in {width}")
         buf = np.zeros(width, np.uint8)
@@ -220,11 +361,15 @@ class MpiComm:
         return [bytes(row).rstrip(b"\0") for row in self.allgather(buf, what)]
 
     def agree_signature(self, signature: str, what: str, hint: str = "") -> None:
-        """Check that every rank passed the same ``signature`` (e.g. the repr of its arguments).
+        """Check that every rank passed the same ``signature``. Collective: one Iallgather of a 32-byte digest.
 
-        One Iallgather of a 32-byte digest per rank. Raises ValueError on every rank, naming the
-        lowest rank whose signature differs from rank 0's (``hint`` is appended to the message),
-        or CollectiveTimeoutError when a rank does not arrive within the deadline.
+        Args:
+            signature: e.g. the repr of this rank's arguments.
+            what: names the call in errors.
+            hint: appended to the error message.
+        Raises:
+            ValueError: on every rank, naming the lowest rank whose signature differs from rank 0's.
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         """
         digest = np.frombuffer(hashlib.sha256(signature.encode("utf-8", "replace")).digest(), np.uint8)
         table = self.allgather(digest, what)
@@ -234,10 +379,16 @@ class MpiComm:
                              + (f" ({hint})" if hint else ""))
 
     def split_node(self, what: str) -> "MpiComm":
-        """The ranks of this node (``MPI_COMM_TYPE_SHARED``, ordered by rank) as a new MpiComm with the
-        same deadline. ``Split_type`` blocks, so an Ibarrier waited with the deadline goes first:
-        a rank that never arrives raises CollectiveTimeoutError instead of a hang. Free it with
-        :meth:`free`."""
+        """The ranks of this node (``MPI_COMM_TYPE_SHARED``, ordered by rank) as a new MpiComm.
+
+        Collective: an Ibarrier with the deadline, then ``Split_type`` (it blocks, so the barrier goes first).
+        Args:
+            what: names the call in errors.
+        Returns:
+            A new MpiComm with the same deadline; free it with :meth:`free`.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         self.barrier(what)
         node = self.comm.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank)
         return MpiComm(node, self.timeout)
@@ -251,12 +402,19 @@ class MpiComm:
 
     # ---- error agreement --------------------------------------------------------------
     def agree(self, error: BaseException | None, what: str, values=None) -> np.ndarray:
-        """Raise the same exception on every rank if any rank passes one; else return the
-        allgather of every rank's ``values`` (float64, ``[size, len(values)]``).
+        """Raise the same exception on every rank if any rank passes one; else share ``values``.
 
-        The raised exception has the class of the lowest failing rank's error and
-        the message ``"<what>: rank R: <message>"``. Cost: one allgather of
-        ``8 (1 + len(values))`` bytes per rank, plus one of 1 KiB per rank on failure.
+        The exception has the class of the lowest failing rank's error and the message ``"<what>: rank R:
+        <message>"``. Collective: one allgather of ``8 (1 + len(values))`` bytes a rank (+1 KiB on failure).
+        Args:
+            error: this rank's exception, or None.
+            what: names the call in errors.
+            values: numbers to share when nobody failed (the same count on every rank; None: none).
+        Returns:
+            float64 ``[size, len(values)]``, row r from rank r.
+        Raises:
+            ValueError, TypeError, KeyError, a GearError or Exception: the class of the lowest failing rank's error.
+            CollectiveError, CollectiveTimeoutError: an earlier collective failed; a rank did not arrive in time.
         """
         self.check_usable()
         values = () if values is None else values
@@ -287,4 +445,5 @@ class _AllOf:
         self.requests = requests
 
     def Test(self) -> bool:
+        """Returns True when every request is complete (one ``MPI.Request.Testall``)."""
         return bool(self.MPI.Request.Testall(self.requests))

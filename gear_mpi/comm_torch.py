@@ -97,8 +97,18 @@ class TorchComm:
         work.wait()
 
     def alltoallv(self, send: torch.Tensor, send_counts, recv: torch.Tensor, recv_counts, what: str) -> None:
-        """Rank r gets ``send_counts[r]`` leading elements (after those of lower ranks) of ``send``;
-        ``recv`` is filled with ``recv_counts[s]`` elements from each rank s, in rank order."""
+        """Personalised exchange of 1-D tensors. Collective: one ``all_to_all_single`` of the bytes sent.
+
+        Args:
+            send: the elements to send, rank r's ``send_counts[r]`` after those of lower ranks.
+            send_counts: elements for each rank.
+            recv: filled with ``recv_counts[s]`` elements from each rank s, in rank order.
+            recv_counts: elements from each rank.
+            what: names the call in errors.
+        Raises:
+            CollectiveError: an earlier call timed out (this object is broken).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
         if self.broken is not None:
             raise CollectiveError(f"torch communicator unusable after an earlier failure: {self.broken}")
         work = dist.all_to_all_single(recv, send, output_split_sizes=[int(c) for c in recv_counts],
@@ -107,7 +117,7 @@ class TorchComm:
         self._wait(work, what)
 
     def close(self) -> None:
-        """Destroy the process group this object created (collective over its ranks)."""
+        """Destroy the process group this object created, if any (collective over its ranks). Idempotent."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False

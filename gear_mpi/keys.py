@@ -52,7 +52,7 @@ def encode(tag: int, rank: int, slots: np.ndarray, generations: np.ndarray) -> n
 
 
 def key_head(tag: int, rank: int) -> int:
-    """The tag and rank bits shared by every key of shard ``rank`` of replay ``tag``.
+    """The tag and rank bits shared by every key of shard ``rank`` of replay ``tag``. O(1).
 
     Args:
         tag: the replay's key tag.
@@ -79,7 +79,7 @@ def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 def as_key_array(keys) -> np.ndarray:
-    """Keys from an int, sequence, numpy array or torch tensor, as a 1-D int64 array.
+    """Keys from an int, sequence, numpy array or torch tensor, as a 1-D int64 array. O(n) at most.
 
     Args:
         keys: the keys in any of those forms.
@@ -102,7 +102,15 @@ def as_key_array(keys) -> np.ndarray:
 
 @njit(cache=True)
 def encode_slots(tag, rank, slots, generation, out):
-    """``out[i]`` = the key of ``slots[i]`` (generation read from the table). O(B), one pass."""
+    """``out[i]`` = the key of ``slots[i]``, its generation read from the table. O(B), one pass (numba).
+
+    Args:
+        tag: the replay's key tag.
+        rank: the owner shard.
+        slots: int64 table slots.
+        generation: the table's generation of every slot (int64).
+        out: an int64 array of ``len(slots)`` to fill.
+    """
     head = (tag << _TAG_SHIFT) | (rank << _RANK_SHIFT)
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -111,9 +119,25 @@ def encode_slots(tag, rank, slots, generation, out):
 
 @njit(cache=True)
 def resolve_keys(keys, tag, rank, max_items, generation, alive, live_code, slots, live):
-    """Slots of this shard's keys and whether each is live (``alive == live_code`` and the
-    generation matches). Returns the index of the first key that is not this shard's (negative,
-    out of range, another tag or rank), or -1; nothing is filled past it. O(B), one pass."""
+    """Slots of this shard's keys and whether each is live. O(B), one pass (numba).
+
+    A key is live when ``alive[slot] == live_code`` and its generation matches the slot's.
+
+    Args:
+        keys: int64 keys.
+        tag: this replay's key tag.
+        rank: this shard's rank.
+        max_items: this shard's slots.
+        generation: the table's generation of every slot (int64).
+        alive: the table's state of every slot (uint8).
+        live_code: the ``alive`` value of a live slot.
+        slots: an int64 array of ``len(keys)`` to fill with each key's slot.
+        live: a bool array of ``len(keys)`` to fill with each key's liveness.
+
+    Returns:
+        The index of the first key that is not this shard's (negative, out of range, another tag or
+        rank), or -1; nothing is filled past it.
+    """
     for i in range(keys.shape[0]):
         k = keys[i]
         s = k & SLOT_MASK

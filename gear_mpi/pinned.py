@@ -61,6 +61,15 @@ class MappedBuffer:
     Close it (or use it as a context manager) before the host memory goes away;
     device views are invalid after :meth:`close`. Closing a mapping obtained for a
     sub-range (see :func:`map_host`) does nothing: its parent owns the registration.
+    Build it with :func:`map_host`, not directly.
+
+    Args:
+        host: the host array.
+        device: the device array over the same memory.
+        device_bytes: the same memory as a flat device uint8 array.
+        mode: ``"mapped"`` or ``"simulator"``.
+        pin: the driver's registration, freed by :meth:`close` (None: not owned).
+        parent: the mapping that owns the registration, for a sub-range (None: this one).
     """
 
     def __init__(self, host: np.ndarray, device, device_bytes, mode: str, pin=None, parent=None):
@@ -74,16 +83,23 @@ class MappedBuffer:
 
     @property
     def nbytes(self) -> int:
-        """The size of the mapped buffer in bytes."""
+        """The size of the mapped buffer in bytes. O(1)."""
         return int(self.host.nbytes)
 
     @property
     def address(self) -> int:
-        """The host address of the buffer."""
+        """The host address of the buffer. O(1)."""
         return _address(self.host)
 
     def contains(self, a: np.ndarray) -> bool:
-        """Whether numpy array ``a`` lies wholly inside this buffer (by address)."""
+        """Whether numpy array ``a`` lies wholly inside this buffer (by address). O(1).
+
+        Args:
+            a: any numpy array.
+
+        Returns:
+            True when its bytes are inside ``host``.
+        """
         lo = _address(a)
         return self.address <= lo and lo + a.nbytes <= self.address + self.nbytes
 
@@ -112,7 +128,7 @@ class MappedBuffer:
         return flat.reshape(a.shape) if a.ndim != 1 else flat
 
     def close(self) -> None:
-        """Unregister (page-unlock) the buffer. Idempotent."""
+        """Unregister (page-unlock) the buffer; O(pages) once. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -182,7 +198,7 @@ def map_host(array: np.ndarray) -> MappedBuffer:
 
 
 def map_byte_views(buffer: np.ndarray, views: dict) -> tuple[MappedBuffer, dict]:
-    """Map ``buffer`` once and give the device view of each numpy view inside it.
+    """Map ``buffer`` once and give the device view of each numpy view inside it. O(pages) once, then O(views).
 
     Args:
         buffer: the host buffer, e.g. ``shard.store.arena.buffer``.

@@ -47,8 +47,11 @@ class Assignment(NamedTuple):
 
 
 def check_header(head: np.ndarray, proportional: bool) -> None:
-    """Raise the same error on every rank when the agreed header cannot be served.
+    """Raise the same error on every rank when the agreed header cannot be served. O(ranks), local.
 
+    Args:
+        head: the agreed header (``[ranks, 6]`` float64, a row per rank; see the module docstring).
+        proportional: whether the selector draws by weight (then a zero total mass cannot be served).
     Raises:
         ValueError: window or align differ between ranks.
         EmptyReplayError: items are asked and no rank holds one (or, for proportional selectors,
@@ -68,8 +71,11 @@ def check_header(head: np.ndarray, proportional: bool) -> None:
 class Plan(ABC):
     """Selection for one mode of ``Replay.sample`` (see the module docstring).
 
-    ``rng``: this rank's own stream (rank 0 draws with it in the centralized mode);
-    ``shared_rng``: a stream every rank holds and advances identically.
+    Args:
+        comm: the replay's communicator.
+        shard: this rank's shard.
+        rng: this rank's own stream (rank 0 draws with it in the centralized mode).
+        shared_rng: a stream every rank holds and advances identically.
     """
 
     def __init__(self, comm: MpiComm, shard: Shard, rng: np.random.Generator, shared_rng: np.random.Generator):
@@ -82,9 +88,13 @@ class Plan(ABC):
 
     @abstractmethod
     def assign(self, head: np.ndarray) -> Assignment:
-        """Turn the agreed header (``[ranks, 6]`` float64, a row per rank) into this rank's assignment.
+        """Turn the agreed header into this rank's assignment.
 
-        Collective for the decentralized (ordered selectors) and centralized plans.
+        Collective for the decentralized (ordered selectors) and centralized plans; see each class for its cost.
+        Args:
+            head: ``[ranks, 6]`` float64, a row per rank (this rank's row only for :class:`LocalPlan`).
+        Returns:
+            This rank's :class:`Assignment`.
         Raises:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
         """
@@ -112,6 +122,15 @@ class DecentralizedPlan(Plan):
     """
 
     def assign(self, head: np.ndarray) -> Assignment:
+        """Turn the agreed header into this rank's assignment (see the class docstring for the cost).
+
+        Args:
+            head: the agreed header, ``[ranks, 6]`` float64.
+        Returns:
+            This rank's :class:`Assignment`.
+        Raises:
+            CollectiveTimeoutError: (ordered selectors) a rank did not arrive within the deadline.
+        """
         sizes = head[:, BATCH].astype(np.int64)
         if self.proportional:
             mass, wmin = _mass(head)
@@ -139,6 +158,16 @@ class CentralizedPlan(Plan):
     """
 
     def assign(self, head: np.ndarray) -> Assignment:
+        """Turn the agreed header into this rank's assignment (see the class docstring for the cost).
+
+        Collective: a gatherv to rank 0, a scatterv of the choices, an alltoall of counts.
+        Args:
+            head: the agreed header, ``[ranks, 6]`` float64.
+        Returns:
+            This rank's :class:`Assignment`.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+        """
         sizes = head[:, BATCH].astype(np.int64)
         chunks = None
         if self.proportional:
@@ -185,6 +214,15 @@ class LocalPlan(Plan):
     """
 
     def assign(self, head: np.ndarray) -> Assignment:
+        """This rank's assignment: ``head[0, BATCH]`` of its own items. Local; selection as :meth:`Shard.select`.
+
+        Args:
+            head: this rank's header row, ``[1, 6]`` float64.
+        Returns:
+            An :class:`Assignment` that serves this rank only.
+        Raises:
+            EmptyReplayError: items are asked of an empty shard (or one whose weights are all 0).
+        """
         batch_size = int(head[0, BATCH])
         if batch_size:
             self.shard.check_can_sample()
@@ -200,10 +238,14 @@ PLANS: dict[str, type[Plan]] = {"decentralized": DecentralizedPlan, "centralized
 def global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge candidate lists (concatenated by owner, each best first) into the global order.
 
-    Returns, for the ``sum(sizes)`` picks: owner, index in the owner's list, and
-    requester (picks dealt to requesters in rank order; cycling through the
-    candidates when fewer exist than asked). Ties: lower owner rank, then the
-    owner's own order. Cost: O(C log C) for C candidates.
+    Picks are dealt to requesters in rank order, cycling through the candidates when fewer exist than
+    asked. Ties: lower owner rank, then the owner's own order. Cost: O(C log C) for C candidates; local.
+    Args:
+        keys: every owner's candidate sort keys (int64, smaller is better), owner by owner.
+        ncand: candidates of each owner.
+        sizes: items each requester asks for.
+    Returns:
+        ``(owner, index in the owner's list, requester)``, int64, one entry per pick (``sum(sizes)``).
     """
     owner_all = np.repeat(np.arange(len(ncand)), ncand)
     index_all = np.arange(len(keys)) - np.repeat(displacements(ncand), ncand)

@@ -123,16 +123,33 @@ class PriorityIndex:
         tree_kernels.rebuild(self._arrays)
 
     def weights_of(self, slots: np.ndarray) -> np.ndarray:
-        """The weights of ``slots`` (host float64 array). O(B)."""
+        """The weights of ``slots``. O(B).
+
+        Args:
+            slots: int slots in ``[0, n)``.
+
+        Returns:
+            A new host float64 array, one weight per slot.
+
+        Raises:
+            IndexError: a slot out of range.
+        """
         return self.tree.leaves[slots]
 
     def host_leaves(self, count: int) -> np.ndarray:
-        """The first ``count`` weights as a host array (a view here). O(1)."""
+        """The first ``count`` weights as a host array. O(1).
+
+        Args:
+            count: how many (at most ``n``).
+
+        Returns:
+            A view of the leaves (no copy).
+        """
         return self.tree.leaves[:count]
 
     # ---- checkpoint state -----------------------------------------------------------------
     def sections(self, count: int) -> list[tuple[str, np.ndarray]]:
-        """The arrays a checkpoint stores, as (name, view) pairs, in the checkpoint's order.
+        """The arrays a checkpoint stores, as (name, view) pairs, in the checkpoint's order. O(1).
 
         Args:
             count: the slots in use (the store's high-water mark): only ``leaves[:count]`` is given.
@@ -287,6 +304,8 @@ class DevicePriorityIndex:
         Returns:
             A device int64 array of the drawn slots (``out`` when given). The caller
             guarantees a positive total.
+
+        Cost: one launch, one thread per draw, O(log(n / 4096) + 128) reads each.
         """
         u = as_device(uniforms, np.float64)
         out = cuda_module().device_array(u.shape[0], np.int64) if out is None else out
@@ -298,7 +317,14 @@ class DevicePriorityIndex:
         _cuda_kernels().rebuild(self.tree, self.threads)
 
     def weights_of(self, slots: Any) -> np.ndarray:
-        """The weights of ``slots``, gathered on the device and copied to a host float64 array. O(B)."""
+        """The weights of ``slots``, gathered on the device and copied to the host. O(B).
+
+        Args:
+            slots: int64 slots in ``[0, n)``, host or device (not checked).
+
+        Returns:
+            A host float64 array, one weight per slot.
+        """
         b = len(slots)
         if b == 0:
             return np.zeros(0, np.float64)
@@ -307,7 +333,14 @@ class DevicePriorityIndex:
         return out.copy_to_host()
 
     def host_leaves(self, count: int) -> np.ndarray:
-        """The first ``count`` weights copied to the host. O(count) over the bus."""
+        """The first ``count`` weights copied to the host. O(count) over the bus.
+
+        Args:
+            count: how many (at most ``n``).
+
+        Returns:
+            A new host float64 array.
+        """
         return self.tree.leaves[:count].copy_to_host() if count else np.zeros(0, np.float64)
 
     # ---- checkpoint state -----------------------------------------------------------------

@@ -70,6 +70,14 @@ class Uniform(Selector):
     proportional = True
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
+        """Weight 1 for every item. O(n).
+
+        Args:
+            priorities: validated raw priorities (ignored but for their count).
+
+        Returns:
+            float64 ones, one per priority.
+        """
         return np.ones(len(priorities), np.float64)
 
 
@@ -101,9 +109,26 @@ class Prioritized(Selector):
         self.beta = float(beta)
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
+        """Weights ``p ** alpha``. O(n).
+
+        Args:
+            priorities: validated raw priorities (float64, >= 0).
+
+        Returns:
+            float64 weights, one per priority.
+        """
         return np.power(priorities, self.alpha) if self.alpha != 1.0 else priorities.astype(np.float64)
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
+        """Importance-sampling weights ``(min_weight / w) ** beta`` (1 for the lightest item). O(B).
+
+        Args:
+            weights: the index weights of the selected items (positive).
+            min_weight: the smallest positive weight of everything the draw was made over.
+
+        Returns:
+            float32 weights, one per item.
+        """
         # the ratio in float64, the power in float32 (the weights' type; numpy vectorises it: ~6x faster)
         return np.power((min_weight / weights).astype(np.float32), np.float32(self.beta))
 

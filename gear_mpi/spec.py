@@ -15,7 +15,13 @@ ShapeLike = Sequence[int] | int
 
 @dataclass(frozen=True)
 class Column:
-    """One column: per-step ``shape`` and ``dtype``; ``step_bytes`` bytes per step."""
+    """One column of a trajectory spec.
+
+    Args:
+        name: the column's name.
+        shape: the shape of one step.
+        dtype: the numpy dtype of its values.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -23,7 +29,7 @@ class Column:
 
     @cached_property
     def step_bytes(self) -> int:
-        """Bytes of one step of this column (computed once: it is on every sample's path)."""
+        """Bytes of one step of this column (computed once: it is on every sample's path). O(1)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
@@ -37,8 +43,13 @@ def _castable(src: np.dtype, dst: np.dtype) -> bool:
 class TrajectorySpec:
     """The columns of a trajectory and the longest trajectory allowed.
 
-    ``columns`` maps a name to ``(per_step_shape, dtype)``; a trajectory of length
-    ``L`` holds, for every column, an array of shape ``(L, *per_step_shape)``.
+    A trajectory of length ``L`` holds, for every column, an array of shape ``(L, *per_step_shape)``.
+    Construction: O(columns).
+    Args:
+        columns: column name -> ``(per_step_shape, dtype)`` (a shape may be an int); numeric dtypes only.
+        max_length: the most steps a trajectory may have (a positive integer).
+    Raises:
+        ValueError: an empty mapping, a bad name, shape, dtype or ``max_length``.
     """
 
     def __init__(self, columns: Mapping[str, tuple[ShapeLike, Any]], max_length: int):
@@ -72,7 +83,7 @@ class TrajectorySpec:
 
     @property
     def step_bytes(self) -> int:
-        """Bytes of one step over all columns."""
+        """Bytes of one step over all columns. O(columns)."""
         return sum(c.step_bytes for c in self.columns)
 
     def __getitem__(self, name: str) -> Column:
@@ -90,19 +101,40 @@ class TrajectorySpec:
         return f"TrajectorySpec({{{cols}}}, max_length={self.max_length})"
 
     def to_dict(self) -> dict:
-        """A JSON-able description (used by checkpoints and shared-memory attach)."""
+        """A JSON-able description (used by checkpoints and shared-memory attach). O(columns).
+
+        Returns:
+            ``{"columns": {name: [shape, dtype string]}, "max_length": int}``.
+        """
         return {"columns": {c.name: [list(c.shape), c.dtype.str] for c in self.columns},
                 "max_length": self.max_length}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "TrajectorySpec":
+        """The spec a :meth:`to_dict` describes. O(columns).
+
+        Args:
+            d: as :meth:`to_dict` returns it.
+        Returns:
+            A new TrajectorySpec.
+        Raises:
+            KeyError, ValueError: a field missing, or a description no spec accepts.
+        """
         return cls({k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}, d["max_length"])
 
     def validate(self, trajectory: Mapping[str, Any], where: str = "trajectory") -> tuple[dict[str, np.ndarray], int]:
-        """Check one trajectory; return its columns as arrays of the spec's dtypes, and its length.
+        """Check one trajectory and convert its columns to the spec's dtypes.
 
-        Raises InvalidTrajectoryError naming the column and the problem. Cost: O(L)
-        for a dtype cast, O(1) otherwise (no copy when dtypes already match).
+        Cost: O(L) for a dtype cast, O(1) otherwise (no copy when dtypes already match).
+        Args:
+            trajectory: column name -> ``[L, *shape]`` array (numpy, torch, or anything ``np.asarray`` takes).
+            where: how error messages name the trajectory.
+        Returns:
+            ``(columns, length)``: column name -> C-contiguous array of the column's dtype, and ``L``.
+        Raises:
+            InvalidTrajectoryError: naming the column and the problem: not a mapping, a column missing or
+                unknown, a non-numeric or uncastable dtype, a wrong shape, lengths that differ, or a
+                length of 0 or over ``max_length``.
         """
         if not isinstance(trajectory, Mapping):
             raise InvalidTrajectoryError(f"{where}: expected a mapping of column -> array, got {type(trajectory).__name__}")
@@ -143,7 +175,17 @@ class TrajectorySpec:
 
 
 def validate_priorities(priorities: Any, count: int, what: str = "priorities") -> np.ndarray:
-    """Priorities as a float64 array of ``count`` finite, non-negative values. Cost: O(count)."""
+    """Priorities as a float64 array of ``count`` finite, non-negative values. Cost: O(count).
+
+    Args:
+        priorities: numbers in any form ``np.asarray`` takes, or a tensor.
+        count: how many there must be.
+        what: how error messages name them.
+    Returns:
+        A new float64 array (``-0.0`` read as ``+0.0``).
+    Raises:
+        InvalidPriorityError: not numbers, not ``count`` of them, or one NaN, infinite or negative.
+    """
     if hasattr(priorities, "detach") and hasattr(priorities, "cpu"):
         priorities = priorities.detach().cpu().numpy()
     try:

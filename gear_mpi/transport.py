@@ -32,9 +32,17 @@ _WIDTH = gather_kernels.CHOICE_WIDTH
 class WindowTransport:
     """Moves choices and windows for one replay (see the module docstring).
 
-    ``kind``: ``"nccl"`` or ``"mpi"``, how a device replay's windows travel between nodes;
-    ``process_group``: an existing torch.distributed group for the NCCL path.
-    Construction is collective when a device replay has windows to send through NCCL.
+    Construction is collective (a torch.distributed bootstrap) when a device replay has windows to
+    send through NCCL; otherwise local.
+    Args:
+        comm: the replay's communicator.
+        node: this rank's :class:`~gear_mpi.node.NodeView`, attached.
+        shard: this rank's shard.
+        device: the replay's ``DeviceContext`` (None: a host replay).
+        kind: ``"nccl"`` or ``"mpi"``, how a device replay's windows travel between nodes.
+        process_group: an existing torch.distributed group for the NCCL path (None: bootstrap one).
+    Raises:
+        ValueError, CollectiveTimeoutError: as :class:`~gear_mpi.comm_torch.TorchComm` (NCCL path only).
     """
 
     def __init__(self, comm: MpiComm, node: NodeView, shard: Shard, device=None, kind: str = "nccl",
@@ -49,16 +57,21 @@ class WindowTransport:
 
     def exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
                  local: bool = False) -> Batch:
-        """Collective (unless ``local``): send this rank's ``choices`` (``[n, CHOICE_WIDTH]`` int64, in
-        requester order, ``send_counts[r]`` for requester r) and the windows of requesters that cannot
-        read this rank's memory; receive ``recv_counts[o]`` items from each owner o and assemble them,
-        in owner order, into a batch of ``window`` steps. ``local``: this rank serves only itself
-        (mode "local" on a GPU): no communication.
+        """Deliver the choices and windows of one sample into a batch, in owner order.
 
-        Cost: one alltoallv of 48 bytes per item, in flight together with one alltoallv per column
-        for windows sent through the transport; each delivered byte copied once on a node.
+        Collective unless ``local``. Cost: one alltoallv of 48 bytes per item, in flight together with
+        one alltoallv per column for windows sent through the transport; each delivered byte copied once on a node.
+        Args:
+            choices: this rank's served choices, ``[n, CHOICE_WIDTH]`` int64, in requester order.
+            send_counts: choices (and windows) for each requester r, ``send_counts[r]``.
+            recv_counts: items each owner o serves this rank, ``recv_counts[o]``.
+            window: steps per window.
+            local: this rank serves only itself (mode "local" on a GPU): no communication.
+        Returns:
+            The :class:`~gear_mpi.batch.Batch` of ``sum(recv_counts)`` windows (on the device for a device replay).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
+            CollectiveError: (NCCL path) the torch communicator broke in an earlier call.
         """
         node, size = self.node, self.comm.size
         fields = gather_kernels.choice_records(choices)

@@ -30,7 +30,7 @@ CHUNK_BYTES = 16 << 20
 
 
 def rank_dir(rank: int) -> str:
-    """The directory name of rank ``rank``'s files inside a checkpoint (``rank-00000``).
+    """The directory name of rank ``rank``'s files inside a checkpoint (``rank-00000``). O(1).
 
     Args:
         rank: the rank of the replay that wrote them.
@@ -41,7 +41,13 @@ def rank_dir(rank: int) -> str:
 
 
 def column_file(index: int) -> str:
-    """The file name of column ``index`` (in the spec's column order) inside a rank's directory."""
+    """The file name of column ``index`` inside a rank's directory (``column-000.bin``). O(1).
+
+    Args:
+        index: the column's position in the spec's column order.
+    Returns:
+        The name, relative to the rank's directory.
+    """
     return f"column-{index:03d}.bin"
 
 
@@ -75,7 +81,7 @@ def write_file(filename: str, chunks: Iterable) -> dict[str, Any]:
 
 
 def rename(src: str, dst: str) -> None:
-    """One step of installing a checkpoint (tests wrap it to crash between the two renames).
+    """One step of installing a checkpoint: one ``rename(2)`` (tests wrap it to crash between the two).
 
     Args:
         src: the directory to move.
@@ -87,7 +93,11 @@ def rename(src: str, dst: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    """Make the entries of directory ``path`` durable (best effort: ignored where unsupported)."""
+    """Make the entries of directory ``path`` durable (best effort: ignored where unsupported). One fsync.
+
+    Args:
+        path: the directory.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -101,19 +111,34 @@ def fsync_dir(path: str) -> None:
 
 
 def slices(buf: np.ndarray, lo: int = 0, hi: int | None = None, step: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
-    """``buf[lo:hi]`` as consecutive views of at most ``step`` elements (no copy)."""
+    """``buf[lo:hi]`` as consecutive views of at most ``step`` elements (no copy). O(1) per view.
+
+    Args:
+        buf: a 1-D array.
+        lo: the first element.
+        hi: one past the last element (None: ``len(buf)``).
+        step: the most elements per view.
+    Returns:
+        An iterator of views.
+    """
     hi = len(buf) if hi is None else hi
     for a in range(lo, hi, step):
         yield buf[a:min(hi, a + step)]
 
 
 def canonical(body: dict) -> bytes:
-    """The bytes the manifest's checksum is taken over: ``body`` as sorted, compact JSON."""
+    """The bytes the manifest's checksum is taken over. O(size of ``body``).
+
+    Args:
+        body: the manifest body (JSON-able).
+    Returns:
+        ``body`` as sorted, compact JSON, UTF-8.
+    """
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def write_manifest(directory: str, body: dict) -> dict[str, Any]:
-    """Write ``MANIFEST.json`` (format, version, ``body`` and the sha256 of its canonical form).
+    """Write ``MANIFEST.json`` (format, version, ``body``, the sha256 of its canonical form); one fsync.
 
     Args:
         directory: the checkpoint directory being assembled.
@@ -130,7 +155,7 @@ def write_manifest(directory: str, body: dict) -> dict[str, Any]:
 
 # ---- reading -------------------------------------------------------------------------------------
 class CheckedFile:
-    """One checkpoint file opened for reading: its size is checked at once, its sha256 by :meth:`finish`.
+    """One checkpoint file opened for reading: its size is checked at once (O(1)), its sha256 by :meth:`finish`.
 
     Args:
         filename: the file.
@@ -161,7 +186,14 @@ class CheckedFile:
         self.close()
 
     def read_into(self, dst: np.ndarray) -> None:
-        """Fill the contiguous array ``dst`` with the next bytes. Raises CheckpointError if the file ends."""
+        """Fill ``dst`` with the next bytes of the file, hashing them. O(dst.nbytes).
+
+        Args:
+            dst: a C-contiguous array.
+        Raises:
+            ValueError: ``dst`` is not contiguous.
+            CheckpointError: the file ends first (truncated).
+        """
         if not dst.flags.c_contiguous:
             raise ValueError("read_into needs a contiguous destination")
         mv = memoryview(dst).cast("B")
@@ -171,7 +203,15 @@ class CheckedFile:
         self.digest.update(mv)
 
     def read_bytes(self, n: int) -> bytes:
-        """The next ``n`` bytes. Raises CheckpointError if the file ends."""
+        """The next ``n`` bytes of the file, hashed. O(n).
+
+        Args:
+            n: how many.
+        Returns:
+            The bytes.
+        Raises:
+            CheckpointError: the file ends first (truncated).
+        """
         data = self.f.read(n)
         if len(data) != n:
             raise CheckpointError(f"{self.filename}: ended early (truncated)")
@@ -179,7 +219,11 @@ class CheckedFile:
         return data
 
     def finish(self) -> None:
-        """Hash what was not read, close, and compare with the manifest. Raises CheckpointError on a mismatch."""
+        """Hash what was not read, close, and compare with the manifest. O(bytes left).
+
+        Raises:
+            CheckpointError: the sha256 differs from the manifest's (corrupted).
+        """
         while True:
             data = self.f.read(CHUNK_BYTES)
             if not data:
@@ -190,11 +234,21 @@ class CheckedFile:
             raise CheckpointError(f"{self.filename}: sha256 does not match the manifest (corrupted)")
 
     def close(self) -> None:
+        """Close the file without checking it. Idempotent."""
         self.f.close()
 
 
 def read_json(filename: str, entry: dict | None) -> dict:
-    """Read and check a JSON file of the checkpoint. Raises CheckpointError if damaged."""
+    """Read and check a JSON file of the checkpoint. O(file size). Local.
+
+    Args:
+        filename: the file.
+        entry: its ``{"bytes", "sha256"}`` from the manifest (None: not listed).
+    Returns:
+        The parsed JSON.
+    Raises:
+        CheckpointError: not listed, missing, of another size or checksum, or not valid JSON.
+    """
     with CheckedFile(filename, entry) as c:
         data = c.read_bytes(entry["bytes"])
         c.finish()

@@ -72,12 +72,32 @@ def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str
 
 # ---- reading -------------------------------------------------------------------------------------
 def rank_files(where: str, body: dict, r: int) -> tuple[str, dict]:
-    """Rank ``r``'s directory in checkpoint ``where`` and its files' manifest entries."""
+    """Rank ``r``'s directory in checkpoint ``where`` and its files' manifest entries. O(1).
+
+    Args:
+        where: the checkpoint directory.
+        body: the manifest body.
+        r: the saved rank.
+    Returns:
+        ``(directory, {file name: {"bytes", "sha256"}})``.
+    Raises:
+        KeyError, IndexError: the manifest lists no such rank.
+    """
     return os.path.join(where, rank_dir(r)), body["shards"][r]["files"]
 
 
 def read_meta(where: str, body: dict, r: int) -> dict:
-    """Read and check rank ``r``'s ``shard.json``. Raises CheckpointError if damaged or not rank ``r``'s."""
+    """Read and check rank ``r``'s ``shard.json``. O(file size). Local.
+
+    Args:
+        where: the checkpoint directory.
+        body: the manifest body.
+        r: the saved rank.
+    Returns:
+        The parsed ``shard.json``.
+    Raises:
+        CheckpointError: missing, damaged, or not rank ``r``'s description.
+    """
     d, entries = rank_files(where, body, r)
     meta = read_json(os.path.join(d, SHARD_JSON), entries.get(SHARD_JSON))
     if meta.get("rank") != r or len(meta.get("state", ())) != ring.STATE_SIZE:
@@ -86,18 +106,37 @@ def read_meta(where: str, body: dict, r: int) -> dict:
 
 
 def steps_used(meta: dict) -> int:
-    """Ring steps in use by the shard ``meta`` describes (the length of each column file in steps)."""
+    """Ring steps in use by the shard ``meta`` describes (the length of each column file in steps). O(1).
+
+    Args:
+        meta: a rank's ``shard.json``.
+    Returns:
+        The step count.
+    """
     return int(meta["state"][ring.STEPS_USED])
 
 
 def ring_head(meta: dict) -> int:
-    """The ring step of the oldest step in use (where each column file starts)."""
+    """The ring step of the oldest step in use (where each column file starts). O(1).
+
+    Args:
+        meta: a rank's ``shard.json``.
+    Returns:
+        The ring step.
+    """
     return int(meta["state"][ring.STEP_HEAD])
 
 
 def read_table(where: str, body: dict, r: int, meta: dict) -> dict[str, np.ndarray]:
-    """Read and check rank ``r``'s ``table.bin``: a new array per section name.
+    """Read and check rank ``r``'s ``table.bin``. O(file size). Local.
 
+    Args:
+        where: the checkpoint directory.
+        body: the manifest body.
+        r: the saved rank.
+        meta: its ``shard.json`` (``table_layout`` names the sections).
+    Returns:
+        A new array per section name.
     Raises:
         CheckpointError: the file is missing, damaged or shorter than its layout.
     """
@@ -123,20 +162,53 @@ def _open_column(where: str, body: dict, r: int, meta: dict, index: int, step_by
 
 
 def check_columns(where: str, body: dict, r: int, meta: dict, spec: TrajectorySpec) -> None:
-    """Check the size and sha256 of every column file of rank ``r`` (reading each once, keeping nothing)."""
+    """Check the size and sha256 of every column file of rank ``r``, reading each once and keeping nothing.
+
+    Cost: reads ``steps_used * step_bytes`` bytes. Local.
+    Args:
+        where: the checkpoint directory.
+        body: the manifest body.
+        r: the saved rank.
+        meta: its ``shard.json``.
+        spec: the saved spec.
+    Raises:
+        CheckpointError: a column file missing, of the wrong size, or damaged.
+    """
     for i, c in enumerate(spec.columns):
         with _open_column(where, body, r, meta, i, c.step_bytes) as chk:
             chk.finish()
 
 
 def map_column(where: str, r: int, meta: dict, index: int, column) -> np.ndarray:
-    """Column file ``index`` of rank ``r`` as a read-only array of ``steps_used`` steps (a memmap)."""
+    """Column file ``index`` of rank ``r`` as a read-only memmap. O(1); pages are read on use.
+
+    Not checked here: call :func:`check_columns` first.
+    Args:
+        where: the checkpoint directory.
+        r: the saved rank.
+        meta: its ``shard.json``.
+        index: the column's position in the spec.
+        column: the spec's :class:`~gear_mpi.spec.Column`.
+    Returns:
+        ``[steps_used, *column.shape]`` array of ``column.dtype``, oldest step first.
+    Raises:
+        OSError, ValueError: the file is missing or too short.
+    """
     filename = os.path.join(where, rank_dir(r), column_file(index))
     return np.memmap(filename, dtype=column.dtype, mode="r", shape=(steps_used(meta),) + column.shape)
 
 
 def shard_state(meta: dict, tag: int) -> dict[str, Any]:
-    """The :meth:`Shard.state` dictionary that ``shard.json`` (and the manifest's ``tag``) describe."""
+    """The :meth:`Shard.state` dictionary that ``shard.json`` and the manifest's ``tag`` describe. O(1).
+
+    Args:
+        meta: a rank's ``shard.json``.
+        tag: the replay's key tag (from the manifest).
+    Returns:
+        As :meth:`~gear_mpi.shard_state.ShardState.state` returns it.
+    Raises:
+        KeyError: a field missing from ``meta``.
+    """
     return {"rank": meta["rank"], "capacity_steps": meta["capacity_steps"], "max_items": meta["max_items"],
             "hwm": int(meta["hwm"]), "ring": [int(v) for v in meta["state"]], "index": meta["index"],
             "rng": meta["rng_shard"], "samples_drawn": int(meta["samples_drawn"]),
