@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cuda_support import cuda_module, simulated_device_array, simulator_enabled
+from .cuda_support import check_versions, cuda_module, simulated_device_array, simulator_enabled
 
 
 def parse_device(device: str) -> tuple[str, int | None]:
@@ -73,7 +73,8 @@ class DeviceContext:
 
     Raises:
         ValueError: not a CUDA device name, or a GPU that does not exist.
-        RuntimeError: no GPU (and no simulator), with the reason.
+        RuntimeError: no GPU (and no simulator), with the reason; or a numba-cuda / numpy
+            pair that cannot compile kernels (the message names both versions and the fix).
     """
 
     def __init__(self, device: str = "cuda", local_rank: int = 0):
@@ -86,6 +87,7 @@ class DeviceContext:
             self.torch_device = torch.device("cpu")
             self.threads = 32  # simulated threads are Python threads: keep launches small
         else:
+            check_versions()  # before the GPU checks: a wrong install is the first thing to fix
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' but torch sees no GPU (set NUMBA_ENABLE_CUDASIM=1 to simulate)")
             cuda = cuda_module()

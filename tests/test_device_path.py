@@ -30,3 +30,16 @@ def test_gpu_follows_the_local_rank():
     assert parse_device("cuda:2") == ("cuda", 2) and parse_device("cuda") == ("cuda", None)
     with pytest.raises(ValueError, match="device must be"):
         parse_device("gpu")
+
+
+def test_device_cuda_names_incompatible_versions(monkeypatch):
+    """device="cuda" with a numba-cuda that cannot compile for this numpy: a clear error first."""
+    from gear_mpi import cuda_support, device
+    monkeypatch.setattr(device, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.5.5", "0.30.4"))
+    with pytest.raises(RuntimeError, match=r"numba-cuda 0\.30\.4 cannot compile CUDA kernels with numpy 2\.5\.5"):
+        device.DeviceContext("cuda")
+    monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.4.6", "0.30.4"))
+    if not device.torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="torch sees no GPU"):   # past the version check
+            device.DeviceContext("cuda")
