@@ -2,7 +2,7 @@
 
 A plan turns the *header* of a sample -- a row per rank, agreed by
 ``MpiComm.agree``: (batch size, window, align code, selection mass, live items,
-smallest weight) -- into an :class:`Assignment`: the slots this rank serves, in
+smallest weight, mode code) -- into an :class:`Assignment`: the slots this rank serves, in
 requester order, with how many go to each requester and how many this rank
 receives from each owner. Every plan handles both kinds of selector:
 proportional (Uniform, Prioritized: draws over the weights) and ordered (Fifo,
@@ -15,7 +15,10 @@ Lifo, Max/MinPriority: the globally best items).
   everybody and scatters the choices; one alltoall of counts.
 - :class:`LocalPlan` -- each rank serves itself from its own shard; no message.
 
-Costs are in each class's docstring (``P`` ranks, ``Btot`` items asked in all).
+Every mode's plan is built once over the same shard (:func:`build_plans`); a sample
+picks one per call, and the mode code in the header makes every rank agree on it
+(:func:`check_mode`). Costs are in each class's docstring (``P`` ranks, ``Btot``
+items asked in all).
 """
 from __future__ import annotations
 
@@ -28,8 +31,42 @@ from .comm import MpiComm, displacements
 from .errors import EmptyReplayError
 from .shard import Shard
 
-# the columns of a sample's header (one row per rank)
-BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT = range(6)
+# the columns of a sample's header (one row per rank); MODE: the index of the call's mode in MODES
+BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE = range(7)
+HEADER_WIDTH = 7
+MODES = ("decentralized", "centralized", "local")
+
+
+def mode_code(mode: str) -> int:
+    """The header code of a sampling mode (its index in :data:`MODES`). O(1), local.
+
+    Args:
+        mode: one of :data:`MODES`.
+    Returns:
+        Its index in :data:`MODES`.
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return MODES.index(mode)
+
+
+def check_mode(head: np.ndarray) -> str:
+    """The mode every rank asked for in the agreed header. O(ranks), local; the same on every rank.
+
+    Args:
+        head: the agreed header (``[ranks, HEADER_WIDTH]`` float64).
+    Returns:
+        The mode's name.
+    Raises:
+        ValueError: the ranks asked for different modes (the same message on every rank).
+    """
+    codes = [int(c) for c in head[:, MODE].tolist()]
+    if len(set(codes)) > 1:
+        raise ValueError(f"sample: mode must be the same on every rank; got {[MODES[c] for c in codes]} "
+                         f"(rank r's mode at position r)")
+    return MODES[codes[0]]
 
 
 class Assignment(NamedTuple):
@@ -50,7 +87,7 @@ def check_header(head: np.ndarray, proportional: bool) -> None:
     """Raise the same error on every rank when the agreed header cannot be served. O(ranks), local.
 
     Args:
-        head: the agreed header (``[ranks, 6]`` float64, a row per rank; see the module docstring).
+        head: the agreed header (``[ranks, HEADER_WIDTH]`` float64, a row per rank; see the module docstring).
         proportional: whether the selector draws by weight (then a zero total mass cannot be served).
     Raises:
         ValueError: window or align differ between ranks.
@@ -92,7 +129,7 @@ class Plan(ABC):
 
         Collective for the decentralized (ordered selectors) and centralized plans; see each class for its cost.
         Args:
-            head: ``[ranks, 6]`` float64, a row per rank (this rank's row only for :class:`LocalPlan`).
+            head: ``[ranks, HEADER_WIDTH]`` float64, a row per rank (this rank's row only for :class:`LocalPlan`).
         Returns:
             This rank's :class:`Assignment`.
         Raises:
@@ -125,7 +162,7 @@ class DecentralizedPlan(Plan):
         """Turn the agreed header into this rank's assignment (see the class docstring for the cost).
 
         Args:
-            head: the agreed header, ``[ranks, 6]`` float64.
+            head: the agreed header, ``[ranks, HEADER_WIDTH]`` float64.
         Returns:
             This rank's :class:`Assignment`.
         Raises:
@@ -162,7 +199,7 @@ class CentralizedPlan(Plan):
 
         Collective: a gatherv to rank 0, a scatterv of the choices, an alltoall of counts.
         Args:
-            head: the agreed header, ``[ranks, 6]`` float64.
+            head: the agreed header, ``[ranks, HEADER_WIDTH]`` float64.
         Returns:
             This rank's :class:`Assignment`.
         Raises:
@@ -217,7 +254,7 @@ class LocalPlan(Plan):
         """This rank's assignment: ``head[0, BATCH]`` of its own items. Local; selection as :meth:`Shard.select`.
 
         Args:
-            head: this rank's header row, ``[1, 6]`` float64.
+            head: this rank's header row, ``[1, HEADER_WIDTH]`` float64.
         Returns:
             An :class:`Assignment` that serves this rank only.
         Raises:
@@ -233,6 +270,18 @@ class LocalPlan(Plan):
 
 PLANS: dict[str, type[Plan]] = {"decentralized": DecentralizedPlan, "centralized": CentralizedPlan,
                                 "local": LocalPlan}
+
+
+def build_plans(comm: MpiComm, shard: Shard, rng: np.random.Generator,
+                shared_rng: np.random.Generator) -> dict[str, Plan]:
+    """One plan per mode of :data:`MODES`, all over the same shard and streams (local, O(modes)).
+
+    Args:
+        comm, shard, rng, shared_rng: as :class:`Plan` takes them.
+    Returns:
+        Mode name -> its plan; a sample picks one per call.
+    """
+    return {mode: PLANS[mode](comm, shard, rng, shared_rng) for mode in MODES}
 
 
 def global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,12 +2,14 @@
 
 Every rank of ``comm`` owns one :class:`~gear_mpi.shard.Shard`. ``insert`` and
 ``insert_many`` are local. Construction, ``sample``, ``update_priorities``,
-``stats`` and ``close`` are collectives: every rank calls them, in the same
-order, like an ``MPI_Allreduce``. A rank may ask for any batch size (0
-included), but ``window`` and ``align`` must be the same on every rank.
+``stats``, ``get_many`` and ``close`` are collectives: every rank calls them, in the
+same order, like an ``MPI_Allreduce``. A rank may ask for any batch size (0
+included), but ``window``, ``align`` and the call's ``mode`` must be the same on
+every rank. The mode given at construction is the default; ``sample(..., mode=)``
+picks another for one call (the plans of every mode work over the same shards).
 
 A sample reads as its protocol: the ranks agree on the arguments (one allgather
-of a 7-value header); the mode's plan (:mod:`gear_mpi.plans`) turns the header
+of an 8-value header); the mode's plan (:mod:`gear_mpi.plans`) turns the header
 into the items each owner serves each requester; the window transport
 (:mod:`gear_mpi.transport`) delivers a 48-byte *choice* per item and the
 windows, copied straight out of a node peer's shared memory or sent by MPI
@@ -25,38 +27,37 @@ others raise :class:`CollectiveTimeoutError`; the replay is then unusable.
 from __future__ import annotations
 
 import secrets
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, routing
 from . import keys as keyspace
+from . import stats as stats_schema
 from .batch import Batch
 from .comm import MpiComm
 from .device import DeviceContext, parse_device
-from .errors import InvalidKeyError
-from .keys import as_key_array
 from .memory import memory_kind
 from .node import NodeView
-from .plans import PLANS, Assignment, check_header
+from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code
+from .replay_state import ReplayState
 from .selectors import Selector, Uniform
 from .shard import Shard
 from .spec import TrajectorySpec, validate_priorities
 from .transport import WindowTransport
 from .windows import check_batch_size, check_window
 
-MODES = ("decentralized", "centralized", "local")
-_STATS = ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
-          "stale_updates", "stored_bytes", "raw_bytes", "windows_shared", "windows_mpi")
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay:
+class Replay(ReplayState):
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
 
     Args:
         spec: the columns of a trajectory; capacity_steps: steps each rank's shard holds.
-        sampler: the selector (default :class:`Uniform`); mode: one of :data:`MODES`.
+        sampler: the selector (default :class:`Uniform`); mode: one of :data:`MODES`, the default of
+            :meth:`sample` (each call may pick another).
         comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
         seed: fixes every rank's streams (each rank derives its own).
         timeout: seconds any collective waits for a rank, construction included.
@@ -80,8 +81,7 @@ class Replay:
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
                  window_transport: str = "nccl"):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
         self.window_transport = window_transport
@@ -127,7 +127,7 @@ class Replay:
             if self.shard is not None:
                 self.shard.close()
             raise
-        self.plan = PLANS[mode](self.comm, self.shard, self.rng, self.shared_rng)
+        self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
         self.spec = spec
         self.selector = sampler
         self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
@@ -141,8 +141,16 @@ class Replay:
         return self.comm.rank
 
     @property
+    def ranks(self) -> int:
+        """Ranks in the replay's communicator (not items: ``len(replay)`` counts this rank's, and
+        ``stats()["total"]["items"]`` the replay's)."""
+        return self.comm.size
+
+    @property
     def size(self) -> int:
-        """Ranks in the replay's communicator."""
+        """Deprecated name of :attr:`ranks` (it was read as a number of items); warns."""
+        warnings.warn("Replay.size is the number of ranks: use Replay.ranks (len(replay) is this rank's live "
+                      "items)", DeprecationWarning, stacklevel=2)
         return self.comm.size
 
     @property
@@ -191,7 +199,7 @@ class Replay:
         return self.shard.insert_many(trajectories, priorities)
 
     def get(self, key: int) -> dict[str, np.ndarray]:
-        """A trajectory of this rank's shard (local, O(length) copy).
+        """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
 
         Args:
             key: a key this rank's shard issued.
@@ -202,23 +210,54 @@ class Replay:
         """
         return self.shard.get(key)
 
+    def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
+        """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
+        its own keys; an empty list is fine).
+
+        Args:
+            keys: keys issued by this replay, of any rank (e.g. ``batch.keys``).
+        Returns:
+            One entry per key, in the given order: column name -> ``[L, *shape]`` array on the host, or
+            None where the key is stale (its trajectory evicted or removed).
+        Raises:
+            TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        Cost: one allgather (status), then :func:`gear_mpi.routing.fetch`: an alltoall of counts, two
+        alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
+        between node peers (each step is packed by its owner, then sent).
+        """
+        self._check_open()
+        err, owner = None, None
+        try:
+            keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
+        except Exception as e:
+            err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self.comm.agree(err, "get_many")
+        return routing.fetch(self.comm, self.shard, keys, owner)
+
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
-    def sample(self, batch_size: int, window: int | None = None, align: str = "random") -> Batch:
+    def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
+               mode: str | None = None) -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
 
         Args:
             batch_size: windows for this rank (may differ between ranks; 0 allowed).
             window: steps per window (None: the spec's max_length); the same on every rank.
             align: ``"random"``, ``"head"`` or ``"tail"``; the same on every rank.
+            mode: this call's mode, one of :data:`MODES` (None: the replay's); the same on every rank.
+                On a replay built with ``mode="local"``, a call in its own mode does not communicate
+                (so it cannot check the others' modes); every other call agrees on the mode first,
+                a per-call ``"local"`` included (then each rank samples its own shard).
         Returns:
             A :class:`Batch` (on the GPU for a device replay).
         Raises:
-            ValueError: a bad argument on some rank (the same error on every rank).
-            EmptyReplayError: items are asked and none can be selected.
+            ValueError: a bad argument on some rank, or ranks asking for different modes (the same error
+                on every rank).
+            EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
         Cost per call (decentralized, proportional): two rounds of latency -- an
-        allgather of 56 bytes per rank, then, in flight together, one alltoallv of
+        allgather of 64 bytes per rank, then, in flight together, one alltoallv of
         48 bytes per item and one alltoallv per column carrying ``W S`` bytes per
         window owned on another node. A counter published at the end (read by an
         owner before it next writes its shard; see the module docstring) keeps owners
@@ -227,37 +266,45 @@ class Replay:
         on a node, twice (pack + MPI) across nodes.
         """
         self._check_open()
-        if self.mode == "local":  # no communication: on the CPU the shard samples itself
-            if self.device is None:
-                return self.shard.sample(batch_size, window, align)
-            batch_size = check_batch_size(batch_size)
-            window, code = check_window(self.spec, window, align)
-            return self._exchange(self.plan.assign(self._header(batch_size, window, code)[None]), window, code)
-        err = None
+        if self.mode == "local" and mode in (None, "local"):  # no communication
+            return self._sample_local(batch_size, window, align)
+        err, mode = None, self.mode if mode is None else mode
         try:
             batch_size = check_batch_size(batch_size)
             window, code = check_window(self.spec, window, align)
+            mcode = mode_code(mode)
         except Exception as e:  # agreed below, so every rank raises it
-            err, batch_size, window, code = e, 0, 0, 0
-        head = self.comm.agree(err, "sample", self._header(batch_size, window, code))
+            err, batch_size, window, code, mcode = e, 0, 0, 0, 0
+        head = self.comm.agree(err, "sample", self._header(batch_size, window, code, mcode))
+        if check_mode(head) == "local":  # agreed: each rank samples its own shard
+            return self._sample_local(batch_size, window, align)
         self.node.begin_sample()
         try:
             check_header(head, self.selector.proportional)
-            return self._exchange(self.plan.assign(head), window, code)
+            return self._exchange(self.plans[mode].assign(head), window, code, mode)
         finally:
             self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
 
-    def _header(self, batch_size: int, window: int, code: int) -> np.ndarray:
+    def _sample_local(self, batch_size: int, window: int | None, align: str) -> Batch:
+        """This rank's own shard serves it; no communication (on the CPU the shard samples itself)."""
+        if self.device is None:
+            return self.shard.sample(batch_size, window, align)
+        batch_size = check_batch_size(batch_size)
+        window, code = check_window(self.spec, window, align)
+        head = self._header(batch_size, window, code, mode_code("local"))[None]
+        return self._exchange(self.plans["local"].assign(head), window, code, "local")
+
+    def _header(self, batch_size: int, window: int, code: int, mcode: int) -> np.ndarray:
         """This rank's row of a sample's header (see :mod:`gear_mpi.plans`)."""
         sh = self.shard
-        return np.array([batch_size, window, code, sh.total_weight, len(sh), sh.min_weight], np.float64)
+        return np.array([batch_size, window, code, sh.total_weight, len(sh), sh.min_weight, mcode], np.float64)
 
-    def _exchange(self, plan: Assignment, window: int, code: int) -> Batch:
+    def _exchange(self, plan: Assignment, window: int, code: int, mode: str) -> Batch:
         """Owners make the choices of the items they serve, the transport delivers choices and windows,
         and the owners count the uses of what they served."""
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
-                                        local=self.mode == "local")
+                                        local=mode == "local")
         self.windows_shared += int(plan.recv_counts @ self.node.peer_direct)
         self.windows_mpi += int(plan.recv_counts @ self.node.remote)
         self.shard.after_sampling(plan.slots)
@@ -287,64 +334,46 @@ class Replay:
             InvalidKeyError, InvalidPriorityError: a bad key or priority on some rank (on every rank).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
-        Cost: one allgather (status), one alltoall of counts, one alltoallv of 16
-        bytes per key, one alltoall of applied counts; O(n) on the owner plus one
-        batched index update. Duplicate keys: the highest rank's value wins, and
-        within a rank the last one.
+        Cost: one allgather (status, and whether the rank's keys are all its own); then, unless
+        every rank holds only its own keys (as after a local sample), one alltoall of counts, one
+        alltoallv of 16 bytes per key, one alltoall of applied counts; O(n) on the owner plus one
+        batched index update. Duplicate keys: the highest rank's value wins, and within a rank the
+        last one.
         """
         self._check_open()
-        err = None
+        err, own = None, 1.0
         try:
-            keys = as_key_array(keys)
+            keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
-            tag, owner, _, _ = keyspace.decode(keys)
-            bad = (keys < 0) | (tag != self.shard.tag) | (owner >= self.size)
-            if bad.any():
-                raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
+            own = float(bool((owner == self.rank).all()))
         except Exception as e:
             err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
-        self.comm.agree(err, "update_priorities")
+        everyone_own = self.comm.agree(err, "update_priorities", [own])[:, 0].all()
         self.settle()
-        if self.mode == "local":
+        if everyone_own:  # every rank holds only its own keys (as after a local sample): nothing to route
             return int(self.shard.apply_priorities(keys, pr).sum())
-        order = np.argsort(owner, kind="stable")
-        send_counts = np.bincount(owner, minlength=self.size).astype(np.int64)
-        packed = np.stack([keys[order], pr[order].view(np.int64)], 1).reshape(-1)
-        recv_counts = self.comm.alltoall(send_counts, "update_priorities (counts)")
-        got = np.empty((int(recv_counts.sum()), 2), np.int64)
-        self.comm.alltoallv(packed, send_counts * 2, got.reshape(-1), recv_counts * 2, "update_priorities (keys)")
-        applied = self.shard.apply_priorities(got[:, 0], got[:, 1].view(np.float64).copy())
-        source = np.repeat(np.arange(self.size), recv_counts)
-        per_source = np.bincount(source, weights=applied, minlength=self.size).astype(np.int64)
-        back = self.comm.alltoall(per_source, "update_priorities (applied)")
-        return int(back.sum())
+        return routing.route_priorities(self.comm, self.shard, keys, owner, pr)
 
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Collective: per-shard counters (lists indexed by rank), totals, and balance
-        (largest shard / mean shard, in items).
+        """Collective: every rank's figures, their totals and the balance (the schema of
+        :mod:`gear_mpi.stats`, tabled in the README; a shard's ``stats()`` uses the same names).
 
         Returns:
-            ``{"ranks", "mode", "balance"}`` and, for each counter ``k`` (items, live_steps,
-            steps_used, total_weight, inserted, evicted, removed, sampled, stale_updates,
-            stored_bytes, raw_bytes, windows_shared, windows_mpi), ``k`` (per rank) and ``total_k``.
+            ``{"ranks", "mode" (the default), "balance" (largest shard / mean shard, in items),
+            "total": {figure: sum}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}`` for the figures
+            of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
+            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one allgather of ``len(_STATS) + 1`` (14) float64 per rank.
+        Cost: one allgather of 15 float64 per rank (a status and 14 figures).
         """
         self._check_open()
         mine = self.shard.stats()
         mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi)
-        table = self.comm.agree(None, "stats", [mine[k] for k in _STATS])
+        table = self.comm.agree(None, "stats", stats_schema.row(mine))
         self.settle()
-        out: dict[str, Any] = {"ranks": self.size, "mode": self.mode}
-        for i, k in enumerate(_STATS):
-            col = table[:, i]
-            out[k] = [float(v) if k == "total_weight" else int(v) for v in col]
-            out[f"total_{k}"] = float(col.sum()) if k == "total_weight" else int(col.sum())
-        items = table[:, 0]
-        out["balance"] = float(items.max() / items.mean()) if items.sum() else 1.0
-        return out
+        return stats_schema.combine(table, self.mode)
 
     def close(self) -> None:
         """Collective: wait for every rank, unmap the node's shared memory, free the shard.
@@ -357,7 +386,7 @@ class Replay:
             return
         self.closed = True
         try:
-            if self.comm.broken is None and self.size > 1:
+            if self.comm.broken is None and self.ranks > 1:
                 self.settle()
                 self.comm.barrier("close")
         finally:
@@ -377,45 +406,8 @@ class Replay:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Replay(rank={self.rank}/{self.size}, mode={self.mode!r}, sampler={self.selector!r}, "
+        return (f"Replay(rank={self.rank}/{self.ranks}, mode={self.mode!r}, sampler={self.selector!r}, "
                 f"items_here={len(self.shard)})")
-
-    # ---- state for checkpoints ---------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """This rank's replay-level state (local, JSON-serialisable): the replay stream (``"rng"``),
-        the shared stream (``"shared_rng"``, the same on every rank) and the window counters.
-
-        Returns:
-            ``{"rng", "shared_rng", "windows_shared", "windows_mpi"}``.
-        """
-        return {"rng": self.rng.bit_generator.state, "shared_rng": self.shared_rng.bit_generator.state,
-                "windows_shared": int(self.windows_shared), "windows_mpi": int(self.windows_mpi)}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (local; ``"shared_rng"`` optional: kept when absent).
-
-        Args:
-            state: a mapping with ``"rng"``, ``"windows_shared"``, ``"windows_mpi"`` and optionally
-                ``"shared_rng"``.
-        Raises:
-            KeyError: a required entry is missing; ValueError/TypeError: a stream state of another kind.
-        """
-        self.rng.bit_generator.state = state["rng"]
-        if state.get("shared_rng") is not None:
-            self.shared_rng.bit_generator.state = state["shared_rng"]
-        self.windows_shared = int(state["windows_shared"])
-        self.windows_mpi = int(state["windows_mpi"])
-
-    def describe(self) -> dict[str, Any]:
-        """How this replay runs, for a checkpoint's manifest (local).
-
-        Returns:
-            ``{"mode", "timeout", "force_alltoallv", "device": "cpu" | "cuda", "memory": the shard
-            arena's kind ("private" | "shm")}``.
-        """
-        return {"mode": self.mode, "timeout": self.comm.timeout, "force_alltoallv": bool(self.force_alltoallv),
-                "device": "cuda" if self.device is not None else "cpu",
-                "memory": getattr(self.shard.store.arena, "kind", None)}
 
     # ---- checkpoints (see gear_mpi.checkpoint) -------------------------------------------------
     def save(self, path) -> None:

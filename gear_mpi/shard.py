@@ -416,13 +416,17 @@ class Shard(ShardState):
         return np.where(live, self.store.priority[slots], np.nan)
 
     def stats(self) -> dict[str, Any]:
-        """Returns this shard's counters (O(1)): rank, items, live_steps, steps_used, capacity_steps,
-        total_weight, inserted, evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes.
+        """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the README's table). O(1).
+
+        Returns:
+            ``rank`` and every name of ``stats.SHARD_FIGURES``: items, live_steps, steps_used, capacity_steps,
+            weight (the selection mass, float), inserted, evicted, removed, sampled, stale_updates,
+            stored_bytes, raw_bytes.
         """
         s = self.store.state
         return {"rank": self.rank, "items": len(self), "live_steps": self.store.live_steps,
                 "steps_used": self.store.steps_used, "capacity_steps": self.capacity_steps,
-                "total_weight": self.total_weight, "inserted": int(s[ring.INSERTED_TOTAL]),
+                "weight": float(self.total_weight), "inserted": int(s[ring.INSERTED_TOTAL]),
                 "evicted": int(s[ring.EVICTED_TOTAL]), "removed": int(s[ring.REMOVED_TOTAL]),
                 "sampled": self.samples_drawn, "stale_updates": self.stale_updates,
                 "stored_bytes": self.stored_bytes(), "raw_bytes": self.raw_bytes()}

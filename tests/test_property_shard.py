@@ -376,7 +376,7 @@ class ShardMachine(RuleBasedStateMachine):
         assert (s["inserted"], s["evicted"], s["removed"], s["sampled"], s["stale_updates"]) == \
             (m.inserted, m.evicted, m.removed, m.sampled, m.stale)
         if self.selector.proportional:
-            assert s["total_weight"] == pytest.approx(sum(self.weights(live)), rel=1e-9, abs=1e-12)
+            assert s["weight"] == pytest.approx(sum(self.weights(live)), rel=1e-9, abs=1e-12)
         keys = [e.key for e in live]
         if keys:
             assert self.shard.priorities(keys).tolist() == [e.priority for e in live]

@@ -16,12 +16,12 @@ from mpi_util import passes, remove_leaked_mpich_segments, run_mpi, run_pytest_m
 
 # (ranks, force every remote window through MPI, modules run by that one start)
 RUNS = [
-    (1, False, ["test_windows.py"]),                    # one plain process: an MPI singleton, no mpiexec
+    (1, False, ["test_windows.py", "test_api.py"]),     # one plain process: an MPI singleton, no mpiexec
     (2, False, ["test_windows.py", "test_errors.py"]),
     (2, True, ["test_windows.py"]),
-    (3, True, ["test_windows.py", "test_distribution.py", "test_fence.py",
+    (3, True, ["test_windows.py", "test_distribution.py", "test_fence.py", "test_api.py",
                "test_device.py::test_torch_comm_alltoallv_over_gloo"]),
-    (4, False, ["test_windows.py", "test_distribution.py"]),
+    (4, False, ["test_windows.py", "test_distribution.py", "test_api.py"]),
     (4, True, ["test_windows.py", "test_errors.py"]),
 ]
 

@@ -574,6 +574,21 @@ def test_stored_bytes_within_5_percent_of_raw_bytes(shard_factory, sampler):
     assert shard.stored_bytes() == shard.stats()["stored_bytes"]
 
 
+def test_stats_use_the_replay_schema_names(spec, make_traj):
+    """Shard.stats(): its rank and the figures of gear_mpi.stats.SHARD_FIGURES (the names a replay's
+    ``per_rank`` and ``total`` use); ``weight`` is the selection mass."""
+    from gear_mpi import stats as stats_schema
+    shard = gm.Shard(spec, 50, gm.Prioritized(1.0, 0.4), tag=1)
+    shard.insert(make_traj(3), priority=2.0)
+    shard.insert(make_traj(4), priority=0.5)
+    st = shard.stats()
+    assert list(st) == ["rank"] + list(stats_schema.SHARD_FIGURES)
+    assert st["weight"] == pytest.approx(2.5) and isinstance(st["weight"], float)
+    assert st["items"] == len(shard) == 2 and st["capacity_steps"] == 50 and st["live_steps"] == 7
+    assert all(isinstance(st[k], int) for k in stats_schema.SHARD_FIGURES if k != "weight")
+    shard.close()
+
+
 def test_close_and_context_manager(spec, make_traj):
     with gm.Shard(spec, 50, tag=1) as shard:
         shard.insert(make_traj(3))

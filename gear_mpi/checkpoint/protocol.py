@@ -134,7 +134,7 @@ def _manifest_body(replay, shards: list[dict]) -> dict:
     own = sh.state()
     how = replay.describe()
     return {
-        "spec": replay.spec.to_dict(), "column_order": list(replay.spec.names), "ranks": replay.size,
+        "spec": replay.spec.to_dict(), "column_order": list(replay.spec.names), "ranks": replay.ranks,
         "capacity_steps": own["capacity_steps"], "max_items": own["max_items"],
         "max_times_sampled": sh.max_times_sampled or None, "sampler": _sampler_dict(replay.selector),
         "mode": how["mode"], "timeout": how["timeout"], "force_alltoallv": bool(how["force_alltoallv"]),

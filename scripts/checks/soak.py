@@ -95,7 +95,7 @@ def worker(args) -> int:
             continue
         done = bool(flags[1])
         st = replay.stats()
-        full = all(e > 0 for e in st["evicted"])
+        full = all(e > 0 for e in st["per_rank"]["evicted"])
         elapsed = max(now - (next_row - args.interval), 1e-9)
         tot = np.zeros(4)
         comm.Allreduce(counts, tot, op=MPI.SUM)
@@ -103,7 +103,7 @@ def worker(args) -> int:
         rss_all = comm.allgather(rss)
         row = dict(time_s=round(now - t0, 2), inserts_per_s=tot[0] / elapsed, samples_per_s=tot[1] / elapsed,
                    updates_per_s=tot[2] / elapsed, mb_per_s=tot[3] / elapsed / 1e6, rss_max_mb=max(rss_all),
-                   items=st["total_items"], full=full)
+                   items=st["total"]["items"], full=full)
         rows.append(row)
         if rank == 0:
             if args.json:

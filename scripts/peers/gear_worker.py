@@ -99,7 +99,7 @@ def w1(cfg: dict) -> None:
                       "bytes_per_call": k * data_bytes, "items_per_call": k * W1_BATCH,
                       "bytes_total": len(times) * k * data_bytes, "items_total": len(times) * k * W1_BATCH,
                       "fill_s": fill_s,
-                      "windows_shared": stats["total_windows_shared"], "windows_mpi": stats["total_windows_mpi"],
+                      "windows_shared": stats["total"]["windows_shared"], "windows_mpi": stats["total"]["windows_mpi"],
                       "version": version()})
             del replay
             gc.collect()

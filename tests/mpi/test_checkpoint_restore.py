@@ -49,7 +49,7 @@ def test_exact_restore_draws_the_same_samples(shared_dir, name, sel, mode, kw):
     fill(replay, 14 + 5 * RANK, base=1)  # more than fits: the rings wrap and evict
     drive(replay, 3, seed=5)
     replay.save(path)
-    saved = replay.stats()["total_items"]
+    saved = replay.stats()["total"]["items"]
     expect = drive(replay, 4, seed=9)
     stats = replay.stats()
     loaded, key_map = gm.Replay.load(path)
@@ -58,10 +58,10 @@ def test_exact_restore_draws_the_same_samples(shared_dir, name, sel, mode, kw):
     got = drive(loaded, 4, seed=9)
     for i, (a, b) in enumerate(zip(expect, got)):
         same_batch(a, b, f"{name} batch {i}")
-    after = loaded.stats()
-    for k in ("items", "live_steps", "steps_used", "total_weight", "inserted", "evicted", "removed", "sampled",
+    after = loaded.stats()["per_rank"]
+    for k in ("items", "live_steps", "steps_used", "weight", "inserted", "evicted", "removed", "sampled",
               "stale_updates"):
-        assert after[k] == stats[k], (name, k, after[k], stats[k])
+        assert after[k] == stats["per_rank"][k], (name, k, after[k], stats["per_rank"][k])
     # identical shards afterwards; the keys still name the same trajectories
     assert replay.shard.state() == loaded.shard.state()
     keys = replay.shard.live_keys()
@@ -80,9 +80,9 @@ def test_replace_and_recover_from_a_crash_between_renames(shared_dir):
     replay.save(path)
     fill(replay, 3, base=50)
     replay.save(path)  # replaces the first
-    n_now = replay.stats()["total_items"]
+    n_now = replay.stats()["total"]["items"]
     loaded, key_map = gm.Replay.load(path)
-    assert loaded.stats()["total_items"] == n_now and len(key_map[0]) == n_now
+    assert loaded.stats()["total"]["items"] == n_now and len(key_map[0]) == n_now
     loaded.close()
     assert not os.path.exists(path + ".old")
     # a save that crashed between its renames leaves only path.old: load takes it
@@ -92,7 +92,7 @@ def test_replace_and_recover_from_a_crash_between_renames(shared_dir):
         os.makedirs(path + ".tmp-deadbeef/rank-00000")  # debris of an interrupted save
     COMM.Barrier()
     loaded, key_map = gm.Replay.load(path)
-    assert loaded.stats()["total_items"] == n_now
+    assert loaded.stats()["total"]["items"] == n_now
     loaded.close()
     fill(replay, 2, base=70)
     replay.save(path)  # installs the new one, removes path.old and the debris
@@ -199,7 +199,7 @@ def _check_resharded(path: str, ref: dict, comm, capacity: int | None) -> None:
     """Load ``path`` onto ``comm`` (optionally with another capacity) and check it against ``ref``."""
     kw = {} if capacity is None else {"capacity_steps": capacity}
     replay, (old, new) = gm.Replay.load(path, comm, timeout=30.0, **kw)
-    rank, size = replay.rank, replay.size
+    rank, size = replay.rank, replay.ranks
     assert np.array_equal(old, np.sort(ref["key"])), "key_map covers every live trajectory"
     by_key = {int(k): i for i, k in enumerate(ref["key"])}
     eff = np.zeros(len(ref["key"]), np.int64)  # global insertion order as the loader defines it
@@ -248,7 +248,7 @@ def _check_resharded(path: str, ref: dict, comm, capacity: int | None) -> None:
         want = traj(int(ref["id"][lookup[k]]))
         n = int(b.lengths[row])
         assert np.array_equal(b["obs"].numpy()[row, :n], want["obs"][:n])
-    assert replay.stats()["total_items"] == int((~dropped).sum())
+    assert replay.stats()["total"]["items"] == int((~dropped).sum())
     replay.close()
 
 

@@ -70,7 +70,7 @@ def test_gpu_replay_matches_cpu_replay(mode, force, selector):
     if force and SIZE > 1:
         assert (gpu.torch_comm is not None) == (transport == "nccl")
         if sampler.proportional:  # random owners: some windows surely crossed (fixed seed)
-            assert st["total_windows_mpi"] > 0, st
+            assert st["total"]["windows_mpi"] > 0, st
     gpu.close()
     cpu.close()
 

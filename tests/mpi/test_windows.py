@@ -47,9 +47,9 @@ def test_exact_windows_weights_and_order(mode, selector, force):
         else:
             check_global_order(sel, ref, [k for k, _, _ in flat], rows)
     st = replay.stats()
-    assert st["items"] == sizes and st["total_items"] == live, st
+    assert st["per_rank"]["items"] == sizes and st["total"]["items"] == live, st
     if force:
-        assert st["total_windows_shared"] == 0, st
+        assert st["total"]["windows_shared"] == 0, st
     replay.close()
 
 
@@ -109,7 +109,7 @@ def test_priority_updates_reach_owners_and_stale_keys_are_dropped(force):
     applied = replay.update_priorities(asked, np.ones(len(asked)))
     assert applied == 0, applied
     st = replay.stats()
-    assert st["total_stale_updates"] == len(everyone_old), st
+    assert st["total"]["stale_updates"] == len(everyone_old), st
     replay.close()
 
 
@@ -122,9 +122,9 @@ def test_window_path_is_node_shared_memory_or_mpi_when_forced(force):
     st = replay.stats()
     if SIZE > 1:
         if force:
-            assert st["total_windows_shared"] == 0 and st["total_windows_mpi"] > 0, st
+            assert st["total"]["windows_shared"] == 0 and st["total"]["windows_mpi"] > 0, st
         else:
-            assert st["total_windows_mpi"] == 0 and st["total_windows_shared"] > 0, st
+            assert st["total"]["windows_mpi"] == 0 and st["total"]["windows_shared"] > 0, st
     replay.close()
 
 

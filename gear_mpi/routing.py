@@ -1,0 +1,130 @@
+"""Key-routed collectives: requests by key, sent to the rank that owns each key, answered there.
+
+A key names its owner rank (:mod:`gear_mpi.keys`), so any rank may hold keys of
+any shard. Two collectives of ``Replay`` route them:
+
+- :func:`route_priorities` -- new priorities to their owners (``update_priorities``);
+- :func:`fetch` -- whole trajectories from their owners back to the ranks that
+  asked (``get_many``), over plain MPI for every rank, node peers included.
+
+Both take keys already checked by :func:`check_keys` and agreed (``MpiComm.agree``),
+so an owner never meets a key it cannot resolve in the middle of an exchange.
+Every function here is collective except :func:`check_keys`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import keys as keyspace
+from .comm import MpiComm, displacements
+from .errors import InvalidKeyError
+from .keys import as_key_array
+from .shard import Shard
+
+
+def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check that every key was issued by this replay, and name its owner. O(n), local.
+
+    Args:
+        keys: keys of any rank (int, sequence, numpy array or tensor).
+        tag: the replay's key tag.
+        ranks: ranks of the replay.
+        max_items: trajectory slots of every shard (the same on every rank).
+    Returns:
+        ``(keys, owner)``: int64 arrays, one entry per key.
+    Raises:
+        TypeError: the keys are not integers.
+        InvalidKeyError: a key of another replay, or naming a rank or slot the replay does not have.
+    """
+    keys = as_key_array(keys)
+    k_tag, owner, _, slot = keyspace.decode(keys)
+    bad = (keys < 0) | (k_tag != tag) | (owner >= ranks) | (slot >= max_items)
+    if bad.any():
+        raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
+    return keys, owner.astype(np.int64, copy=False)
+
+
+def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str):
+    """Sort the keys by owner and tell each owner how many it gets. One alltoall of 8 bytes a pair."""
+    order = np.argsort(owner, kind="stable")
+    send_counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
+    recv_counts = comm.alltoall(send_counts, f"{what} (counts)")
+    return order, send_counts, recv_counts
+
+
+def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray,
+                     priorities: np.ndarray) -> int:
+    """Collective: each key's new priority goes to its owner, which applies it.
+
+    Args:
+        comm: the replay's communicator; shard: this rank's shard.
+        keys, owner: as :func:`check_keys` returns them; priorities: validated, one per key.
+    Returns:
+        How many of this rank's keys were applied (stale keys are dropped and counted by their owner).
+    Raises:
+        CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one alltoall of counts, one alltoallv of 16 bytes per key, one alltoall of applied counts;
+    O(n) on the owner plus one batched index update. Duplicates: the highest rank's value wins, and
+    within a rank the last one.
+    """
+    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "update_priorities")
+    packed = np.stack([keys[order], priorities[order].view(np.int64)], 1).reshape(-1)
+    got = np.empty((int(recv_counts.sum()), 2), np.int64)
+    comm.alltoallv(packed, send_counts * 2, got.reshape(-1), recv_counts * 2, "update_priorities (keys)")
+    applied = shard.apply_priorities(got[:, 0], got[:, 1].view(np.float64).copy())
+    source = np.repeat(np.arange(comm.size), recv_counts)
+    per_source = np.bincount(source, weights=applied, minlength=comm.size).astype(np.int64)
+    back = comm.alltoall(per_source, "update_priorities (applied)")
+    return int(back.sum())
+
+
+def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> list[dict[str, np.ndarray] | None]:
+    """Collective: the whole trajectory behind each key, read by its owner and sent back.
+
+    Args:
+        comm: the replay's communicator; shard: this rank's shard.
+        keys, owner: as :func:`check_keys` returns them (any rank's keys; none is fine).
+    Returns:
+        One entry per key, in the order of ``keys``: column name -> ``[L, *shape]`` array (the
+        arrays of one call share a buffer per column), or None for a stale key (evicted or removed).
+    Raises:
+        CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one alltoall of counts, one alltoallv of 8 bytes per key each way (keys, then lengths),
+    then one alltoallv per column, posted together, of ``L * step_bytes`` bytes per live trajectory.
+    Every step is copied twice (the owner packs it, MPI delivers it), node peers and this rank's
+    own keys included; O(total steps) on the owner.
+    """
+    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "get_many")
+    asked = np.empty(int(recv_counts.sum()), np.int64)
+    comm.alltoallv(keys[order], send_counts, asked, recv_counts, "get_many (keys)")
+    # the owner: lengths back (-1: stale), then the steps of the live ones, requester by requester
+    store = shard.store
+    slots, live = store.resolve(asked)
+    lengths = np.where(live, store.length[slots], -1).astype(np.int64)
+    got_lengths = np.empty(len(keys), np.int64)
+    comm.alltoallv(lengths, recv_counts, got_lengths, send_counts, "get_many (lengths)")
+    n_out, n_in = np.maximum(lengths, 0), np.maximum(got_lengths, 0)
+    requester = np.repeat(np.arange(comm.size), recv_counts)
+    steps_out = np.bincount(requester, weights=n_out, minlength=comm.size).astype(np.int64)
+    steps_in = np.bincount(owner[order], weights=n_in, minlength=comm.size).astype(np.int64)
+    step = np.arange(int(n_out.sum()), dtype=np.int64) - np.repeat(displacements(n_out), n_out)
+    ring_steps = (np.repeat(np.where(live, store.start[slots], 0), n_out) + step) % store.capacity
+    received, send_buffers, requests = {}, [], []
+    for c in shard.spec.columns:
+        send = np.ascontiguousarray(store.columns[c.name][ring_steps])
+        recv = np.empty((int(n_in.sum()),) + c.shape, c.dtype)
+        requests.append(comm.ialltoallv(send.reshape(-1).view(np.uint8), steps_out * c.step_bytes,
+                                        recv.reshape(-1).view(np.uint8), steps_in * c.step_bytes))
+        send_buffers.append(send)  # must outlive the requests
+        received[c.name] = recv
+    comm.wait_all(requests, "get_many (steps)")
+    del send_buffers
+    out: list[dict[str, np.ndarray] | None] = [None] * len(keys)
+    first = displacements(n_in)
+    for j, i in enumerate(order.tolist()):
+        if got_lengths[j] >= 0:
+            a, b = int(first[j]), int(first[j] + n_in[j])
+            out[i] = {name: col[a:b] for name, col in received.items()}
+    return out

@@ -1,0 +1,191 @@
+"""The names of the API on K ranks: a per-call sampling mode, the collective get, the stats schema.
+
+Run by tests/test_replay_mpi.py on 1-4 ranks; by hand:
+``mpiexec -n 3 python -m pytest tests/mpi/test_api.py``. Shards are uneven with an
+empty one (rank 1).
+
+- ``sample(..., mode=M)`` on a replay built with another mode draws exactly what a
+  replay built with mode M draws (the same seeds, shards and calls): the same rows,
+  probabilities, weights and counters; ranks asking for different modes all get the
+  same ValueError.
+- ``get_many(keys)`` returns whole trajectories of any rank's keys in the caller's
+  order (duplicates, no keys on some rank, stale keys as None); a foreign key on one
+  rank raises InvalidKeyError on every rank.
+- ``stats()`` has the one schema of gear_mpi.stats; ``ranks`` counts ranks and the
+  deprecated ``size`` still does, with a DeprecationWarning.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi import stats as stats_schema
+from replay_checks import COMM, RANK, SIZE, SPEC, check_windows, fill, make_replay, owner_of, shard_sizes
+
+MODES = ("decentralized", "centralized", "local")
+SELECTORS = {"Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": lambda: gm.Fifo()}
+
+
+def expect_same_error(fn, cls, what: str) -> None:
+    """``fn()`` raises ``cls`` on this rank, with the same message on every rank, containing ``what``."""
+    try:
+        fn()
+    except cls as e:
+        msgs = COMM.allgather(str(e))
+        assert len(set(msgs)) == 1, msgs
+        assert what in msgs[0], (what, msgs[0])
+        return
+    raise AssertionError(f"expected {cls.__name__} on rank {RANK}")
+
+
+def without_tag(keys) -> np.ndarray:
+    """Owner, generation and slot of each key: what two replays with different key tags share."""
+    return np.stack(gm.keys.decode(np.asarray(keys, np.int64))[1:])
+
+
+def fill_in_turn(replays: list, n: int, seed: int) -> dict:
+    """``fill`` each replay with the same trajectories, one rank after the other, so that insertion
+    stamps order the shards the same way in every replay (Fifo/Lifo merge shards by stamp)."""
+    ref = {}
+    for r in range(SIZE):
+        for replay in replays:
+            got = fill(replay, n if r == RANK else 0, seed)  # fill gathers every rank's inserts
+            if replay is replays[0]:
+                ref.update(got)
+    return ref
+
+
+def same_rows(a: gm.Batch, b: gm.Batch, where: str) -> None:
+    np.testing.assert_array_equal(without_tag(a.keys.numpy()), without_tag(b.keys.numpy()), err_msg=where)
+    np.testing.assert_array_equal(a.probabilities.numpy(), b.probabilities.numpy(), err_msg=where)
+    np.testing.assert_array_equal(a.weights.numpy(), b.weights.numpy(), err_msg=where)
+    np.testing.assert_array_equal(a.lengths.numpy(), b.lengths.numpy(), err_msg=where)
+    np.testing.assert_array_equal(a.mask.numpy(), b.mask.numpy(), err_msg=where)
+    for name in SPEC.names:
+        np.testing.assert_array_equal(a.numpy()[name], b.numpy()[name], err_msg=f"{where}: {name}")
+
+
+@pytest.mark.parametrize("selector", list(SELECTORS))
+@pytest.mark.parametrize("mode", MODES)
+def test_per_call_mode_draws_what_a_replay_built_with_that_mode_draws(mode, selector, force):
+    built = "local" if mode != "local" else "decentralized"  # a replay whose own mode is another one
+    other = make_replay(SELECTORS[selector](), built, force=force)
+    ref_replay = make_replay(SELECTORS[selector](), mode, force=force)
+    sizes = shard_sizes()
+    ref = fill_in_turn([other, ref_replay], sizes[RANK], seed=11)
+    for call, (align, window) in enumerate((("random", 5), ("head", 12), ("tail", 7), ("random", 3))):
+        # local: a rank with an empty shard asks for nothing (it would raise EmptyReplayError on that rank)
+        ask = 0 if (mode == "local" and sizes[RANK] == 0) else 2 + RANK + call
+        got = other.sample(ask, window, align, mode=mode)
+        want = ref_replay.sample(ask, window, align)
+        check_windows(got, ref, window, align)
+        same_rows(got, want, f"{mode} per call on a {built} replay, call {call}")
+        if mode == "local":
+            assert all(owner_of(k) == RANK for k in got.keys.tolist())
+        keys = got.keys.numpy()
+        new = np.linspace(0.5, 2.0, len(keys))
+        assert other.update_priorities(keys, new) == ref_replay.update_priorities(want.keys.numpy(), new)
+    a, b = other.stats(), ref_replay.stats()
+    assert a["mode"] == built and b["mode"] == mode
+    assert a["per_rank"] == b["per_rank"] and a["total"] == b["total"], (a, b)
+    # the replay's own mode is unchanged by the per-call ones
+    assert other.mode == built
+    other.close()
+    ref_replay.close()
+
+
+def test_ranks_asking_for_different_modes_fail_on_every_rank(force):
+    replay = make_replay(gm.Prioritized(0.6, 0.4), force=force)
+    fill(replay, shard_sizes()[RANK], seed=12)
+    last = SIZE - 1
+    if SIZE > 1:
+        expect_same_error(lambda: replay.sample(2, 3, mode="centralized" if RANK == last else None), ValueError,
+                          "mode must be the same on every rank")
+        expect_same_error(lambda: replay.sample(2, 3, mode="local" if RANK == last else "decentralized"),
+                          ValueError, "mode must be the same on every rank")
+    expect_same_error(lambda: replay.sample(2, 3, mode="global" if RANK == last else None), ValueError,
+                      f"rank {last}: mode must be one of")
+    # nothing broke: every mode still works per call, in any order
+    for mode in ("centralized", "local", "decentralized"):
+        ask = 0 if (mode == "local" and len(replay) == 0) else 2
+        assert len(replay.sample(ask, 3, mode=mode)) == ask
+    replay.close()
+
+
+def test_get_many_returns_any_ranks_trajectories_in_the_callers_order(force):
+    replay = make_replay(gm.Uniform(), force=force)
+    ref = fill(replay, shard_sizes()[RANK], seed=13)
+    everyone = sorted(ref)
+    rng = np.random.default_rng(RANK)
+    if RANK == 1 % SIZE and SIZE > 1:
+        asked = []  # a rank with no keys still takes part
+    else:
+        asked = list(rng.permutation(everyone)) + everyone[:2]  # every rank's keys, shuffled, with duplicates
+    got = replay.get_many(np.array(asked, np.int64))
+    assert len(got) == len(asked)
+    for key, traj in zip(asked, got):
+        data, _ = ref[int(key)]
+        assert set(traj) == set(SPEC.names)
+        for name in SPEC.names:
+            assert traj[name].dtype == data[name].dtype
+            np.testing.assert_array_equal(traj[name], data[name], err_msg=f"{key} {name}")
+    # a local key still works with the local get; a key of another rank is still refused by it
+    mine = [k for k in everyone if owner_of(k) == RANK]
+    if mine:
+        np.testing.assert_array_equal(replay.get(mine[0])["step"], ref[mine[0]][0]["step"])
+    theirs = [k for k in everyone if owner_of(k) != RANK]
+    if theirs:
+        with pytest.raises(gm.InvalidKeyError):
+            replay.get(theirs[0])
+    # the replay still samples afterwards
+    assert len(replay.sample(2, 4)) == 2
+    replay.close()
+
+
+def test_get_many_gives_none_for_stale_keys_and_agrees_on_bad_keys(force):
+    replay = make_replay(gm.Uniform(), force=force)
+    ref = fill(replay, shard_sizes()[RANK], seed=14)
+    old = sorted(ref)
+    rng = np.random.default_rng(100 + RANK)
+    if RANK == 0:  # overwrite rank 0's whole ring (400 steps): every old key of rank 0 goes stale
+        for _ in range(35):
+            replay.insert({"obs": rng.random((12, 3)), "step": np.zeros(12, np.int64),
+                           "flag": np.zeros((12, 2), np.uint8)})
+    got = replay.get_many(old)
+    for key, traj in zip(old, got):
+        if owner_of(key) == 0:
+            assert traj is None, key
+        else:
+            np.testing.assert_array_equal(traj["obs"], ref[key][0]["obs"])
+    assert replay.get_many([]) == []
+    foreign = [int(old[0]) ^ (1 << 62)] if RANK == SIZE - 1 else []  # another tag: not this replay's key
+    expect_same_error(lambda: replay.get_many(foreign), gm.InvalidKeyError, "not issued by this replay")
+    expect_same_error(lambda: replay.get_many([1.5] if RANK == SIZE - 1 else []), TypeError, f"rank {SIZE - 1}")
+    assert len(replay.get_many(old[:1])) == 1
+    replay.close()
+
+
+def test_stats_schema_and_names_of_counts(force):
+    replay = make_replay(gm.Prioritized(1.0, 0.4), force=force)
+    ref = fill(replay, shard_sizes()[RANK], seed=15)
+    replay.sample(3, 4)
+    st = replay.stats()
+    assert set(st) == {"ranks", "mode", "balance", "total", "per_rank"}, st
+    assert st["ranks"] == SIZE and st["mode"] == "decentralized"
+    assert tuple(st["per_rank"]) == tuple(st["total"]) == stats_schema.REPLAY_FIGURES
+    for k, values in st["per_rank"].items():
+        assert len(values) == SIZE and st["total"][k] == pytest.approx(sum(values), rel=1e-12), k
+    assert st["per_rank"]["items"] == shard_sizes() and st["total"]["items"] == len(ref)
+    assert st["total"]["weight"] == pytest.approx(sum(p for _, p in ref.values()), rel=1e-12)
+    assert st["total"]["sampled"] == 3 * SIZE
+    # a shard reports the same figures under the same names
+    own = replay.shard.stats()
+    assert set(own) == {"rank"} | set(stats_schema.SHARD_FIGURES)
+    for k in stats_schema.SHARD_FIGURES:
+        assert own[k] == st["per_rank"][k][RANK], k
+    # ranks, items: each under its own name; size is the deprecated name of ranks
+    assert replay.ranks == SIZE and len(replay) == shard_sizes()[RANK]
+    with pytest.warns(DeprecationWarning, match="Replay.ranks"):
+        assert replay.size == SIZE
+    replay.close()
