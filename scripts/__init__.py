@@ -1,7 +1,7 @@
 """Tools around gear_mpi, run as modules from the repository root (no install, no sys.path edits).
 
     python -m scripts.bench.bench_shard --quick
-    mpiexec -n 4 python -m scripts.bench.bench_replay --quick
+    mpiexec -n 4 python -m mpi4py -m scripts.bench.bench_replay --quick
 
 - ``scripts.bench``  -- benchmarks: bench_shard (one shard), bench_replay (the distributed
   replay), compare_peers (against Reverb, cpprb and TorchRL)

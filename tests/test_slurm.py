@@ -2,8 +2,16 @@
 
 The cluster (munged, slurmctld, slurmd from Debian's packages, configured in a temporary
 directory) is started by scripts/slurm/local_slurm.py and stopped in the fixture's teardown,
-which also checks that no daemon of it is left running. Skips where the test cannot be
-root, or Slurm is missing and apt-get cannot install it. Every wait is bounded.
+which also checks that no daemon of it is left running. Every wait is bounded.
+
+Where Slurm is missing, the fixture installs Debian's packages ``slurmctld slurmd
+slurm-client munge`` with apt-get, as root. Opt out with environment variables:
+
+- ``GEAR_MPI_SKIP_SLURM=1``: skip the real-Slurm tests altogether (no packages, no daemons);
+- ``GEAR_MPI_NO_SYSTEM_PACKAGES=1``: never install system packages; the tests run only where
+  Slurm is installed already, and skip otherwise.
+
+They also skip, with the reason, where they cannot be root or apt-get cannot install Slurm.
 """
 from __future__ import annotations
 
@@ -22,8 +30,29 @@ REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "slurm" / "replay_sample.sbatch"
 JOB_TIMEOUT_S = 120      # sbatch --wait, whole job
 LINE = re.compile(r"^rank (\d+) of (\d+): sampled (\d+), total (\d+)$", re.M)
+SKIP_VAR = "GEAR_MPI_SKIP_SLURM"              # =1: skip the real-Slurm tests
+NO_PACKAGES_VAR = "GEAR_MPI_NO_SYSTEM_PACKAGES"  # =1: never apt-get install (skip if Slurm is missing)
 
 
+def _set(env, name: str) -> bool:
+    return env.get(name, "").strip().lower() not in ("", "0", "no", "false")
+
+
+def skip_reason(env, platform: str, is_root: bool, missing: list[str], has_apt: bool) -> str | None:
+    """Why the real-Slurm tests cannot or must not run here (None: go on, installing Slurm
+    with apt-get when ``missing`` is not empty). Pure: the fixture passes in the facts."""
+    if _set(env, SKIP_VAR):
+        return f"{SKIP_VAR} is set: the real-Slurm tests are skipped"
+    if platform != "linux":
+        return "a local Slurm cluster needs Linux"
+    if not is_root:
+        return "a local Slurm cluster needs root (slurmd runs jobs as their user, munged needs its key)"
+    if missing and _set(env, NO_PACKAGES_VAR):
+        return (f"Slurm is not installed ({missing} missing) and {NO_PACKAGES_VAR} is set, so the test does not "
+                f"apt-get install it (unset it, or set {SKIP_VAR}=1 to skip without this check)")
+    if missing and not has_apt:
+        return f"Slurm is not installed ({missing} missing) and there is no apt-get"
+    return None
 
 
 def clean_env(cluster: Path) -> dict:
@@ -36,17 +65,16 @@ def clean_env(cluster: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if sys.platform != "linux":
-        pytest.skip("a local Slurm cluster needs Linux")
-    if os.geteuid() != 0:
-        pytest.skip("a local Slurm cluster needs root (slurmd runs jobs as their user, munged needs its key)")
-    if local_slurm.missing_programs():
-        if shutil.which("apt-get") is None:
-            pytest.skip(f"Slurm is not installed ({local_slurm.missing_programs()} missing) and there is no apt-get")
-        try:
+    missing = local_slurm.missing_programs() if sys.platform == "linux" else []
+    reason = skip_reason(os.environ, sys.platform, sys.platform == "linux" and os.geteuid() == 0, missing,
+                         shutil.which("apt-get") is not None)
+    if reason:
+        pytest.skip(reason)
+    if missing:
+        try:   # as root: apt-get install slurmctld slurmd slurm-client munge (opt out: see the module's docstring)
             local_slurm.install_packages(timeout=300)
         except local_slurm.ClusterError as e:
-            pytest.skip(f"cannot install Slurm with apt-get: {str(e)[:500]}")
+            pytest.skip(f"cannot install Slurm with apt-get: {str(e)[:500]} (set {SKIP_VAR}=1 to skip this test)")
     d = local_slurm.start(timeout=60, gpus=False)
     try:
         yield d
@@ -95,3 +123,29 @@ def test_replay_sample_job_two_ranks(cluster, launcher):
     assert "slurm_smoke: api=" in text and "ranks=2" in text, text
     assert f"python={sys.executable} " in text, f"the job did not run this interpreter ({sys.executable}):\n{text}"
     assert f"launcher {launcher} " in text, text
+
+
+# ---- the opt-out variables (fast: no cluster) -------------------------------------------------
+
+@pytest.mark.parametrize("value, skipped", [("1", True), ("yes", True), ("0", False), ("", False)])
+def test_skip_variable(value, skipped):
+    reason = skip_reason({SKIP_VAR: value}, "linux", True, [], True)
+    assert (reason is not None) == skipped and (not skipped or SKIP_VAR in reason), reason
+
+
+def test_no_system_packages_variable():
+    env = {NO_PACKAGES_VAR: "1"}
+    reason = skip_reason(env, "linux", True, ["slurmd"], True)
+    assert reason and NO_PACKAGES_VAR in reason and "apt-get" in reason, reason
+    assert skip_reason(env, "linux", True, [], True) is None        # Slurm already there: nothing to install
+    assert skip_reason({}, "linux", True, ["slurmd"], True) is None  # default: install it
+
+
+def test_skip_reason_is_shown(tmp_path):
+    """With GEAR_MPI_SKIP_SLURM=1 the real-Slurm tests skip at once, and pytest prints why."""
+    env = dict(os.environ, **{SKIP_VAR: "1"})
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__,
+                        "-k", "cluster_is_up or replay_sample_job"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "3 skipped" in r.stdout and f"{SKIP_VAR} is set" in r.stdout, r.stdout[-3000:]

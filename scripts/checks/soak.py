@@ -2,8 +2,8 @@
 """Soak test of gm.Replay: inserts, samples and priority updates on K ranks for a while, with
 throughput over time and a check that resident memory stays flat once the replay is full.
 
-    mpiexec -n 4 python -m scripts.checks.soak --seconds 600   # on the ranks it was started with
-    python -m scripts.checks.soak --ranks 2 --seconds 10        # starts mpiexec -n 2 itself
+    mpiexec -n 4 python -m mpi4py -m scripts.checks.soak --seconds 600   # on the ranks it was started with
+    python -m scripts.checks.soak --ranks 2 --seconds 10                 # starts mpiexec -n 2 itself
 
 Every iteration, on every rank: ``insert_many`` of ``--inserts`` trajectories (random lengths
 up to ``--length``), one collective ``sample(--batch, --window)``, one collective

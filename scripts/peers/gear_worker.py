@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """gear_mpi worker for scripts/bench/compare_peers.py (runs in the project's environment).
 
-    mpiexec -n K python gear_worker.py '{"workload": "W1", "items": 256, "seconds": 3, ...}'
+    mpiexec -n K python -m mpi4py gear_worker.py '{"workload": "W1", "items": 256, "seconds": 3, ...}'
     python gear_worker.py '{"workload": "W2", "N": 100000, "batches": [256], "seconds": 2}'
     python gear_worker.py '{"workload": "W3", "Ns": [100000, 10000000], "B": 65536, "seconds": 2}'
 

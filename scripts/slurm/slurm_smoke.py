@@ -12,7 +12,7 @@ used; otherwise (or with ``--api shard``) each rank samples its own ``gm.Shard``
 sampled window is checked: its ``t`` column must be a run of consecutive step numbers of
 one inserted trajectory (step numbers encode the inserting rank), padding must be zero.
 
-    srun --mpi=pmi2 -n 2 python -m scripts.slurm.slurm_smoke --batch-size 8 --window 16
+    srun --mpi=pmi2 -n 2 python -m mpi4py -m scripts.slurm.slurm_smoke --batch-size 8 --window 16
 """
 from __future__ import annotations
 
