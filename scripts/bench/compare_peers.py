@@ -220,7 +220,9 @@ def worker_commands(system: str, workload: str, cfg: dict, setup: dict, args) ->
             cmds = []
             for k in args.clients:  # one numba thread per core per rank; and 1 for K=1 too (see thread_counts)
                 for n in sorted({max(1, cores // k)} | ({1} if args.threads == "both" else set())):
-                    cmds.append(([mpiexec(), "-n", str(k), sys.executable, *script, json.dumps({**cfg, "clients": k})],
+                    # -m mpi4py: an exception on one rank aborts every rank at once
+                    cmds.append(([mpiexec(), "-n", str(k), sys.executable, "-m", "mpi4py", *script,
+                                  json.dumps({**cfg, "clients": k})],
                                  _clean_env({"NUMBA_NUM_THREADS": str(n)})))
             return cmds
         return [([sys.executable, *script, json.dumps({**cfg, "threads": n})],

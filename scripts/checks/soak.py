@@ -159,8 +159,9 @@ def driver(args, argv: list[str]) -> int:
     env.setdefault("NUMBA_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.ranks)))
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
-        proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, "-m", "scripts.checks.soak",
-                               *passthrough], env=env, timeout=args.seconds + args.timeout + 120, cwd=ROOT)
+        # -m mpi4py: an exception on one rank aborts every rank at once
+        proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, "-m", "mpi4py", "-m",
+                               "scripts.checks.soak", *passthrough], env=env, timeout=args.seconds + args.timeout + 120, cwd=ROOT)
     except subprocess.TimeoutExpired:
         print("# soak: mpiexec did not finish in time", file=sys.stderr)
         return 3
