@@ -7,7 +7,8 @@ waited on forever. That includes the steps of construction:
 :meth:`MpiComm.agree_signature` (argument digests), :meth:`MpiComm.split_node`
 (the node split, behind an Ibarrier), :meth:`MpiComm.bcast` and
 :meth:`MpiComm.allgather_bytes`. After a timeout the communicator holds a
-pending request and is marked broken: later calls raise at once.
+pending request and is marked broken: later calls raise at once, also through
+any MpiComm built on the same communicator later (:mod:`gear_mpi.deadline`).
 
 :meth:`MpiComm.agree` turns a local exception into the same exception on every
 rank: it costs one allgather of an 8-byte status, plus one allgather of the
@@ -16,13 +17,11 @@ messages when some rank failed.
 from __future__ import annotations
 
 import hashlib
-import os
-import time
 from typing import Any
 
 import numpy as np
 
-from . import errors
+from . import deadline, errors
 
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
@@ -97,33 +96,25 @@ class MpiComm:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = float(timeout)
-        self.broken: str | None = None
+        self.broken: str | None = deadline.pending_reason(self.comm)
 
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, req, what: str) -> None:
-        """Poll ``req`` until done (yielding the core, then sleeping up to 1 ms between polls).
+        """Poll ``req`` until done (:func:`gear_mpi.deadline.poll`: yielding the core, then sleeping up to 1 ms).
 
         Args:
             req: an mpi4py request (anything with ``Test()``).
             what: names the call in the error.
         Raises:
-            CollectiveTimeoutError: a rank did not arrive within ``timeout`` (the communicator is then broken).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout`` (the communicator is then broken,
+                for every MpiComm built on it later too: :func:`gear_mpi.deadline.mark_pending`).
         """
-        if req.Test():
+        if req.Test() or deadline.poll(req.Test, self.timeout):
             return
-        start = time.monotonic()
-        deadline = start + self.timeout
-        while not req.Test():
-            # yield the core at once (ranks often outnumber cores); back off to sleeping after 20 ms
-            now = time.monotonic()
-            if now - start < 0.02:
-                os.sched_yield()
-            else:
-                time.sleep(min(1e-3, (now - start) * 0.01))
-            if now > deadline:
-                self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
-                               f"(this is rank {self.rank}); the replay can no longer communicate")
-                raise errors.CollectiveTimeoutError(self.broken)
+        self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
+                       f"(this is rank {self.rank}); the replay can no longer communicate")
+        deadline.mark_pending(self.comm, self.broken)
+        raise errors.CollectiveTimeoutError(self.broken)
 
     def check_usable(self) -> None:
         """Raise if an earlier collective of this communicator failed. Local, O(1).
@@ -395,6 +386,7 @@ class MpiComm:
 
     def free(self) -> None:
         """Free the wrapped communicator (for communicators this layer created). Local; idempotent."""
+        deadline.forget(self.comm)
         try:
             self.comm.Free()
         except Exception:

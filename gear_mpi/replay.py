@@ -410,16 +410,17 @@ class Replay(ReplayState):
                 f"items_here={len(self.shard)})")
 
     # ---- checkpoints (see gear_mpi.checkpoint) -------------------------------------------------
-    def save(self, path) -> None:
+    def save(self, path, progress: bool | None = None) -> None:
         """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
 
         Args:
             path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
+            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
         Raises:
             CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
         Cost: see :func:`gear_mpi.checkpoint.save`.
         """
-        checkpoint.save(self, path)
+        checkpoint.save(self, path, progress)
 
     @classmethod
     def load(cls, path, comm=None, **overrides) -> tuple["Replay", tuple[np.ndarray, np.ndarray]]:

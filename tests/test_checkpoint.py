@@ -2,9 +2,12 @@
 
 The multi-rank checks are the pytest modules tests/mpi/test_checkpoint_*.py (see
 their docstrings), started here on K ranks: exact restores, replacement, damaged
-checkpoints and resharding on 2 ranks (and resharding onto 3), the format-2
-fixture written by the code before the refactor on 2 ranks and on one, and the
-device index on one rank (on numba's CUDA simulator).
+checkpoints, resharding and the deadlines of slow and absent ranks on 2 ranks (and
+resharding onto 3), the format-2 fixture written by the code before the refactor on
+2 ranks and on one, the device index on one rank (on numba's CUDA simulator), and
+progress bars and the logger on one rank. Here too: when a bar is wanted, what a
+missing tqdm does, the assumed file-system rate, and the record of communicators
+left unusable by a timeout.
 """
 from __future__ import annotations
 
@@ -29,15 +32,16 @@ def run_modules(nprocs: int, *modules: str, env: dict | None = None, timeout: fl
 
 
 def test_checkpoints_on_two_ranks():
-    run_modules(2, "test_checkpoint_restore.py", "test_checkpoint_fixture.py")
+    run_modules(2, "test_checkpoint_restore.py", "test_checkpoint_fixture.py", "test_checkpoint_deadline.py")
 
 
 def test_reshard_onto_three_ranks():
     run_modules(3, "test_checkpoint_restore.py::test_reshard_onto_more_ranks")
 
 
-def test_one_rank_device_index_and_fixture():
-    run_modules(1, "test_checkpoint_device.py", "test_checkpoint_fixture.py", env={"NUMBA_ENABLE_CUDASIM": "1"})
+def test_one_rank_device_index_fixture_and_progress():
+    run_modules(1, "test_checkpoint_device.py", "test_checkpoint_fixture.py", "test_checkpoint_progress.py",
+                env={"NUMBA_ENABLE_CUDASIM": "1"})
 
 
 def test_resolve_rule(tmp_path):
@@ -101,3 +105,61 @@ def test_public_names_and_layers():
                 assert not (node.module or "").endswith("replay"), (source.name, node.module)
                 names = {a.name for a in node.names}
                 assert not names & {"replay", "Replay", "__version__"}, (source.name, names)
+
+
+def test_when_a_progress_bar_is_shown(monkeypatch):
+    from gear_mpi import progress
+    monkeypatch.delenv(progress.ENV, raising=False)
+    assert not progress.wanted(None, 0)  # under pytest stderr is not a terminal
+    assert progress.wanted(True, 0) and not progress.wanted(True, 1) and not progress.wanted(False, 0)
+    monkeypatch.setenv(progress.ENV, "1")
+    assert progress.wanted(None, 0) and not progress.wanted(None, 2) and not progress.wanted(False, 0)
+    monkeypatch.setenv(progress.ENV, "0")
+    assert not progress.wanted(None, 0) and progress.wanted(True, 0)  # the argument wins
+    with pytest.raises(TypeError, match="progress"):
+        progress.wanted("yes", 0)
+
+
+def test_no_tqdm_no_bar_no_error(monkeypatch, capsys):
+    import sys
+    from gear_mpi import progress
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    heard = []
+    with progress.Meter(100, "gear_mpi save", show=True) as m:
+        m.listeners.append(heard.append)
+        progress.advance(60)
+        progress.advance(40)
+    progress.advance(5)  # no meter open: nothing happens
+    assert m.bar is None and m.done == 100 and heard == [60, 100]
+    assert capsys.readouterr().err == ""
+
+
+def test_assumed_rate_and_sizes(monkeypatch):
+    from gear_mpi.checkpoint import arrival
+    monkeypatch.delenv(arrival.RATE_ENV, raising=False)
+    assert arrival.assumed_rate() == arrival.DEFAULT_RATE
+    monkeypatch.setenv(arrival.RATE_ENV, "2.5")
+    assert arrival.assumed_rate() == 2.5e6
+    for bad in ("0", "-1", "fast", "nan"):
+        monkeypatch.setenv(arrival.RATE_ENV, bad)
+        with pytest.raises(ValueError, match="GEAR_MPI_CHECKPOINT_RATE"):
+            arrival.assumed_rate()
+    assert [arrival.human(n) for n in (56, 2310, 56e6, 1.1e9)] == ["56 B", "2.31 kB", "56 MB", "1.1 GB"]
+
+
+def test_a_timed_out_communicator_is_remembered():
+    from gear_mpi import deadline
+
+    class Comm:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def py2f(self):
+            return self.handle
+    a, b = Comm(7), Comm(8)
+    deadline.mark_pending(a, "save: not every rank arrived")
+    assert deadline.pending_reason(Comm(7)) == "save: not every rank arrived"  # another object, same handle
+    assert deadline.pending_reason(b) is None
+    deadline.forget(a)
+    assert deadline.pending_reason(a) is None
+    assert deadline.poll(lambda: True, 0.0) and not deadline.poll(lambda: False, 0.01)

@@ -53,7 +53,9 @@ restores its own state through its ``state()``/``load_state()``/``sections()``):
 - :mod:`~gear_mpi.checkpoint.files`: format constants, checksummed files, the manifest;
 - :mod:`~gear_mpi.checkpoint.shard_files`: one rank's files from and into its shard;
 - :mod:`~gear_mpi.checkpoint.protocol`: save and load as collectives, the crash-safe install;
-- :mod:`~gear_mpi.checkpoint.reshard`: dealing the trajectories to another number of ranks.
+- :mod:`~gear_mpi.checkpoint.reshard`: dealing the trajectories to another number of ranks;
+- :mod:`~gear_mpi.checkpoint.arrival`: deadlines scaled by the bytes each rank moves, heartbeats,
+  slow ranks told from absent ones, all on a duplicate of the replay's communicator.
 """
 from __future__ import annotations
 

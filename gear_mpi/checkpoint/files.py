@@ -2,7 +2,9 @@
 
 Every file of a checkpoint is written by :func:`write_file` (streamed, hashed
 while written, fsynced, never overwriting) and read back through
-:class:`CheckedFile` (size checked before reading, sha256 at the end). The
+:class:`CheckedFile` (size checked before reading, sha256 at the end); both count
+the bytes they move with :func:`gear_mpi.progress.advance` (the progress bar and
+the heartbeats of :mod:`~gear_mpi.checkpoint.arrival`). The
 manifest is the one file that describes all others; :func:`read_manifest`
 checks it and :func:`resolve` applies the crash-recovery rule to find it.
 
@@ -19,6 +21,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from .. import progress
 from ..errors import CheckpointError
 
 FORMAT = "gear_mpi-checkpoint"
@@ -75,6 +78,7 @@ def write_file(filename: str, chunks: Iterable) -> dict[str, Any]:
                 digest.update(mv)
                 f.write(mv)
                 size += len(mv)
+                progress.advance(len(mv))
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": size, "sha256": digest.hexdigest()}
@@ -201,6 +205,7 @@ class CheckedFile:
         if got != len(mv):
             raise CheckpointError(f"{self.filename}: ended early (truncated)")
         self.digest.update(mv)
+        progress.advance(len(mv))
 
     def read_bytes(self, n: int) -> bytes:
         """The next ``n`` bytes of the file, hashed. O(n).
@@ -216,6 +221,7 @@ class CheckedFile:
         if len(data) != n:
             raise CheckpointError(f"{self.filename}: ended early (truncated)")
         self.digest.update(data)
+        progress.advance(n)
         return data
 
     def finish(self) -> None:
@@ -229,6 +235,7 @@ class CheckedFile:
             if not data:
                 break
             self.digest.update(data)
+            progress.advance(len(data))
         self.f.close()
         if self.digest.hexdigest() != self.expect:
             raise CheckpointError(f"{self.filename}: sha256 does not match the manifest (corrupted)")

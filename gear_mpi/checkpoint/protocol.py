@@ -24,13 +24,15 @@ import numpy as np
 from .. import selectors as selector_module
 from ..comm import MpiComm
 from ..errors import CheckpointError
+from ..progress import Meter, log, wanted
 from ..selectors import Selector
 from ..spec import TrajectorySpec
 from . import files, reshard, shard_files
+from .arrival import Channel, CheckpointComm, human
 from .files import MANIFEST, rank_dir, read_manifest, resolve
 
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
-                "max_times_sampled", "device", "process_group")
+                "max_times_sampled", "device", "process_group", "progress")
 
 
 def _package_version() -> str | None:
@@ -53,33 +55,49 @@ def _make_sampler(d: dict, where: str) -> Selector:
 
 
 # ---- save ----------------------------------------------------------------------------------------
-def save(replay, path) -> None:
+def save(replay, path, progress: bool | None = None) -> None:
     """Collective: write a checkpoint of ``replay`` (every rank's shard) to directory ``path``.
 
     Replaces an existing checkpoint at ``path`` only once the new one is complete
     (see :mod:`gear_mpi.checkpoint` for the protocol and what a crash leaves).
     Do not run two saves to the same path at once.
 
+    Deadlines: the start waits ``timeout`` (the replay's) for every rank; then each
+    rank waits for rank r's files until ``timeout + bytes_r / rate`` (or ``timeout``
+    after r's last progress report), ``bytes_r`` agreed at the start and ``rate``
+    a low assumed file-system speed (:mod:`~gear_mpi.checkpoint.arrival`). After a
+    deadline passes, the error names the late rank as absent or slow, with its byte
+    count, and the replay's communicator stays usable (the save's own collectives
+    run on a duplicate of it).
+
     Args:
         replay: an open :class:`~gear_mpi.replay.Replay`; every rank passes its own.
         path: the checkpoint directory (str or os.PathLike), the same on every rank,
             on a file system every rank sees; its parent must exist.
+        progress: a progress bar of rank 0's bytes on stderr (None: when stderr is
+            a terminal, unless ``GEAR_MPI_PROGRESS=0``; see :mod:`gear_mpi.progress`).
     Raises:
         CheckpointError: the path cannot hold a checkpoint (e.g. a non-empty directory
             that is not one) or writing failed; the same on every rank.
-        TypeError: ``path`` is not a path.
+        TypeError: ``path`` is not a path, or ``progress`` not None or a bool.
         RuntimeError: the replay is closed.
-        CollectiveError: a rank failed or did not arrive within the replay's timeout.
+        CollectiveTimeoutError: a rank did not arrive at the start within the timeout,
+            or missed its deadline for its files (named: absent or slow).
+        CollectiveError: an earlier collective of the replay timed out.
     Cost: each rank writes ``steps_used * step_bytes`` of columns plus ~70 bytes per
     table slot in use, in chunks of :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES`;
-    three small collectives and one gather of the file list at rank 0.
+    a duplication of the communicator, four small collectives, one gather of the
+    file list at rank 0, and a heartbeat (24 bytes to each peer) at most every
+    ``min(1 s, timeout / 4)`` while writing.
     """
     if replay.closed:
         raise RuntimeError("this Replay is closed")
     comm: MpiComm = replay.comm
     comm.check_usable()
+    show = wanted(progress, comm.rank)
     rank = comm.rank
-    err = None
+    started = time.monotonic()
+    err, mine = None, 0
     token = secrets.randbits(48)
     try:
         if not isinstance(path, (str, os.PathLike)):
@@ -93,26 +111,35 @@ def save(replay, path) -> None:
         if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
             raise CheckpointError(f"{path}: a non-empty directory that is not a gear_mpi checkpoint; "
                                   f"refusing to replace it")
+        mine = shard_files.bytes_to_write(replay.shard)
     except Exception as e:
         err = e
-    table = comm.agree(err, "save", [token])
+    table = comm.agree(err, "save", [token, mine])
     replay.settle()
     tmp = f"{path}.tmp-{int(table[0, 0]):012x}"
-    err, info = None, b""
+    nbytes = table[:, 1]
+    ck = CheckpointComm(comm, "save")
     try:
-        os.makedirs(tmp, exist_ok=True)
-        d = os.path.join(tmp, rank_dir(rank))
-        os.mkdir(d)
-        written = shard_files.write_rank(d, replay.shard, replay.state())
-        files.fsync_dir(d)
-        stats = replay.shard.stats()
-        info = json.dumps({"rank": rank, "items": stats["items"], "steps_used": stats["steps_used"],
-                           "files": written}).encode()
-    except Exception as e:
-        err = e if not isinstance(e, OSError) else CheckpointError(f"save: writing under {tmp}: {e}")
-    try:
-        comm.agree(err, "save")
-        gathered, counts = comm.gatherv(np.frombuffer(info, np.uint8), 0, "save (manifest)")
+        channel = Channel(ck, "save", nbytes, "write")
+        err, info = None, b""
+        with Meter(mine, "gear_mpi save", show) as meter:
+            meter.listeners.append(channel.beat)
+            try:
+                os.makedirs(tmp, exist_ok=True)
+                d = os.path.join(tmp, rank_dir(rank))
+                os.mkdir(d)
+                written = shard_files.write_rank(d, replay.shard, replay.state())
+                files.fsync_dir(d)
+                stats = replay.shard.stats()
+                info = json.dumps({"rank": rank, "items": stats["items"], "steps_used": stats["steps_used"],
+                                   "files": written}).encode()
+            except Exception as e:
+                err = e if not isinstance(e, OSError) else CheckpointError(f"save: writing under {tmp}: {e}")
+        wrote = time.monotonic() - started
+        channel.arrive()
+        channel.await_peers()
+        ck.agree(err, "save")
+        gathered, counts = ck.gatherv(np.frombuffer(info, np.uint8), 0, "save (manifest)")
         err = None
         if rank == 0:
             try:
@@ -121,11 +148,19 @@ def save(replay, path) -> None:
                 _install(_manifest_body(replay, shards), path, tmp)
             except Exception as e:
                 err = e if not isinstance(e, OSError) else CheckpointError(f"save: installing {path}: {e}")
-        comm.agree(err, "save (install)")
-    except BaseException:
+        ck.timeout = comm.timeout + float(nbytes.sum()) / channel.rate  # rank 0 may delete an old checkpoint
+        ck.agree(err, "save (install)")
+    except BaseException as e:
+        log.warning("save of %s failed on rank %d: %s", path, rank, e)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        ck.close()
+    log.info("save: rank %d wrote %s in %.2f s to %s", rank, human(mine), wrote, path)
+    if rank == 0:
+        log.info("save: %s installed: %d ranks, %s in all, %.2f s", path, comm.size, human(nbytes.sum()),
+                 time.monotonic() - started)
 
 
 def _manifest_body(replay, shards: list[dict]) -> dict:
@@ -189,7 +224,8 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
             change how the replay runs and keep an exact restore; ``capacity_steps``
             or ``max_items`` other than the saved ones reshard (as does another
             number of ranks); ``seed`` seeds the streams of a resharded replay
-            (default: derived from the saved streams).
+            (default: derived from the saved streams); ``progress`` (None, True or
+            False) asks for a progress bar of rank 0's bytes as :func:`save` does.
     Returns:
         ``(replay, key_map)``: ``key_map = (old_keys, new_keys)``, two int64 arrays
         sorted by old key, one entry per live trajectory of the checkpoint (all
@@ -198,11 +234,17 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     Raises:
         CheckpointError: missing, partial or damaged checkpoint, or ranks that read
             different manifests; the same on every rank, naming the file.
-        TypeError: an unknown override, ``path`` not a path, or no ``build``.
+        TypeError: an unknown override, ``path`` not a path, ``progress`` not None or
+            a bool, or no ``build``.
         ValueError: ``timeout`` not a positive number.
-        CollectiveError: a rank failed or did not arrive within the timeout.
+        CollectiveTimeoutError: a rank did not arrive within the timeout, or missed
+            its deadline for reading its files (named: absent or slow; the deadlines
+            are those of :func:`save`, with the bytes each rank reads).
+        CollectiveError: a rank failed, or the communicator has a collective pending
+            from an earlier timeout (raised at once).
     Cost: an exact restore reads each rank's own files once; resharding reads every
     rank's table (O(total items) memory on every rank) and the steps it receives.
+    A duplication of the communicator; heartbeats while reading, as in :func:`save`.
     """
     unknown = sorted(set(overrides) - set(LOAD_OPTIONS))
     if unknown:
@@ -214,6 +256,9 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     mc = MpiComm(comm, timeout)
+    mc.check_usable()
+    show = wanted(overrides.get("progress"), mc.rank)
+    started = time.monotonic()
     err, doc, digest = None, None, 0
     try:
         if not isinstance(path, (str, os.PathLike)):
@@ -250,30 +295,45 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     if overrides.get("process_group") is not None:
         kw["process_group"] = overrides["process_group"]
     replay = build(spec, cap, sampler, **kw)
+    ck = None
     try:
-        key_map = _restore_exact(replay, where, body) if exact else reshard.reshard(replay, where, body)
-    except BaseException:
+        ck = CheckpointComm(replay.comm, "load")
+        restore = _restore_exact if exact else reshard.reshard
+        key_map = restore(replay, ck, where, body, show)
+    except BaseException as e:
+        log.warning("load of %s failed on rank %d: %s", where, mc.rank, e)
         try:
             replay.close()
         except Exception:
             pass
         raise
+    finally:
+        if ck is not None:
+            ck.close()
+    log.info("load: rank %d restored %s of %s (%s) in %.2f s", mc.rank, "its shard" if exact else "its part",
+             where, "exact" if exact else f"resharded from {body['ranks']} ranks", time.monotonic() - started)
     return replay, key_map
 
 
-def _restore_exact(replay, where: str, body: dict) -> tuple[np.ndarray, np.ndarray]:
+def _restore_exact(replay, ck: CheckpointComm, where: str, body: dict, show: bool) -> tuple[np.ndarray, np.ndarray]:
     """Every rank restores its own saved shard and streams; key_map is the identity."""
-    comm: MpiComm = replay.comm
+    rank = ck.rank
+    nbytes = [shard_files.saved_bytes(body, r) for r in range(ck.size)]
+    channel = Channel(ck, "load", nbytes, "read")
     err = None
-    try:
-        meta = shard_files.restore_rank(replay.shard, where, body, comm.rank)
-        replay.load_state({"rng": meta["rng_replay"], "shared_rng": body["shared_rng"],
-                           "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
-    except Exception as e:
-        err = e
-    comm.agree(err, "load")
+    with Meter(nbytes[rank], "gear_mpi load", show) as meter:
+        meter.listeners.append(channel.beat)
+        try:
+            meta = shard_files.restore_rank(replay.shard, where, body, rank)
+            replay.load_state({"rng": meta["rng_replay"], "shared_rng": body["shared_rng"],
+                               "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
+        except Exception as e:
+            err = e
+    channel.arrive()
+    channel.await_peers()
+    ck.agree(err, "load")
+    channel.close()
     mine = replay.shard.live_keys()
-    counts = comm.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
-    keys = np.sort(comm.allgatherv(mine, counts, "load (keys)"))
+    counts = ck.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
+    keys = np.sort(ck.allgatherv(mine, counts, "load (keys)"))
     return keys, keys.copy()
-

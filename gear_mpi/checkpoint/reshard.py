@@ -22,10 +22,13 @@ import heapq
 import numpy as np
 
 from .. import keys as keyspace
+from .. import progress
 from ..comm import MpiComm
 from ..kernels import ring
+from ..progress import Meter
 from . import shard_files
-from .files import CHUNK_BYTES
+from .arrival import Channel
+from .files import CHUNK_BYTES, SHARD_JSON, TABLE
 
 
 def _live_records(tables: list[dict], metas: list[dict], tag: int, old_cap: int) -> dict[str, np.ndarray]:
@@ -77,54 +80,75 @@ def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int) -
     return dest, keep
 
 
-def reshard(replay, where: str, body: dict) -> tuple[np.ndarray, np.ndarray]:
+def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Collective: fill the new, empty ``replay`` with the live trajectories of checkpoint ``where``.
 
     Args:
         replay: a replay just built for the checkpoint's spec and sampler (any ranks and sizes).
+        comm: the load's communicator (a :class:`~gear_mpi.checkpoint.arrival.CheckpointComm`
+            over the replay's ranks).
         where: the checkpoint directory (resolved).
         body: its manifest body.
+        show: whether this rank shows a progress bar of the bytes it reads.
     Returns:
         ``key_map = (old_keys, new_keys)`` sorted by old key (-1: dropped).
     Raises:
         CheckpointError: a file is missing or damaged (on every rank).
-        CollectiveError: a rank failed or did not arrive within the timeout.
+        CollectiveTimeoutError: a rank missed its deadline for its reading (named: absent
+            or slow; :mod:`~gear_mpi.checkpoint.arrival`), or did not arrive within the timeout.
+        CollectiveError: a rank failed.
     Cost: every rank reads every table; rank r checks the column files of saved
     ranks r, r + size, ...; each rank reads the steps it receives; two agreements
     and one allgatherv of the new keys.
     """
-    comm: MpiComm = replay.comm
     rank, size = comm.rank, comm.size
     shard = replay.shard
     spec = shard.spec
+    saved = range(body["ranks"])
+    table_bytes = [shard_files.saved_bytes(body, r, (TABLE, SHARD_JSON)) for r in saved]
+    column_bytes = [shard_files.saved_bytes(body, r) - table_bytes[r] for r in saved]
+    nbytes = [sum(table_bytes) + sum(column_bytes[r] for r in saved if r % size == q) for q in range(size)]
+    channel = Channel(comm, "load", nbytes, "read")
     err = None
     tables: list[dict] = []
     metas: list[dict] = []
-    try:
-        for r in range(body["ranks"]):
-            meta = shard_files.read_meta(where, body, r)
-            metas.append(meta)
-            tables.append(shard_files.read_table(where, body, r, meta))
-            if r % size == rank:  # this rank checks the columns of saved rank r
-                shard_files.check_columns(where, body, r, meta, spec)
-    except Exception as e:
-        err = e
+    with Meter(nbytes[rank], "gear_mpi load (reshard)", show) as meter:
+        meter.listeners.append(channel.beat)
+        try:
+            for r in saved:
+                meta = shard_files.read_meta(where, body, r)
+                metas.append(meta)
+                tables.append(shard_files.read_table(where, body, r, meta))
+                if r % size == rank:  # this rank checks the columns of saved rank r
+                    shard_files.check_columns(where, body, r, meta, spec)
+        except Exception as e:
+            err = e
+        channel.arrive()
+        channel.await_peers()
+        comm.agree(err, "load")
+        channel.close()
+        tag = int(body["tag"])
+        allr = _live_records(tables, metas, tag, body["capacity_steps"])
+        n = len(allr["key"])
+        own = shard.state()
+        dest, keep = deal(allr["length"], size, own["capacity_steps"], own["max_items"])
+        if own["tag"] == tag:  # the new replay's keys must not be confused with the old ones
+            shard.load_state(dict(own, tag=(tag + 1) & keyspace.TAG_MASK))
+        steps = np.bincount(dest[keep], weights=allr["length"][keep], minlength=size)
+        ingest = Channel(comm, "load", steps * spec.step_bytes, "read")
+        meter.listeners[:] = [ingest.beat]
+        meter.add_total(int(steps[rank]) * spec.step_bytes)
+        err = None
+        mine = np.flatnonzero((dest == rank) & keep)
+        new_keys = np.empty(len(mine), np.int64)
+        try:
+            _insert_from_files(replay, where, metas, allr, mine, new_keys)
+        except Exception as e:
+            err = e
+    ingest.arrive()
+    ingest.await_peers()
     comm.agree(err, "load")
-    tag = int(body["tag"])
-    allr = _live_records(tables, metas, tag, body["capacity_steps"])
-    n = len(allr["key"])
-    own = shard.state()
-    dest, keep = deal(allr["length"], size, own["capacity_steps"], own["max_items"])
-    if own["tag"] == tag:  # the new replay's keys must not be confused with the old ones
-        shard.load_state(dict(own, tag=(tag + 1) & keyspace.TAG_MASK))
-    err = None
-    mine = np.flatnonzero((dest == rank) & keep)
-    new_keys = np.empty(len(mine), np.int64)
-    try:
-        _insert_from_files(replay, where, metas, allr, mine, new_keys)
-    except Exception as e:
-        err = e
-    comm.agree(err, "load")
+    ingest.close()
     counts = comm.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
     gathered = comm.allgatherv(new_keys, counts, "load (keys)")
     new_all = np.full(n, -1, np.int64)
@@ -166,6 +190,7 @@ def _insert_from_files(replay, where: str, metas: list[dict], allr: dict, mine: 
             trajs.append({c.name: column(r, i)[off:off + length] for i, c in enumerate(spec.columns)})
         keys = replay.insert_many(trajs, allr["priority"][part])
         shard.restore_history(keys, allr["raw_stamp"][part], allr["times"][part])
+        progress.advance(steps * spec.step_bytes)
         new_keys[pos:end] = keys
         pos = end
     maps.clear()

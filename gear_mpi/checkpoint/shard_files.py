@@ -70,6 +70,18 @@ def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str
     return out
 
 
+def bytes_to_write(shard) -> int:
+    """Bytes :func:`write_rank` will write for ``shard``, within a few kB (shard.json is left out). Local, O(columns).
+
+    Args:
+        shard: the rank's :class:`~gear_mpi.shard.Shard`.
+    Returns:
+        The columns' steps in use plus the table sections, in bytes.
+    """
+    total = sum(int(seg.nbytes) for c in shard.spec.columns for seg in shard.column_segments(c.name))
+    return total + sum(int(arr.nbytes) for _, arr in shard.sections())
+
+
 # ---- reading -------------------------------------------------------------------------------------
 def rank_files(where: str, body: dict, r: int) -> tuple[str, dict]:
     """Rank ``r``'s directory in checkpoint ``where`` and its files' manifest entries. O(1).
@@ -84,6 +96,20 @@ def rank_files(where: str, body: dict, r: int) -> tuple[str, dict]:
         KeyError, IndexError: the manifest lists no such rank.
     """
     return os.path.join(where, rank_dir(r)), body["shards"][r]["files"]
+
+
+def saved_bytes(body: dict, r: int, names=None) -> int:
+    """Bytes of saved rank ``r``'s files (all, or those in ``names``), from the manifest. O(files).
+
+    Args:
+        body: the manifest body.
+        r: the saved rank.
+        names: file names to count (None: every file of the rank).
+    Returns:
+        The byte count.
+    """
+    entries = body["shards"][r]["files"]
+    return sum(int(e["bytes"]) for n, e in entries.items() if names is None or n in names)
 
 
 def read_meta(where: str, body: dict, r: int) -> dict:

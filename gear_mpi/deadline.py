@@ -1,0 +1,84 @@
+"""Waiting with a deadline, and the communicators a timed-out collective left unusable.
+
+:func:`poll` is the loop every deadline-bound wait of the package runs: it tests a
+request, yielding the core at first and then sleeping up to 1 ms between tests
+(ranks often outnumber cores). A collective that times out stays pending on its
+communicator, and a later collective there could be matched against it; so
+:func:`mark_pending` records the communicator, and every
+:class:`~gear_mpi.comm.MpiComm` later built on it (a ``Replay.load``, a new
+``Replay``) starts out unusable with that cause (:func:`pending_reason`) and
+raises at once instead of waiting out another deadline.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+_PENDING: dict[int, str] = {}
+
+
+def poll(test: Callable[[], bool], seconds: float) -> bool:
+    """Call ``test()`` until it returns True or ``seconds`` pass. Local.
+
+    Args:
+        test: e.g. an mpi4py request's ``Test``; an exception it raises propagates.
+        seconds: the most to wait, counted from this call.
+    Returns:
+        True when ``test()`` returned True in time, False when the time ran out.
+    Cost: the polls, each followed by ``sched_yield`` for the first 20 ms, then by
+    a sleep of at most 1 ms (1 % of the time waited so far).
+    """
+    if test():
+        return True
+    start = time.monotonic()
+    deadline = start + seconds
+    while not test():
+        now = time.monotonic()
+        if now - start < 0.02:
+            os.sched_yield()
+        else:
+            time.sleep(min(1e-3, (now - start) * 0.01))
+        if now > deadline:
+            return False
+    return True
+
+
+def _key(comm: Any) -> int | None:
+    try:
+        return int(comm.py2f())
+    except Exception:
+        return None
+
+
+def mark_pending(comm: Any, reason: str) -> None:
+    """Record that a collective timed out on ``comm`` and is still pending there. Local, O(1).
+
+    Args:
+        comm: the mpi4py communicator.
+        reason: the timeout's message (said again by every later use).
+    """
+    key = _key(comm)
+    if key is not None:
+        _PENDING[key] = reason
+
+
+def pending_reason(comm: Any) -> str | None:
+    """Returns why ``comm`` is unusable (a timed-out collective is pending there), or None. Local, O(1).
+
+    Args:
+        comm: the mpi4py communicator.
+    """
+    key = _key(comm)
+    return None if key is None else _PENDING.get(key)
+
+
+def forget(comm: Any) -> None:
+    """Drop ``comm`` from the record (before it is freed: its handle may be reused). Local, O(1).
+
+    Args:
+        comm: the mpi4py communicator.
+    """
+    key = _key(comm)
+    if key is not None:
+        _PENDING.pop(key, None)

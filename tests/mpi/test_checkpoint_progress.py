@@ -1,0 +1,75 @@
+"""Progress bars and the ``gear_mpi`` logger of save and load, on one rank (a plain process).
+
+Run by tests/test_checkpoint.py (``python -m pytest tests/mpi/test_checkpoint_progress.py``
+by hand). Under pytest stderr is not a terminal, so bars are off unless forced.
+
+- forced (``progress=True``, or ``GEAR_MPI_PROGRESS=1``): save and load draw a tqdm
+  bar on stderr counting bytes;
+- ``GEAR_MPI_PROGRESS=0`` (or ``progress=False``): nothing on stderr;
+- the logger records what a save and a load did (bytes, seconds).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import pytest
+
+import gear_mpi as gm
+from checkpoint_checks import SPEC, fill, shared_dir  # noqa: F401
+from gear_mpi import progress
+
+pytest.importorskip("tqdm")
+
+BAR = re.compile(r"gear_mpi (save|load).*\d+(\.\d+)?[kMG]?B/\d+(\.\d+)?[kMG]?B")
+
+
+def make() -> gm.Replay:
+    replay = gm.Replay(SPEC, 400, gm.Uniform(), seed=5)
+    fill(replay, 30, base=1)
+    return replay
+
+
+def test_forced_bars_show_bytes(shared_dir, capsys, monkeypatch):
+    monkeypatch.delenv(progress.ENV, raising=False)
+    replay = make()
+    path = os.path.join(shared_dir, "bar")
+    replay.save(path, progress=True)
+    err = capsys.readouterr().err
+    assert BAR.search(err) and "gear_mpi save" in err, err
+    loaded, _ = gm.Replay.load(path, progress=True)
+    err = capsys.readouterr().err
+    assert BAR.search(err) and "gear_mpi load" in err, err
+    monkeypatch.setenv(progress.ENV, "1")  # the variable forces it too
+    loaded.save(path)
+    assert "gear_mpi save" in capsys.readouterr().err
+    loaded.close()
+    replay.close()
+
+
+def test_silent_with_the_variable_or_the_argument(shared_dir, capsys, monkeypatch):
+    replay = make()
+    path = os.path.join(shared_dir, "quiet")
+    monkeypatch.setenv(progress.ENV, "0")
+    replay.save(path)
+    loaded, _ = gm.Replay.load(path)
+    monkeypatch.setenv(progress.ENV, "1")
+    loaded.save(path, progress=False)
+    assert capsys.readouterr().err == ""
+    loaded.close()
+    replay.close()
+
+
+def test_the_logger_records_save_and_load(shared_dir, caplog):
+    replay = make()
+    path = os.path.join(shared_dir, "logged")
+    with caplog.at_level(logging.INFO, logger="gear_mpi"):
+        replay.save(path, progress=False)
+        loaded, _ = gm.Replay.load(path, progress=False)
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "gear_mpi")
+    assert re.search(r"save: rank 0 wrote \d+(\.\d+)? kB in \d+\.\d\d s", text), text
+    assert f"save: {path} installed: 1 ranks" in text, text
+    assert "load: rank 0 restored its shard" in text, text
+    loaded.close()
+    replay.close()
