@@ -112,7 +112,7 @@ class MpiComm:
         if req.Test() or deadline.poll(req.Test, self.timeout):
             return
         self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
-                       f"(this is rank {self.rank}); the replay can no longer communicate")
+                       f"(this is rank {self.rank}); the replay can no longer communicate{errors.ABORT_HINT}")
         deadline.mark_pending(self.comm, self.broken)
         raise errors.CollectiveTimeoutError(self.broken)
 

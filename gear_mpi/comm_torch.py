@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import MpiComm
-from .errors import CollectiveError, CollectiveTimeoutError
+from .errors import ABORT_HINT, CollectiveError, CollectiveTimeoutError
 
 ADDRESS_BYTES = 256  # rank 0's "host:port", broadcast over MPI
 
@@ -91,7 +91,8 @@ class TorchComm:
         deadline = time.monotonic() + self.timeout
         while not work.is_completed():
             if time.monotonic() > deadline:
-                self.broken = f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s"
+                self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s"
+                               f"{ABORT_HINT}")
                 raise CollectiveTimeoutError(self.broken)
             time.sleep(0)
         work.wait()

@@ -1,6 +1,10 @@
 """Exceptions raised by gear_mpi. Each message names the column, key or argument at fault."""
 from __future__ import annotations
 
+#: appended to timeout messages: the usual reason a rank never arrives, and the way to end such a job at once
+ABORT_HINT = ("; if another rank stopped on an exception, run the job as `mpiexec ... python -m mpi4py "
+              "script.py`, which aborts every rank at once instead of leaving the others to wait")
+
 
 class GearError(Exception):
     """Base class of every gear_mpi error."""

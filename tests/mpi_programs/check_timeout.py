@@ -54,7 +54,7 @@ def main() -> None:
         except gm.CollectiveTimeoutError as e:
             took = time.monotonic() - t0
             assert 2.5 < took < 7.0, took
-            assert "within timeout=3 s" in str(e), str(e)
+            assert "within timeout=3 s" in str(e) and "python -m mpi4py" in str(e), str(e)
             try:
                 replay.sample(2, 2)
             except gm.CollectiveError as e2:
