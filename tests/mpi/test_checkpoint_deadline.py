@@ -70,7 +70,7 @@ def test_slow_save_and_load_succeed(shared_dir, monkeypatch):
     finally:
         undo()
     assert np.array_equal(key_map[0], key_map[1])
-    assert loaded.stats()["total_items"] == replay.stats()["total_items"]
+    assert loaded.stats()["total"]["items"] == replay.stats()["total"]["items"]
     loaded.close()
     replay.close()
 
@@ -100,11 +100,11 @@ def test_absent_rank_is_named_and_the_communicator_stays_usable(shared_dir):
         assert took < TIMEOUT + 3.0 + 2.0, took  # at once after waking
     COMM.Barrier()  # nothing of the failed save is pending on the replay's communicator
     t0 = time.monotonic()
-    assert replay.stats()["total_items"] > 0
+    assert replay.stats()["total"]["items"] > 0
     assert time.monotonic() - t0 < 1.5
     replay.save(path, progress=False)  # a second save works
     loaded, _ = gm.Replay.load(path, timeout=TIMEOUT, progress=False)
-    assert loaded.stats()["total_items"] == replay.stats()["total_items"]
+    assert loaded.stats()["total"]["items"] == replay.stats()["total"]["items"]
     loaded.close()
     replay.close()
     assert not [n for n in os.listdir(shared_dir) if ".tmp-" in n]
