@@ -89,11 +89,16 @@ def survive(call, what: str, timeout: float) -> None:
         call()
     except gm.CollectiveTimeoutError as e:
         took = time.monotonic() - t0
-        ok = f"within timeout={timeout:g} s" in str(e) and took < timeout + 5.0
+        text = str(e)
+        if what == "save":  # a checkpoint names the missing rank; its communicator stays usable (issue 11)
+            ok = ("is absent" in text or "is slow" in text or f"within timeout={timeout:g} s" in text) \
+                and took < timeout + 30.0
+        else:
+            ok = f"within timeout={timeout:g} s" in text and took < timeout + 5.0
         try:
             call()
-        except gm.CollectiveError as e2:
-            ok = ok and "unusable" in str(e2)
+        except gm.CollectiveError as e2:  # the second call fails clearly too (at once where the replay is broken)
+            ok = ok and ("unusable" in str(e2) or what == "save")
         else:
             ok = False
         if ok:
