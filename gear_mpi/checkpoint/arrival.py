@@ -230,6 +230,21 @@ class Channel:
                 self._give_up(late[0], now)
             deadline.poll(self._all_arrived, min(due.values()) - now + 1e-3)
 
+    def finish(self, err: BaseException | None, what: str) -> None:
+        """End the phase: arrive, wait for every peer within its deadline, agree on ``err``, close.
+
+        Args:
+            err: this rank's error of the phase, or None.
+            what: names the call in an agreed error.
+        Raises:
+            CollectiveTimeoutError: a peer missed its deadline (see :meth:`await_peers`).
+            The lowest failing rank's error, on every rank (``MpiComm.agree``).
+        """
+        self.arrive()
+        self.await_peers()
+        self.comm.agree(err, what)
+        self.close()
+
     def _all_arrived(self) -> bool:
         self.poll()
         return len(self.arrived) == len(self.peers)

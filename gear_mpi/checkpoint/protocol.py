@@ -329,10 +329,7 @@ def _restore_exact(replay, ck: CheckpointComm, where: str, body: dict, show: boo
                                "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
         except Exception as e:
             err = e
-    channel.arrive()
-    channel.await_peers()
-    ck.agree(err, "load")
-    channel.close()
+    channel.finish(err, "load")
     mine = replay.shard.live_keys()
     counts = ck.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
     keys = np.sort(ck.allgatherv(mine, counts, "load (keys)"))

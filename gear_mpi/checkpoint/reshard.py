@@ -123,10 +123,7 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False) -
                     shard_files.check_columns(where, body, r, meta, spec)
         except Exception as e:
             err = e
-        channel.arrive()
-        channel.await_peers()
-        comm.agree(err, "load")
-        channel.close()
+        channel.finish(err, "load")
         tag = int(body["tag"])
         allr = _live_records(tables, metas, tag, body["capacity_steps"])
         n = len(allr["key"])
@@ -145,10 +142,7 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False) -
             _insert_from_files(replay, where, metas, allr, mine, new_keys)
         except Exception as e:
             err = e
-    ingest.arrive()
-    ingest.await_peers()
-    comm.agree(err, "load")
-    ingest.close()
+    ingest.finish(err, "load")
     counts = comm.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
     gathered = comm.allgatherv(new_keys, counts, "load (keys)")
     new_all = np.full(n, -1, np.int64)

@@ -69,3 +69,15 @@ def check_windows(batch: gm.Batch, ref: dict, window: int, align: str) -> None:
         for name in SPEC.names:
             np.testing.assert_array_equal(cols[name][i, pad:pad + n], data[name][offset:offset + n], err_msg=name)
             assert not cols[name][i, :pad].any() and not cols[name][i, pad + n:].any(), f"padding of {name}"
+
+
+def expect_same_error(fn, cls, what: str) -> None:
+    """``fn()`` raises ``cls`` on this rank, with the same message on every rank, containing ``what``."""
+    try:
+        fn()
+    except cls as e:
+        msgs = COMM.allgather(str(e))
+        assert len(set(msgs)) == 1, msgs
+        assert what in msgs[0], (what, msgs[0])
+        return
+    raise AssertionError(f"expected {cls.__name__} on rank {RANK}")

@@ -21,22 +21,11 @@ import pytest
 
 import gear_mpi as gm
 from gear_mpi import stats as stats_schema
-from replay_checks import COMM, RANK, SIZE, SPEC, check_windows, fill, make_replay, owner_of, shard_sizes
+from replay_checks import (RANK, SIZE, SPEC, check_windows, expect_same_error, fill, make_replay, owner_of,
+                           shard_sizes)
 
 MODES = ("decentralized", "centralized", "local")
 SELECTORS = {"Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": lambda: gm.Fifo()}
-
-
-def expect_same_error(fn, cls, what: str) -> None:
-    """``fn()`` raises ``cls`` on this rank, with the same message on every rank, containing ``what``."""
-    try:
-        fn()
-    except cls as e:
-        msgs = COMM.allgather(str(e))
-        assert len(set(msgs)) == 1, msgs
-        assert what in msgs[0], (what, msgs[0])
-        return
-    raise AssertionError(f"expected {cls.__name__} on rank {RANK}")
 
 
 def without_tag(keys) -> np.ndarray:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 import gear_mpi as gm

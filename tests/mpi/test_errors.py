@@ -9,19 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import gear_mpi as gm
-from replay_checks import COMM, RANK, SIZE, fill, make_replay, owner_of, shard_sizes
-
-
-def expect_same_error(fn, cls, what: str) -> None:
-    """``fn()`` raises ``cls`` on this rank, with the same message on every rank, containing ``what``."""
-    try:
-        fn()
-    except cls as e:
-        msgs = COMM.allgather(str(e))
-        assert len(set(msgs)) == 1, msgs
-        assert what in msgs[0], (what, msgs[0])
-        return
-    raise AssertionError(f"expected {cls.__name__} on rank {RANK}")
+from replay_checks import RANK, SIZE, expect_same_error, fill, make_replay, owner_of, shard_sizes
 
 
 def test_invalid_arguments_fail_on_every_rank(force):
