@@ -16,12 +16,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import deadline
 from .comm import MpiComm
 from .errors import ABORT_HINT, CollectiveError, CollectiveTimeoutError
 
@@ -88,13 +88,10 @@ class TorchComm:
         mpi.barrier("TorchComm (construction)")
 
     def _wait(self, work, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s"
-                               f"{ABORT_HINT}")
-                raise CollectiveTimeoutError(self.broken)
-            time.sleep(0)
+        if not deadline.poll(work.is_completed, self.timeout):
+            self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s"
+                           f"{ABORT_HINT}")
+            raise CollectiveTimeoutError(self.broken)
         work.wait()
 
     def alltoallv(self, send: torch.Tensor, send_counts, recv: torch.Tensor, recv_counts, what: str) -> None:

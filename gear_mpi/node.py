@@ -17,10 +17,10 @@ collective has been passed since, the wait is free.
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
+from . import deadline
 from .comm import MpiComm
 from .errors import CollectiveTimeoutError
 from .kernels import hints
@@ -171,7 +171,7 @@ class NodeView:
     def settle(self) -> None:
         """Before this rank writes its shard again, wait until every node peer has finished reading
         its windows of the last sample. Free when a collective has been passed since; otherwise a
-        spin on a few shared counters, with the communicator's deadline.
+        poll of a few shared counters (gear_mpi.deadline.poll), with the communicator's deadline.
 
         Raises:
             CollectiveTimeoutError: a node peer did not publish within the deadline.
@@ -180,12 +180,9 @@ class NodeView:
             return
         epoch = self.epoch
         timeout = self.comm.timeout
-        deadline = time.monotonic() + timeout
-        while any(int(d[0]) < epoch for d in self._peer_done):
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(f"node fence: a node peer did not finish reading this rank's windows "
-                                             f"of sample {epoch} within timeout={timeout:g} s")
-            os.sched_yield()
+        if not deadline.poll(lambda: all(int(d[0]) >= epoch for d in self._peer_done), timeout):
+            raise CollectiveTimeoutError(f"node fence: a node peer did not finish reading this rank's windows "
+                                         f"of sample {epoch} within timeout={timeout:g} s")
         hints.fence()  # no write of ours before the peers' reads that the counters vouch for
         self.settled = epoch
 

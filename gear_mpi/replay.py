@@ -40,7 +40,7 @@ from .comm import MpiComm
 from .device import DeviceContext, parse_device
 from .memory import memory_kind
 from .node import NodeView
-from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code
+from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
 from .replay_state import ReplayState
 from .selectors import Selector, Uniform
 from .shard import Shard
@@ -319,7 +319,6 @@ class Replay(ReplayState):
             CollectiveTimeoutError: a node peer did not finish within ``timeout``.
         """
         self.node.settle()
-
 
     # ---- priorities ---------------------------------------------------------------------------
     def update_priorities(self, keys: Any, priorities: Any) -> int:

@@ -338,7 +338,7 @@ class TrajectoryStore:
             KeyError: no column ``name``.
         """
         view = self.byte_views()[name]
-        sb = next(c.step_bytes for c in self.spec.columns if c.name == name)
+        sb = self.spec[name].step_bytes
         head, used = int(self.state[ring.STEP_HEAD]), int(self.state[ring.STEPS_USED])
         return [view[a * sb:b * sb] for a, b in ring.ring_segments(head, used, self.capacity)]
 
@@ -354,4 +354,3 @@ class TrajectoryStore:
     def shm_name(self) -> str | None:
         """The name of the shared-memory segment holding the columns (None for private memory)."""
         return self.arena.name if isinstance(self.arena, SharedArena) else None
-

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import selectors as selector_module
-from ..comm import MpiComm
+from ..comm import MpiComm, displacements
 from ..errors import CheckpointError
 from ..progress import Meter, log, wanted
 from ..selectors import Selector
@@ -143,7 +143,7 @@ def save(replay, path, progress: bool | None = None) -> None:
         err = None
         if rank == 0:
             try:
-                starts = np.cumsum(counts) - counts
+                starts = displacements(counts)
                 shards = [json.loads(bytes(gathered[a:a + n])) for a, n in zip(starts.tolist(), counts.tolist())]
                 _install(_manifest_body(replay, shards), path, tmp)
             except Exception as e:
