@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import secrets
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from .batch import Batch
-from .errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
+from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import ring
 from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .memory import memory_kind
 from .priority_index import DevicePriorityIndex, PriorityIndex
 from .selectors import Selector, Uniform, rank_by_priority
+from .shard_insert import ShardInsert
 from .shard_state import ShardState
 from .spec import TrajectorySpec, validate_priorities
 from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
@@ -23,8 +24,9 @@ _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
 
 
-class Shard(ShardState):
-    """One rank's replay: a columnar step ring, a trajectory table, a selector (state: :class:`ShardState`).
+class Shard(ShardState, ShardInsert):
+    """One rank's replay: a columnar step ring, a trajectory table, a selector (state: :class:`ShardState`,
+    insertion: :class:`ShardInsert`).
 
     Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError.
     Memory: ``capacity_steps * step_bytes`` plus 65 bytes per item slot (75 with a priority index).
@@ -115,56 +117,6 @@ class Shard(ShardState):
         """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves. O(1)."""
         per_item = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)  # index: ~9.3 bytes a slot
         return self.store.steps_used * self.spec.step_bytes + len(self) * per_item
-
-    # ---- insertion --------------------------------------------------------------------
-    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
-        """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
-        O(1 + evictions) table work, one index update.
-
-        Args:
-            trajectory: column name -> ``[L, *shape]`` array (numpy, torch or nested lists).
-            priority: its priority (finite, >= 0).
-        Returns:
-            Its key (int).
-        Raises:
-            InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
-        """
-        return int(self.insert_many([trajectory], [priority])[0])
-
-    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
-        """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
-        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
-
-        Args:
-            trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
-            priorities: one priority per trajectory (None: all 1).
-        Returns:
-            Their keys (int64), in order.
-        Raises:
-            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many.
-            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
-        """
-        self._check_open()
-        if isinstance(trajectories, Mapping):
-            raise InvalidTrajectoryError("insert_many takes a sequence of trajectories; use insert() for one")
-        trajectories = list(trajectories)
-        n = len(trajectories)
-        if n == 0:
-            return np.zeros(0, np.int64)
-        pr = validate_priorities(np.ones(n) if priorities is None else priorities, n)
-        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory")
-                   for i, t in enumerate(trajectories)]
-        lengths = np.array([length for _, length in checked], np.int64)
-        self.store.check_batch(lengths)
-        if n == 1:
-            columns = checked[0][0]
-        else:
-            columns = {c.name: np.concatenate([cols[c.name] for cols, _ in checked]) for c in self.spec.columns}
-        slots, evicted = self.store.insert(columns, lengths, pr)
-        if self.index is not None:
-            self.index.set(evicted, np.zeros(len(evicted)))
-            self.index.set(slots, self.selector.weights(pr))
-        return self.store.keys_of(slots)
 
     # ---- selection --------------------------------------------------------------------
     def check_can_sample(self) -> None:
