@@ -33,12 +33,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
     os.environ.setdefault(_var, "1")  # before numpy: many small processes share few cores
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
 import sys
 import time
-from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -48,7 +48,7 @@ SOLVED = 475.0  # CartPole-v1's threshold: mean return over 100 consecutive epis
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "online_dqn.png")
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     """Everything a run uses; the command line sets a few (see :func:`parse_config`)."""
 
@@ -62,6 +62,7 @@ class Config:
     min_size: int = 1000             # transitions in the replay before the first sample
     error_buffer: float = 1000.0     # the limiter's band: +-1000 windows (about 8 updates of 128)
     staging_steps: int = 256         # each writer's staging ring: backpressure within 256 steps
+    grad_clip: float = 10.0          # max gradient norm (0: none)
     target_every: int = 100          # updates between target-network copies
     publish_every: int = 10          # updates between weight publications to the actors
     eps_start: float = 1.0
@@ -89,6 +90,8 @@ def parse_config(argv=None) -> Config:
     p.add_argument("--seed", type=int, help="seed of the network, the replay and the actors (default 0)")
     p.add_argument("--plot", help=f"save return vs env steps here (default {os.path.normpath(DEFAULT_PLOT)}; "
                                   f"'' for none)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="override any Config field, e.g. --set lr=5e-4 (repeatable)")
     args = p.parse_args(argv)
     cfg = Config()
     if args.quick:
@@ -96,6 +99,13 @@ def parse_config(argv=None) -> Config:
     for name in ("actors", "max_steps", "max_seconds", "seed", "plot"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    fields = {f.name: f.type for f in dataclasses.fields(Config)}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            p.error(f"--set {item}: expected NAME=VALUE with NAME one of {sorted(fields)}")
+        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(fields[name], str)
+        setattr(cfg, name, kind(value))
     if cfg.actors < 1:
         p.error("--actors must be >= 1")
     cfg.plot = cfg.plot or None
@@ -315,7 +325,7 @@ def run(cfg: Config) -> dict:
     episodes: list[tuple[int, float]] = []  # (job env steps when seen, return), in the order gathered
     curve: list[tuple[int, int, float, float]] = []  # (env steps, episodes, mean of the last 100, wall s)
     seen = np.zeros(cfg.actors, np.int64)
-    updates, max_priority, steps, mean100, wall = 0, 1.0, 0, 0.0, 0.0
+    updates, max_priority, steps, mean100, wall, failure = 0, 1.0, 0, 0.0, 0.0, None
     t0 = time.time()
     next_log = cfg.log_every
     if rank == 0:
@@ -339,6 +349,8 @@ def run(cfg: Config) -> dict:
             loss = (batch.weights * F.smooth_l1_loss(pred, y, reduction="none")).mean()
             opt.zero_grad()
             loss.backward()  # DDP averages the gradients over the learners
+            if cfg.grad_clip > 0:
+                nn.utils.clip_grad_norm_(q.parameters(), cfg.grad_clip)
             opt.step()
             prios = (pred.detach() - y).abs().double().numpy() + 1e-3
             replay.update_priorities(batch.keys, prios)
@@ -359,8 +371,9 @@ def run(cfg: Config) -> dict:
             alive = all(a.is_alive() for a in actors)
             rows = comm.allgather((mine, int(state.steps.sum()), time.time() - t0, alive))
             steps, wall = sum(r[1] for r in rows), rows[0][2]
-            if not all(r[3] for r in rows):
-                raise RuntimeError("an actor process died (see its traceback above)")
+            if not all(r[3] for r in rows):  # agreed: every rank tears down, then raises
+                failure = "an actor process died (see its traceback above)"
+                break
             episodes.extend((steps, x) for r in rows for x in r[0])
             recent = [x for _, x in episodes[-100:]]
             mean100 = float(np.mean(recent)) if recent else 0.0
@@ -374,8 +387,9 @@ def run(cfg: Config) -> dict:
                     print(f"{steps:>10} {len(episodes):>8} {mean100:>8.1f} {updates:>8} {ratio:>7.2f} "
                           f"{wall:>7.1f}", flush=True)
         total = replay.stats()["total"]
+        actor_steps = comm.allgather(state.steps.tolist())
     except BaseException:
-        # no collective on the way out: python -m mpi4py aborts the job; stop this rank's actors
+        # this rank alone: no collective on the way out (python -m mpi4py aborts the job); end the actors
         state.control[1] = 1
         for a in actors:
             if a.is_alive():
@@ -384,7 +398,7 @@ def run(cfg: Config) -> dict:
         state.close()
         raise
     state.control[1] = 1
-    replay.close()  # collective; an actor blocked on a full staging ring gets WriterError and ends
+    replay.close()  # collective; removes the writers' staging; a blocked writer gets WriterError and ends
     for a in actors:
         a.join(30)
         if a.is_alive():
@@ -392,12 +406,15 @@ def run(cfg: Config) -> dict:
             a.join()
     state.close()
     dist.destroy_process_group()
+    if failure:
+        raise RuntimeError(failure)
     last = [x for _, x in episodes[-20:]]
     return {"solved": bool(len(episodes) >= 100 and mean100 >= cfg.target_return), "env_steps": steps,
             "episodes": len(episodes), "mean100": round(mean100, 1),
             "last20": round(float(np.mean(last)) if last else 0.0, 1), "updates": updates,
             "wall_s": round(wall, 1), "inserted": int(total["inserted"]), "sampled": int(total["sampled"]),
-            "actors_exit": [a.exitcode for a in actors], "curve": curve, "episode_returns": episodes}
+            "actor_steps": actor_steps, "actor_exitcodes": [a.exitcode for a in actors],
+            "curve": curve, "episode_returns": episodes}
 
 
 def save_plot(path: str, result: dict, learners: int, actors: int) -> None:
