@@ -388,15 +388,14 @@ def run(cfg: Config) -> dict:
                           f"{wall:>7.1f}", flush=True)
         total = replay.stats()["total"]
         actor_steps = comm.allgather(state.steps.tolist())
-        actor_pids = comm.allgather([a.pid for a in actors])
         segments = comm.allgather([state.name, replay.writer_address()])  # for the test's leak check
     except BaseException:
         # this rank alone: no collective on the way out (python -m mpi4py aborts the job); end the actors
         state.control[1] = 1
         for a in actors:
-            if a.is_alive():
+            if a.pid is not None:  # started
                 a.terminate()
-            a.join(5)
+                a.join(5)
         state.close()
         raise
     state.control[1] = 1
@@ -416,8 +415,7 @@ def run(cfg: Config) -> dict:
             "last20": round(float(np.mean(last)) if last else 0.0, 1), "updates": updates,
             "wall_s": round(wall, 1), "inserted": int(total["inserted"]), "sampled": int(total["sampled"]),
             "limiter": [cfg.samples_per_insert, cfg.min_size, cfg.error_buffer], "actor_steps": actor_steps,
-            "actor_exitcodes": comm.allgather([a.exitcode for a in actors]), "actor_pids": actor_pids,
-            "segments": segments,
+            "actor_exitcodes": comm.allgather([a.exitcode for a in actors]), "segments": segments,
             "curve": curve, "episode_returns": episodes}
 
 
