@@ -9,7 +9,8 @@ every rank. The mode given at construction is the default; ``sample(..., mode=)`
 picks another for one call (the plans of every mode work over the same shards).
 
 A sample reads as its protocol: the ranks agree on the arguments (one allgather
-of an 8-value header); the mode's plan (:mod:`gear_mpi.plans`) turns the header
+of a 12-value header: a status, the call's arguments, the shard's mass, and the rate
+limiter's counts); the mode's plan (:mod:`gear_mpi.plans`) turns the header
 into the items each owner serves each requester; the window transport
 (:mod:`gear_mpi.transport`) delivers a 48-byte *choice* per item and the
 windows, copied straight out of a node peer's shared memory or sent by MPI
@@ -260,10 +261,13 @@ class Replay(ReplayState, ReplayFeeds):
             ValueError: a bad argument on some rank, or ranks asking for different modes (the same error
                 on every rank).
             EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
+            RateLimitTimeoutError: the rate limiter held the call past ``rate_limit_timeout`` (every rank).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
+        First the rank's writers are drained (within its insert budget); with a rate limiter that does
+        not admit the call, every rank repeats drain + header allgather, backing off, until it does.
         Cost per call (decentralized, proportional): two rounds of latency -- an
-        allgather of 64 bytes per rank, then, in flight together, one alltoallv of
+        allgather of 96 bytes per rank, then, in flight together, one alltoallv of
         48 bytes per item and one alltoallv per column carrying ``W S`` bytes per
         window owned on another node. A counter published at the end (read by an
         owner before it next writes its shard; see the module docstring) keeps owners
@@ -367,10 +371,12 @@ class Replay(ReplayState, ReplayFeeds):
             ``{"ranks", "mode" (the default), "balance" (largest shard / mean shard, in items),
             "total": {figure: sum}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}`` for the figures
             of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
-            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi).
+            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi, ingested,
+            writers, staged), plus ``"sample_to_insert_ratio"`` and ``"rate_limiter"`` (its repr).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one allgather of 15 float64 per rank (a status and 14 figures).
+        Cost: drains this rank's writers (within the insert budget), then one allgather of 18 float64 per
+        rank (a status and 17 figures).
         """
         self._check_open()
         err = None
