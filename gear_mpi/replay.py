@@ -43,6 +43,7 @@ from .feeds import ReplayFeeds
 from .memory import memory_kind
 from .node import NodeView
 from .rate_limit import RateLimiter
+from .prefetch import BatchIterator, ReplayPrefetch
 from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
 from .replay_state import ReplayState
 from .selectors import Selector, Uniform
@@ -54,7 +55,7 @@ from .windows import check_batch_size, check_window
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay(ReplayState, ReplayFeeds):
+class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
 
     Args:
@@ -140,6 +141,7 @@ class Replay(ReplayState, ReplayFeeds):
         self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
         self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
+        self._iterator: BatchIterator | None = None  # an active batches() iterator owns the replay
 
     # ---- local operations -----------------------------------------------------------------
     @property
@@ -325,7 +327,10 @@ class Replay(ReplayState, ReplayFeeds):
 
         Raises:
             CollectiveTimeoutError: a node peer did not finish within ``timeout``.
+            RuntimeError: a batches() iterator owns the replay (called from another thread).
         """
+        if self._iterator is not None:
+            self._check_owner()
         self.node.settle()
 
     # ---- priorities ---------------------------------------------------------------------------
@@ -403,6 +408,8 @@ class Replay(ReplayState, ReplayFeeds):
         """
         if self.closed:
             return
+        if self._iterator is not None:
+            self._iterator.close()
         self.closed = True
         try:
             if self.comm.broken is None and self.ranks > 1:
@@ -417,6 +424,8 @@ class Replay(ReplayState, ReplayFeeds):
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this Replay is closed")
+        if self._iterator is not None:
+            self._check_owner()
         self.comm.check_usable()
 
     def __enter__(self) -> "Replay":
