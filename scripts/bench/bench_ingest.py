@@ -54,8 +54,7 @@ import numpy as np
 from scripts.bench.compare_peers import (ROOT, _clean_env, mpiexec, netns_available, run_worker,
                                          setup_peer)
 from scripts.peers._common import HOPPER, HOPPER_T, W1_BATCH, hopper_trajectory, step_bytes
-from scripts.peers._ingest import (HANDSHAKE_TIMEOUT, WORKLOADS, LinePool, serve_writer, summarize_writers,
-                                   workload_bytes)
+from scripts.peers._ingest import HANDSHAKE_TIMEOUT, WORKLOADS, LinePool, serve_writer, summarize_writers
 
 GEAR = "gear_mpi"
 MPI_ENV = ("PMI_", "HYDRA_", "HYDI_", "MPIR_", "MPI_LOCAL", "OMPI_", "PMIX_")
@@ -158,7 +157,7 @@ def owner_alone(comm, gm, owner: Owner, cfg: dict) -> list[dict]:
             owner.close(procs, replay)
             replay.close()
             row = {"workload": wl, "system": GEAR, "variant": "Writer per-step append", "mode": "alone",
-                   "K": k, "ranks": comm.size, **summarize_writers(res, wl), "elapsed_s": elapsed,
+                   "K": k, "rate": 0, "ranks": comm.size, **summarize_writers(res, wl), "elapsed_s": elapsed,
                    "inserted": entered[0]}
             if row["inserted"] != row["episodes"]:
                 row.update(status="failed", reason=f"{row['inserted']} episodes entered, writers ended "
@@ -213,25 +212,25 @@ def owner_sampling(comm, gm, owner: Owner, cfg: dict) -> list[dict]:
     traj = [hopper_trajectory(comm.rank * 100_000 + i) for i in range(min(items, 8))]
     replay.insert_many([traj[i % len(traj)] for i in range(items)], np.ones(items))
     rows = []
-    for k in cfg["ks"]:
+    for k, rate in [(k, r) for k in cfg["ks"] for r in cfg["rates"]]:
         procs = owner.pool.procs[:k]
         owner.open(procs, replay, "hopper")
         alone = timed_sampling(comm, replay, cfg["seconds"], cfg["warmup_s"])
         comm.Barrier()
         t0 = time.perf_counter()
-        owner.pool.send(procs, {"cmd": "go", "seconds": cfg["seconds"]})
+        owner.pool.send(procs, {"cmd": "go", "seconds": cfg["seconds"], "rate": rate})
         during = timed_sampling(comm, replay, cfg["seconds"], 0.0)
         res = owner.wait(procs, replay.ingest, cfg["seconds"] + HANDSHAKE_TIMEOUT)
         elapsed = time.perf_counter() - t0
         owner.close(procs, replay)
         row = {"workload": "hopper", "system": GEAR, "variant": "Writer per-step append", "mode": "sampling",
-               "K": k, "ranks": comm.size, **summarize_writers(res, "hopper"), "elapsed_s": elapsed,
+               "K": k, "rate": rate, "ranks": comm.size, **summarize_writers(res, "hopper"), "elapsed_s": elapsed,
                "inserted": 0, "sample_gbps_alone": alone["gbps"], "sample_gbps_during": during["gbps"],
                "sample_ratio": during["gbps"] / alone["gbps"], "sample_calls": during["calls"]}
         rows.append(gather_ranks(comm, row))
     total = replay.stats()["total"]
     replay.close()
-    want = comm.size * items + sum(r["episodes"] for r in rows) + comm.size * sum(cfg["ks"])  # + warm-ups
+    want = comm.size * items + sum(r["episodes"] for r in rows) + comm.size * len(cfg["rates"]) * sum(cfg["ks"])
     got = total.get("inserted")
     for r in rows:
         r["inserted_total"] = got
@@ -290,7 +289,7 @@ def gear_command(mode: str, args) -> list[str]:
     cfg = {"mode": mode, "ks": args.ks, "seconds": args.seconds, "warmup_s": args.warmup,
            "workloads": args.workloads if mode == "alone" else ["hopper"], "items": args.items,
            "capacity_episodes": args.capacity_episodes, "staging_steps": args.staging_steps,
-           "drain_sleep": args.drain_sleep}
+           "drain_sleep": args.drain_sleep, "rates": args.actor_rates}
     return [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "scripts.bench.bench_ingest",
             "--owner", json.dumps(cfg)]
 
@@ -302,7 +301,7 @@ def reverb_command(py: str, args) -> list[str]:
             "scripts.peers.reverb_ingest", json.dumps(cfg)]
 
 
-KEY = ("workload", "mode", "system", "ranks", "K")
+KEY = ("workload", "mode", "system", "ranks", "K", "rate")
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -328,11 +327,11 @@ def summarize(runs: list[dict]) -> list[dict]:
     by = {tuple(r[k] for k in KEY): r for r in rows}
     for r in rows:
         if r["system"] != GEAR:
-            g = by.get((r["workload"], r["mode"], GEAR, r["ranks"], r["K"]))
+            g = by.get((r["workload"], r["mode"], GEAR, r["ranks"], r["K"], r["rate"]))
             if g:
                 g["ratio"] = g["steps_per_s"] / r["steps_per_s"]
     order = {"alone": 0, "sampling": 1}
-    rows.sort(key=lambda r: (order[r["mode"]], r["workload"] != "hopper", r["K"], r["system"] != GEAR))
+    rows.sort(key=lambda r: (order[r["mode"]], r["workload"] != "hopper", r["rate"], r["K"], r["system"] != GEAR))
     return rows
 
 
@@ -341,12 +340,13 @@ def fmt(v, spec="{:.3g}") -> str:
 
 
 def print_table(rows: list[dict], failures: list[dict]) -> None:
-    head = ["workload", "mode", "system", "ranks", "K/rank", "steps/s", "min-max", "GB/s", "us/step", "gear/reverb",
+    head = ["workload", "mode", "system", "ranks", "K/rank", "cap/actor", "steps/s", "min-max", "GB/s", "us/step", "gear/reverb",
             "sample GB/s alone", "while ingesting", "ratio (min-max)", "reps"]
     cells = []
     for r in rows:
         samp = r["mode"] == "sampling"
         cells.append([r["workload"], r["mode"], r["system"], str(r["ranks"]), str(r["K"]),
+                      f"{r['rate']:,.0f}" if r["rate"] else "none",
                        f"{r['steps_per_s']:,.0f}", f"{r['steps_per_s_min']:,.0f}-{r['steps_per_s_max']:,.0f}",
                        f"{r['gbps']:.3f}", f"{r['us_per_step']:.2f}", fmt(r.get("ratio"), "{:.1f}x"),
                        fmt(r.get("sample_gbps_alone"), "{:.2f}"), fmt(r.get("sample_gbps_during"), "{:.2f}"),
@@ -387,6 +387,8 @@ def main(argv=None) -> int:
     ap.add_argument("--staging-steps", type=int, default=None, help="gm.Writer staging_steps (default: its own)")
     ap.add_argument("--drain-sleep", type=float, default=0.0002,
                     help="alone: seconds the owner sleeps when replay.ingest() found nothing (default 0.0002)")
+    ap.add_argument("--actor-rates", default="0,20000",
+                    help="sampling: steps/s cap per actor (0: none, flat out); default 0,20000")
     ap.add_argument("--no-peers", action="store_true", help="gear_mpi only (no Reverb)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "gear_mpi_peers",
                     help="the peers' environments (compare_peers --setup-only makes them)")
@@ -399,6 +401,7 @@ def main(argv=None) -> int:
     args.seconds = args.seconds or (0.5 if q else 2.0)
     args.items = args.items or (16 if q else 64)
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.actor_rates = [float(x) for x in args.actor_rates.split(",")]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in args.workloads:
         if w not in WORKLOADS:
@@ -453,8 +456,9 @@ def main(argv=None) -> int:
             targets.append({"kind": "target", "target": f"{r['workload']} K={r['K']}: gear_mpi >= 20x Reverb "
                             f"per-step writer steps/s", "value": r["ratio"], "met": r["ratio"] >= 20})
         if r["mode"] == "sampling":
-            targets.append({"kind": "target", "target": f"sampling while K={r['K']} writers/rank ingest >= 70% "
-                            f"of sampling alone", "value": r["sample_ratio"], "met": r["sample_ratio"] >= 0.7})
+            cap = f", each capped at {r['rate']:,.0f} steps/s" if r["rate"] else ", flat out"
+            targets.append({"kind": "target", "target": f"sampling while K={r['K']} writers/rank{cap} ingest "
+                            f">= 70% of sampling alone", "value": r["sample_ratio"], "met": r["sample_ratio"] >= 0.7})
     if args.json:
         print("\n".join(json.dumps(x) for x in [meta] + [{"kind": "result", **r} for r in rows] + targets +
                         [{"kind": "failed", **f} for f in failures]), flush=True)

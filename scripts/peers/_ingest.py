@@ -15,8 +15,8 @@ views, built before the clock starts, the same for both systems), then ends the 
 Writer processes are driven over stdin/stdout with one JSON object per line
 (:func:`serve_writer` on the writer's side, :class:`LinePool` on the driver's):
   {"cmd": "open", ...}   open a writer (the system's own fields), write ``warmup`` episodes, answer
-  {"cmd": "go", "seconds": s}   write whole episodes for at least s seconds, wait until they are in,
-                         answer with the counts
+  {"cmd": "go", "seconds": s, "rate": r}   write whole episodes for at least s seconds (at most r
+                         steps/s if r > 0), wait until they are in, answer with the counts
   {"cmd": "close"}       close the writer, answer
   {"cmd": "quit"}        exit
 """
@@ -52,10 +52,13 @@ def episode_steps(workload: str, length: int, seed: int) -> list[dict]:
     return [{k: arrays[k][t] for k in cols} for t in range(length)]
 
 
-def write_episodes(append, end_episode, finish, steps: list[dict], seconds: float, min_episodes: int = 1) -> dict:
+def write_episodes(append, end_episode, finish, steps: list[dict], seconds: float, min_episodes: int = 1,
+                   rate: float = 0.0) -> dict:
     """Append ``steps`` one by one and end the episode, repeatedly, until ``seconds`` have passed
     (whole episodes only; at least ``min_episodes``), then ``finish()`` (wait until the data is in).
-    Returns episodes, steps and the elapsed time (``finish`` included)."""
+    ``rate`` > 0: at most that many steps per second (an actor whose environment takes time: after
+    each episode it sleeps until the episode's share of time has passed). Returns episodes, steps and
+    the elapsed time (``finish`` included)."""
     t0 = time.perf_counter()
     deadline = t0 + seconds
     episodes = 0
@@ -64,8 +67,11 @@ def write_episodes(append, end_episode, finish, steps: list[dict], seconds: floa
             append(s)
         end_episode()
         episodes += 1
-        if episodes >= min_episodes and time.perf_counter() >= deadline:
+        now = time.perf_counter()
+        if episodes >= min_episodes and now >= deadline:
             break
+        if rate > 0:
+            time.sleep(max(0.0, t0 + episodes * len(steps) / rate - now))
     finish()
     elapsed = time.perf_counter() - t0
     return {"episodes": episodes, "steps": episodes * len(steps), "elapsed_s": elapsed}
@@ -88,7 +94,7 @@ def serve_writer(open_writer) -> None:
                 warm = write_episodes(*writer[:3], steps, 0.0, int(msg.get("warmup", 1)))
                 reply = {"ready": True, "warmup_episodes": warm["episodes"]}
             elif cmd == "go":
-                reply = write_episodes(*writer[:3], steps, float(msg["seconds"]))
+                reply = write_episodes(*writer[:3], steps, float(msg["seconds"]), rate=float(msg.get("rate", 0)))
             elif cmd == "close":
                 writer, close = None, writer[3]
                 close()

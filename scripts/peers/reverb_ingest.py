@@ -100,7 +100,7 @@ def main() -> None:
             for k in cfg["ks"]:
                 procs = pool.procs[:k]
                 case = {"workload": wl, "system": PEER, "variant": "TrajectoryWriter per-step append",
-                        "mode": "alone", "K": k, "ranks": 1, "length": length}
+                        "mode": "alone", "K": k, "rate": 0, "ranks": 1, "length": length}
                 try:
                     for i, p in enumerate(procs):  # distinct data per writer
                         pool.send([p], {"cmd": "open", "table": wl, "workload": wl, "length": length,
