@@ -348,7 +348,7 @@ def print_table(rows: list[dict], failures: list[dict]) -> None:
         cells.append([r["workload"], r["mode"], r["system"], str(r["ranks"]), str(r["K"]),
                       f"{r['rate']:,.0f}" if r["rate"] else "none",
                        f"{r['steps_per_s']:,.0f}", f"{r['steps_per_s_min']:,.0f}-{r['steps_per_s_max']:,.0f}",
-                       f"{r['gbps']:.3f}", f"{r['us_per_step']:.2f}", fmt(r.get("ratio"), "{:.1f}x"),
+                       f"{r['gbps']:.3g}", f"{r['us_per_step']:.2f}", fmt(r.get("ratio"), "{:.1f}x"),
                        fmt(r.get("sample_gbps_alone"), "{:.2f}"), fmt(r.get("sample_gbps_during"), "{:.2f}"),
                        (f"{100 * r['sample_ratio']:.0f}% ({100 * r['sample_ratio_min']:.0f}-"
                         f"{100 * r['sample_ratio_max']:.0f})") if samp else "-", str(r["reps"])])
