@@ -40,3 +40,16 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class CheckpointError(GearError, RuntimeError):
     """A checkpoint is missing, partial, corrupted or of another format; the message names the file."""
+
+
+class RateLimitTimeoutError(GearError, TimeoutError):
+    """A sample waited longer than the replay's ``rate_limit_timeout`` for its rate limiter to allow it;
+    raised on every rank alike, and the replay stays usable."""
+
+
+class WriterError(GearError, RuntimeError):
+    """A writer cannot go on: its replay was closed, its owner process died, or it was itself closed."""
+
+
+class WriterTimeoutError(WriterError, TimeoutError):
+    """A writer waited longer than its ``timeout`` for room in its staging area (backpressure)."""

@@ -32,14 +32,16 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import checkpoint, routing
+from . import routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch
 from .comm import MpiComm
 from .device import DeviceContext, parse_device
+from .feeds import ReplayFeeds
 from .memory import memory_kind
 from .node import NodeView
+from .rate_limit import RateLimiter
 from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
 from .replay_state import ReplayState
 from .selectors import Selector, Uniform
@@ -51,7 +53,7 @@ from .windows import check_batch_size, check_window
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay(ReplayState):
+class Replay(ReplayState, ReplayFeeds):
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
 
     Args:
@@ -68,6 +70,8 @@ class Replay(ReplayState):
         device: ``"cpu"``, ``"cuda"`` (the GPU of this rank's local rank) or ``"cuda:i"``.
         process_group, window_transport: for device replays, an existing torch.distributed group,
             and ``"nccl"`` or ``"mpi"`` (a CUDA-aware MPI) for windows between nodes.
+        rate_limiter: a :mod:`gear_mpi.rate_limit` limiter over the whole replay (None: none);
+            rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds`).
 
     Collective: agrees on the arguments, a key tag and the node layout, and maps the node's
     shared memory; every step has the deadline ``timeout``.
@@ -80,7 +84,8 @@ class Replay(ReplayState):
                  mode: str = "decentralized", comm=None, seed: int = 0, timeout: float = 60.0,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
-                 window_transport: str = "nccl"):
+                 window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
+                 rate_limit_timeout: float = 60.0):
         mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
@@ -89,6 +94,7 @@ class Replay(ReplayState):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         sampler = Uniform() if sampler is None else sampler
         self.comm = MpiComm(comm, timeout)
+        self._init_feeds(rate_limiter, rate_limit_timeout)
         self.mode = mode
         self.force_alltoallv = bool(force_alltoallv)
         rank, size = self.comm.rank, self.comm.size
@@ -98,7 +104,7 @@ class Replay(ReplayState):
         if memory is not None:
             memory = memory_kind(memory, stacklevel=2)
         signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
-                          self.force_alltoallv, seed, memory, device_kind, window_transport))
+                          self.force_alltoallv, seed, memory, device_kind, window_transport, repr(rate_limiter)))
         self.comm.agree_signature(signature, f"{_BUILD} (arguments)",
                                   "every rank must pass the same spec, capacity, sampler, mode and seed")
         self.node = NodeView.join(self.comm, _BUILD)
@@ -275,7 +281,7 @@ class Replay(ReplayState):
             mcode = mode_code(mode)
         except Exception as e:  # agreed below, so every rank raises it
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
-        head = self.comm.agree(err, "sample", self._header(batch_size, window, code, mcode))
+        head = self._agree_header(err, batch_size, window, code, mcode)
         if check_mode(head) == "local":  # agreed: each rank samples its own shard
             return self._sample_local(batch_size, window, align)
         self.node.begin_sample()
@@ -286,18 +292,16 @@ class Replay(ReplayState):
             self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
 
     def _sample_local(self, batch_size: int, window: int | None, align: str) -> Batch:
-        """This rank's own shard serves it; no communication (on the CPU the shard samples itself)."""
+        """This rank's own shard serves it; no communication (on the CPU the shard samples itself; a rate
+        limiter sees this rank's counts only)."""
         if self.device is None:
+            if self.rate_limiter is not None or self._ingest_point is not None or self._inboxes:
+                self._agree_header(None, check_batch_size(batch_size), 0, 0, mode_code("local"), local=True)
             return self.shard.sample(batch_size, window, align)
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
-        head = self._header(batch_size, window, code, mode_code("local"))[None]
+        head = self._agree_header(None, batch_size, window, code, mode_code("local"), local=True)
         return self._exchange(self.plans["local"].assign(head), window, code, "local")
-
-    def _header(self, batch_size: int, window: int, code: int, mcode: int) -> np.ndarray:
-        """This rank's row of a sample's header (see :mod:`gear_mpi.plans`)."""
-        sh = self.shard
-        return np.array([batch_size, window, code, sh.total_weight, len(sh), sh.min_weight, mcode], np.float64)
 
     def _exchange(self, plan: Assignment, window: int, code: int, mode: str) -> Batch:
         """Owners make the choices of the items they serve, the transport delivers choices and windows,
@@ -342,6 +346,7 @@ class Replay(ReplayState):
         self._check_open()
         err, own = None, 1.0
         try:
+            self._feed()
             keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
             own = float(bool((owner == self.rank).all()))
@@ -368,11 +373,20 @@ class Replay(ReplayState):
         Cost: one allgather of 15 float64 per rank (a status and 14 figures).
         """
         self._check_open()
+        err = None
+        try:
+            self._feed()
+        except Exception as e:  # agreed below, so every rank raises it
+            err = e
         mine = self.shard.stats()
-        mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi)
-        table = self.comm.agree(None, "stats", stats_schema.row(mine))
+        mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi, **self._feed_stats())
+        table = self.comm.agree(err, "stats", stats_schema.row(mine))
         self.settle()
-        return stats_schema.combine(table, self.mode)
+        out = stats_schema.combine(table, self.mode)
+        total = out["total"]
+        out["sample_to_insert_ratio"] = total["sampled"] / total["inserted"] if total["inserted"] else float("nan")
+        out["rate_limiter"] = repr(self.rate_limiter)
+        return out
 
     def close(self) -> None:
         """Collective: wait for every rank, unmap the node's shared memory, free the shard.
@@ -389,6 +403,7 @@ class Replay(ReplayState):
                 self.settle()
                 self.comm.barrier("close")
         finally:
+            self._close_feeds()
             self.transport.close()
             self.node.close()
             self.shard.close()
@@ -407,33 +422,3 @@ class Replay(ReplayState):
     def __repr__(self) -> str:
         return (f"Replay(rank={self.rank}/{self.ranks}, mode={self.mode!r}, sampler={self.selector!r}, "
                 f"items_here={len(self.shard)})")
-
-    # ---- checkpoints (see gear_mpi.checkpoint) -------------------------------------------------
-    def save(self, path, progress: bool | None = None) -> None:
-        """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
-
-        Args:
-            path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
-            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
-        Raises:
-            CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
-        Cost: see :func:`gear_mpi.checkpoint.save`.
-        """
-        checkpoint.save(self, path, progress)
-
-    @classmethod
-    def load(cls, path, comm=None, **overrides) -> tuple["Replay", tuple[np.ndarray, np.ndarray]]:
-        """Collective: restore a checkpoint onto ``comm`` (any number of ranks).
-
-        Args:
-            path: a checkpoint directory written by :meth:`save`.
-            comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
-            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``).
-        Returns:
-            ``(replay, key_map)``: the replay and the map of old keys to new keys.
-        Raises:
-            CheckpointError: a missing, partial or corrupted checkpoint (on every rank).
-        Cost: see :func:`gear_mpi.checkpoint.load`.
-        """
-        return checkpoint.load(path, comm, cls, **overrides)
-
