@@ -47,7 +47,7 @@ def test_summary_takes_medians_and_the_ratio_of_medians():
 
     def run(system, sps, rep):
         return {"status": "ok", "workload": "hopper", "mode": "alone", "system": system, "ranks": 1, "K": 2, "rate": 0,
-                "steps": sps, "elapsed_s": 1.0, "step_bytes": 61, "us_per_step": 1e6 / sps, "rep": rep}
+                "steps": sps, "elapsed_s": 1.0, "step_bytes": 61, "writer_cpu_s": 0.5, "us_per_step": 1e6 / sps, "rep": rep}
 
     rows = summarize([run("gear_mpi", s, i) for i, s in enumerate((900, 1000, 3000))] +
                      [run("reverb", s, i) for i, s in enumerate((40, 50, 60))])

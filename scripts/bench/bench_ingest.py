@@ -170,7 +170,7 @@ def gather_ranks(comm, row: dict) -> dict:
     """One row for the case: counts summed over ranks, times the slowest rank's."""
     from mpi4py import MPI
     out = dict(row)
-    for key in ("episodes", "steps", "inserted"):
+    for key in ("episodes", "steps", "inserted", "writer_cpu_s"):
         out[key] = comm.allreduce(row[key])
     for key in ("elapsed_s", "writer_elapsed_s", "us_per_step"):
         out[key] = comm.allreduce(row[key], op=MPI.MAX)
@@ -286,7 +286,7 @@ def busiest_others(interval: float = 0.5, top: int = 4) -> list[tuple[str, float
 
 def gear_command(mode: str, args) -> list[str]:
     ranks = 1 if mode == "alone" else 2
-    cfg = {"mode": mode, "ks": args.ks, "seconds": args.seconds, "warmup_s": args.warmup,
+    cfg = {"mode": mode, "ks": args.ks if mode == "alone" else args.sampling_ks, "seconds": args.seconds, "warmup_s": args.warmup,
            "workloads": args.workloads if mode == "alone" else ["hopper"], "items": args.items,
            "capacity_episodes": args.capacity_episodes, "staging_steps": args.staging_steps,
            "drain_sleep": args.drain_sleep, "rates": args.actor_rates}
@@ -316,7 +316,9 @@ def summarize(runs: list[dict]) -> list[dict]:
         row.update(status="ok", reps=len(rs), steps_per_s=float(np.median(sps)), steps_per_s_min=float(sps.min()),
                    steps_per_s_max=float(sps.max()), step_bytes=rs[0]["step_bytes"],
                    gbps=float(np.median(sps)) * rs[0]["step_bytes"] / 1e9,
-                   us_per_step=float(np.median([r["us_per_step"] for r in rs])), version=rs[0].get("version"))
+                   us_per_step=float(np.median([r["us_per_step"] for r in rs])),
+                   actor_cores=float(np.median([r["writer_cpu_s"] / r["elapsed_s"] for r in rs])),
+                   version=rs[0].get("version"))
         if key[1] == "sampling":
             ratio = np.array([r["sample_ratio"] for r in rs])
             row.update(sample_gbps_alone=float(np.median([r["sample_gbps_alone"] for r in rs])),
@@ -340,7 +342,8 @@ def fmt(v, spec="{:.3g}") -> str:
 
 
 def print_table(rows: list[dict], failures: list[dict]) -> None:
-    head = ["workload", "mode", "system", "ranks", "K/rank", "cap/actor", "steps/s", "min-max", "GB/s", "us/step", "gear/reverb",
+    head = ["workload", "mode", "system", "ranks", "K/rank", "cap/actor", "steps/s", "min-max", "GB/s", "us/step",
+            "actor cores", "gear/reverb",
             "sample GB/s alone", "while ingesting", "ratio (min-max)", "reps"]
     cells = []
     for r in rows:
@@ -348,7 +351,8 @@ def print_table(rows: list[dict], failures: list[dict]) -> None:
         cells.append([r["workload"], r["mode"], r["system"], str(r["ranks"]), str(r["K"]),
                       f"{r['rate']:,.0f}" if r["rate"] else "none",
                        f"{r['steps_per_s']:,.0f}", f"{r['steps_per_s_min']:,.0f}-{r['steps_per_s_max']:,.0f}",
-                       f"{r['gbps']:.3g}", f"{r['us_per_step']:.2f}", fmt(r.get("ratio"), "{:.1f}x"),
+                       f"{r['gbps']:.3g}", f"{r['us_per_step']:.2f}", f"{r['actor_cores']:.2f}",
+                       fmt(r.get("ratio"), "{:.1f}x"),
                        fmt(r.get("sample_gbps_alone"), "{:.2f}"), fmt(r.get("sample_gbps_during"), "{:.2f}"),
                        (f"{100 * r['sample_ratio']:.0f}% ({100 * r['sample_ratio_min']:.0f}-"
                         f"{100 * r['sample_ratio_max']:.0f})") if samp else "-", str(r["reps"])])
@@ -373,11 +377,13 @@ def main(argv=None) -> int:
             owner_main(json.loads(sys.argv[2]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a short run (~1 min): 1 repetition, 0.5 s per case")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run (~1 min): 1 repetition, 0.4 s per case, sampling with K = 1, 4")
     ap.add_argument("--reps", type=int, default=None, help="repetitions, systems alternating (default 3; 1 quick)")
-    ap.add_argument("--seconds", type=float, default=None, help="seconds each case writes (default 2; 0.5 quick)")
-    ap.add_argument("--warmup", type=float, default=0.3, help="sampling warm-up seconds (default 0.3)")
+    ap.add_argument("--seconds", type=float, default=None, help="seconds each case writes (default 2; 0.4 quick)")
+    ap.add_argument("--warmup", type=float, default=None, help="sampling warm-up seconds (default 0.3; 0.2 quick)")
     ap.add_argument("--ks", default="1,2,4", help="actor processes per rank (default 1,2,4)")
+    ap.add_argument("--sampling-ks", default=None, help="K per rank of the sampling cases (default: --ks; 1,4 quick)")
     ap.add_argument("--workloads", default="hopper,image", help="hopper, image (default both)")
     ap.add_argument("--modes", default="alone,sampling", help="alone, sampling (default both)")
     ap.add_argument("--items", type=int, default=None, help="sampling: hopper trajectories prefilled per rank "
@@ -398,9 +404,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     q = args.quick
     args.reps = args.reps or (1 if q else 3)
-    args.seconds = args.seconds or (0.5 if q else 2.0)
+    args.seconds = args.seconds or (0.4 if q else 2.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.2 if q else 0.3)
     args.items = args.items or (16 if q else 64)
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.sampling_ks = [int(k) for k in (args.sampling_ks or ("1,4" if q else ",".join(map(str, args.ks)))).split(",")]
     args.actor_rates = [float(x) for x in args.actor_rates.split(",")]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in args.workloads:
@@ -469,7 +477,8 @@ def main(argv=None) -> int:
           f"busiest other processes at the start: {others}")
     print_table(rows, failures)
     print("# steps/s, GB/s: steps appended by all writer processes of the case (K per rank x ranks) per second, "
-          "from the start until all had entered the replay/table; us/step: a writer's own time per step;")
+          "from the start until all had entered the replay/table; us/step: a writer's own time per step (median over "
+          "writers; pacing sleep excluded); actor cores: CPU time of all actor processes / wall time")
     print("# gear/reverb: steps/s ratio of the medians (same workload, K); ratio: sampling GB/s while the writers "
           "stream / alone (the same replay, just before)")
     for t in targets:

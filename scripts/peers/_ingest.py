@@ -57,11 +57,12 @@ def write_episodes(append, end_episode, finish, steps: list[dict], seconds: floa
     """Append ``steps`` one by one and end the episode, repeatedly, until ``seconds`` have passed
     (whole episodes only; at least ``min_episodes``), then ``finish()`` (wait until the data is in).
     ``rate`` > 0: at most that many steps per second (an actor whose environment takes time: after
-    each episode it sleeps until the episode's share of time has passed). Returns episodes, steps and
-    the elapsed time (``finish`` included)."""
-    t0 = time.perf_counter()
+    each episode it sleeps until the episode's share of time has passed). Returns episodes, steps, the
+    elapsed time (``finish`` included), the part of it not spent in that sleep, and this process's CPU time."""
+    t0, cpu0 = time.perf_counter(), time.process_time()
     deadline = t0 + seconds
     episodes = 0
+    slept = 0.0
     while True:
         for s in steps:
             append(s)
@@ -71,10 +72,14 @@ def write_episodes(append, end_episode, finish, steps: list[dict], seconds: floa
         if episodes >= min_episodes and now >= deadline:
             break
         if rate > 0:
-            time.sleep(max(0.0, t0 + episodes * len(steps) / rate - now))
+            nap = t0 + episodes * len(steps) / rate - now
+            if nap > 0:
+                time.sleep(nap)
+                slept += time.perf_counter() - now
     finish()
     elapsed = time.perf_counter() - t0
-    return {"episodes": episodes, "steps": episodes * len(steps), "elapsed_s": elapsed}
+    return {"episodes": episodes, "steps": episodes * len(steps), "elapsed_s": elapsed, "busy_s": elapsed - slept,
+            "cpu_s": time.process_time() - cpu0}
 
 
 def serve_writer(open_writer) -> None:
@@ -164,9 +169,10 @@ class LinePool:
 
 
 def summarize_writers(results: list[dict], workload: str) -> dict:
-    """Counts summed over the writer processes of one case (each wrote for its own elapsed time)."""
+    """Counts summed over the writer processes of one case (each wrote for its own elapsed time); us_per_step:
+    the median over writers of their time per step outside the pacing sleep (waits for room included)."""
     steps = sum(r["steps"] for r in results)
     return {"episodes": sum(r["episodes"] for r in results), "steps": steps,
             "writer_elapsed_s": max(r["elapsed_s"] for r in results),
-            "us_per_step": float(np.median([1e6 * r["elapsed_s"] / r["steps"] for r in results])),
-            "step_bytes": workload_bytes(workload)}
+            "us_per_step": float(np.median([1e6 * r["busy_s"] / r["steps"] for r in results])),
+            "writer_cpu_s": sum(r["cpu_s"] for r in results), "step_bytes": workload_bytes(workload)}
