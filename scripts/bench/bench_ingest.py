@@ -4,7 +4,7 @@
     python -m scripts.bench.bench_ingest                 # gear_mpi and Reverb, 3 repetitions (~6 min)
     python -m scripts.bench.bench_ingest --quick         # a short run (about a minute)
     python -m scripts.bench.bench_ingest --no-peers      # gear_mpi only
-    python -m scripts.bench.bench_ingest --json > ingest.jsonl
+    python -m scripts.bench.bench_ingest --json > ingest.jsonl  # or --save ingest.jsonl beside the table
 
 Workloads (scripts/peers/_ingest.py): per-step ``append`` of W1's hopper steps (61 bytes;
 episodes of 1000 steps) and of 4 KiB image steps (obs uint8[4096] + action + reward, 4104
@@ -378,12 +378,12 @@ def main(argv=None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a short run (~1 min): 1 repetition, 0.4 s per case, sampling with K = 1, 4")
+                    help="a short run (~1 min): 1 repetition, 0.4 s per case, sampling with K = 1, 4 only")
     ap.add_argument("--reps", type=int, default=None, help="repetitions, systems alternating (default 3; 1 quick)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds each case writes (default 2; 0.4 quick)")
     ap.add_argument("--warmup", type=float, default=None, help="sampling warm-up seconds (default 0.3; 0.2 quick)")
     ap.add_argument("--ks", default="1,2,4", help="actor processes per rank (default 1,2,4)")
-    ap.add_argument("--sampling-ks", default=None, help="K per rank of the sampling cases (default: --ks; 1,4 quick)")
+    ap.add_argument("--sampling-ks", default=None, help="K per rank of the sampling cases (default: --ks; quick: its least and largest)")
     ap.add_argument("--workloads", default="hopper,image", help="hopper, image (default both)")
     ap.add_argument("--modes", default="alone,sampling", help="alone, sampling (default both)")
     ap.add_argument("--items", type=int, default=None, help="sampling: hopper trajectories prefilled per rank "
@@ -401,6 +401,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-setup", action="store_true", help="use an existing Reverb environment only")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for each worker process")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
+    ap.add_argument("--save", type=Path, help="also write the JSON lines (with every repetition's rows) to this file")
     args = ap.parse_args(argv)
     q = args.quick
     args.reps = args.reps or (1 if q else 3)
@@ -408,7 +409,8 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (0.2 if q else 0.3)
     args.items = args.items or (16 if q else 64)
     args.ks = [int(k) for k in args.ks.split(",")]
-    args.sampling_ks = [int(k) for k in (args.sampling_ks or ("1,4" if q else ",".join(map(str, args.ks)))).split(",")]
+    args.sampling_ks = ([int(k) for k in args.sampling_ks.split(",")] if args.sampling_ks else
+                        sorted({min(args.ks), max(args.ks)}) if q else args.ks)
     args.actor_rates = [float(x) for x in args.actor_rates.split(",")]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in args.workloads:
@@ -467,9 +469,12 @@ def main(argv=None) -> int:
             cap = f", each capped at {r['rate']:,.0f} steps/s" if r["rate"] else ", flat out"
             targets.append({"kind": "target", "target": f"sampling while K={r['K']} writers/rank{cap} ingest "
                             f">= 70% of sampling alone", "value": r["sample_ratio"], "met": r["sample_ratio"] >= 0.7})
+    lines = [json.dumps(x) for x in [meta] + [{"kind": "result", **r} for r in rows] + targets +
+             [{"kind": "failed", **f} for f in failures]]
+    if args.save:
+        args.save.write_text("\n".join(lines + [json.dumps({"kind": "run", **r}) for r in runs]) + "\n")
     if args.json:
-        print("\n".join(json.dumps(x) for x in [meta] + [{"kind": "result", **r} for r in rows] + targets +
-                        [{"kind": "failed", **f} for f in failures]), flush=True)
+        print("\n".join(lines), flush=True)
         return 1 if failures else 0
     print(f"# writer ingest on {meta['host']}: {meta['cpus']} CPUs, Python {meta['python']}; {args.reps} "
           f"repetition(s) of {args.seconds:g} s per case, systems alternating; medians over repetitions")
