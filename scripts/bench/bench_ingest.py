@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -433,7 +434,13 @@ def main(argv=None) -> int:
         if st["status"] == "ok":
             reverb = st["python"]
             systems.append("reverb")
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
     meta = {"kind": "meta", "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "commit": commit,
             "load_average_start": os.getloadavg(), "busiest_others_start": busiest_others(), "reps": args.reps,
             "seconds": args.seconds, "quick": q, "ks": args.ks, "workloads": args.workloads,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -476,8 +483,9 @@ def main(argv=None) -> int:
     if args.json:
         print("\n".join(lines), flush=True)
         return 1 if failures else 0
-    print(f"# writer ingest on {meta['host']}: {meta['cpus']} CPUs, Python {meta['python']}; {args.reps} "
-          f"repetition(s) of {args.seconds:g} s per case, systems alternating; medians over repetitions")
+    print(f"# writer ingest on {meta['host']}: {meta['cpus']} CPUs, Python {meta['python']}, commit {commit}; "
+          f"{args.reps} repetition(s) of {args.seconds:g} s per case, systems alternating; medians over repetitions; "
+          f"{meta['started']} - {meta['finished']}")
     print(f"# load average start {meta['load_average_start'][0]:.2f}, end {meta['load_average_end'][0]:.2f}; "
           f"busiest other processes at the start: {others}")
     print_table(rows, failures)
