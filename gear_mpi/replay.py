@@ -246,7 +246,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
 
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
-               mode: str | None = None) -> Batch:
+               mode: str | None = None, out: Batch | None = None) -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
 
         Args:
@@ -257,8 +257,10 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
                 On a replay built with ``mode="local"``, a call in its own mode does not communicate
                 (so it cannot check the others' modes); every other call agrees on the mode first,
                 a per-call ``"local"`` included (then each rank samples its own shard).
+            out: a host batch to fill again (a batch an earlier call returned, of ``batch_size`` windows of
+                ``window`` steps), so a training loop allocates nothing per call; None: a new batch.
         Returns:
-            A :class:`Batch` (on the GPU for a device replay).
+            A :class:`Batch` (``out`` when given; on the GPU for a device replay).
         Raises:
             ValueError: a bad argument on some rank, or ranks asking for different modes (the same error
                 on every rank).
@@ -279,42 +281,49 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
         """
         self._check_open()
         if self.mode == "local" and mode in (None, "local"):  # no communication
-            return self._sample_local(batch_size, window, align)
+            return self._sample_local(batch_size, window, align, out)
         err, mode = None, self.mode if mode is None else mode
         try:
             batch_size = check_batch_size(batch_size)
             window, code = check_window(self.spec, window, align)
             mcode = mode_code(mode)
+            self._check_out(out, batch_size, window)
         except Exception as e:  # agreed below, so every rank raises it
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
         head = self._agree_header(err, batch_size, window, code, mcode)
         if check_mode(head) == "local":  # agreed: each rank samples its own shard
-            return self._sample_local(batch_size, window, align)
+            return self._sample_local(batch_size, window, align, out)
         self.node.begin_sample()
         try:
             check_header(head, self.selector.proportional)
-            return self._exchange(self.plans[mode].assign(head), window, code, mode)
+            return self._exchange(self.plans[mode].assign(head), window, code, mode, out)
         finally:
             self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
 
-    def _sample_local(self, batch_size: int, window: int | None, align: str) -> Batch:
+    def _check_out(self, out: Batch | None, batch_size: int, window: int) -> None:
+        if out is not None and (self.device is not None or not out.matches(self.spec, batch_size, window)):
+            raise ValueError(f"out= must be a host batch of batch_size={batch_size} windows of window={window} "
+                             f"steps of this replay's spec (device replays return new batches), got {out!r}")
+
+    def _sample_local(self, batch_size: int, window: int | None, align: str, out: Batch | None = None) -> Batch:
         """This rank's own shard serves it; no communication (on the CPU the shard samples itself; a rate
         limiter sees this rank's counts only)."""
         if self.device is None:
             if self.rate_limiter is not None or self._ingest_point is not None or self._inboxes:
                 self._agree_header(None, check_batch_size(batch_size), 0, 0, mode_code("local"), local=True)
-            return self.shard.sample(batch_size, window, align)
+            return self.shard.sample(batch_size, window, align, out)
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
+        self._check_out(out, batch_size, window)
         head = self._agree_header(None, batch_size, window, code, mode_code("local"), local=True)
         return self._exchange(self.plans["local"].assign(head), window, code, "local")
 
-    def _exchange(self, plan: Assignment, window: int, code: int, mode: str) -> Batch:
+    def _exchange(self, plan: Assignment, window: int, code: int, mode: str, out: Batch | None = None) -> Batch:
         """Owners make the choices of the items they serve, the transport delivers choices and windows,
         and the owners count the uses of what they served."""
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
-                                        local=mode == "local")
+                                        local=mode == "local", out=out)
         self.windows_shared += int(plan.recv_counts @ self.node.peer_direct)
         self.windows_mpi += int(plan.recv_counts @ self.node.remote)
         self.shard.after_sampling(plan.slots)
