@@ -50,6 +50,7 @@ from .selectors import Selector, Uniform
 from .shard import Shard
 from .spec import TrajectorySpec, validate_priorities
 from .transport import WindowTransport
+from .warmup import warm_kernels
 from .windows import check_batch_size, check_window
 
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
@@ -136,6 +137,10 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
                 self.shard.close()
             raise
         self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
+        if self.device is None:  # the first sample then costs what later ones do (gear_mpi.warmup)
+            warm_kernels(spec, sampler)
+            none = np.zeros(size, np.int64)
+            self.transport.exchange(self.shard.make_choices(none[:0], 1, 0, 1.0, 1.0), none, none, 1, local=True)
         self.spec = spec
         self.selector = sampler
         self.windows_shared = 0  # windows this rank copied from a node peer's shared memory

@@ -22,7 +22,7 @@ FLOORS = {
     "priority_index": 2, "selectors": 2, "storage": 2, "windows": 2,
     "writer": 2, "ingest": 2, "remote": 3,
     "shard": 3, "shard_state": 3, "shard_insert": 3,
-    "checkpoint": 4,
+    "checkpoint": 4, "warmup": 4,
     "node": 5, "transport": 5, "plans": 5, "routing": 5, "replay_state": 5, "feeds": 5, "prefetch": 5,
     "replay": 6,
     "": 7,  # gear_mpi/__init__.py
