@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import routing
+from . import budget, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch
@@ -75,11 +75,13 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
             and ``"nccl"`` or ``"mpi"`` (a CUDA-aware MPI) for windows between nodes.
         rate_limiter: a :mod:`gear_mpi.rate_limit` limiter over the whole replay (None: none);
             rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds`).
+        lazy: only warn when the node cannot hold every rank's shard (:mod:`gear_mpi.budget`); default: refuse.
 
     Collective: agrees on the arguments, a key tag and the node layout, and maps the node's
     shared memory; every step has the deadline ``timeout``.
     Raises:
         ValueError: a bad argument, or ranks constructed with different arguments (on every rank).
+        MemoryBudgetError: the shards of a node would not fit its memory or /dev/shm (on every rank).
         CollectiveTimeoutError: a rank did not construct within ``timeout`` (on every other rank).
     """
 
@@ -88,7 +90,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
                  window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
-                 rate_limit_timeout: float = 60.0):
+                 rate_limit_timeout: float = 60.0, lazy: bool = False):
         mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
@@ -116,6 +118,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
             self.node.share_cores()
             if memory is None:
                 memory = "shm" if self.node.size > 1 else "private"
+            budget.enforce(self.comm, spec, capacity_steps, max_items, sampler, memory, self.node.size, lazy, _BUILD)
             tag = np.array([secrets.randbits(keyspace.TAG_BITS)], np.int64)
             tag = int(self.comm.bcast(tag, 0, f"{_BUILD} (key tag)")[0])
             streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)

@@ -159,3 +159,18 @@ def test_actor_ranks_send_episodes_over_mpi():
             COMM.Barrier()
     finally:
         group.Free()
+
+
+def test_a_replay_larger_than_the_node_is_refused_on_every_rank():
+    from gear_mpi import budget
+    have, where = budget.mem_available()
+    if have is None:
+        pytest.skip("this machine reports no available memory")
+    steps = int(have // SPEC.step_bytes) * 2  # twice what the node can give, per rank
+    with pytest.raises(gm.MemoryBudgetError, match="need .* GiB for their shards") as info:
+        gm.Replay(SPEC, steps, timeout=30)
+    assert len(set(COMM.allgather(str(info.value)))) == 1
+    assert where in str(info.value)
+    with gm.Replay(SPEC, 1000, timeout=30) as replay:  # a replay that fits is built as before
+        st = replay.stats()["per_rank"]
+        assert st["reserved_bytes"][COMM.rank] >= 1000 * SPEC.step_bytes
