@@ -220,8 +220,8 @@ class Writer(EpisodeWriter):
         staging_steps: steps the staging ring holds (default: about 64 MiB worth, at least
             ``2 * max_length``); must be >= ``max_length``.
     Raises:
-        WriterError: no such ingest point (closed replay, another node), all writer slots taken, or
-            ``/dev/shm`` too small for the staging area.
+        WriterError: no such ingest point (closed replay, another node), or all writer slots taken.
+        MemoryBudgetError: ``/dev/shm`` too small for the staging area.
         ValueError: a bad ``timeout`` or ``staging_steps``.
     Cost: one shared-memory segment of ``staging_steps * step_bytes`` (reserved at once) plus 24 bytes per
     staged episode; per step O(columns) Python and a copy; no system call on the fast path.
