@@ -1,8 +1,8 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
 from .batch import Batch
-from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
-                     InvalidPriorityError, InvalidTrajectoryError, RateLimitTimeoutError, StaleKeyError, WriterError,
-                     WriterTimeoutError)
+from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError,
+                     InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError,
+                     RateLimitTimeoutError, StaleKeyError, WriterError, WriterTimeoutError)
 from .rate_limit import MinSize, RateLimiter, SampleToInsertRatio
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
@@ -21,5 +21,5 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
-           "WriterError", "WriterTimeoutError", "MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter",
+           "WriterError", "WriterTimeoutError", "MemoryBudgetError", "MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter",
            "Writer", "MpiWriter"]

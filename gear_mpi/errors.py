@@ -53,3 +53,8 @@ class WriterError(GearError, RuntimeError):
 
 class WriterTimeoutError(WriterError, TimeoutError):
     """A writer waited longer than its ``timeout`` for room in its staging area (backpressure)."""
+
+
+class MemoryBudgetError(GearError, MemoryError):
+    """The node cannot give the memory a replay asks for (RAM, a cgroup limit, or /dev/shm); raised at
+    construction on every rank, naming the sizes and the ways out."""

@@ -12,10 +12,12 @@ are in. Local: no communication.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
 import time
+import weakref
 
 import numpy as np
 
@@ -41,6 +43,9 @@ class IngestPoint:
         self.shard = shard
         self.registry = Registry.create(secrets.token_hex(8), shard.spec)
         self._address = self.registry.name
+        # an owner that exits without close() still removes its writers' segments (SIGKILL: memory.cleanup())
+        self._finalizer = weakref.finalize(self, _remove_segments, self._address + "_w")
+        atexit.register(self._finalizer)
         self.writers: dict[int, Staging] = {}
         self.ingested = 0
         self._reap_at = 0.0
@@ -160,9 +165,23 @@ class IngestPoint:
             self._free(slot, st)
         self.registry.close()
         self.registry = None
+        self._finalizer()
 
     def __repr__(self) -> str:
         return f"IngestPoint({self.address!r}, writers={len(self.writers)}, ingested={self.ingested})"
+
+
+def _remove_segments(prefix: str) -> None:
+    """Unlink every segment whose name starts with ``prefix`` (a closed ingest point's staging areas)."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
 
 
 class _BrokenStaging(Exception):

@@ -78,8 +78,9 @@ class MpiWriter(EpisodeWriter):
                                      f"(did it call replay.accept_remote(comm) and reach a collective?)")
         buf = np.empty(status.Get_count(self._MPI.BYTE), np.uint8)
         comm.Recv(buf, source=self.learner, tag=TAG_SPEC)
-        self._setup(TrajectorySpec.from_dict(json.loads(bytes(buf))))
-        self._buffer = {c.name: np.empty((self.spec.max_length,) + c.shape, c.dtype) for c in self.spec.columns}
+        spec = TrajectorySpec.from_dict(json.loads(bytes(buf)))
+        self._buffer = {c.name: np.empty((spec.max_length,) + c.shape, c.dtype) for c in spec.columns}
+        self._setup(spec, self._buffer)
 
     def _send(self, buf: np.ndarray, tag: int) -> None:
         self._sends.append((self.comm.Isend(buf, dest=self.learner, tag=tag), buf))
@@ -102,9 +103,6 @@ class MpiWriter(EpisodeWriter):
         if self._closed:
             raise WriterError("MpiWriter: this writer is closed")
         self._fits = self.spec.max_length
-
-    def _row(self, step: int):
-        return self._buffer, step
 
     def _rows(self, count: int):
         return [(self._buffer, slice(0, count))]

@@ -37,7 +37,7 @@ import numpy as np
 
 from .errors import WriterError
 from .kernels.hints import fence, publish
-from .memory import ALIGN, SHM_DIR, SHM_PREFIX, SharedArena
+from .memory import ALIGN, SHM_PREFIX, SharedArena
 from .spec import TrajectorySpec
 
 REGISTRY_PREFIX = SHM_PREFIX + "in_"
@@ -66,30 +66,6 @@ def spec_hash(spec: TrajectorySpec) -> int:
     for b in text:  # FNV-1a, reduced to 63 bits
         h = ((h ^ b) * 1099511628211) & ((1 << 63) - 1)
     return h
-
-
-def reserve(arena: SharedArena) -> None:
-    """Commit a new segment's pages now, so a full ``/dev/shm`` fails here with a clear error rather than
-    with SIGBUS at the first write.
-
-    Args:
-        arena: a segment this process just created.
-    Raises:
-        WriterError: ``/dev/shm`` has no room for it (the segment is removed).
-    """
-    fd = os.open(arena.path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, arena.nbytes)
-    except OSError as e:
-        arena.close()
-        try:
-            os.unlink(arena.path)
-        except FileNotFoundError:
-            pass
-        raise WriterError(f"cannot reserve {arena.nbytes} bytes in {SHM_DIR} for {arena.name} ({e.strerror}): "
-                          f"give {SHM_DIR} more room, or ask for fewer staging_steps") from None
-    finally:
-        os.close(fd)
 
 
 class Registry:
@@ -196,7 +172,7 @@ class Staging:
         """Create a staging ring in the first free slot of ``registry`` and announce it (the writer's side).
 
         Raises:
-            WriterError: every slot is taken, or ``/dev/shm`` has no room.
+            WriterError: every slot is taken. MemoryBudgetError: ``/dev/shm`` has no room.
         """
         nbytes = cls.nbytes(spec, steps, episodes)
         for slot in range(int(registry.words[R_SLOTS])):
@@ -206,9 +182,9 @@ class Staging:
                 arena = SharedArena(nbytes, registry.staging_name(slot))
             except FileExistsError:
                 continue
-            # the owner unlinks it once drained; no unlink at this process's exit
+            # reserved at creation (a full /dev/shm raises MemoryBudgetError); the owner unlinks it once
+            # drained, so no unlink at this process's exit
             arena._finalizer.detach()
-            reserve(arena)
             words = arena.buffer[:_RECORDS_OFFSET].view(np.int64)
             words[S_PID], words[S_STEPS], words[S_EPISODES] = os.getpid(), steps, episodes
             words[S_SPEC_HASH] = spec_hash(spec)

@@ -58,16 +58,20 @@ def check_priority(priority: Any, where: str) -> float:
 class EpisodeWriter:
     """What every writer offers: ``append``/``end_episode``/``insert``/``close``, and a context manager.
 
-    Subclasses say where steps go (:meth:`_room`, :meth:`_step_rows`, :meth:`_publish`).
+    Subclasses say where steps go (:meth:`_setup` with the column arrays, :meth:`_room`, :meth:`_rows`,
+    :meth:`_publish`) and keep ``_base`` (the row of the open episode's first step) current.
     Attributes:
         spec: the replay's :class:`~gear_mpi.spec.TrajectorySpec`.
     """
 
     spec: TrajectorySpec
 
-    def _setup(self, spec: TrajectorySpec) -> None:
+    def _setup(self, spec: TrajectorySpec, columns: Mapping[str, np.ndarray]) -> None:
+        """``columns``: column name -> the array whose rows receive the steps (a ring of ``len`` rows)."""
         self.spec = spec
-        self._checks = [(c.name, c.dtype, c.shape) for c in spec.columns]
+        self._targets = [(c.name, columns[c.name], c.dtype, c.shape) for c in spec.columns]
+        self._period = len(columns[spec.columns[0].name])
+        self._base = 0  # the row of the open episode's first step
         self._names = frozenset(spec.names)
         self._max_length = spec.max_length
         self._open_steps = 0  # steps of the open episode
@@ -79,10 +83,6 @@ class EpisodeWriter:
     def _room(self, steps: int) -> None:
         """Wait until the open episode can hold ``steps`` steps (raise on timeout, or when the owner is gone);
         set ``_fits`` to how many it can hold now without waiting; raise WriterError when closed."""
-        raise NotImplementedError
-
-    def _row(self, step: int) -> tuple[dict[str, np.ndarray], int]:
-        """Where step ``step`` of the open episode goes: (column views, row)."""
         raise NotImplementedError
 
     def _rows(self, count: int) -> list[tuple[dict[str, np.ndarray], slice]]:
@@ -107,19 +107,6 @@ class EpisodeWriter:
         """
         if type(step) is not dict and not isinstance(step, Mapping):
             raise InvalidTrajectoryError(f"append: expected a mapping of column -> array, got {type(step).__name__}")
-        values = []
-        try:
-            for name, dtype, shape in self._checks:  # fast path: arrays of the exact dtype and shape
-                v = step[name]
-                if (type(v) is not _ndarray and not isinstance(v, _generic)) or v.dtype != dtype or v.shape != shape:
-                    v = self._convert(name, v)
-                values.append(v)
-        except KeyError:
-            raise InvalidTrajectoryError(f"append: missing column {name!r}; the spec has "
-                                         f"{list(self.spec.names)}") from None
-        if len(step) != len(values):
-            extra = [k for k in step if k not in self._names]
-            raise InvalidTrajectoryError(f"append: unknown column(s) {extra}; the spec has {list(self.spec.names)}")
         n = self._open_steps
         if n >= self._max_length:
             if self._closed:
@@ -128,9 +115,22 @@ class EpisodeWriter:
                                          f"{self._max_length}; call end_episode() first")
         if n >= self._fits:
             self._room(n + 1)
-        cols, row = self._row(n)
-        for (name, _, _), v in zip(self._checks, values):
-            cols[name][row] = v
+        row = self._base + n
+        if row >= self._period:
+            row -= self._period
+        # each column is checked, then written; a failed check leaves the row beyond the episode's end
+        try:
+            for name, target, dtype, shape in self._targets:
+                v = step[name]
+                if (type(v) is not _ndarray and not isinstance(v, _generic)) or v.dtype != dtype or v.shape != shape:
+                    v = self._convert(name, v)
+                target[row] = v
+        except KeyError:
+            raise InvalidTrajectoryError(f"append: missing column {name!r}; the spec has "
+                                         f"{list(self.spec.names)}") from None
+        if len(step) != len(self._targets):
+            extra = [k for k in step if k not in self._names]
+            raise InvalidTrajectoryError(f"append: unknown column(s) {extra}; the spec has {list(self.spec.names)}")
         self._open_steps = n + 1
 
     def _convert(self, name: str, v: Any) -> np.ndarray:
@@ -220,8 +220,8 @@ class Writer(EpisodeWriter):
         staging_steps: steps the staging ring holds (default: about 64 MiB worth, at least
             ``2 * max_length``); must be >= ``max_length``.
     Raises:
-        WriterError: no such ingest point (closed replay, another node), all writer slots taken, or
-            ``/dev/shm`` too small for the staging area.
+        WriterError: no such ingest point (closed replay, another node), or all writer slots taken.
+        MemoryBudgetError: ``/dev/shm`` too small for the staging area.
         ValueError: a bad ``timeout`` or ``staging_steps``.
     Cost: one shared-memory segment of ``staging_steps * step_bytes`` (reserved at once) plus 24 bytes per
     staged episode; per step O(columns) Python and a copy; no system call on the fast path.
@@ -233,7 +233,6 @@ class Writer(EpisodeWriter):
         self.timeout = float(timeout)
         self._registry = Registry.open(address)
         spec = self._registry.spec
-        self._setup(spec)
         if staging_steps is None:
             staging_steps = max(2 * spec.max_length, min(1 << 20, _STAGING_BYTES // max(spec.step_bytes, 1)))
         if isinstance(staging_steps, bool) or int(staging_steps) != staging_steps or staging_steps < spec.max_length:
@@ -245,6 +244,7 @@ class Writer(EpisodeWriter):
         except BaseException:
             self._registry.close()
             raise
+        self._setup(spec, self._stage.columns)
         self.address = address
         h = self._stage.header
         self._published = h[S_PUBLISHED:S_PUBLISHED + 1]
@@ -279,9 +279,6 @@ class Writer(EpisodeWriter):
                 f"rate limiter holds inserts back)")
         self._fits = int(h[S_CONSUMED_STEPS]) + st.steps - self._written
 
-    def _row(self, step: int) -> tuple[dict[str, np.ndarray], int]:
-        return self._stage.columns, (self._written + step) % self._stage.steps
-
     def _rows(self, count: int) -> list[tuple[dict[str, np.ndarray], slice]]:
         s = self._stage.steps
         first = self._written % s
@@ -299,6 +296,7 @@ class Writer(EpisodeWriter):
         rec[0], rec[1] = self._written, length
         rec[2:3].view(np.float64)[0] = priority
         self._written += length
+        self._base = self._written % self._period
         self._fits -= length
         self._published_steps[0] = self._written
         publish(self._published, self._episodes + 1)

@@ -36,7 +36,7 @@ def actor(address: str, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def drain_until(point: IngestPoint, test, seconds: float = 30.0) -> None:
+def drain_until(point: IngestPoint, test, seconds: float = 120.0) -> None:
     deadline = time.monotonic() + seconds
     while not test():
         point.drain(np.inf)
