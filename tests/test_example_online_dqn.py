@@ -16,11 +16,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
+import gear_mpi as gm
+from gear_mpi.warmup import warm_kernels
 from mpi_util import ROOT, mpiexec_path
-
-pytest.importorskip("gymnasium")
 
 EXAMPLE = ROOT / "examples" / "online_dqn.py"
 RANDOM_POLICY_RETURN = 22.0  # CartPole-v1, uniform random actions
@@ -47,7 +48,26 @@ def session_processes(sid: int) -> list[str]:
     return found
 
 
+def test_one_step_spec_warms_up_and_samples():
+    """The example's items: one-step transitions, a spec of max_length=1 (Replay's construction warm-up
+    once made a scratch shard too small for it)."""
+    spec = gm.TrajectorySpec({"obs": ((4,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
+                              "next_obs": ((4,), np.float32), "done": ((), np.float32)}, max_length=1)
+    warm_kernels(spec, gm.Prioritized(0.6, 0.4))
+    shard = gm.Shard(spec, 8, gm.Prioritized(0.6, 0.4))
+    try:
+        step = {"obs": np.arange(4, dtype=np.float32)[None], "action": np.array([1]), "reward": np.ones(1),
+                "next_obs": np.ones((1, 4), np.float32), "done": np.zeros(1)}
+        shard.insert_many([step] * 3, [1.0, 2.0, 3.0])
+        batch = shard.sample(5, window=1)
+        assert batch["obs"].shape == (5, 1, 4) and bool(batch.mask.all())
+        assert np.array_equal(batch["obs"][:, 0].numpy(), np.tile(np.arange(4, dtype=np.float32), (5, 1)))
+    finally:
+        shard.close()
+
+
 def test_online_dqn_quick_learns():
+    pytest.importorskip("gymnasium")
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", str(EXAMPLE), "--quick"]
