@@ -8,6 +8,7 @@ from .shard import Shard
 from .spec import TrajectorySpec
 from .windows import attach_columns
 from .checkpoint import save as save_checkpoint
+from . import datasets
 
 load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay
 
@@ -16,4 +17,4 @@ __version__ = "0.1.0"
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
-           "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint"]
+           "attach_columns", "CheckpointError", "datasets", "load_checkpoint", "save_checkpoint"]
