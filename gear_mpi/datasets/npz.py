@@ -32,8 +32,8 @@ def npz_header(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
                                    else np.lib.format.read_array_header_2_0)
                     shape, _, dtype = read_header(f)
                 out[member[:-4]] = (tuple(shape), np.dtype(dtype))
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise ValueError(f"{path}: not a readable .npz file (truncated or damaged?): {e}") from None
+    except Exception as e:  # noqa: BLE001 -- zipfile, zlib and numpy each raise their own kinds
+        raise ValueError(f"{path}: not a readable .npz file (truncated or damaged?): {type(e).__name__}: {e}") from None
     return out
 
 
@@ -96,8 +96,9 @@ class NpzSource:
                 with np.load(self.files[i], allow_pickle=False) as z:
                     for name in self.columns:
                         buffers[name][pos:pos + n] = z[name]
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-                raise ValueError(f"{self.files[i]}: cannot be read (truncated or damaged?): {e}") from None
+            except Exception as e:  # noqa: BLE001 -- zipfile, zlib and numpy each raise their own kinds
+                raise ValueError(f"{self.files[i]}: cannot be read (truncated or damaged?): "
+                                 f"{type(e).__name__}: {e}") from None
             pos += n
         return {name: buf[:pos] for name, buf in buffers.items()}
 
