@@ -215,6 +215,13 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
         self.settle()
         return self.shard.insert_many(trajectories, priorities)
 
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+        """Add trajectories laid end to end (one ``[sum(lengths), *shape]`` array per column) to this rank's
+        shard: local, as :meth:`Shard.insert_packed` (its arguments, checks and errors; nothing is added on
+        an error), after the node fence (:meth:`insert`). Returns their keys (int64)."""
+        self.settle()
+        return self.shard.insert_packed(columns, lengths, priorities)
+
     def get(self, key: int) -> dict[str, np.ndarray]:
         """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
 

@@ -27,6 +27,23 @@ TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # start, length, priority, generation, seq, st
 _ROW_DTYPES = {"priority": np.float64, "alive": np.uint8}  # every other table array is int64
 
 
+_ROW_STAGGER = 320  # bytes: 11 rows at k * 320 past a page boundary all fall in different 4 KiB offsets
+
+
+def _table_row(count: int, dtype, k: int) -> np.ndarray:
+    """A zeroed table row of ``count`` entries starting ``k * _ROW_STAGGER`` bytes past a page boundary.
+
+    Big allocations all start at the same offset within a page, so the kernels that walk many rows
+    at once (``ring.plan_insert`` writes 10) would touch addresses 4 KiB apart, all in one L1 cache
+    set: staggering the rows made a 1e7-item insert's table pass about 3x faster. Local, O(1) (the
+    pages are committed when first written).
+    """
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(count * itemsize + 4096, np.uint8)
+    skip = (k * _ROW_STAGGER - raw.ctypes.data) % 4096
+    return raw[skip:skip + count * itemsize].view(dtype)
+
+
 class TrajectoryStore:
     """Step ring + trajectory table of one shard.
 
@@ -73,9 +90,9 @@ class TrajectoryStore:
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
-        # np.zeros: the pages are committed as slots are first used
-        self.table = ring.Table(**{name: np.zeros(max_items, _ROW_DTYPES.get(name, np.int64))
-                                   for name in ring.TABLE_FIELDS if name != "state"},
+        # zeroed: the pages are committed as slots are first used
+        self.table = ring.Table(**{name: _table_row(max_items, _ROW_DTYPES.get(name, np.int64), k)
+                                   for k, name in enumerate(ring.TABLE_FIELDS) if name != "state"},
                                 state=np.zeros(ring.STATE_SIZE, np.int64))
         self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
         # each array by name too (store.start, store.alive, ..., store.state): plain attributes, the same

@@ -1,0 +1,80 @@
+"""Offline datasets into a replay: every rank reads its own share of the episodes, in parallel.
+
+    replay = gm.datasets.from_d4rl("hopper-medium-v2.hdf5", comm, sampler=gm.Uniform(), seed=0)
+    replay = gm.datasets.from_npz_dir("episodes/", comm)
+
+Both are collective and return a filled :class:`~gear_mpi.replay.Replay` (one trajectory
+per episode, columns named after the datasets or arrays). The episodes are cut into one
+contiguous run per rank, balanced by steps; each rank reads only its run, in chunks, each
+inserted with one ``insert_packed``. ``replay.dataset_info`` tells what was read (see
+:func:`gear_mpi.datasets.ingest.ingest`). Modules: :mod:`.episodes` (episode split, shares),
+:mod:`.ingest` (the collective load), :mod:`.d4rl` and :mod:`.npz` (the two sources).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ..replay import Replay
+from .d4rl import D4RLSource
+from .episodes import balanced_shares, split_episodes
+from .ingest import CHUNK_BYTES, ingest
+from .npz import NpzSource
+
+__all__ = ["from_d4rl", "from_npz_dir", "split_episodes", "balanced_shares"]
+
+
+def from_d4rl(path: str | Path, comm=None, *, columns: Sequence[str] | None = None, max_length: int | None = None,
+              progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES, **replay_kwargs) -> Replay:
+    """A replay holding a D4RL-layout HDF5 file, one trajectory per episode (needs h5py:
+    ``pip install gear-mpi[datasets]``).
+
+    Episodes end at a step whose ``terminals`` or ``timeouts`` flag is set; steps after the last
+    end form one more episode, kept and flagged (``replay.dataset_info["open_last_episode"]`` and
+    ``["open_episode_key"]``). Columns are named after the datasets (``"observations"``, ...,
+    ``"infos/qpos"``) with their dtypes. Collective: every rank opens the file and reads the
+    steps of its own episodes only (see :func:`gear_mpi.datasets.ingest.ingest`).
+
+    Args:
+        path: the file (the same file on every rank, e.g. on a shared file system).
+        comm: the mpi4py communicator (None: ``MPI.COMM_WORLD``).
+        columns: the datasets to load (None: the five required ones, ``next_observations`` if present,
+            every dataset of ``infos``).
+        max_length: the spec's max_length (None: the longest episode; a longer episode is an error).
+        progress: a tqdm bar on rank 0 (None: when stderr is a terminal or ``GEAR_MPI_PROGRESS=1``).
+        chunk_bytes: steps read and inserted at a time (whole episodes).
+        **replay_kwargs: :class:`~gear_mpi.replay.Replay`'s arguments (``sampler``, ``mode``, ``seed``,
+            ``timeout``, ...); ``capacity_steps`` defaults to the largest rank's share.
+    Returns:
+        The filled replay.
+    Raises:
+        ValueError: on every rank: a missing, truncated or damaged file, a required dataset missing,
+            mismatched lengths, a non-numeric dataset, an episode over ``max_length``, a share over
+            ``capacity_steps``, or a read that failed (the replay is then closed).
+        ImportError: h5py is missing.
+        CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+    """
+    return ingest(lambda: D4RLSource(path, columns), "from_d4rl", comm, max_length, progress, chunk_bytes,
+                  replay_kwargs)
+
+
+def from_npz_dir(path: str | Path, comm=None, *, max_length: int | None = None, progress: bool | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, **replay_kwargs) -> Replay:
+    """A replay holding a directory of ``.npz`` files, one episode per file (in name order), one
+    trajectory per episode, columns named after the arrays.
+
+    Collective, as :func:`from_d4rl`: every rank reads the files' headers, then the files of its own
+    episodes only.
+
+    Args:
+        path: the directory (the same on every rank).
+        comm, max_length, progress, chunk_bytes, **replay_kwargs: as :func:`from_d4rl`.
+    Returns:
+        The filled replay.
+    Raises:
+        ValueError: on every rank: not a directory, no ``.npz`` file, a damaged file, files whose
+            columns, shapes or dtypes differ, arrays of one file of different lengths, an episode over
+            ``max_length``, a share over ``capacity_steps``, or a read that failed.
+        CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+    """
+    return ingest(lambda: NpzSource(path), "from_npz_dir", comm, max_length, progress, chunk_bytes, replay_kwargs)

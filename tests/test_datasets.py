@@ -1,0 +1,121 @@
+"""gm.datasets: the episode split and shares, the two sources, make_dataset, and the collective load
+on 1, 2 and 3 ranks (tests/mpi/test_dataset_ingest.py, over the files of tests/mpi/dataset_files.py).
+
+- split_episodes ends episodes at terminals or timeouts and keeps an open last one;
+  balanced_shares cuts contiguous runs within one episode of the mean; chunk_bounds
+  groups whole episodes.
+- The sources read the files' metadata only when opened and name the fault of a damaged
+  file (in-process, no MPI).
+- scripts/data/make_dataset.py writes a D4RL file the loader reads back as written,
+  with episodes of mixed quality (skipped without gymnasium).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from gear_mpi.datasets import balanced_shares, split_episodes
+from gear_mpi.datasets.d4rl import D4RLSource
+from gear_mpi.datasets.ingest import chunk_bounds
+from gear_mpi.datasets.npz import NpzSource, npz_header
+from mpi_util import MPI_TESTS, run_pytest_mpi
+
+_spec = importlib.util.spec_from_file_location("dataset_files", MPI_TESTS / "dataset_files.py")
+dataset_files = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dataset_files)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return dataset_files.write_all(tmp_path_factory.mktemp("datasets"))
+
+
+def test_split_episodes():
+    t = np.array([0, 0, 1, 0, 0, 0, 0, 1, 0, 0])
+    o = np.zeros(10)
+    o[5] = 1
+    starts, lengths, open_last = split_episodes(t, o)
+    assert starts.tolist() == [0, 3, 6, 8] and lengths.tolist() == [3, 3, 2, 2] and open_last
+    starts, lengths, open_last = split_episodes(t[:8], None)
+    assert starts.tolist() == [0, 3] and lengths.tolist() == [3, 5] and not open_last
+    assert [len(a) for a in split_episodes(np.zeros(0), np.zeros(0))[:2]] == [0, 0]
+    assert split_episodes(np.zeros(4), np.zeros(4))[1].tolist() == [4]  # no end at all: one open episode
+    with pytest.raises(ValueError, match="timeouts"):
+        split_episodes(t, o[:-1])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 64])
+def test_balanced_shares(ranks):
+    lengths = np.random.default_rng(ranks).integers(1, 300, 50)
+    bounds = balanced_shares(lengths, ranks)
+    assert bounds[0] == 0 and bounds[-1] == 50 and np.all(np.diff(bounds) >= 0)
+    share = [lengths[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])]
+    assert sum(share) == lengths.sum()
+    assert max(abs(s - lengths.sum() / ranks) for s in share) <= lengths.max()
+
+
+def test_chunk_bounds():
+    lengths = np.array([5, 5, 5, 20, 1, 1, 1])
+    b = chunk_bounds(lengths, step_bytes=10, chunk_bytes=100)  # chunks start every 10 steps
+    assert b[0] == 0 and b[-1] == len(lengths) and np.all(np.diff(b) >= 1)
+    assert b.tolist() == [0, 2, 4, 7]  # a chunk starts where a new 100 bytes begin; its last episode may run over
+    assert chunk_bounds(np.zeros(0, np.int64), 10, 100).tolist() == [0]
+
+
+def test_sources_read_metadata_and_name_faults(files):
+    lengths, open_last = dataset_files.episodes()
+    s = D4RLSource(files / "good.hdf5")
+    try:
+        np.testing.assert_array_equal(s.lengths, lengths)
+        assert s.open_last == open_last and s.columns["observations"] == ((3,), np.dtype(np.float32))
+        buffers = {k: np.empty((100,) + shape, dtype) for k, (shape, dtype) in s.columns.items()}
+        got = s.read(2, 4, buffers)
+        a = lengths[:2].sum()
+        np.testing.assert_array_equal(got["infos/step"], np.arange(a, a + lengths[2:4].sum()))
+    finally:
+        s.close()
+    s = D4RLSource(files / "text.hdf5", columns=["observations", "infos/step"])  # pick around a bad one
+    assert list(s.columns) == ["observations", "infos/step"]
+    s.close()
+    with pytest.raises(ValueError, match=r"no dataset\(s\) \['nope'\]"):
+        D4RLSource(files / "good.hdf5", columns=["nope"])
+    n = NpzSource(files / "good_npz")
+    np.testing.assert_array_equal(n.lengths, lengths)
+    assert not n.open_last
+    assert npz_header(n.files[0])["observations"] == ((lengths[0], 3), np.dtype(np.float32))
+    with pytest.raises(ValueError, match="not a directory"):
+        NpzSource(files / "good.hdf5")
+    with pytest.raises(ValueError, match="not a readable .npz file"):
+        npz_header(files / "good.hdf5")
+
+
+def test_make_dataset_writes_what_the_loader_reads(tmp_path):
+    pytest.importorskip("gymnasium")
+    import h5py
+    from scripts.data.make_dataset import make_dataset
+
+    out = tmp_path / "cp.hdf5"
+    summary = make_dataset(out, "CartPole-v1", steps=3000, noise=(0.0, 1.0), seed=3, max_episode_steps=200,
+                           npz_dir=tmp_path / "npz")
+    s = D4RLSource(out)
+    try:
+        assert len(s.lengths) == summary["episodes"] and s.lengths.sum() == 3000
+        assert summary["timeouts"] > 0 and summary["terminals"] > 0  # expert episodes time out, random ones fall
+        returns = summary["mean_return"]
+        assert returns[0.0] > 5 * returns[1.0]  # mixed quality
+        with h5py.File(out) as f:
+            assert f["metadata"].attrs["env"] == "CartPole-v1"
+    finally:
+        s.close()
+    n = NpzSource(tmp_path / "npz")
+    assert n.lengths.sum() == 3000 and len(n.lengths) == summary["episodes"]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_ingest_on_ranks(files, nprocs):
+    run = run_pytest_mpi(nprocs, "test_dataset_ingest.py", mpiexec=nprocs > 1, timeout=300,
+                         env={dataset_files.ENV: str(files)})
+    ran = run.passed(0)
+    assert sum(t.startswith("test_dataset_ingest::") for t in ran) >= 12, sorted(ran)

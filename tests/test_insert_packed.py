@@ -1,0 +1,196 @@
+"""Shard.insert_packed: many trajectories laid end to end, one array per column.
+
+- It stores exactly what insert_many stores for the same trajectories (keys, steps,
+  priorities, tables, index), whatever the dtypes (casts happen in the ring copy) or the
+  container (numpy, torch, lists), evicting the oldest the same way.
+- It refuses what insert_many refuses, with the same error class, and then stores
+  nothing: every table array, every step column and the index are unchanged.
+- Big batches (the index rebuilt from its leaves) and small ones (per-slot updates) give
+  the very index that setting every leaf one by one gives.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import gear_mpi as gm
+from gear_mpi.priority_index import PriorityIndex
+from gear_mpi.shard_insert import REBUILD_FRACTION
+
+
+def pack(trajs):
+    """The packed form of a list of trajectories: concatenated columns and their lengths."""
+    cols = {k: np.concatenate([t[k] for t in trajs]) for k in trajs[0]}
+    return cols, np.array([len(t["t"]) for t in trajs])
+
+
+def snapshot(shard: gm.Shard) -> list[np.ndarray]:
+    """Copies of everything an insert may change."""
+    out = [a.copy() for a in shard.store.table]
+    out += [c.copy() for c in shard.store.columns.values()]
+    if shard.index is not None:
+        out += [a.copy() for a in shard.index.tree]
+    return out
+
+
+def same_state(a: gm.Shard, b: gm.Shard) -> None:
+    """Both shards hold the same tables (stamps aside), steps and index, bit for bit."""
+    for name, x, y in zip(a.store.table._fields, a.store.table, b.store.table):
+        if name != "stamp":
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    for name in a.store.columns:
+        np.testing.assert_array_equal(a.store.columns[name], b.store.columns[name], err_msg=name)
+    if a.index is not None:
+        for name, x, y in zip(a.index.tree._fields, a.index.tree, b.index.tree):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+@pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Fifo()], ids=repr)
+def test_packed_stores_what_insert_many_stores(spec, make_traj, shard_factory, sampler):
+    rng = np.random.default_rng(5)
+    a = shard_factory(spec, 120, sampler, max_items=20)
+    b = shard_factory(spec, 120, sampler, max_items=20)
+    for round_ in range(12):  # enough to wrap the ring and the table many times
+        trajs = [make_traj(int(n)) for n in rng.integers(1, 17, rng.integers(1, 8))]
+        pr = rng.uniform(0.0, 3.0, len(trajs))
+        cols, lengths = pack(trajs)
+        ka = a.insert_many(trajs, pr)
+        kb = b.insert_packed(cols, lengths, pr)
+        np.testing.assert_array_equal(ka, kb)
+        same_state(a, b)
+    for k in kb:
+        got = b.get(int(k))
+        want = a.get(int(k))
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_packed_casts_and_takes_any_container(spec, make_traj, shard_factory):
+    trajs = [make_traj(n) for n in (3, 16, 1, 7)]
+    cols, lengths = pack(trajs)
+    ref = shard_factory(spec, 64)
+    ref.insert_packed(cols, lengths)
+    variants = [
+        {**cols, "obs": cols["obs"].astype(np.float64), "t": cols["t"].astype(np.int32)},  # cast in the copy
+        {k: torch.from_numpy(v) for k, v in cols.items()},
+        {**cols, "done": cols["done"].tolist(), "obs": np.asfortranarray(cols["obs"])},
+        {**cols, "obs": np.repeat(cols["obs"], 2, axis=0)[::2]},  # a strided view
+    ]
+    for cols_v in variants:
+        s = shard_factory(spec, 64)
+        keys = s.insert_packed(cols_v, torch.as_tensor(lengths), torch.ones(4))
+        assert keys.dtype == np.int64 and len(keys) == 4
+        for name in ref.store.columns:
+            np.testing.assert_array_equal(s.store.columns[name], ref.store.columns[name], err_msg=name)
+    s = shard_factory(spec, 64)
+    assert len(s.insert_packed({k: v[:0] for k, v in cols.items()}, [])) == 0 and len(s) == 0
+
+
+def test_one_step_items_and_full_replacement(shard_factory):
+    spec = gm.TrajectorySpec({"x": ((2,), np.float32), "i": ((), np.int64)}, max_length=4)
+    n = 4096
+    s = shard_factory(spec, n, gm.Prioritized(1.0, 0.4))
+    for r in range(3):  # each batch evicts the whole previous one
+        i = np.arange(r * n, (r + 1) * n)
+        keys = s.insert_packed({"x": np.stack([i, -i], 1).astype(np.float32), "i": i}, np.ones(n, np.int64),
+                               np.full(n, 2.0))
+        assert len(s) == n and s.stats()["evicted"] == r * n
+        assert s.get(int(keys[-1]))["i"][0] == i[-1]
+        assert s.index.total == 2.0 * n
+
+
+@pytest.mark.parametrize("batch", [3, 40, 200])  # per-slot updates, then leaves + rebuild (1/8 of 256 slots = 32)
+def test_index_matches_leaves_set_one_by_one(make_spec, make_traj, shard_factory, batch):
+    assert REBUILD_FRACTION == 8
+    spec = make_spec(4)
+    s = shard_factory(spec, 600, gm.Prioritized(0.7, 0.4), max_items=256)
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        trajs = [make_traj(int(n)) for n in rng.integers(1, 5, batch)]
+        cols, lengths = pack(trajs)
+        s.insert_packed(cols, lengths, rng.uniform(0, 2, batch))
+        ref = PriorityIndex(256)
+        ref.set(np.arange(256), s.index.leaves.copy())
+        for name, x, y in zip(ref.tree._fields, ref.tree, s.index.tree):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        live = s.store.alive == 1
+        assert np.all(s.index.leaves[~live] == 0)
+        np.testing.assert_allclose(s.index.leaves[live], s.store.priority[live] ** 0.7)
+
+
+def _bad_inputs(spec, make_traj):
+    """(name, packed columns, lengths, priorities, the same batch as a list of trajectories or None)."""
+    trajs = [make_traj(n) for n in (4, 16, 2)]
+    cols, lengths = pack(trajs)
+    pr = np.ones(3)
+    drop = {k: v for k, v in cols.items() if k != "act"}
+    obs_bad = [dict(t) for t in trajs]
+    obs_bad[1]["obs"] = obs_bad[1]["obs"][:, :2]
+    str_bad = [dict(t) for t in trajs]
+    str_bad[2]["img"] = np.array(["x"] * 2)
+    int_bad = [dict(t) for t in trajs]
+    int_bad[0]["act"] = int_bad[0]["act"].astype(np.float32)
+    return [
+        ("missing column", drop, lengths, pr, [{k: v for k, v in t.items() if k != "act"} for t in trajs]),
+        ("unknown column", {**cols, "zzz": cols["t"]}, lengths, pr, [{**t, "zzz": t["t"]} for t in trajs]),
+        ("wrong shape", {**cols, "obs": cols["obs"][:, :2]}, lengths, pr, obs_bad),
+        ("non-numeric", {**cols, "img": np.array(["x"] * 22)}, lengths, pr, str_bad),
+        ("uncastable", {**cols, "act": cols["act"].astype(np.float32)}, lengths, pr, int_bad),
+        ("rows differ", {**cols, "done": cols["done"][:-1]}, lengths, pr, None),
+        ("sum differs", cols, np.array([4, 16, 3]), pr, None),
+        ("length 0", {k: v for k, v in cols.items()}, np.array([6, 16, 0]), pr, None),
+        ("negative", cols, np.array([4, 20, -2]), pr, None),
+        ("too long", {k: np.concatenate([v, v[:1]]) for k, v in cols.items()}, np.array([4, 17, 2]), pr, None),
+        ("float lengths", cols, np.array([4.0, 16.0, 2.0]), pr, None),
+        ("2-D lengths", cols, np.array([[4, 16, 2]]), pr, None),
+        ("not a mapping", list(cols.values()), lengths, pr, None),
+        ("NaN priority", cols, lengths, np.array([1.0, np.nan, 1.0]), trajs),
+        ("negative priority", cols, lengths, np.array([1.0, 1.0, -1.0]), trajs),
+        ("priority count", cols, lengths, np.ones(2), trajs),
+    ]
+
+
+def test_bad_input_stores_nothing_and_errs_like_insert_many(spec, make_traj, shard_factory):
+    s = shard_factory(spec, 40, gm.Prioritized(0.6, 0.4))
+    s.insert_many([make_traj(16), make_traj(16)])  # full enough that a good batch would evict
+    before = snapshot(s)
+    for name, cols, lengths, pr, as_list in _bad_inputs(spec, make_traj):
+        with pytest.raises(gm.GearError) as packed_err:
+            s.insert_packed(cols, lengths, pr)
+        assert isinstance(packed_err.value, (gm.InvalidTrajectoryError, gm.InvalidPriorityError)), name
+        if as_list is not None:
+            with pytest.raises(gm.GearError) as many_err:
+                s.insert_many(as_list, pr)
+            assert type(many_err.value) is type(packed_err.value), (name, many_err.value, packed_err.value)
+        for x, y in zip(before, snapshot(s)):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_error_messages_name_the_fault(spec, make_traj, shard_factory):
+    s = shard_factory(spec, 40, max_items=3)
+    trajs = [make_traj(n) for n in (4, 16, 2)]
+    cols, lengths = pack(trajs)
+    cases = [
+        (dict(columns={**cols, "obs": cols["obs"][:, :2]}, lengths=lengths), "column 'obs' has shape (22, 2, 2); expected (steps, *(3, 2))"),
+        (dict(columns=cols, lengths=[4, 16, 3]), "lengths sum to 23 steps but the columns have 22"),
+        (dict(columns=cols, lengths=[6, 16, 0]), "trajectory 2: trajectory has length 0"),
+        (dict(columns=cols, lengths=[2, 20, 0]), "trajectory 1: trajectory has length 20, longer than max_length=16"),
+        (dict(columns={**cols, "act": cols["act"].astype(np.float32)}, lengths=lengths),
+         "column 'act' has dtype float32, which cannot be cast safely to int16"),
+        (dict(columns=cols, lengths=lengths, priorities=[1, 1, -1]), "priorities[2] is -1.0"),
+    ]
+    for kwargs, text in cases:
+        with pytest.raises(gm.GearError, match=re.escape(text)):
+            s.insert_packed(**kwargs)
+    four = [make_traj(2) for _ in range(4)]
+    with pytest.raises(gm.InvalidTrajectoryError, match="max_items=3 trajectories: split the batch"):
+        s.insert_packed(*pack(four))
+    with pytest.raises(gm.InvalidTrajectoryError, match="capacity_steps=40 steps"):
+        s.insert_packed(*pack([make_traj(16), make_traj(16), make_traj(16)]))
+    assert len(s) == 0
+    s.close()
+    with pytest.raises(RuntimeError):
+        s.insert_packed(cols, lengths)
