@@ -26,7 +26,7 @@ from . import deadline, errors
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
-    errors.CheckpointError,
+    errors.CheckpointError, errors.StorageError,
 ]
 MESSAGE_BYTES = 1024
 

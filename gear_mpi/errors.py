@@ -40,3 +40,8 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class CheckpointError(GearError, RuntimeError):
     """A checkpoint is missing, partial, corrupted or of another format; the message names the file."""
+
+
+class StorageError(GearError, OSError):
+    """A file-backed shard's files cannot be made: ``path`` missing, not a directory or not
+    writable, a file in the way, or not enough disk (checked when the shard is built)."""

@@ -62,8 +62,11 @@ class Replay(ReplayState):
         seed: fixes every rank's streams (each rank derives its own).
         timeout: seconds any collective waits for a rank, construction included.
         max_items, max_times_sampled: see :class:`~gear_mpi.shard.Shard`.
-        memory: ``"shm"`` (POSIX shared memory) or ``"private"`` (an anonymous private mapping; ``"numpy"`` is
-            its deprecated name); None: shared memory when several ranks share a node, else private.
+        memory: ``"shm"`` (POSIX shared memory), ``"private"`` (an anonymous private mapping; ``"numpy"`` is
+            its deprecated name) or ``"file"`` (memory-mapped files under ``path``: a shard may exceed RAM;
+            :mod:`gear_mpi.file_memory`); None: shared memory when several ranks share a node, else private.
+        path: ``memory="file"``: an existing directory (may differ per rank); rank r's files go in
+            ``path/rank-NNNNN/`` and are reserved on disk at construction.
         force_alltoallv: send every window owned by another rank through MPI.
         device: ``"cpu"``, ``"cuda"`` (the GPU of this rank's local rank) or ``"cuda:i"``.
         process_group, window_transport: for device replays, an existing torch.distributed group,
@@ -73,6 +76,7 @@ class Replay(ReplayState):
     shared memory; every step has the deadline ``timeout``.
     Raises:
         ValueError: a bad argument, or ranks constructed with different arguments (on every rank).
+        StorageError: ``memory="file"``: a rank's ``path`` is missing or not writable, or its disk is full.
         CollectiveTimeoutError: a rank did not construct within ``timeout`` (on every other rank).
     """
 
@@ -80,7 +84,7 @@ class Replay(ReplayState):
                  mode: str = "decentralized", comm=None, seed: int = 0, timeout: float = 60.0,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
-                 window_transport: str = "nccl"):
+                 window_transport: str = "nccl", path=None):
         mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
@@ -112,9 +116,14 @@ class Replay(ReplayState):
             streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)
             # the GPU follows the local rank (rank within the node) unless device names one
             self.device = DeviceContext(device, self.node.local_rank) if device_kind == "cuda" else None
-            self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items,
-                               max_times_sampled=max_times_sampled, memory=memory, seed=streams[0], rank=rank,
-                               tag=tag, device_context=self.device)
+            err = None
+            try:  # agreed, so that a rank's full disk or bad path raises on every rank
+                self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items,
+                                   max_times_sampled=max_times_sampled, memory=memory, seed=streams[0], rank=rank,
+                                   tag=tag, device_context=self.device, path=path)
+            except Exception as e:
+                err = e
+            self.comm.agree(err, f"{_BUILD} (shard)")
             self.rng = np.random.Generator(np.random.PCG64(streams[1]))
             # the same on every rank: per-requester shard counts (decentralized) are drawn from it
             shared_seed = np.random.SeedSequence(seed, spawn_key=(1 << 30,))

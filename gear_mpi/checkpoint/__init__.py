@@ -61,8 +61,8 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from .files import CHUNK_BYTES, FORMAT, FORMAT_VERSION, MANIFEST, rank_dir, read_manifest, resolve
-from .protocol import LOAD_OPTIONS, load, save
+from .protocol import LOAD_OPTIONS, load, save, verify
 from .reshard import remap
 
 __all__ = ["CHUNK_BYTES", "CheckpointError", "FORMAT", "FORMAT_VERSION", "LOAD_OPTIONS", "MANIFEST", "load",
-           "rank_dir", "read_manifest", "remap", "resolve", "save"]
+           "rank_dir", "read_manifest", "remap", "resolve", "save", "verify"]
