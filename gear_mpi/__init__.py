@@ -1,7 +1,7 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
 from .batch import Batch
 from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
-                     InvalidPriorityError, InvalidTrajectoryError, StaleKeyError)
+                     InvalidPriorityError, InvalidTrajectoryError, StaleKeyError, StorageError)
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
 from .shard import Shard
@@ -16,4 +16,4 @@ __version__ = "0.1.0"
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
-           "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint"]
+           "attach_columns", "CheckpointError", "StorageError", "load_checkpoint", "save_checkpoint"]

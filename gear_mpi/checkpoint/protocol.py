@@ -33,7 +33,7 @@ from .arrival import Channel, CheckpointComm, human
 from .files import MANIFEST, rank_dir, read_manifest, resolve
 
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
-                "max_times_sampled", "device", "process_group", "progress", "path", "mmap", "verify")
+                "max_times_sampled", "device", "process_group", "progress", "memory_path", "mmap", "verify")
 
 
 def _package_version() -> str | None:
@@ -227,12 +227,13 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
             number of ranks); ``seed`` seeds the streams of a resharded replay
             (default: derived from the saved streams); ``progress`` (None, True or
             False) asks for a progress bar of rank 0's bytes as :func:`save` does;
-            ``memory="file"`` with ``path`` loads into file-backed shards.
+            ``memory="file"`` with ``memory_path`` (the new replay's ``path=``; the name
+            ``path`` is the checkpoint's) loads into file-backed shards.
             ``mmap=True``: an exact restore of a version-3 checkpoint maps each rank's
             ``columns.bin`` as its shard's memory, copy-on-write (no step is read; the files
             are never written; node peers' windows then travel through MPI); a reshard or a
             version-2 checkpoint cannot be mapped and is copied, with a warning (into
-            ``memory``/``path`` when given). ``verify``: check the columns' sha256 (default
+            ``memory``/``memory_path`` when given). ``verify``: check the columns' sha256 (default
             True, or False with ``mmap``: reading every step is what mapping avoids; the
             table and shard.json are always checked, the columns' sizes and headers too;
             :func:`gear_mpi.checkpoint.verify` checks the rest at any time).
@@ -311,8 +312,8 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
               max_times_sampled=overrides.get("max_times_sampled", body["max_times_sampled"]),
               memory="mapped" if mapped else overrides.get("memory"),
               force_alltoallv=overrides.get("force_alltoallv", body["force_alltoallv"]))
-    if mapped or overrides.get("path") is not None:
-        kw["path"] = where if mapped else overrides["path"]
+    if mapped or overrides.get("memory_path") is not None:
+        kw["path"] = where if mapped else overrides["memory_path"]
     device = overrides.get("device", body.get("device", "cpu"))
     if device != "cpu":
         kw["device"] = device
@@ -356,7 +357,7 @@ def _wants_map(mmap: bool, exact: bool, version: int, body: dict, ranks: int) ->
     if not exact:
         warnings.warn(f"load(mmap=True): the checkpoint was saved on {body['ranks']} ranks with capacity_steps="
                       f"{body['capacity_steps']}, max_items={body['max_items']}; loading it onto {ranks} ranks or "
-                      f"other sizes reshards, which copies the steps (into memory= and path= when given)",
+                      f"other sizes reshards, which copies the steps (into memory= and memory_path= when given)",
                       stacklevel=4)
         return False
     return True
