@@ -237,6 +237,19 @@ class FileArena:
         finally:
             os.close(fd)
 
+    def advise(self, option: int, start: int, length: int) -> None:
+        """``madvise`` a range of the mapping (``start`` page-aligned); ignored if the kernel refuses. O(1) call.
+
+        Args:
+            option: an ``mmap.MADV_*`` constant.
+            start: byte offset in the arena, a multiple of the page size.
+            length: bytes.
+        """
+        try:
+            self._mmap.madvise(option, start, length)
+        except (OSError, ValueError):
+            pass
+
     def unlink(self) -> None:
         """Remove the file's name now (mappings stay valid; the space is freed when the last goes).
         Only the creator does anything. Idempotent."""

@@ -283,6 +283,7 @@ class Shard(ShardState, ShardInsert):
             fields["weight"] = self.selector.importance_weights(w, wmin)
         else:
             fields["weight"] = fields["probability"]
+        st.prefetch(fields["start"], fields["valid"])  # file-backed columns: start reading the windows now
         return choices
 
     def column_addresses(self) -> np.ndarray:

@@ -17,6 +17,7 @@ mapped copy-on-write and the table is in memory.
 """
 from __future__ import annotations
 
+import mmap
 import time
 from typing import Mapping
 
@@ -79,6 +80,7 @@ class TrajectoryStore:
         fields = {name: (max_items, _ROW_DTYPES.get(name, np.int64)) for name in ring.TABLE_FIELDS if name != "state"}
         fields["state"] = (ring.STATE_SIZE, np.int64)
         self._table_arena = None
+        self.prefetch_windows = True  # file-backed columns: see prefetch()
         if arena is None and memory == "file":  # both files reserved at once: a full disk fails here
             directory = file_memory.rank_directory(path, rank)
             try:
@@ -189,6 +191,37 @@ class TrajectoryStore:
             if head < total:
                 dst[:total - head] = data[head:]
         return slots, evicted
+
+    def prefetch(self, start: np.ndarray, steps: np.ndarray) -> None:
+        """Ask the kernel to read the windows about to be copied (``MADV_WILLNEED`` on each window of
+        each column), for file-backed columns only: with ``MADV_RANDOM`` a page fault reads one page,
+        so a cold window would cost one synchronous disk read per page; this starts them all at once.
+
+        Args:
+            start: the ring step where each window starts (int64).
+            steps: its real steps (int64).
+        Cost: nothing for memory arenas (or with ``store.prefetch_windows = False``); else one madvise
+        per window and column (a few us each even when the pages are cached: about 1 ms for 64 image
+        windows of 4 columns, 20% of such a warm sample), and the reads it starts.
+        """
+        arena = self.arena
+        if not self.prefetch_windows or getattr(arena, "kind", None) not in ("file", "mapped") or len(start) == 0:
+            return
+        page = mmap.PAGESIZE
+        cap = self.capacity
+        start = np.asarray(start, np.int64)
+        first = np.minimum(np.asarray(steps, np.int64), cap - start)  # steps before the ring wraps
+        for c in self.spec.columns:
+            base, sb = self.offsets[c.name], c.step_bytes
+            lo = base + start * sb
+            hi = lo + first * sb
+            wrapped = steps > first
+            lo = np.concatenate([lo, np.full(int(wrapped.sum()), base, np.int64)])
+            hi = np.concatenate([hi, base + (steps - first)[wrapped] * sb])
+            lo -= lo % page
+            for a, b in zip(lo.tolist(), hi.tolist()):
+                if b > a:
+                    arena.advise(mmap.MADV_WILLNEED, a, b - a)
 
     def count_samples(self, slots: np.ndarray, max_times: int) -> np.ndarray:
         """Add one use to each of ``slots``; remove those that reached ``max_times`` uses.
@@ -383,6 +416,7 @@ class TrajectoryStore:
         if self._table_arena is not None:  # the table's arrays keep the mapping until they go
             self._table_arena.close()
             self._table_arena = None
+        self.prefetch_windows = True  # file-backed columns: see prefetch()
 
     @property
     def shm_name(self) -> str | None:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import subprocess
 
@@ -178,6 +179,8 @@ def test_full_small_file_system_fails_with_storage_error(tmp_path, monkeypatch):
         shard = gm.Shard(SPEC, 1000, memory="file", path=small)  # what fits works
         shard.insert(trajectories(1, 0)[0][0])
         shard.close()
+        del shard  # its arrays keep the mappings (and the file system busy) until they go
+        gc.collect()
     finally:
         _umount(small)
 
@@ -190,7 +193,8 @@ def _mount(where, options: str) -> bool:
 
 
 def _umount(where) -> None:
-    subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
+    if subprocess.run(["umount", str(where)], capture_output=True, timeout=30).returncode:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)  # busy: detach it
 
 
 # ---- multi-rank: every mode, node peers, checkpoints, load(mmap=True) ---------------------------------

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .. import progress
 from ..errors import CheckpointError
 from ..kernels import ring
 from ..memory import HEADER_BYTES, check_header, column_layout, write_header
@@ -150,7 +151,7 @@ def digest_of(read: Callable[[int, int], memoryview], spec: TrajectorySpec, capa
     """The sha256 of a ``columns.bin``'s pieces, read through ``read(offset, n)``. O(steps in use).
 
     Args:
-        read: returns ``n`` bytes at ``offset`` (from the file, or from a mapping of it).
+        read: returns ``n`` bytes at ``offset``.
         spec, capacity: the saved ones; meta: the rank's ``shard.json``.
     Returns:
         The hex digest.
@@ -158,30 +159,28 @@ def digest_of(read: Callable[[int, int], memoryview], spec: TrajectorySpec, capa
     h = hashlib.sha256()
     for _, pos, n in pieces(spec, capacity, _head(meta), _used(meta)):
         for a in range(0, n, CHUNK_BYTES):
-            h.update(read(pos + a, min(CHUNK_BYTES, n - a)))
+            part = read(pos + a, min(CHUNK_BYTES, n - a))
+            h.update(part)
+            progress.advance(len(part))
     return h.hexdigest()
 
 
-def verify_file(filename: str, entry: dict | None, spec: TrajectorySpec, capacity: int, meta: dict,
-                buffer: np.ndarray | None = None) -> None:
-    """Check a ``columns.bin`` whole: size, header and sha256 (read from ``buffer``, its mapping, if given).
+def verify_file(filename: str, entry: dict | None, spec: TrajectorySpec, capacity: int, meta: dict) -> None:
+    """Check a ``columns.bin`` whole: size, header and sha256.
 
     Args:
         filename: the file; entry: its manifest entry; spec, capacity: the saved ones; meta: its ``shard.json``.
-        buffer: the file mapped (an mmap-loaded shard's arena): hashed from memory, no second read.
     Raises:
         CheckpointError: missing, wrong size, another header, or corrupted.
-    Cost: reads (or pages in) every step in use once.
+    Cost: reads every step in use once, in chunks of :data:`CHUNK_BYTES` (sequential reads with
+    the kernel's read-ahead: faster than paging a ``MADV_RANDOM`` mapping in).
     """
     check_mappable(filename, entry, spec, capacity)
-    if buffer is not None:
-        got = digest_of(lambda pos, n: memoryview(buffer[pos:pos + n]), spec, capacity, meta)
-    else:
-        fd = os.open(filename, os.O_RDONLY)
-        try:
-            got = digest_of(lambda pos, n: os.pread(fd, n, pos), spec, capacity, meta)
-        finally:
-            os.close(fd)
+    fd = os.open(filename, os.O_RDONLY)
+    try:
+        got = digest_of(lambda pos, n: os.pread(fd, n, pos), spec, capacity, meta)
+    finally:
+        os.close(fd)
     if got != entry["sha256"]:
         raise CheckpointError(f"{filename}: sha256 does not match the manifest (corrupted)")
 

@@ -274,7 +274,7 @@ def restore_rank(shard, where: str, body: dict, r: int, mapped: bool = False, ve
         r: the saved rank to restore.
         mapped: ``shard``'s arena is this rank's ``columns.bin`` mapped (``load(mmap=True)``):
             the steps are not read.
-        verify: check the columns' sha256 (reading every step in use; from the mapping when
+        verify: check the columns' sha256 (reading every step in use from the file, also when
             ``mapped``). Version-2 column files are always checked.
     Returns:
         The rank's ``shard.json`` (the rank's own streams are in it: ``rng_replay``,
@@ -306,8 +306,7 @@ def restore_rank(shard, where: str, body: dict, r: int, mapped: bool = False, ve
     entries = body["shards"][r]["files"]
     if mapped:
         if verify:
-            arena_file.verify_file(columns, entries.get(arena_file.COLUMNS), shard.spec, shard.capacity_steps, meta,
-                                   shard.store.arena.buffer)
+            arena_file.verify_file(columns, entries.get(arena_file.COLUMNS), shard.spec, shard.capacity_steps, meta)
     elif is_arena(meta):
         arena_file.read_into(columns, entries.get(arena_file.COLUMNS), shard, meta, verify)
     else:
