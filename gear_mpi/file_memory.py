@@ -23,10 +23,11 @@ places; the kernel's read-ahead around each fault would read pages no window nee
 
 The GPU path (``device="cuda"``) page-locks the whole arena (``cudaHostRegister``):
 every page of a file-backed arena is then read in and locked in RAM (so the shard must
-fit in RAM after all), and Linux 6.5 and later refuse long-term pins of writable,
-file-backed mappings (``MAP_SHARED`` files other than tmpfs/hugetlbfs, and
-copy-on-write mappings of them), where registration fails; use ``memory="shm"`` or
-``"private"`` for device replays. Not tested on a GPU (none was available).
+fit in RAM after all), and Linux kernels from 6.5 on may refuse long-term pins of
+writable, file-backed mappings (files other than tmpfs/hugetlbfs, copy-on-write
+mappings of them included), where registration fails and :class:`~gear_mpi.node.NodeView`
+raises a ValueError saying so; use ``memory="shm"`` or ``"private"`` for device replays.
+Not tested on a GPU (none was available); the CUDA simulator accepts it.
 """
 from __future__ import annotations
 

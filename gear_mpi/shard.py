@@ -95,7 +95,8 @@ class Shard(ShardState, ShardInsert):
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the shared-memory segment holding the columns (None for private memory). O(1)."""
+        """Name another process maps the columns by: the shared-memory segment's, or (``memory="file"``)
+        the columns file's path; None for private memory. O(1)."""
         return self.store.shm_name
 
     def __len__(self) -> int:

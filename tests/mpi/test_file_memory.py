@@ -13,7 +13,8 @@ Run by tests/test_file_memory.py on 1, 2 (``--force-alltoallv``) and 3 ranks; by
   "mapped", node peers' windows through MPI) and draws the very batches a plain load draws, and
   inserts into it never reach the files; a damaged columns.bin is caught by ``verify=True``
   and by ``checkpoint.verify``, and a truncated one always; loading into file-backed shards
-  works; mmap onto another number of ranks warns and reshards.
+  works; mmap onto another number of ranks warns and reshards; a mapped replay saves over the
+  checkpoint it maps; mmap of the version-2 fixture warns and reads it.
 """
 from __future__ import annotations
 
@@ -172,5 +173,29 @@ def test_mmap_onto_other_ranks_warns_and_reshards(saved):
     assert any("reshards, which copies" in str(w.message) for w in got), [str(w.message) for w in got]
     assert replay.shard.store.arena.kind == "private" and (new >= 0).all()
     assert replay.stats()["total"]["items"] == len(old)
+    replay.close()
+    alone.Free()
+
+
+def test_save_over_the_mapped_checkpoint(saved):
+    """A replay loaded with mmap=True saves over the very checkpoint it maps; the result loads the same."""
+    cp, _, _ = saved
+    replay, _ = gm.Replay.load(cp, timeout=TIMEOUT, mmap=True)
+    fill(replay, 3, seed=9)  # copy-on-write pages
+    replay.save(cp)  # the old files are renamed and removed while mapped: the mapping keeps them
+    expect = drive(replay, 3, seed=4)
+    replay.close()
+    again, _ = gm.Replay.load(cp, timeout=TIMEOUT, mmap=True, verify=True)
+    for i, (a, b) in enumerate(zip(expect, drive(again, 3, seed=4))):
+        same(a, b, f"batch {i}")
+    again.close()
+
+
+def test_mmap_of_a_version_2_checkpoint_warns_and_reads():
+    fixture = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "checkpoint_v2")
+    alone = COMM.Split(RANK, 0)
+    with pytest.warns(UserWarning, match="format version 2, whose column files cannot be mapped"):
+        replay, (old, new) = gm.Replay.load(fixture, alone, timeout=TIMEOUT, mmap=True, capacity_steps=48)
+    assert replay.shard.store.arena.kind == "private" and (new >= 0).all() and len(replay) == len(old)
     replay.close()
     alone.Free()
