@@ -7,7 +7,8 @@
 - Clear errors: no path, path missing / not a directory / not writable, a file in the way, not
   enough disk (the free-space check, and posix_fallocate failing), nothing left behind.
 - The multi-rank checks (every mode, node peers, checkpoints of file-backed replays, load(mmap=True))
-  are tests/mpi/test_file_memory.py, started here on 1 to 3 ranks.
+  are tests/mpi/test_file_memory.py, started here on 1 to 3 ranks, and on 2 ranks with a device
+  replay over file-backed and mapped arenas on numba's CUDA simulator.
 """
 from __future__ import annotations
 
@@ -206,3 +207,9 @@ def test_file_backed_replay_on_ranks(nprocs, force):
     run = run_pytest_mpi(nprocs, "test_file_memory.py", *(["--force-alltoallv"] if force else []),
                          mpiexec=nprocs > 1, timeout=600)
     assert any(t.startswith("test_file_memory::") for t in run.passed(0))
+
+
+def test_device_replay_on_file_memory_on_the_simulator():
+    run = run_pytest_mpi(2, "test_file_memory.py::test_device_replay_on_file_memory_on_the_simulator",
+                         env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=600)
+    assert len(run.passed(0)) == 1, run.passed(0)

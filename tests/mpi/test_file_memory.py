@@ -199,3 +199,30 @@ def test_mmap_of_a_version_2_checkpoint_warns_and_reads():
     assert replay.shard.store.arena.kind == "private" and (new >= 0).all() and len(replay) == len(old)
     replay.close()
     alone.Free()
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="run with NUMBA_ENABLE_CUDASIM=1")
+def test_device_replay_on_file_memory_on_the_simulator(shared_dir):
+    """device="cuda" registers the file-backed (and the mapped) arena: on the CUDA simulator it matches
+    a CPU replay (on a GPU the registration may be refused; see gear_mpi.file_memory)."""
+    kw = dict(mode="decentralized", seed=11, timeout=TIMEOUT)
+    gpu = gm.Replay(SPEC, 60, gm.Prioritized(0.7, 0.5), device="cuda", memory="file", path=rank_path(shared_dir), **kw)
+    cpu = gm.Replay(SPEC, 60, gm.Prioritized(0.7, 0.5), **kw)
+    for r in (gpu, cpu):
+        fill(r, 4 + RANK, seed=5)
+    for align in ("random", "tail"):
+        a, b = gpu.sample(2 + RANK, 4, align), cpu.sample(2 + RANK, 4, align)
+        assert a.device == gpu.device.torch_device
+        for name in SPEC.names:
+            assert np.array_equal(a[name].cpu().numpy(), b[name].cpu().numpy()), name
+        assert np.array_equal(a.keys.cpu().numpy() & NO_TAG, b.keys.numpy() & NO_TAG)
+    cp = os.path.join(shared_dir, "cp-dev")
+    cpu.save(cp)
+    expect = cpu.sample(3, 4)
+    cpu.close()
+    gpu.close()
+    mapped, _ = gm.Replay.load(cp, timeout=TIMEOUT, mmap=True, device="cuda")
+    got = mapped.sample(3, 4)
+    for name in SPEC.names:
+        assert np.array_equal(got[name].cpu().numpy(), expect[name].numpy()), name
+    mapped.close()
