@@ -83,7 +83,12 @@ def write(filename: str, shard) -> dict:
             head, used = int(shard.store.state[ring.STEP_HEAD]), int(shard.store.state[ring.STEPS_USED])
             for (a, _b), seg in zip(ring.ring_segments(head, used, cap), shard.column_segments(c.name)):
                 pos = offsets[c.name] + a * c.step_bytes
-                for part in slices(seg):
+                parts = list(slices(seg))
+                for k, part in enumerate(parts):
+                    if k == 0:  # file-backed columns (MADV_RANDOM): ask for each chunk ahead, the next
+                        shard.store.will_read(part)  # one read while this one is written
+                    if k + 1 < len(parts):
+                        shard.store.will_read(parts[k + 1])
                     yield pos, part
                     pos += len(part)
         yield nbytes, b""  # the file is the arena's size, holes included
