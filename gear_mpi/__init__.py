@@ -1,12 +1,17 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
 from .batch import Batch
-from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError,
-                     InvalidPriorityError, InvalidTrajectoryError, StaleKeyError, StorageError)
+from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError,
+                     InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError,
+                     RateLimitTimeoutError, StaleKeyError, StorageError, WriterError,
+                     WriterTimeoutError)
+from .rate_limit import MinSize, RateLimiter, SampleToInsertRatio
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
 from .shard import Shard
 from .spec import TrajectorySpec
 from .windows import attach_columns
+from .writer import EpisodeWriter, Writer
+from .remote import MpiWriter
 from .checkpoint import save as save_checkpoint
 
 load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay
@@ -16,4 +21,6 @@ __version__ = "0.1.0"
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
-           "attach_columns", "CheckpointError", "StorageError", "load_checkpoint", "save_checkpoint"]
+           "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
+           "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter",
+           "Writer", "MpiWriter"]

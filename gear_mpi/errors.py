@@ -42,6 +42,24 @@ class CheckpointError(GearError, RuntimeError):
     """A checkpoint is missing, partial, corrupted or of another format; the message names the file."""
 
 
+class RateLimitTimeoutError(GearError, TimeoutError):
+    """A sample waited longer than the replay's ``rate_limit_timeout`` for its rate limiter to allow it;
+    raised on every rank alike, and the replay stays usable."""
+
+
+class WriterError(GearError, RuntimeError):
+    """A writer cannot go on: its replay was closed, its owner process died, or it was itself closed."""
+
+
+class WriterTimeoutError(WriterError, TimeoutError):
+    """A writer waited longer than its ``timeout`` for room in its staging area (backpressure)."""
+
+
+class MemoryBudgetError(GearError, MemoryError):
+    """The node cannot give the memory a replay asks for (RAM, a cgroup limit, or /dev/shm); raised at
+    construction on every rank, naming the sizes and the ways out."""
+
+
 class StorageError(GearError, OSError):
     """A file-backed shard's files cannot be made: ``path`` missing, not a directory or not
     writable, a file in the way, or not enough disk (checked when the shard is built)."""

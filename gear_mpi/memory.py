@@ -28,6 +28,7 @@ import weakref
 
 import numpy as np
 
+from .errors import MemoryBudgetError
 from .file_memory import COLUMNS_FILE, FileArena, rank_dir_name, rank_directory
 from .spec import TrajectorySpec
 
@@ -171,6 +172,29 @@ class PrivateArena:
         self._map = None
 
 
+def _reserve(fd: int, nbytes: int, name: str) -> None:
+    """Commit a new segment's pages now (``posix_fallocate``), so a full ``/dev/shm`` fails here with a
+    clear error instead of SIGBUS at the first write of a page.
+
+    Raises:
+        MemoryBudgetError: no room (the caller removes the segment).
+    """
+    if nbytes <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.0f} MiB"
+        except OSError:
+            free = "its free space unknown"
+        raise MemoryBudgetError(
+            f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR} for {name} ({e.strerror}; {SHM_DIR} has {free}): "
+            f"give {SHM_DIR} more room (e.g. docker run --shm-size, a larger tmpfs), use memory='private' (node "
+            f"peers are then served over MPI), or ask for a smaller capacity") from None
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -207,6 +231,7 @@ class SharedArena:
         try:
             if not _attach:
                 os.ftruncate(fd, int(nbytes))
+                _reserve(fd, int(nbytes), name)
             self.nbytes = int(nbytes)
             self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

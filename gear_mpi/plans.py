@@ -2,7 +2,8 @@
 
 A plan turns the *header* of a sample -- a row per rank, agreed by
 ``MpiComm.agree``: (batch size, window, align code, selection mass, live items,
-smallest weight, mode code) -- into an :class:`Assignment`: the slots this rank serves, in
+smallest weight, mode code, and for the rate limiter of :mod:`gear_mpi.feeds`: items ever
+inserted, windows ever served, episodes waiting in writers, seconds this call has waited) -- into an :class:`Assignment`: the slots this rank serves, in
 requester order, with how many go to each requester and how many this rank
 receives from each owner. Every plan handles both kinds of selector:
 proportional (Uniform, Prioritized: draws over the weights) and ordered (Fifo,
@@ -31,9 +32,10 @@ from .comm import MpiComm, displacements
 from .errors import EmptyReplayError
 from .shard import Shard
 
-# the columns of a sample's header (one row per rank); MODE: the index of the call's mode in MODES
-BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE = range(7)
-HEADER_WIDTH = 7
+# the columns of a sample's header (one row per rank); MODE: the index of the call's mode in MODES;
+# INSERTED, SAMPLED, BACKLOG, WAITED: the rate limiter's counts (see gear_mpi.feeds)
+BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE, INSERTED, SAMPLED, BACKLOG, WAITED = range(11)
+HEADER_WIDTH = 11
 MODES = ("decentralized", "centralized", "local")
 
 

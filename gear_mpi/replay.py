@@ -9,7 +9,8 @@ every rank. The mode given at construction is the default; ``sample(..., mode=)`
 picks another for one call (the plans of every mode work over the same shards).
 
 A sample reads as its protocol: the ranks agree on the arguments (one allgather
-of an 8-value header); the mode's plan (:mod:`gear_mpi.plans`) turns the header
+of a 12-value header: a status, the call's arguments, the shard's mass, and the rate
+limiter's counts); the mode's plan (:mod:`gear_mpi.plans`) turns the header
 into the items each owner serves each requester; the window transport
 (:mod:`gear_mpi.transport`) delivers a 48-byte *choice* per item and the
 windows, copied straight out of a node peer's shared memory or sent by MPI
@@ -32,26 +33,30 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import checkpoint, routing
+from . import budget, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch
 from .comm import MpiComm
 from .device import DeviceContext, parse_device
+from .feeds import ReplayFeeds
 from .memory import memory_kind
 from .node import NodeView
+from .rate_limit import RateLimiter
+from .prefetch import BatchIterator, ReplayPrefetch
 from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
 from .replay_state import ReplayState
 from .selectors import Selector, Uniform
 from .shard import Shard
 from .spec import TrajectorySpec, validate_priorities
 from .transport import WindowTransport
+from .warmup import warm_kernels
 from .windows import check_batch_size, check_window
 
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay(ReplayState):
+class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
 
     Args:
@@ -65,17 +70,20 @@ class Replay(ReplayState):
         memory: ``"shm"`` (POSIX shared memory), ``"private"`` (an anonymous private mapping; ``"numpy"`` is
             its deprecated name) or ``"file"`` (memory-mapped files under ``path``: a shard may exceed RAM;
             :mod:`gear_mpi.file_memory`); None: shared memory when several ranks share a node, else private.
-        path: ``memory="file"``: an existing directory (may differ per rank); rank r's files go in
-            ``path/rank-NNNNN/`` and are reserved on disk at construction.
+        path: ``memory="file"``: an existing directory (may differ per rank) for this rank's ``rank-NNNNN/``.
         force_alltoallv: send every window owned by another rank through MPI.
         device: ``"cpu"``, ``"cuda"`` (the GPU of this rank's local rank) or ``"cuda:i"``.
         process_group, window_transport: for device replays, an existing torch.distributed group,
             and ``"nccl"`` or ``"mpi"`` (a CUDA-aware MPI) for windows between nodes.
+        rate_limiter: a :mod:`gear_mpi.rate_limit` limiter over the whole replay (None: none);
+            rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds`).
+        lazy: only warn when the node cannot hold every rank's shard (:mod:`gear_mpi.budget`); default: refuse.
 
     Collective: agrees on the arguments, a key tag and the node layout, and maps the node's
     shared memory; every step has the deadline ``timeout``.
     Raises:
         ValueError: a bad argument, or ranks constructed with different arguments (on every rank).
+        MemoryBudgetError: the shards of a node would not fit its memory or /dev/shm (on every rank).
         StorageError: ``memory="file"``: a rank's ``path`` is missing or not writable, or its disk is full.
         CollectiveTimeoutError: a rank did not construct within ``timeout`` (on every other rank).
     """
@@ -84,7 +92,8 @@ class Replay(ReplayState):
                  mode: str = "decentralized", comm=None, seed: int = 0, timeout: float = 60.0,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
-                 window_transport: str = "nccl", path=None):
+                 window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
+                 rate_limit_timeout: float = 60.0, lazy: bool = False, path=None):
         mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
@@ -93,6 +102,7 @@ class Replay(ReplayState):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         sampler = Uniform() if sampler is None else sampler
         self.comm = MpiComm(comm, timeout)
+        self._init_feeds(rate_limiter, rate_limit_timeout)
         self.mode = mode
         self.force_alltoallv = bool(force_alltoallv)
         rank, size = self.comm.rank, self.comm.size
@@ -102,7 +112,7 @@ class Replay(ReplayState):
         if memory is not None:
             memory = memory_kind(memory, stacklevel=2)
         signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
-                          self.force_alltoallv, seed, memory, device_kind, window_transport))
+                          self.force_alltoallv, seed, memory, device_kind, window_transport, repr(rate_limiter)))
         self.comm.agree_signature(signature, f"{_BUILD} (arguments)",
                                   "every rank must pass the same spec, capacity, sampler, mode and seed")
         self.node = NodeView.join(self.comm, _BUILD)
@@ -111,19 +121,15 @@ class Replay(ReplayState):
             self.node.share_cores()
             if memory is None:
                 memory = "shm" if self.node.size > 1 else "private"
+            budget.enforce(self.comm, spec, capacity_steps, max_items, sampler, memory, self.node.size, lazy, _BUILD)
             tag = np.array([secrets.randbits(keyspace.TAG_BITS)], np.int64)
             tag = int(self.comm.bcast(tag, 0, f"{_BUILD} (key tag)")[0])
             streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)
             # the GPU follows the local rank (rank within the node) unless device names one
             self.device = DeviceContext(device, self.node.local_rank) if device_kind == "cuda" else None
-            err = None
-            try:  # agreed, so that a rank's full disk or bad path raises on every rank
-                self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items,
-                                   max_times_sampled=max_times_sampled, memory=memory, seed=streams[0], rank=rank,
-                                   tag=tag, device_context=self.device, path=path)
-            except Exception as e:
-                err = e
-            self.comm.agree(err, f"{_BUILD} (shard)")
+            self.shard = self.comm.agreed(lambda: Shard(  # a rank's full disk or bad path: raised on every rank
+                spec, capacity_steps, sampler, max_items=max_items, max_times_sampled=max_times_sampled, memory=memory,
+                seed=streams[0], rank=rank, tag=tag, device_context=self.device, path=path), f"{_BUILD} (shard)", Shard.close)
             self.rng = np.random.Generator(np.random.PCG64(streams[1]))
             # the same on every rank: per-requester shard counts (decentralized) are drawn from it
             shared_seed = np.random.SeedSequence(seed, spawn_key=(1 << 30,))
@@ -137,11 +143,16 @@ class Replay(ReplayState):
                 self.shard.close()
             raise
         self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
+        if self.device is None:  # the first sample then costs what later ones do (gear_mpi.warmup)
+            warm_kernels(spec, sampler)
+            none = np.zeros(size, np.int64)
+            self.transport.exchange(self.shard.make_choices(none[:0], 1, 0, 1.0, 1.0), none, none, 1, local=True)
         self.spec = spec
         self.selector = sampler
         self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
         self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
+        self._iterator: BatchIterator | None = None  # an active batches() iterator owns the replay
 
     # ---- local operations -----------------------------------------------------------------
     @property
@@ -246,7 +257,7 @@ class Replay(ReplayState):
 
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
-               mode: str | None = None) -> Batch:
+               mode: str | None = None, out: Batch | None = None) -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
 
         Args:
@@ -257,16 +268,21 @@ class Replay(ReplayState):
                 On a replay built with ``mode="local"``, a call in its own mode does not communicate
                 (so it cannot check the others' modes); every other call agrees on the mode first,
                 a per-call ``"local"`` included (then each rank samples its own shard).
+            out: a host batch to fill again (a batch an earlier call returned, of ``batch_size`` windows of
+                ``window`` steps), so a training loop allocates nothing per call; None: a new batch.
         Returns:
-            A :class:`Batch` (on the GPU for a device replay).
+            A :class:`Batch` (``out`` when given; on the GPU for a device replay).
         Raises:
             ValueError: a bad argument on some rank, or ranks asking for different modes (the same error
                 on every rank).
             EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
+            RateLimitTimeoutError: the rate limiter held the call past ``rate_limit_timeout`` (every rank).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
+        First the rank's writers are drained (within its insert budget); with a rate limiter that does
+        not admit the call, every rank repeats drain + header allgather, backing off, until it does.
         Cost per call (decentralized, proportional): two rounds of latency -- an
-        allgather of 64 bytes per rank, then, in flight together, one alltoallv of
+        allgather of 96 bytes per rank, then, in flight together, one alltoallv of
         48 bytes per item and one alltoallv per column carrying ``W S`` bytes per
         window owned on another node. A counter published at the end (read by an
         owner before it next writes its shard; see the module docstring) keeps owners
@@ -276,44 +292,49 @@ class Replay(ReplayState):
         """
         self._check_open()
         if self.mode == "local" and mode in (None, "local"):  # no communication
-            return self._sample_local(batch_size, window, align)
+            return self._sample_local(batch_size, window, align, out)
         err, mode = None, self.mode if mode is None else mode
         try:
             batch_size = check_batch_size(batch_size)
             window, code = check_window(self.spec, window, align)
             mcode = mode_code(mode)
+            self._check_out(out, batch_size, window)
         except Exception as e:  # agreed below, so every rank raises it
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
-        head = self.comm.agree(err, "sample", self._header(batch_size, window, code, mcode))
+        head = self._agree_header(err, batch_size, window, code, mcode)
         if check_mode(head) == "local":  # agreed: each rank samples its own shard
-            return self._sample_local(batch_size, window, align)
+            return self._sample_local(batch_size, window, align, out)
         self.node.begin_sample()
         try:
             check_header(head, self.selector.proportional)
-            return self._exchange(self.plans[mode].assign(head), window, code, mode)
+            return self._exchange(self.plans[mode].assign(head), window, code, mode, out)
         finally:
             self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
 
-    def _sample_local(self, batch_size: int, window: int | None, align: str) -> Batch:
-        """This rank's own shard serves it; no communication (on the CPU the shard samples itself)."""
+    def _check_out(self, out: Batch | None, batch_size: int, window: int) -> None:
+        if out is not None and (self.device is not None or not out.matches(self.spec, batch_size, window)):
+            raise ValueError(f"out= must be a host batch of batch_size={batch_size} windows of window={window} "
+                             f"steps of this replay's spec (device replays return new batches), got {out!r}")
+
+    def _sample_local(self, batch_size: int, window: int | None, align: str, out: Batch | None = None) -> Batch:
+        """This rank's own shard serves it; no communication (on the CPU the shard samples itself; a rate
+        limiter sees this rank's counts only)."""
         if self.device is None:
-            return self.shard.sample(batch_size, window, align)
+            if self.rate_limiter is not None or self._ingest_point is not None or self._inboxes:
+                self._agree_header(None, check_batch_size(batch_size), 0, 0, mode_code("local"), local=True)
+            return self.shard.sample(batch_size, window, align, out)
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
-        head = self._header(batch_size, window, code, mode_code("local"))[None]
+        self._check_out(out, batch_size, window)
+        head = self._agree_header(None, batch_size, window, code, mode_code("local"), local=True)
         return self._exchange(self.plans["local"].assign(head), window, code, "local")
 
-    def _header(self, batch_size: int, window: int, code: int, mcode: int) -> np.ndarray:
-        """This rank's row of a sample's header (see :mod:`gear_mpi.plans`)."""
-        sh = self.shard
-        return np.array([batch_size, window, code, sh.total_weight, len(sh), sh.min_weight, mcode], np.float64)
-
-    def _exchange(self, plan: Assignment, window: int, code: int, mode: str) -> Batch:
+    def _exchange(self, plan: Assignment, window: int, code: int, mode: str, out: Batch | None = None) -> Batch:
         """Owners make the choices of the items they serve, the transport delivers choices and windows,
         and the owners count the uses of what they served."""
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
-                                        local=mode == "local")
+                                        local=mode == "local", out=out)
         self.windows_shared += int(plan.recv_counts @ self.node.peer_direct)
         self.windows_mpi += int(plan.recv_counts @ self.node.remote)
         self.shard.after_sampling(plan.slots)
@@ -326,7 +347,10 @@ class Replay(ReplayState):
 
         Raises:
             CollectiveTimeoutError: a node peer did not finish within ``timeout``.
+            RuntimeError: a batches() iterator owns the replay (called from another thread).
         """
+        if self._iterator is not None:
+            self._check_owner()
         self.node.settle()
 
     # ---- priorities ---------------------------------------------------------------------------
@@ -351,6 +375,7 @@ class Replay(ReplayState):
         self._check_open()
         err, own = None, 1.0
         try:
+            self._feed()
             keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
             own = float(bool((owner == self.rank).all()))
@@ -371,17 +396,28 @@ class Replay(ReplayState):
             ``{"ranks", "mode" (the default), "balance" (largest shard / mean shard, in items),
             "total": {figure: sum}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}`` for the figures
             of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
-            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi).
+            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi, ingested,
+            writers, staged), plus ``"sample_to_insert_ratio"`` and ``"rate_limiter"`` (its repr).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one allgather of 15 float64 per rank (a status and 14 figures).
+        Cost: drains this rank's writers (within the insert budget), then one allgather of 18 float64 per
+        rank (a status and 17 figures).
         """
         self._check_open()
+        err = None
+        try:
+            self._feed()
+        except Exception as e:  # agreed below, so every rank raises it
+            err = e
         mine = self.shard.stats()
-        mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi)
-        table = self.comm.agree(None, "stats", stats_schema.row(mine))
+        mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi, **self._feed_stats())
+        table = self.comm.agree(err, "stats", stats_schema.row(mine))
         self.settle()
-        return stats_schema.combine(table, self.mode)
+        out = stats_schema.combine(table, self.mode)
+        total = out["total"]
+        out["sample_to_insert_ratio"] = total["sampled"] / total["inserted"] if total["inserted"] else float("nan")
+        out["rate_limiter"] = repr(self.rate_limiter)
+        return out
 
     def close(self) -> None:
         """Collective: wait for every rank, unmap the node's shared memory, free the shard.
@@ -392,12 +428,15 @@ class Replay(ReplayState):
         """
         if self.closed:
             return
+        if self._iterator is not None:
+            self._iterator.close()
         self.closed = True
         try:
             if self.comm.broken is None and self.ranks > 1:
                 self.settle()
                 self.comm.barrier("close")
         finally:
+            self._close_feeds()
             self.transport.close()
             self.node.close()
             self.shard.close()
@@ -405,6 +444,8 @@ class Replay(ReplayState):
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this Replay is closed")
+        if self._iterator is not None:
+            self._check_owner()
         self.comm.check_usable()
 
     def __enter__(self) -> "Replay":
@@ -416,34 +457,3 @@ class Replay(ReplayState):
     def __repr__(self) -> str:
         return (f"Replay(rank={self.rank}/{self.ranks}, mode={self.mode!r}, sampler={self.selector!r}, "
                 f"items_here={len(self.shard)})")
-
-    # ---- checkpoints (see gear_mpi.checkpoint) -------------------------------------------------
-    def save(self, path, progress: bool | None = None) -> None:
-        """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
-
-        Args:
-            path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
-            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
-        Raises:
-            CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
-        Cost: see :func:`gear_mpi.checkpoint.save`.
-        """
-        checkpoint.save(self, path, progress)
-
-    @classmethod
-    def load(cls, path, comm=None, **overrides) -> tuple["Replay", tuple[np.ndarray, np.ndarray]]:
-        """Collective: restore a checkpoint onto ``comm`` (any number of ranks).
-
-        Args:
-            path: a checkpoint directory written by :meth:`save`.
-            comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
-            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``); ``mmap=True``
-                maps the saved columns instead of reading them, ``verify`` (see :func:`gear_mpi.checkpoint.load`).
-        Returns:
-            ``(replay, key_map)``: the replay and the map of old keys to new keys.
-        Raises:
-            CheckpointError: a missing, partial or corrupted checkpoint (on every rank).
-        Cost: see :func:`gear_mpi.checkpoint.load`.
-        """
-        return checkpoint.load(path, comm, cls, **overrides)
-

@@ -5,11 +5,16 @@
 window counters (:meth:`~ReplayState.state`, :meth:`~ReplayState.load_state`) and how
 the replay runs (:meth:`~ReplayState.describe`, for a manifest). The shards' own state
 and the file format are elsewhere (:mod:`gear_mpi.shard_state`, :mod:`gear_mpi.checkpoint`);
-everything here is local (no communication).
+everything here is local (no communication), except the collective :meth:`~ReplayState.save`
+and :meth:`~ReplayState.load`, which hand the replay to :mod:`gear_mpi.checkpoint`.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+import numpy as np
+
+from . import checkpoint
 
 
 class ReplayState:
@@ -54,3 +59,32 @@ class ReplayState:
         return {"mode": self.mode, "timeout": self.comm.timeout, "force_alltoallv": bool(self.force_alltoallv),
                 "device": "cuda" if self.device is not None else "cpu",
                 "memory": getattr(self.shard.store.arena, "kind", None)}
+
+    def save(self, path, progress: bool | None = None) -> None:
+        """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
+
+        Args:
+            path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
+            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
+        Raises:
+            CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
+        Cost: see :func:`gear_mpi.checkpoint.save`.
+        """
+        checkpoint.save(self, path, progress)
+
+    @classmethod
+    def load(cls, path, comm=None, **overrides) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+        """Collective: restore a checkpoint onto ``comm`` (any number of ranks).
+
+        Args:
+            path: a checkpoint directory written by :meth:`save`.
+            comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
+            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``); ``mmap=True``
+                maps the saved columns instead of reading them, ``verify`` (see :func:`gear_mpi.checkpoint.load`).
+        Returns:
+            ``(replay, key_map)``: the replay and the map of old keys to new keys.
+        Raises:
+            CheckpointError: a missing, partial or corrupted checkpoint (on every rank).
+        Cost: see :func:`gear_mpi.checkpoint.load`.
+        """
+        return checkpoint.load(path, comm, cls, **overrides)

@@ -122,6 +122,11 @@ class Shard(ShardState, ShardInsert):
         per_item = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)  # index: ~9.3 bytes a slot
         return self.store.steps_used * self.spec.step_bytes + len(self) * per_item
 
+    def reserved_bytes(self) -> int:
+        """Bytes this shard reserved at construction: the ring's arena, the table and the index. O(1)."""
+        per_slot = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)
+        return self.store.arena.nbytes + self.store.max_items * per_slot if self.store.arena else 0
+
     # ---- selection --------------------------------------------------------------------
     def check_can_sample(self) -> None:
         """Check that a draw can be made. O(1).
@@ -378,7 +383,7 @@ class Shard(ShardState, ShardInsert):
         Returns:
             ``rank`` and every name of ``stats.SHARD_FIGURES``: items, live_steps, steps_used, capacity_steps,
             weight (the selection mass, float), inserted, evicted, removed, sampled, stale_updates,
-            stored_bytes, raw_bytes.
+            stored_bytes, raw_bytes, reserved_bytes.
         """
         s = self.store.state
         return {"rank": self.rank, "items": len(self), "live_steps": self.store.live_steps,
@@ -386,7 +391,8 @@ class Shard(ShardState, ShardInsert):
                 "weight": float(self.total_weight), "inserted": int(s[ring.INSERTED_TOTAL]),
                 "evicted": int(s[ring.EVICTED_TOTAL]), "removed": int(s[ring.REMOVED_TOTAL]),
                 "sampled": self.samples_drawn, "stale_updates": self.stale_updates,
-                "stored_bytes": self.stored_bytes(), "raw_bytes": self.raw_bytes()}
+                "stored_bytes": self.stored_bytes(), "raw_bytes": self.raw_bytes(),
+                "reserved_bytes": self.reserved_bytes()}
 
     def _check_open(self) -> None:
         if self.store.arena is None:

@@ -16,9 +16,9 @@ import numpy as np
 
 #: figures of one shard, in the order a replay gathers them; "weight" is a float, the rest are ints
 SHARD_FIGURES = ("items", "live_steps", "steps_used", "capacity_steps", "weight", "inserted", "evicted", "removed",
-                 "sampled", "stale_updates", "stored_bytes", "raw_bytes")
+                 "sampled", "stale_updates", "stored_bytes", "raw_bytes", "reserved_bytes")
 #: figures of one rank of a replay: the shard's, then the windows this rank received by each path
-REPLAY_FIGURES = SHARD_FIGURES + ("windows_shared", "windows_mpi")
+REPLAY_FIGURES = SHARD_FIGURES + ("windows_shared", "windows_mpi", "ingested", "writers", "staged")
 _FLOAT = frozenset({"weight"})
 
 

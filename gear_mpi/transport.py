@@ -56,7 +56,7 @@ class WindowTransport:
             self.torch_comm = TorchComm(comm, backend, comm.timeout, process_group=process_group)
 
     def exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
-                 local: bool = False) -> Batch:
+                 local: bool = False, out: Batch | None = None) -> Batch:
         """Deliver the choices and windows of one sample into a batch, in owner order.
 
         Collective unless ``local``. Cost: one alltoallv of 48 bytes per item, in flight together with
@@ -67,6 +67,7 @@ class WindowTransport:
             recv_counts: items each owner o serves this rank, ``recv_counts[o]``.
             window: steps per window.
             local: this rank serves only itself (mode "local" on a GPU): no communication.
+            out: a host batch of exactly these windows to fill (checked by the caller), or None: a new one.
         Returns:
             The :class:`~gear_mpi.batch.Batch` of ``sum(recv_counts)`` windows (on the device for a device replay).
         Raises:
@@ -80,7 +81,7 @@ class WindowTransport:
         np.cumsum(recv_counts, out=row_of_owner[1:])
         nb = int(row_of_owner[-1])
         if self.device is None:
-            batch = Batch.empty(self.spec, nb, window)
+            batch = out if out is not None else Batch.empty(self.spec, nb, window)
             data, mask = batch.numpy(), batch._mask_np
         else:
             data = {c.name: self.device.empty((nb, window) + c.shape, c.dtype) for c in self.spec.columns}

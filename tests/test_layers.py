@@ -17,11 +17,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gear_mpi"
 # module (dotted, relative to gear_mpi) -> floor; a package's floor covers its submodules
 FLOORS = {
     "errors": 0, "spec": 0, "keys": 0, "cuda_support": 0, "stats": 0, "deadline": 0, "progress": 0,
-    "kernels": 1, "memory": 1, "file_memory": 1, "batch": 1, "comm": 1, "comm_torch": 1, "device": 1, "pinned": 1,
+    "rate_limit": 0,
+    "kernels": 1, "memory": 1, "file_memory": 1, "batch": 1, "comm": 1, "comm_torch": 1, "device": 1, "pinned": 1, "staging": 1,
+    "budget": 2,
     "priority_index": 2, "selectors": 2, "storage": 2, "windows": 2,
+    "writer": 2, "ingest": 2, "remote": 3,
     "shard": 3, "shard_state": 3, "shard_insert": 3,
-    "checkpoint": 4,
-    "node": 5, "transport": 5, "plans": 5, "routing": 5, "replay_state": 5,
+    "checkpoint": 4, "warmup": 4,
+    "node": 5, "transport": 5, "plans": 5, "routing": 5, "replay_state": 5, "feeds": 5, "prefetch": 5,
     "replay": 6,
     "": 7,  # gear_mpi/__init__.py
 }

@@ -16,7 +16,9 @@ Workloads (``--workloads``):
   transitions -- hopper columns, one-step items (100k per rank), batch 256: selection-bound.
 
 Each sampled batch's priorities are then updated (collective ``update_priorities``), timed
-apart. For each case the table gives: ranks, workload, mode, window path (``shm``: windows of
+apart. Before timing, each case runs 3 untimed sample + update rounds (kernels compiled or
+loaded from numba's cache, pages faulted in), and the timed loop refills one batch with
+``sample(..., out=batch)`` as a training loop would (``--fresh-batches``: a new batch per call). For each case the table gives: ranks, workload, mode, window path (``shm``: windows of
 node peers copied straight from their shared memory; ``alltoallv``: every window owned
 by another rank sent through MPI), batch per rank, window, delivered bytes per call
 (summed over ranks: bytes of the returned batch tensors), time per call (median over
@@ -109,7 +111,7 @@ def make_trajectory(rng, spec_columns: dict, length: int) -> dict:
 
 
 def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: int, seconds: float,
-             sampler_name: str) -> dict | None:
+             sampler_name: str, fresh: bool = False) -> dict | None:
     w = WORKLOADS[workload]
     spec = gm.TrajectorySpec(w["columns"], max_length=w["length"])
     sampler = gm.Prioritized(0.6, 0.4) if sampler_name == "prioritized" else gm.Uniform()
@@ -121,15 +123,18 @@ def run_case(comm, gm, workload: str, mode: str, force: bool, items_per_rank: in
         n = min(4096, items_per_rank - lo)
         replay.insert_many([base] * n, rng.uniform(0.5, 2.0, n))
     items_per_rank = len(replay)
-    for _ in range(2):  # warm-up: compile paths, fault pages in
-        replay.sample(w["batch"], w["window"], "head")
+    batch = None
+    for _ in range(3):  # warm-up, untimed: compile (or load) every kernel of sample and update, fault pages in
+        batch = replay.sample(w["batch"], w["window"], "head")
+        replay.update_priorities(batch.keys, rng.uniform(0.5, 2.0, len(batch)))
+    out = None if fresh else batch  # steady state: the loop refills one batch (sample(out=)), as a trainer would
     times, update_times, nbytes = [], [], 0
     deadline = time.perf_counter() + seconds
     calls = 0
     while True:
         comm.Barrier()
         t0 = time.perf_counter()
-        batch = replay.sample(w["batch"], w["window"], "head")
+        batch = replay.sample(w["batch"], w["window"], "head", out=out)
         times.append(time.perf_counter() - t0)
         nbytes = batch.nbytes
         t0 = time.perf_counter()  # priority update of what was sampled (not part of the sample time)
@@ -180,7 +185,7 @@ def worker(args) -> None:
         items = args.items or default_items(workload, args.quick)
         for mode in modes:
             for force in (paths if mode != "local" else [False]):
-                row = run_case(comm, gm, workload, mode, force, items, args.seconds, args.sampler)
+                row = run_case(comm, gm, workload, mode, force, items, args.seconds, args.sampler, args.fresh_batches)
                 row["memcpy_gbps"] = copy_rate
                 row["memcpy_peers_cpu"] = peers_cpu
                 row["pct_memcpy"] = 100.0 * row["gbps"] / copy_rate
@@ -264,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=int, default=0,
                    help="trajectories per rank (default 64, transitions 100000; --quick: 24, 10000)")
     p.add_argument("--seconds", type=float, default=2.0, help="time per case")
+    p.add_argument("--fresh-batches", action="store_true",
+                   help="a new batch per call (default: refill one with sample(out=), after an untimed warm-up)")
     p.add_argument("--quick", action="store_true", help="small sizes, short cases (the README's demo)")
     p.add_argument("--timeout", type=float, default=900.0, help="per mpiexec launch (driver mode)")
     p.add_argument("--json", action="store_true", help="one JSON object per case")

@@ -178,3 +178,27 @@ def test_stats_schema_and_names_of_counts(force):
     with pytest.warns(DeprecationWarning, match="Replay.ranks"):
         assert replay.size == SIZE
     replay.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sample_out_refills_the_callers_batch_with_what_a_new_one_would_hold(mode, force):
+    a = make_replay(gm.Prioritized(0.6, 0.4), mode, force=force)
+    b = make_replay(gm.Prioritized(0.6, 0.4), mode, force=force)
+    sizes = shard_sizes()
+    fill_in_turn([a, b], sizes[RANK], seed=13)
+    ask = 0 if (mode == "local" and sizes[RANK] == 0) else 3
+    out = a.sample(ask, 6, "random")
+    b.sample(ask, 6, "random")
+    for call in range(3):
+        got = a.sample(ask, 6, "random", out=out)
+        assert got is out  # the same buffers, filled again
+        same_rows(got, b.sample(ask, 6, "random"), f"{mode} out= call {call}")
+    wrong = gm.Batch.empty(SPEC, ask + (1 if RANK == SIZE - 1 else 0), 6)
+    if mode == "local" and a.mode == "local":  # no communication: this rank's own error only
+        if RANK == SIZE - 1:
+            with pytest.raises(ValueError, match="out= does not fit"):  # Shard.sample's check
+                a.sample(ask, 6, out=wrong)
+    else:
+        expect_same_error(lambda: a.sample(ask, 6, out=wrong), ValueError, "out= must be a host batch")
+    a.close()
+    b.close()

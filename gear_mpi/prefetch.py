@@ -1,0 +1,249 @@
+"""Prefetching batches: the next samples' selection and exchange run while the training step runs.
+
+``replay.batches(batch_size, ...)`` returns a :class:`BatchIterator`. A background
+thread of each rank runs the replay's samples (a collective: every rank's thread calls
+them in the same order) and hands the batches over through a queue; the training loop
+takes them with ``next()``. While it iterates, the replay belongs to that thread: the
+training loop gives priority updates through the iterator
+(:meth:`BatchIterator.update_priorities`), and any other call of the replay from another
+thread (a sample, an update, an insert, stats...) raises RuntimeError.
+
+The schedule is the same on every rank, whatever the timing, so the collectives match:
+
+- sample ``j`` (1-based) starts only once the loop has taken batch ``j - prefetch``:
+  at most ``prefetch`` batches wait ready;
+- an update given after the loop took batch ``k`` is applied (a collective) right before
+  sample ``k + prefetch + 1``, the first one that cannot have started yet. So at most
+  ``prefetch`` batches are sampled before an update is applied (the *staleness*);
+  ``prefetch=0`` samples each batch when asked for it, after every earlier update;
+- :meth:`BatchIterator.close` (also on leaving a ``with`` block, on an exception in the
+  loop, and at ``replay.close()``) lets the thread finish the samples that are already
+  allowed -- up to ``prefetch`` more, the same count on every rank -- applies the updates
+  still pending, and joins it. Nothing is left behind: no thread, request or segment.
+
+If one rank stops iterating while the others go on, the others' next collective fails
+with CollectiveTimeoutError after the replay's ``timeout`` (raised by their ``next()``),
+never hangs. An error of a sample (e.g. EmptyReplayError, agreed on every rank) is
+raised by the ``next()`` that would have returned that batch.
+
+MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
+library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
+Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+_STOP = object()
+
+
+def check_thread_level() -> None:
+    """Raise unless MPI was initialised with ``MPI_THREAD_MULTIPLE``.
+
+    Raises:
+        RuntimeError: a lower thread level, naming it and the fix.
+    """
+    from mpi4py import MPI
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+        raise RuntimeError(f"replay.batches() samples on a background thread and needs MPI_THREAD_MULTIPLE; MPI "
+                           f"was initialised with {names.get(level, level)}: leave mpi4py.rc.thread_level at its "
+                           f"default 'multiple' (set before `from mpi4py import MPI`), or use an MPI library that "
+                           f"provides it")
+
+
+class BatchIterator:
+    """Batches sampled ahead by a background thread (see the module docstring).
+
+    Args:
+        replay: the :class:`~gear_mpi.replay.Replay`.
+        batch_size, window, align, mode: as :meth:`Replay.sample` (the same for every batch).
+        prefetch: batches sampled ahead (>= 0).
+        limit: stop after this many batches (None: never; ``next()`` then raises StopIteration on every rank).
+    Raises:
+        ValueError: a bad ``prefetch`` or ``limit``; RuntimeError: MPI without THREAD_MULTIPLE, or another
+            iterator of this replay is active.
+    """
+
+    def __init__(self, replay, batch_size: int, window: int | None, align: str, mode: str | None,
+                 prefetch: int, limit: int | None):
+        if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
+            raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
+        if replay.comm.size > 1:
+            check_thread_level()
+        self.replay, self.prefetch, self.limit = replay, int(prefetch), limit
+        self._args = (batch_size, window, align, mode)
+        self._cv = threading.Condition()
+        self._ready: collections.deque = collections.deque()  # (j, batch or exception)
+        self._updates: dict[int, list] = collections.defaultdict(list)  # before sample j: [(keys, priorities)]
+        self._taken = 0  # batches the loop has taken
+        self._closing = False
+        self._error: BaseException | None = None
+        self.applied = 0  # priorities applied on this rank by the deferred updates
+        self._thread = threading.Thread(target=self._run, name="gear_mpi-prefetch", daemon=True)
+        replay._claim(self)
+        self._thread.start()
+
+    # ---- the background thread ----------------------------------------------------------
+    def _last_allowed(self) -> int:
+        """The last sample that may start now (the same rule on every rank)."""
+        last = self._taken + self.prefetch
+        if self.limit is not None:
+            last = min(last, self.limit)
+        return last
+
+    def _run(self) -> None:
+        replay, j = self.replay, 0
+        try:
+            while True:
+                with self._cv:
+                    while j + 1 > self._last_allowed() and not self._closing:
+                        self._cv.wait()
+                    if j + 1 > self._last_allowed():  # closing, and every allowed sample is done
+                        break
+                    j += 1
+                    updates = self._updates.pop(j, [])
+                for keys, priorities in updates:
+                    self.applied += replay.update_priorities(keys, priorities)
+                try:
+                    item = replay.sample(self._args[0], self._args[1], self._args[2], mode=self._args[3])
+                except BaseException as e:  # raised by the next() that would have returned this batch
+                    item = e
+                with self._cv:
+                    self._ready.append((j, item))
+                    self._cv.notify_all()
+                if isinstance(item, BaseException):
+                    return
+            # updates given after the last sample was allowed: applied now, in order, on every rank
+            with self._cv:
+                rest = [u for k in sorted(self._updates) for u in self._updates[k]]
+                self._updates.clear()
+            for keys, priorities in rest:
+                self.applied += replay.update_priorities(keys, priorities)
+        except BaseException as e:
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    # ---- the training loop's side ---------------------------------------------------------
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self):
+        """The next batch (waits while it is being sampled).
+
+        Raises:
+            StopIteration: ``limit`` batches were taken, or the iterator is closed.
+            The sample's error (EmptyReplayError, CollectiveTimeoutError, ...) at the batch it would have been.
+        """
+        with self._cv:
+            if self._closing or (self.limit is not None and self._taken >= self.limit):
+                raise StopIteration
+            self._taken += 1  # sample taken + prefetch may start now
+            self._cv.notify_all()
+            while not self._ready and self._error is None:
+                self._cv.wait()
+            if not self._ready:
+                raise self._error
+            j, item = self._ready.popleft()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def update_priorities(self, keys: Any, priorities: Any) -> None:
+        """Collective (deferred): set priorities, applied by the thread before sample ``taken + prefetch + 1``.
+
+        Every rank must call it the same number of times between the same batches (as ``Replay.update_priorities``).
+        Args:
+            keys, priorities: as :meth:`Replay.update_priorities` (copied now).
+        Raises:
+            RuntimeError: the iterator is closed.
+        """
+        import numpy as np
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("update_priorities: this batches() iterator is closed")
+            k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
+            p = np.array(priorities.detach().cpu().numpy() if hasattr(priorities, "detach") else priorities, copy=True)
+            self._updates[self._taken + self.prefetch + 1].append((k, p))
+
+    def close(self) -> None:
+        """Finish the samples already allowed and the pending updates, then join the thread (collective in
+        effect: every rank's thread runs the same remaining collectives). Idempotent.
+
+        Raises:
+            The thread's error, if it failed outside a sample (e.g. a timed-out update).
+        """
+        with self._cv:
+            first = not self._closing
+            self._closing = True
+            self._cv.notify_all()
+        if first:
+            self._thread.join()
+            self._ready.clear()
+            self.replay._release(self)
+            if self._error is not None:
+                raise self._error
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closing
+
+    def __enter__(self) -> "BatchIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closing", True) and getattr(self, "_thread", None) is not None:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+class ReplayPrefetch:
+    """The prefetching side of a Replay (mixed into :class:`~gear_mpi.replay.Replay`; it reads its
+    ``_iterator`` and ``_check_open``)."""
+
+    def batches(self, batch_size: int, window: int | None = None, align: str = "random", *,
+                mode: str | None = None, prefetch: int = 2, limit: int | None = None) -> BatchIterator:
+        """Collective in effect: an iterator of batches sampled ``prefetch`` ahead by a background thread
+        (:mod:`gear_mpi.prefetch`: the schedule, staleness of updates, and shutdown). Every rank iterates in
+        step; give priority updates with ``iterator.update_priorities``; use it as a context manager.
+
+        Args:
+            batch_size, window, align, mode: as :meth:`sample`, for every batch.
+            prefetch: batches sampled ahead (0: each when asked for). limit: batches to give (None: no end).
+        Returns:
+            The :class:`~gear_mpi.prefetch.BatchIterator`.
+        Raises:
+            ValueError: a bad ``prefetch``/``limit``. RuntimeError: the replay is closed or already iterated,
+                or MPI lacks THREAD_MULTIPLE.
+        Cost: one thread; each batch costs what :meth:`sample` does, hidden behind the training step.
+        """
+        self._check_open()
+        if self._iterator is not None:
+            raise RuntimeError("this replay already has an active batches() iterator: close it first")
+        return BatchIterator(self, batch_size, window, align, mode, prefetch, limit)
+
+    def _claim(self, iterator: BatchIterator) -> None:
+        self._iterator = iterator
+
+    def _release(self, iterator: BatchIterator) -> None:
+        if self._iterator is iterator:
+            self._iterator = None
+
+    def _check_owner(self) -> None:
+        if threading.current_thread() is not self._iterator._thread:
+            raise RuntimeError("a batches() iterator owns this replay while it runs: give priority updates "
+                               "with iterator.update_priorities(), and close the iterator before other calls")

@@ -1,0 +1,176 @@
+"""Writers, actor ranks and the global rate limiter on K ranks (real processes, shared memory and MPI).
+
+Each rank spawns ``tests/writer_actor.py`` processes (never MPI ranks) on its own
+ingest point; actor ranks of the same job send over MPI with ``gm.MpiWriter``.
+Run by tests/test_feeds_mpi.py on 1 and 3 ranks; by hand:
+``mpiexec -n 3 python -m mpi4py -m pytest tests/mpi/test_feeds.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gear_mpi as gm
+
+COMM = MPI.COMM_WORLD
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+from writer_actor import MAX_LENGTH, SPEC_COLUMNS, episode  # noqa: E402
+
+SPEC = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)
+
+
+def actors(address: str, seeds, *args: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, str(TESTS / "writer_actor.py"), address, "--seed", str(s), *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in seeds]
+
+
+def anyone(flag: bool, comm=COMM) -> bool:
+    return bool(comm.allreduce(int(flag), op=MPI.MAX))
+
+
+def check_exact(shard: gm.Shard, expected: set) -> None:
+    """The shard holds exactly the episodes ``expected`` ((seed, index) pairs), byte for byte."""
+    seen = set()
+    for key in shard.live_keys():
+        t = shard.get(int(key))
+        seed, index = int(t["x"][0, 0]), int(t["x"][0, 1])
+        assert (seed, index) not in seen
+        seen.add((seed, index))
+        cols, priority = episode(seed, index)
+        for name, want in cols.items():
+            np.testing.assert_array_equal(t[name], want.astype(SPEC[name].dtype))
+        assert shard.priorities([key])[0] == priority
+    assert seen == expected
+
+
+def test_writers_feed_each_rank_through_its_collectives():
+    seeds = [10 * COMM.rank + 1, 10 * COMM.rank + 2]
+    with gm.Replay(SPEC, 4000, gm.Uniform(), max_items=1000, rate_limiter=gm.MinSize(1), timeout=60) as replay:
+        procs = actors(replay.writer_address(), seeds, "--episodes", "30", "--staging-steps", "32")
+        calls = 0
+        while anyone(any(p.poll() is None for p in procs)):
+            batch = replay.sample(2, window=4)  # waits for the first item; drains the writers each call
+            assert batch.keys.shape == (2,)
+            calls += 1
+        for p in procs:
+            out, err = p.communicate()
+            assert p.returncode == 0 and "DONE" in out, (out, err)
+        replay.ingest()
+        stats = replay.stats()
+        assert stats["total"]["ingested"] == 60 * COMM.size
+        assert stats["per_rank"]["items"] == [60] * COMM.size
+        check_exact(replay.shard, {(s, i) for s in seeds for i in range(30)})
+        assert calls > 0
+
+
+def test_rate_limiter_bounds_hold_with_writers_at_varying_speeds():
+    spi, min_size, buffer = 2.0, 10, 30.0
+    lim = gm.SampleToInsertRatio(samples_per_insert=spi, min_size_to_sample=min_size, error_buffer=buffer)
+    lo, hi = lim.min_diff, lim.max_diff
+    with gm.Replay(SPEC, 8000, gm.Prioritized(0.6, 0.4), max_items=2000, rate_limiter=lim,
+                   rate_limit_timeout=30, timeout=60) as replay:
+        procs = actors(replay.writer_address(), [10 * COMM.rank + 1], "--episodes", "60", "--staging-steps", "16")
+        procs += actors(replay.writer_address(), [10 * COMM.rank + 2], "--episodes", "30", "--staging-steps", "16",
+                        "--step-sleep", "0.002")
+        diffs, calls, expected = [], 0, 90 * COMM.size
+        while True:
+            total = replay.stats()["total"]  # a collective: drains the writers within the insert budget
+            diff = total["inserted"] * spi - total["sampled"]
+            diffs.append(diff)
+            if total["items"] >= min_size:
+                assert lo <= diff <= hi, (diff, lo, hi, total)
+            if total["inserted"] == expected:
+                break
+            replay.sample(3, window=2)  # waits (draining) while the ratio is above its band
+            calls += 1
+        for p in procs:
+            out, err = p.communicate()
+            assert p.returncode == 0, (out, err)
+        assert calls >= 5 and max(diffs) <= hi
+        # the ratio is held near the target: every admitted call kept diff >= lo
+        assert total["sampled"] >= spi * (total["inserted"] - 15 * COMM.size) - hi - 3 * COMM.size
+
+
+def test_rate_limit_timeout_raises_on_every_rank_and_the_replay_goes_on():
+    lim = gm.MinSize(3 * COMM.size)
+    with gm.Replay(SPEC, 1000, rate_limiter=lim, rate_limit_timeout=0.5, timeout=30) as replay:
+        t0 = time.monotonic()
+        with pytest.raises(gm.RateLimitTimeoutError, match="held this sample") as info:
+            replay.sample(1)
+        assert 0.4 < time.monotonic() - t0 < 20
+        assert len(set(COMM.allgather(str(info.value)))) == 1  # the same error on every rank
+        for i in range(3):
+            cols, p = episode(99, i)
+            replay.insert(cols, p)
+        assert replay.sample(2, window=1).keys.shape == (2,)  # usable after the error
+
+
+def test_a_call_larger_than_the_band_is_refused_on_every_rank():
+    lim = gm.SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=2.0)
+    with gm.Replay(SPEC, 1000, rate_limiter=lim, timeout=30) as replay:
+        with pytest.raises(ValueError, match="can never run in a band"):
+            replay.sample(5)
+
+
+def test_replay_refuses_a_non_limiter():
+    with pytest.raises(TypeError, match="rate_limiter must be a gear_mpi rate limiter"):
+        gm.Replay(SPEC, 100, rate_limiter=3)
+    with pytest.raises(ValueError, match="rate_limit_timeout"):
+        gm.Replay(SPEC, 100, rate_limit_timeout=0)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs actor and learner ranks")
+def test_actor_ranks_send_episodes_over_mpi():
+    learners = max(1, COMM.size // 2)
+    is_learner = COMM.rank < learners
+    group = COMM.Split(0 if is_learner else 1, COMM.rank)
+    try:
+        if is_learner:
+            mine = [r for r in range(learners, COMM.size) if r % learners == COMM.rank]
+            with gm.Replay(SPEC, 4000, gm.Fifo(), max_items=1000, comm=group, timeout=60) as replay:
+                replay.accept_remote(COMM)
+                deadline = time.monotonic() + 60
+                while anyone(len(replay) < 25 * len(mine), group):
+                    replay.sample(0)  # a collective: drains the actors' episodes
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                check_exact(replay.shard, {(r, i) for r in mine for i in range(25)})
+                assert replay.stats()["total"]["ingested"] == 25 * (COMM.size - learners)
+                COMM.Barrier()  # the actors have closed (said goodbye)
+        else:
+            with gm.MpiWriter(COMM, COMM.rank % learners, timeout=60, max_in_flight=4) as w:
+                assert w.spec == SPEC
+                for i in range(25):
+                    cols, p = episode(COMM.rank, i)
+                    if i % 2:
+                        w.insert(cols, p)
+                    else:
+                        for t in range(len(cols["r"])):
+                            w.append({k: v[t] for k, v in cols.items()})
+                        w.end_episode(p)
+                w.flush()
+            COMM.Barrier()
+    finally:
+        group.Free()
+
+
+def test_a_replay_larger_than_the_node_is_refused_on_every_rank():
+    from gear_mpi import budget
+    have, where = budget.mem_available()
+    if have is None:
+        pytest.skip("this machine reports no available memory")
+    steps = int(have // SPEC.step_bytes) * 2  # twice what the node can give, per rank
+    with pytest.raises(gm.MemoryBudgetError, match="need .* GiB for their shards") as info:
+        gm.Replay(SPEC, steps, timeout=30)
+    assert len(set(COMM.allgather(str(info.value)))) == 1
+    assert where in str(info.value)
+    with gm.Replay(SPEC, 1000, timeout=30) as replay:  # a replay that fits is built as before
+        st = replay.stats()["per_rank"]
+        assert st["reserved_bytes"][COMM.rank] >= 1000 * SPEC.step_bytes

@@ -1,0 +1,123 @@
+"""replay.batches(): batches sampled ahead on a background thread, on K ranks.
+
+The iterator must give exactly the batches that plain samples give (same seed, same
+schedule of updates as documented in gear_mpi.prefetch), stop cleanly on every path,
+and keep other threads off the replay while it runs. Run by tests/test_prefetch_mpi.py.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gear_mpi as gm
+from gear_mpi.keys import GEN_BITS, RANK_BITS, SLOT_BITS
+
+COMM = MPI.COMM_WORLD
+SPEC = gm.TrajectorySpec({"x": ((2,), np.float32), "r": ((), np.float32)}, max_length=8)
+
+
+def build(seed: int = 5, timeout: float = 60.0) -> gm.Replay:
+    replay = gm.Replay(SPEC, 4000, gm.Prioritized(0.8, 0.4), seed=seed, timeout=timeout)
+    rng = np.random.default_rng(100 + COMM.rank)
+    for i in range(40):
+        n = int(rng.integers(1, 9))
+        replay.insert({"x": rng.standard_normal((n, 2)), "r": np.full(n, i, np.float32)}, float(rng.uniform(0.1, 2)))
+    return replay
+
+
+def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented_point():
+    prefetch, n, update_after = 2, 12, (3, 7)
+    updates = {}
+    untagged = (1 << (SLOT_BITS + GEN_BITS + RANK_BITS)) - 1  # the replays' random key tags differ
+    with build() as replay:  # the reference: plain samples, each update applied before sample k + prefetch + 1
+        plain = []
+        for j in range(1, n + 1):
+            for k in update_after:
+                if j == k + prefetch + 1:
+                    replay.update_priorities(*updates[k])
+            b = replay.sample(6, window=3)
+            plain.append((b.keys.numpy().copy(), b["x"].numpy().copy()))
+            if j in update_after:  # new priorities from this batch's keys (rank-dependent, deterministic)
+                updates[j] = (b.keys.numpy().copy(), np.full(6, 50.0 + j + COMM.rank))
+    with build() as replay:
+        got = []
+        with replay.batches(6, window=3, prefetch=prefetch, limit=n) as it:
+            for j, b in enumerate(it, start=1):
+                got.append((b.keys.numpy().copy(), b["x"].numpy().copy()))
+                if j in update_after:
+                    it.update_priorities(b.keys.numpy(), updates[j][1])
+        assert len(got) == n
+        for (k1, x1), (k2, x2) in zip(plain, got):
+            np.testing.assert_array_equal(k1 & untagged, k2 & untagged)
+            np.testing.assert_array_equal(x1, x2)
+        assert replay.sample(2).keys.shape == (2,)  # the main thread has the replay back
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_stopping_early_or_on_an_exception_leaves_nothing_behind(prefetch):
+    before = threading.active_count()
+    with build() as replay:
+        it = replay.batches(4, prefetch=prefetch)
+        for j, b in enumerate(it):
+            if j == 4:
+                break
+        it.close()
+        assert it.closed and threading.active_count() == before
+        with pytest.raises(ZeroDivisionError):
+            with replay.batches(4, prefetch=prefetch) as it2:
+                for b in it2:
+                    1 / 0
+        assert threading.active_count() == before
+        assert replay.stats()["total"]["items"] == 40 * COMM.size  # usable after both
+    assert threading.active_count() == before
+
+
+def test_other_calls_are_refused_while_the_iterator_runs():
+    with build() as replay:
+        with replay.batches(4, prefetch=1) as it:
+            next(it)
+            for call in (lambda: replay.sample(1), lambda: replay.stats(),
+                         lambda: replay.update_priorities([], []),
+                         lambda: replay.insert({"x": np.zeros((1, 2)), "r": np.zeros(1)})):
+                with pytest.raises(RuntimeError, match="a batches\\(\\) iterator owns this replay"):
+                    call()
+            with pytest.raises(RuntimeError, match="owns this replay"):
+                replay.batches(1)
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+        with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
+            replay.batches(1, prefetch=-1)
+
+
+def test_an_error_of_a_sample_is_raised_at_its_batch_on_every_rank():
+    with gm.Replay(SPEC, 100, seed=1) as replay:  # empty: the first sample fails everywhere
+        with replay.batches(2, prefetch=2) as it:
+            with pytest.raises(gm.EmptyReplayError):
+                next(it)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_that_stops_makes_the_others_time_out_not_hang():
+    replay = build(timeout=2.0)
+    it = replay.batches(2, prefetch=1)
+    t0 = time.monotonic()
+    if COMM.rank == 0:
+        next(it)
+        it.close()  # runs the samples already allowed (the same ones the others run), then stops
+    else:
+        with pytest.raises(gm.CollectiveTimeoutError):
+            for _ in range(100):
+                next(it)
+        it.close()
+    assert time.monotonic() - t0 < 30
+    if COMM.rank == 0:  # the others broke off: its closing barrier times out too (and it still closes)
+        with pytest.raises(gm.CollectiveTimeoutError, match="close"):
+            replay.close()
+    else:
+        replay.close()  # a broken communicator: closes locally
+    assert replay.closed

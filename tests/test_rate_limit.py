@@ -1,0 +1,63 @@
+"""The rate limiters' rule (Reverb's, over counts) and the insert budget's split over ranks. Pure logic."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi.feeds import split_budget
+
+
+def test_sample_to_insert_ratio_band_follows_reverb():
+    lim = gm.SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=10, error_buffer=8.0)
+    assert (lim.min_diff, lim.max_diff) == (32.0, 48.0)  # centre 10 * 4 = 40, +-8
+    assert not lim.can_sample(inserted=9, sampled=0, size=9, n=1)  # below min size
+    assert lim.can_sample(10, 0, 10, 8)  # 40 - 8 = 32 >= 32
+    assert not lim.can_sample(10, 0, 10, 9)  # 40 - 9 = 31 < 32
+    assert not lim.can_sample(20, 0, 9, 1)  # deletions count: 9 live < 10
+    # inserts: free up to min size, then (inserted + n) * spi - sampled <= max_diff
+    assert lim.insert_budget(0, 0, 0) == 12  # (48 + 0) / 4 - 0
+    assert lim.insert_budget(12, 0, 12) == 0
+    assert lim.insert_budget(12, 8, 12) == 2  # (48 + 8) / 4 - 12
+    pair = gm.SampleToInsertRatio(2.0, 1, (-5.0, 7.0))
+    assert (pair.min_diff, pair.max_diff) == (-5.0, 7.0)
+
+
+def test_min_size_only_waits_for_items():
+    lim = gm.MinSize(3)
+    assert not lim.can_sample(2, 0, 2, 1)
+    assert lim.can_sample(3, 10 ** 9, 3, 10 ** 6)
+    assert math.isinf(lim.insert_budget(10, 0, 10))
+    lim.check_call(10 ** 9)
+
+
+def test_a_call_larger_than_the_band_is_refused():
+    lim = gm.SampleToInsertRatio(1.0, 1, 2.0)
+    lim.check_call(4)
+    with pytest.raises(ValueError, match="can never run in a band of max_diff - min_diff = 4"):
+        lim.check_call(5)
+
+
+@pytest.mark.parametrize("args, text", [((0.0, 1, 1.0), "samples_per_insert"), ((1.0, 0, 1.0), "min_size_to_sample"),
+                                        ((1.0, 1, -1.0), "error_buffer"), ((1.0, 1, (3.0, 1.0)), "min_diff <= max_diff"),
+                                        ((1.0, 1.5, 1.0), "min_size_to_sample")])
+def test_bad_arguments_are_named(args, text):
+    with pytest.raises(ValueError, match=text):
+        gm.SampleToInsertRatio(*args)
+
+
+def test_split_budget_is_fair_then_follows_backlog():
+    np.testing.assert_array_equal(split_budget(10, np.array([0, 0])), [5, 5])
+    np.testing.assert_array_equal(split_budget(10, np.array([100, 0])), [10, 0])
+    np.testing.assert_array_equal(split_budget(10, np.array([3, 100, 1])), [3, 6, 1])
+    np.testing.assert_array_equal(split_budget(7, np.array([1, 1, 1])), [3, 2, 2])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        total, backlog = int(rng.integers(0, 50)), rng.integers(0, 20, int(rng.integers(1, 6)))
+        shares = split_budget(total, backlog)
+        assert shares.sum() == total and (shares >= 0).all()
+        assert (shares >= np.minimum(backlog, total // len(backlog))).all()
+    assert np.isinf(split_budget(math.inf, np.array([1, 2]))).all()
+

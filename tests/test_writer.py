@@ -1,0 +1,218 @@
+"""Writers and the owner's ingest point, with real processes and real shared memory (no MPI here).
+
+The owner side is a Shard with an IngestPoint (what a Replay rank holds); the actors are
+``tests/writer_actor.py`` processes. Multi-rank behaviour (rate limiter, collectives,
+actor ranks over MPI) is in tests/mpi/test_feeds.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi.ingest import IngestPoint
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from writer_actor import MAX_LENGTH, SPEC_COLUMNS, episode  # noqa: E402
+
+SPEC = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)
+
+
+def segments(address: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(address))
+
+
+def actor(address: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "writer_actor.py"), address, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def drain_until(point: IngestPoint, test, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not test():
+        point.drain(np.inf)
+        assert time.monotonic() < deadline, "timed out waiting for the writers"
+        time.sleep(0.002)
+
+
+def stored(shard: gm.Shard) -> dict[tuple[int, int], dict]:
+    """Every live trajectory of the shard, by (writer seed, episode index) read from its x column."""
+    out = {}
+    for key in shard.live_keys():
+        t = shard.get(int(key))
+        seed, index = int(t["x"][0, 0]), int(t["x"][0, 1])
+        assert (seed, index) not in out
+        out[(seed, index)] = t
+    return out
+
+
+@pytest.fixture
+def owner():
+    shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
+    point = IngestPoint(shard)
+    yield shard, point
+    point.close()
+    shard.close()
+    assert segments(point.address) == [], "the ingest point left segments behind"
+
+
+def test_every_episode_of_several_writers_arrives_bit_exact(owner):
+    shard, point = owner
+    procs = [actor(point.address, "--seed", str(s), "--episodes", "40", "--staging-steps", "64") for s in (1, 2, 3)]
+    drain_until(point, lambda: all(p.poll() is not None for p in procs))
+    for p in procs:
+        out, err = p.communicate()
+        assert p.returncode == 0 and "DONE" in out, (out, err)
+    point.drain(np.inf)
+    got = stored(shard)
+    assert len(got) == 120 and point.ingested == 120
+    for (seed, index), t in got.items():
+        cols, priority = episode(seed, index)
+        for name, want in cols.items():
+            assert t[name].dtype == SPEC[name].dtype
+            np.testing.assert_array_equal(t[name], want.astype(SPEC[name].dtype))
+    keys = shard.live_keys()
+    pr = shard.priorities(keys)
+    want_pr = [episode(int(shard.get(int(k))["x"][0, 0]), int(shard.get(int(k))["x"][0, 1]))[1] for k in keys]
+    np.testing.assert_array_equal(pr, want_pr)
+
+
+def test_a_writer_killed_mid_episode_loses_only_its_open_episode(owner):
+    shard, point = owner
+    p = actor(point.address, "--seed", "7", "--episodes", "5", "--then-open", "3")
+    stop = threading.Event()
+    drainer = threading.Thread(target=lambda: drain_until(point, stop.is_set))  # the owner keeps ingesting
+    drainer.start()
+    try:
+        lines = [p.stdout.readline().strip(), p.stdout.readline().strip()]
+    finally:
+        stop.set()
+        drainer.join()
+    assert lines == ["DONE", "READY"], (lines, p.stderr.read() if p.poll() is not None else "")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    drain_until(point, lambda: not point.writers, seconds=10)  # reaped: its slot and segment freed
+    assert sorted(stored(shard)) == [(7, i) for i in range(5)]
+    assert segments(point.address) == [point.address]
+    # the owner goes on: a new writer takes the freed slot
+    q = actor(point.address, "--seed", "8", "--episodes", "2")
+    drain_until(point, lambda: q.poll() is not None)
+    assert q.returncode == 0
+    point.drain(np.inf)
+    assert sorted(stored(shard)) == [(7, i) for i in range(5)] + [(8, 0), (8, 1)]
+
+
+def test_bad_steps_are_rejected_in_the_actor(owner):
+    shard, point = owner
+    good = {"x": np.zeros(3, np.float32), "img": np.zeros((4, 4), np.uint8), "r": 1.0}
+    with gm.Writer(point.address, timeout=5) as w:
+        assert w.spec == SPEC
+        cases = [({k: v for k, v in good.items() if k != "img"}, "missing column 'img'"),
+                 ({**good, "extra": 1}, "unknown column(s) ['extra']"),
+                 ({**good, "x": np.zeros(4, np.float32)}, "column 'x' has shape (4,)"),
+                 ({**good, "img": np.zeros((4, 4), np.float64)}, "cannot be cast safely to uint8"),
+                 ({**good, "r": "a"}, "column 'r' has dtype <U1"),
+                 ([1, 2], "expected a mapping")]
+        for step, text in cases:
+            with pytest.raises(gm.InvalidTrajectoryError, match=None) as info:
+                w.append(step)
+            assert text in str(info.value), (text, str(info.value))
+        with pytest.raises(gm.InvalidTrajectoryError, match="no step was appended"):
+            w.end_episode()
+        for _ in range(MAX_LENGTH):
+            w.append(good)
+        with pytest.raises(gm.InvalidTrajectoryError, match=f"more than max_length={MAX_LENGTH}"):
+            w.append(good)
+        with pytest.raises(gm.InvalidPriorityError):
+            w.end_episode(priority=float("nan"))
+        with pytest.raises(gm.InvalidTrajectoryError, match="an episode of 16 steps is open"):
+            w.insert({k: np.asarray(v)[None] for k, v in good.items()})
+        w.end_episode(priority=2.0)
+        with pytest.raises(gm.InvalidTrajectoryError, match="column 'x' has shape"):
+            w.insert({**{k: np.asarray(v)[None] for k, v in good.items()}, "x": np.zeros((1, 2))})
+    drain_until(point, lambda: len(shard) == 1)
+    t = shard.get(int(shard.live_keys()[0]))
+    assert len(t["r"]) == MAX_LENGTH and shard.priorities(shard.live_keys())[0] == 2.0
+
+
+def test_backpressure_blocks_then_times_out_and_the_writer_goes_on(owner):
+    shard, point = owner
+    step = {"x": np.zeros(3, np.float32), "img": np.zeros((4, 4), np.uint8), "r": 0.0}
+    w = gm.Writer(point.address, timeout=0.3, staging_steps=MAX_LENGTH)
+    for _ in range(MAX_LENGTH):
+        w.append(step)
+    w.end_episode()
+    t0 = time.monotonic()
+    with pytest.raises(gm.WriterTimeoutError, match="no room in its staging area"):
+        w.append(step)  # the owner has not ingested: the ring is full
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert point.drain(np.inf) == 1
+    w.append(step)  # room again; the failed append added nothing
+    w.end_episode()
+    assert point.drain(np.inf) == 1
+    assert [len(shard.get(int(k))["r"]) for k in shard.live_keys()] == [MAX_LENGTH, 1]
+    w.close()
+
+
+def test_a_closed_replay_stops_its_writers_at_once(owner):
+    shard, point = owner
+    p = actor(point.address, "--seed", "3", "--episodes", "50", "--staging-steps", "16", "--timeout", "60")
+    drain_until(point, lambda: point.writers)  # attached; now nobody drains: it blocks on a full ring
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    point.close()
+    out, _ = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 10
+    assert p.returncode == 3 and "ERROR WriterError" in out and "its replay was closed" in out, out
+    with pytest.raises(gm.WriterError, match="no ingest point"):
+        gm.Writer(point.address)
+
+
+def test_a_dead_owner_gives_its_writers_an_error_within_their_timeout(tmp_path):
+    code = ("import sys, time, gear_mpi as gm\n"
+            "sys.path.insert(0, %r)\n"
+            "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
+            "from gear_mpi.ingest import IngestPoint\n"
+            "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
+            "point = IngestPoint(gm.Shard(spec, 1000))\n"
+            "print(point.address, flush=True)\n"
+            "time.sleep(600)\n") % str(HERE)
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    address = owner.stdout.readline().strip()
+    try:
+        w = actor(address, "--episodes", "50", "--staging-steps", "16", "--timeout", "60")
+        time.sleep(1.0)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        out, _ = w.communicate(timeout=20)
+        assert w.returncode == 3 and "ERROR WriterError" in out and "died" in out, out
+    finally:
+        owner.kill()
+        for name in segments(address):  # the dead owner could not unlink its registry
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_writer_arguments():
+    with pytest.raises(gm.WriterError, match="not a writer address"):
+        gm.Writer("not-an-address")
+    with pytest.raises(gm.WriterError, match="no ingest point"):
+        gm.Writer("gear_mpi_in_0000000000000000")
+    shard = gm.Shard(SPEC, 100)
+    point = IngestPoint(shard)
+    try:
+        with pytest.raises(ValueError, match="staging_steps must be an integer >= max_length"):
+            gm.Writer(point.address, staging_steps=3)
+        with pytest.raises(ValueError, match="timeout"):
+            gm.Writer(point.address, timeout=0)
+        assert point.writers == {} and segments(point.address) == [point.address]
+    finally:
+        point.close()
