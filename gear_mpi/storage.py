@@ -430,7 +430,6 @@ class TrajectoryStore:
         if self._table_arena is not None:  # the table's arrays keep the mapping until they go
             self._table_arena.close()
             self._table_arena = None
-        self.prefetch_windows = True  # file-backed columns: see prefetch()
 
     @property
     def shm_name(self) -> str | None:

@@ -213,3 +213,15 @@ def test_device_replay_on_file_memory_on_the_simulator():
     run = run_pytest_mpi(2, "test_file_memory.py::test_device_replay_on_file_memory_on_the_simulator",
                          env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=600)
     assert len(run.passed(0)) == 1, run.passed(0)
+
+
+def test_memory_budget_counts_what_stays_in_ram():
+    """A file-backed shard reserves RAM for its priority index only; a mapped one for its table and index."""
+    from gear_mpi import budget
+    big = gm.TrajectorySpec({"img": ((84, 84, 4), "uint8")}, max_length=100)
+    cap = 40_000_000  # 1.1 TB of steps: no node's RAM
+    ram = budget.shard_bytes(big, cap, 100_000, True, "private")
+    assert ram > 1 << 40 and budget.check(ram, 1, "private") is not None
+    assert budget.shard_bytes(big, cap, 100_000, True, "file") == 100_000 * 10
+    assert budget.check(budget.shard_bytes(big, cap, 100_000, True, "file"), 4, "file") is None
+    assert budget.shard_bytes(big, cap, 100_000, True, "mapped") == 100_000 * (10 + 65)
