@@ -49,6 +49,7 @@ class IngestPoint:
         self.writers: dict[int, Staging] = {}
         self.ingested = 0
         self._reap_at = 0.0
+        self._last = -1  # the slot of the writer served last: the next drain starts after it
 
     @property
     def address(self) -> str:
@@ -75,7 +76,8 @@ class IngestPoint:
         return sum(st.published() - int(st.header[S_CONSUMED]) for st in self.writers.values())
 
     def drain(self, budget: float) -> int:
-        """Move up to ``budget`` ended episodes into the shard (oldest first per writer, writers in slot order).
+        """Move up to ``budget`` ended episodes into the shard (oldest first per writer; the writers round-robin,
+        from the one after the writer served last, so a budget smaller than one writer's backlog starves none).
 
         The caller has passed the node fence (nothing may read the shard's old steps). Local.
         Args:
@@ -86,11 +88,16 @@ class IngestPoint:
         """
         self._discover()
         total = 0
-        for slot, st in list(self.writers.items()):
+        slots = sorted(self.writers)
+        first = next((i for i, slot in enumerate(slots) if slot > self._last), 0)
+        for slot in slots[first:] + slots[:first]:
             if total >= budget:
                 break
+            st = self.writers[slot]
             try:
-                total += self._drain_one(st, budget - total)
+                n = self._drain_one(st, budget - total)
+                if n:
+                    total, self._last = total + n, slot
             except _BrokenStaging as e:
                 log.error("writer slot %d of %s: %s; dropping that writer", slot, self.address, e)
                 self._free(slot, st)

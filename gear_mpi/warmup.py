@@ -26,12 +26,12 @@ def warm_kernels(spec: TrajectorySpec, sampler) -> None:
         spec: the replay's spec.
         sampler: its selector (a copy is used).
     Cost: the first time, numba's start-up and cache loads (or compiles); then nothing. Memory: a scratch
-    shard of ``max_length`` steps, freed at once.
+    shard of ``2 * max_length`` steps, freed at once.
     """
     key = (repr(spec.to_dict()), type(sampler).__name__)
     if key in _WARM:
         return
-    scratch = Shard(spec, spec.max_length, copy.copy(sampler), max_items=4)
+    scratch = Shard(spec, 2 * spec.max_length, copy.copy(sampler), max_items=4)  # room for the 2-item insert_many
     try:
         zeros = {c.name: np.zeros((1,) + c.shape, c.dtype) for c in spec.columns}
         scratch.insert(zeros, 1.0)

@@ -1,0 +1,113 @@
+"""examples/online_dqn.py learns, end to end: ``--quick`` on 2 learner ranks x 2 actor processes.
+
+One run (about 30-60 s on 2 cores) under ``mpiexec -n 2 python -m mpi4py`` with a hard timeout:
+the actors (spawned, without mpi4py) write CartPole-v1 transitions through ``gm.Writer``, the
+learners sample them under a ``SampleToInsertRatio`` limiter and train with DDP. Asserted: the
+mean return of the last 100 episodes is far above a random policy's (about 22), every actor's
+data reached the replay, the limiter's band held, and nothing is left behind (processes of the
+job's session, the example's shared-memory segments).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi.warmup import warm_kernels
+from mpi_util import ROOT, mpiexec_path
+
+EXAMPLE = ROOT / "examples" / "online_dqn.py"
+RANDOM_POLICY_RETURN = 22.0  # CartPole-v1, uniform random actions
+MIN_MEAN100 = 100.0  # the quick run ends near 210-230 (3 runs here, seed 0); random is about 22
+TIMEOUT = 300.0
+
+
+def session_processes(sid: int) -> list[str]:
+    """``pid cmdline`` of every live process of session ``sid`` (the job's: mpiexec, ranks, actors)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid or fields[0] == "Z":  # field 6 of stat: the session; skip zombies
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} {args[:160]}")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_one_step_spec_warms_up_and_samples():
+    """The example's items: one-step transitions, a spec of max_length=1 (Replay's construction warm-up
+    once made a scratch shard too small for it)."""
+    spec = gm.TrajectorySpec({"obs": ((4,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
+                              "next_obs": ((4,), np.float32), "done": ((), np.float32)}, max_length=1)
+    warm_kernels(spec, gm.Prioritized(0.6, 0.4))
+    shard = gm.Shard(spec, 8, gm.Prioritized(0.6, 0.4))
+    try:
+        step = {"obs": np.arange(4, dtype=np.float32)[None], "action": np.array([1]), "reward": np.ones(1),
+                "next_obs": np.ones((1, 4), np.float32), "done": np.zeros(1)}
+        shard.insert_many([step] * 3, [1.0, 2.0, 3.0])
+        batch = shard.sample(5, window=1)
+        assert batch["obs"].shape == (5, 1, 4) and bool(batch.mask.all())
+        assert np.array_equal(batch["obs"][:, 0].numpy(), np.tile(np.arange(4, dtype=np.float32), (5, 1)))
+    finally:
+        shard.close()
+
+
+def test_online_dqn_quick_learns():
+    pytest.importorskip("gymnasium")
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", str(EXAMPLE), "--quick"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own session: every process of the job is findable
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"online_dqn --quick did not finish within {TIMEOUT:g} s:\n{out[-4000:]}")
+    finally:
+        deadline = time.monotonic() + 10.0  # the ranks join their actors before they exit; allow for reaping
+        left = session_processes(proc.pid)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = session_processes(proc.pid)
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"online_dqn --quick failed:\n{out[-4000:]}"
+    assert not left, f"processes of the job still running after it ended: {left}"
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"expected one RESULT line (rank 0):\n{out[-3000:]}"
+    r = json.loads(lines[0][len("RESULT "):])
+
+    # it learned
+    assert r["episodes"] >= 100, r
+    assert r["mean100"] >= MIN_MEAN100, (f"mean return of the last 100 episodes {r['mean100']} < {MIN_MEAN100} "
+                                         f"(random policy: about {RANDOM_POLICY_RETURN}):\n{out[-3000:]}")
+    # every actor of both learners ran to the end and fed the replay (none starved on a full staging ring)
+    steps = [s for rank in r["actor_steps"] for s in rank]
+    assert len(steps) == 4 and min(steps) >= 0.25 * sum(steps) / len(steps), r["actor_steps"]
+    assert [c for rank in r["actor_exitcodes"] for c in rank] == [0, 0, 0, 0], r["actor_exitcodes"]
+    # the rate limiter's band held: c - b <= inserted * spi - sampled <= c + b, c = min_size * spi
+    spi, min_size, buffer = r["limiter"]
+    diff = r["inserted"] * spi - r["sampled"]
+    assert min_size * spi - buffer <= diff <= min_size * spi + buffer, r
+    assert r["inserted"] >= 0.9 * r["env_steps"], r  # transitions staged, not yet ingested: a few per writer
+    # tear-down: the weights block and every writer staging area are gone
+    names = [n for rank in r["segments"] for n in rank]
+    assert len(names) == 4
+    leaked = sorted(n for n in os.listdir("/dev/shm") if any(n == x or n.startswith(x + "_w") for x in names))
+    assert not leaked, f"shared-memory segments left behind: {leaked}"
