@@ -2,7 +2,8 @@
 from .batch import Batch
 from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError,
                      InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError,
-                     RateLimitTimeoutError, StaleKeyError, WriterError, WriterTimeoutError)
+                     RateLimitTimeoutError, StaleKeyError, StorageError, WriterError,
+                     WriterTimeoutError)
 from .rate_limit import MinSize, RateLimiter, SampleToInsertRatio
 from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
@@ -22,5 +23,5 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
-           "WriterError", "WriterTimeoutError", "MemoryBudgetError", "MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter",
-           "Writer", "MpiWriter", "datasets"]
+           "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
+           "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets"]

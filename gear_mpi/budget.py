@@ -92,10 +92,15 @@ def check(per_rank: int, node_ranks: int, memory: str) -> str | None:
     return None
 
 
-def shard_bytes(spec, capacity_steps: int, max_items: int | None, proportional: bool) -> int:
-    """Bytes one rank's shard reserves: the step ring, the trajectory table and the priority index."""
+def shard_bytes(spec, capacity_steps: int, max_items: int | None, proportional: bool, memory: str = "private") -> int:
+    """Bytes of RAM one rank's shard reserves: the step ring, the trajectory table and the priority index
+    (``memory="file"``: the index alone, the rest is on disk; ``"mapped"``: the table and the index)."""
     slots = int(capacity_steps if max_items is None else max_items)
-    return column_layout(spec, int(capacity_steps))[1] + slots * (TABLE_BYTES_PER_SLOT + (10 if proportional else 0))
+    index = slots * (10 if proportional else 0)
+    if memory == "file":
+        return index
+    table = slots * TABLE_BYTES_PER_SLOT
+    return index + table + (0 if memory == "mapped" else column_layout(spec, int(capacity_steps))[1])
 
 
 def enforce(comm, spec, capacity_steps: int, max_items: int | None, sampler, memory: str, node_ranks: int,
@@ -106,7 +111,7 @@ def enforce(comm, spec, capacity_steps: int, max_items: int | None, sampler, mem
         MemoryBudgetError: some node cannot hold its shards (on every rank), unless ``lazy`` (then a warning).
     """
     try:
-        problem = check(shard_bytes(spec, capacity_steps, max_items, sampler.proportional), node_ranks, memory)
+        problem = check(shard_bytes(spec, capacity_steps, max_items, sampler.proportional, memory), node_ranks, memory)
     except (TypeError, ValueError):  # a bad size: the shard's own check names it
         problem = None
     if problem is not None and lazy:

@@ -17,7 +17,7 @@ messages when some rank failed.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from . import deadline, errors
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
-    errors.CheckpointError, errors.WriterError, errors.MemoryBudgetError,
+    errors.CheckpointError, errors.WriterError, errors.MemoryBudgetError, errors.StorageError,
 ]
 MESSAGE_BYTES = 1024
 
@@ -427,6 +427,23 @@ class MpiComm:
             text = text[1:-1]  # KeyError's repr quoting
         cls = _ERROR_CODES[int(statuses[first])]
         raise cls(f"{what}: rank {first}: {text}") from (error if error is not None else None)
+
+
+    def agreed(self, build: Callable[[], Any], what: str, undo: Callable[[Any], None] | None = None) -> Any:
+        """``build()`` on every rank, its failure agreed: one rank's error raises on all (Raises: as :meth:`agree`).
+        Args: build: makes something (a shard); what: names the call; undo: releases what ``build`` made where
+        it worked, when another rank failed. Returns: what ``build`` returned. Collective: one :meth:`agree`."""
+        try:
+            made, err = build(), None
+        except Exception as e:
+            made, err = None, e
+        try:
+            self.agree(err, what)
+        except BaseException:
+            if made is not None and undo is not None:
+                undo(made)
+            raise
+        return made
 
 
 class _AllOf:

@@ -58,3 +58,8 @@ class WriterTimeoutError(WriterError, TimeoutError):
 class MemoryBudgetError(GearError, MemoryError):
     """The node cannot give the memory a replay asks for (RAM, a cgroup limit, or /dev/shm); raised at
     construction on every rank, naming the sizes and the ways out."""
+
+
+class StorageError(GearError, OSError):
+    """A file-backed shard's files cannot be made: ``path`` missing, not a directory or not
+    writable, a file in the way, or not enough disk (checked when the shard is built)."""

@@ -1,4 +1,4 @@
-"""Where a shard's step columns live: private process memory, or POSIX shared memory.
+"""Where a shard's step columns live: private process memory, POSIX shared memory, or files.
 
 An *arena* is one contiguous byte region; the shard carves its columns out of it
 at 64-byte aligned offsets given by :func:`column_layout`, so any process that
@@ -11,6 +11,9 @@ knows the spec and capacity can map the same columns by name.
   creator unlinks it on :meth:`close` (or at interpreter exit); attachers only
   unmap. A process killed with SIGKILL cannot unlink: ``gear_mpi.memory.cleanup()``
   removes this user's stale segments.
+- :class:`~gear_mpi.file_memory.FileArena` -- a memory-mapped file under ``path=``
+  (``memory="file"``: shared, node peers map it by name; ``"mapped"``: a checkpoint's
+  ``columns.bin`` mapped copy-on-write, what ``Replay.load(path, mmap=True)`` builds).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import weakref
 import numpy as np
 
 from .errors import MemoryBudgetError
+from .file_memory import COLUMNS_FILE, FileArena, rank_dir_name, rank_directory
 from .spec import TrajectorySpec
 
 ALIGN = 64
@@ -106,24 +110,26 @@ def check_header(buffer: np.ndarray, spec: TrajectorySpec, capacity_steps: int, 
     tag = _fingerprint(spec, capacity_steps)
     got = bytes(buffer[:len(tag)])
     if got[:len(_MAGIC)] != _MAGIC:
-        raise ValueError(f"shared-memory segment {name!r} is not a gear_mpi shard")
+        raise ValueError(f"arena {name!r} is not a gear_mpi shard")
     if got != tag:
-        raise ValueError(f"shared-memory segment {name!r} holds another spec or capacity than "
+        raise ValueError(f"arena {name!r} holds another spec or capacity than "
                          f"{spec!r} with capacity_steps={capacity_steps}")
 
 
-MEMORY_KINDS = ("private", "shm")
+MEMORY_KINDS = ("private", "shm", "file", "mapped")
+#: kinds whose arenas node peers map by name (and whose names the replay unlinks once they have)
+SHARED_KINDS = ("shm", "file")
 
 
 def memory_kind(memory: str, stacklevel: int = 2) -> str:
     """The arena kind ``memory`` names, with the deprecated ``"numpy"`` read as ``"private"``.
 
     Args:
-        memory: ``"private"``, ``"shm"`` or ``"numpy"`` (deprecated).
+        memory: ``"private"``, ``"shm"``, ``"file"``, ``"mapped"`` or ``"numpy"`` (deprecated).
         stacklevel: where the DeprecationWarning points (2: the caller of this function).
 
     Returns:
-        ``"private"`` or ``"shm"``.
+        The kind (``"numpy"`` read as ``"private"``).
 
     Raises:
         ValueError: any other value.
@@ -133,7 +139,7 @@ def memory_kind(memory: str, stacklevel: int = 2) -> str:
                       'use memory="private"', DeprecationWarning, stacklevel=stacklevel)
         return "private"
     if memory not in MEMORY_KINDS:
-        raise ValueError(f"memory must be 'private' or 'shm', got {memory!r}")
+        raise ValueError(f"memory must be 'private' or 'shm' (or 'file', with path=), got {memory!r}")
     return memory
 
 
@@ -278,22 +284,52 @@ class SharedArena:
 HeapArena = PrivateArena  # the old name of PrivateArena
 
 
-def make_arena(kind: str, nbytes: int) -> PrivateArena | SharedArena:
+def make_arena(kind: str, nbytes: int, path=None, rank: int = 0) -> PrivateArena | SharedArena | FileArena:
     """A new arena.
 
     Args:
         kind: ``"private"`` (:class:`PrivateArena`), ``"shm"`` (:class:`SharedArena`, a new
-            segment this process owns) or ``"numpy"`` (deprecated name of ``"private"``).
+            segment this process owns), ``"file"`` (a new :class:`FileArena` in
+            ``path/rank-NNNNN/columns.bin``, its space reserved), ``"mapped"`` (the existing
+            ``path/rank-NNNNN/columns.bin``, e.g. a checkpoint's, mapped copy-on-write) or
+            ``"numpy"`` (deprecated name of ``"private"``).
         nbytes: its size.
+        path: the directory of the ranks' files (``"file"`` and ``"mapped"`` only).
+        rank: the shard's rank (names its directory).
 
     Returns:
-        The arena. Cost: one mmap (and, for ``"shm"``, one file in /dev/shm).
+        The arena. Cost: one mmap (and, for ``"shm"``, one file in /dev/shm; for ``"file"``,
+        a file created and its blocks reserved).
 
     Raises:
-        ValueError: an unknown ``kind``.
+        ValueError: an unknown ``kind``, or ``path`` given to a kind that takes none.
+        StorageError: ``"file"``: ``path`` missing or not writable, the file exists, the disk is full.
+        FileNotFoundError: ``"mapped"``: no such file.
     """
     kind = memory_kind(kind, stacklevel=3)
-    return PrivateArena(nbytes) if kind == "private" else SharedArena(nbytes)
+    if kind in ("private", "shm"):
+        if path is not None:
+            raise ValueError(f'path= is for memory="file"; memory={kind!r} takes none')
+        return PrivateArena(nbytes) if kind == "private" else SharedArena(nbytes)
+    if kind == "file":
+        return FileArena.create(rank_directory(path, rank), COLUMNS_FILE, nbytes)
+    if path is None:
+        raise ValueError('memory="mapped" needs path=, the directory holding rank-NNNNN/columns.bin')
+    return FileArena.open_private(os.path.join(os.fspath(path), rank_dir_name(rank), COLUMNS_FILE), nbytes)
+
+
+def attach_arena(name: str) -> SharedArena | FileArena:
+    """Map another process's arena by its name: a shared-memory segment's name, or a file's absolute path.
+
+    Args:
+        name: ``shard.shm_name`` of the owner.
+    Returns:
+        The arena (not owned: closing only unmaps). Cost: one mmap.
+    Raises:
+        FileNotFoundError: no such segment or file (its shard was closed).
+        ValueError: an invalid name.
+    """
+    return FileArena.attach(name) if name.startswith("/") else SharedArena.attach(name)
 
 
 def cleanup() -> list[str]:

@@ -1,9 +1,10 @@
 """The node: the ranks that share this rank's memory, their mapped shard columns, and the node fence.
 
 A requester copies windows owned by ranks on its own node straight out of their
-shared memory (POSIX segments of ``memory="shm"`` shards, mapped at
-construction); windows owned by any other rank travel through the window
-transport. :class:`NodeView` holds what that needs: which owners this rank reads
+shared memory (POSIX segments of ``memory="shm"`` shards, or the files of
+``memory="file"`` shards, mapped at construction); windows owned by any other
+rank travel through the window transport (so do a node peer's windows when its
+arena is private or copy-on-write: ``memory="private"``, ``Replay.load(mmap=True)``). :class:`NodeView` holds what that needs: which owners this rank reads
 directly (``direct``), the address of every directly readable column ring (for
 the gather kernel), the same memory mapped into the GPU (``device="cuda"``).
 
@@ -24,11 +25,11 @@ from . import deadline
 from .comm import MpiComm
 from .errors import CollectiveTimeoutError
 from .kernels import hints
-from .memory import reads_done_counter
+from .memory import SHARED_KINDS, reads_done_counter
 from .shard import Shard
 from .windows import attach_columns, column_addresses
 
-NAME_BYTES = 256  # room for a shared-memory segment's name in the construction allgather
+NAME_BYTES = 4096  # room for a shared-memory segment's name or an arena file's path in the construction allgather
 
 
 class NodeView:
@@ -94,27 +95,28 @@ class NodeView:
 
     def attach(self, shard: Shard, memory: str, force_alltoallv: bool, device=None,
                what: str = "Replay construction") -> None:
-        """Collective: map the node peers' columns (``memory == "shm"``), decide which owners are read
-        directly, and (``device``, a DeviceContext) map the node's arenas into the GPU.
+        """Collective: map the node peers' columns (``memory`` ``"shm"`` or ``"file"``), decide which owners
+        are read directly, and (``device``, a DeviceContext) map the node's arenas into the GPU.
 
-        Cost: one allgather of 256 bytes per node rank, a node barrier, one allgather of 8 bytes
+        Cost: one allgather of 4 KiB per node rank, a node barrier, one allgather of 8 bytes
         per rank, one mmap per node peer; each with the deadline.
         Args:
             shard: this rank's shard.
-            memory: the replay's memory kind (``"shm"``: map the node peers' columns).
+            memory: the replay's memory kind (``"shm"``, ``"file"``: map the node peers' columns).
             force_alltoallv: read node peers' windows through the transport, not from their memory.
             device: the replay's ``DeviceContext`` (None: no GPU mapping).
             what: names the call in errors.
         Raises:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
-            FileNotFoundError, ValueError: a node peer's segment is gone, or not of this spec and capacity.
+            FileNotFoundError, ValueError: a node peer's segment is gone, or not of this spec and capacity;
+                a file-backed arena the GPU cannot register (see :mod:`gear_mpi.file_memory`).
         """
         rank, size, spec, cap = self.comm.rank, self.comm.size, shard.spec, shard.capacity_steps
         self._arenas = {rank: shard.store.arena}
         self.peer_views = {rank: shard.store.byte_views()}
-        name = (shard.shm_name or "").encode()
+        name = (shard.shm_name or "").encode()  # a file's path fits: PATH_MAX is 4096 with its NUL
         names = self.node_comm.allgather_bytes(name, NAME_BYTES, f"{what} (shared-memory names)")
-        if memory == "shm":
+        if memory in SHARED_KINDS:
             for peer, peer_name in zip(self.ranks, names):
                 if peer != rank and peer_name:
                     self._arenas[peer], self.peer_views[peer] = attach_columns(peer_name.decode(), spec, cap)
@@ -138,7 +140,14 @@ class NodeView:
             # page-lock the node's arenas and map them into this GPU's address space (zero copy)
             from .pinned import map_byte_views
             for r, arena in self._arenas.items():
-                mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
+                try:
+                    mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
+                except Exception as e:
+                    if arena.kind not in ("file", "mapped"):
+                        raise
+                    raise ValueError(f"device replays page-lock the arena, and the GPU could not register "
+                                     f"rank {r}'s file-backed one ({type(e).__name__}: {e}); use memory='shm' "
+                                     f"or 'private' with device='cuda'") from e
                 self._mapped.append(mapped)
                 self.device_views[r] = views
 

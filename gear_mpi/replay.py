@@ -67,8 +67,10 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
         seed: fixes every rank's streams (each rank derives its own).
         timeout: seconds any collective waits for a rank, construction included.
         max_items, max_times_sampled: see :class:`~gear_mpi.shard.Shard`.
-        memory: ``"shm"`` (POSIX shared memory) or ``"private"`` (an anonymous private mapping; ``"numpy"`` is
-            its deprecated name); None: shared memory when several ranks share a node, else private.
+        memory: ``"shm"`` (POSIX shared memory), ``"private"`` (an anonymous private mapping; ``"numpy"`` is
+            its deprecated name) or ``"file"`` (memory-mapped files under ``path``: a shard may exceed RAM;
+            :mod:`gear_mpi.file_memory`); None: shared memory when several ranks share a node, else private.
+        path: ``memory="file"``: an existing directory (may differ per rank) for this rank's ``rank-NNNNN/``.
         force_alltoallv: send every window owned by another rank through MPI.
         device: ``"cpu"``, ``"cuda"`` (the GPU of this rank's local rank) or ``"cuda:i"``.
         process_group, window_transport: for device replays, an existing torch.distributed group,
@@ -82,6 +84,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
     Raises:
         ValueError: a bad argument, or ranks constructed with different arguments (on every rank).
         MemoryBudgetError: the shards of a node would not fit its memory or /dev/shm (on every rank).
+        StorageError: ``memory="file"``: a rank's ``path`` is missing or not writable, or its disk is full.
         CollectiveTimeoutError: a rank did not construct within ``timeout`` (on every other rank).
     """
 
@@ -90,7 +93,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
                  window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
-                 rate_limit_timeout: float = 60.0, lazy: bool = False):
+                 rate_limit_timeout: float = 60.0, lazy: bool = False, path=None):
         mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
@@ -124,9 +127,9 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
             streams = np.random.SeedSequence(seed).spawn(size)[rank].spawn(2)
             # the GPU follows the local rank (rank within the node) unless device names one
             self.device = DeviceContext(device, self.node.local_rank) if device_kind == "cuda" else None
-            self.shard = Shard(spec, capacity_steps, sampler, max_items=max_items,
-                               max_times_sampled=max_times_sampled, memory=memory, seed=streams[0], rank=rank,
-                               tag=tag, device_context=self.device)
+            self.shard = self.comm.agreed(lambda: Shard(  # a rank's full disk or bad path: raised on every rank
+                spec, capacity_steps, sampler, max_items=max_items, max_times_sampled=max_times_sampled, memory=memory,
+                seed=streams[0], rank=rank, tag=tag, device_context=self.device, path=path), f"{_BUILD} (shard)", Shard.close)
             self.rng = np.random.Generator(np.random.PCG64(streams[1]))
             # the same on every rank: per-requester shard counts (decentralized) are drawn from it
             shared_seed = np.random.SeedSequence(seed, spawn_key=(1 << 30,))

@@ -79,7 +79,8 @@ class ReplayState:
         Args:
             path: a checkpoint directory written by :meth:`save`.
             comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
-            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``).
+            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``); ``mmap=True``
+                maps the saved columns instead of reading them, ``verify`` (see :func:`gear_mpi.checkpoint.load`).
         Returns:
             ``(replay, key_map)``: the replay and the map of old keys to new keys.
         Raises:

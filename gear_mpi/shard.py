@@ -36,7 +36,9 @@ class Shard(ShardState, ShardInsert):
         sampler: any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
         max_items: trajectory slots (default ``capacity_steps``).
         max_times_sampled: remove an item once it has been sampled that many times (None: never).
-        memory: ``"private"`` (anonymous mapping) or ``"shm"`` (POSIX shared memory); ``"numpy"``: deprecated.
+        memory: ``"private"`` (anonymous mapping), ``"shm"`` (POSIX shared memory) or ``"file"`` (memory-mapped
+            files under ``path``, see :mod:`gear_mpi.file_memory`); ``"numpy"``: deprecated.
+        path: ``memory="file"``: an existing directory; this shard's files go in ``path/rank-NNNNN/``.
         seed: the seed of this shard's random stream (None: fresh entropy).
         rank: the owner rank written into the keys.
         tag: the key tag (None: drawn at random).
@@ -44,11 +46,12 @@ class Shard(ShardState, ShardInsert):
     Raises:
         TypeError: ``spec`` is not a TrajectorySpec or ``sampler`` not a selector.
         ValueError: a size, rank or ``max_times_sampled`` out of range, or an unknown ``memory``.
+        StorageError: ``memory="file"``: ``path`` missing or not writable, or not enough disk.
     """
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, sampler: Selector | None = None, *,
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str = "private",
-                 seed: int | None = 0, rank: int = 0, tag: int | None = None, device_context=None):
+                 seed: int | None = 0, rank: int = 0, tag: int | None = None, device_context=None, path=None):
         if not isinstance(spec, TrajectorySpec):
             raise TypeError(f"spec must be a TrajectorySpec, got {type(spec).__name__}")
         sampler = Uniform() if sampler is None else sampler
@@ -61,7 +64,7 @@ class Shard(ShardState, ShardInsert):
         self.selector = sampler
         self.max_times_sampled = int(max_times_sampled or 0)
         self.store = TrajectoryStore(spec, capacity_steps, max_items, memory, rank,
-                                     secrets.randbits(8) if tag is None else tag)
+                                     secrets.randbits(8) if tag is None else tag, path=path)
         self.device_context = device_context
         if not sampler.proportional:
             self.index = None
@@ -92,7 +95,8 @@ class Shard(ShardState, ShardInsert):
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the shared-memory segment holding the columns (None for private memory). O(1)."""
+        """Name another process maps the columns by: the shared-memory segment's, or (``memory="file"``)
+        the columns file's path; None for private memory. O(1)."""
         return self.store.shm_name
 
     def __len__(self) -> int:
@@ -285,6 +289,7 @@ class Shard(ShardState, ShardInsert):
             fields["weight"] = self.selector.importance_weights(w, wmin)
         else:
             fields["weight"] = fields["probability"]
+        st.prefetch(fields["start"], fields["valid"])  # file-backed columns: start reading the windows now
         return choices
 
     def column_addresses(self) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .batch import Batch
 from .kernels import gather as gather_kernels
-from .memory import SharedArena, check_header, column_layout
+from .memory import SharedArena, attach_arena, check_header, column_layout
 from .spec import TrajectorySpec
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}
@@ -112,10 +112,11 @@ def column_addresses(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec,
 
 
 def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tuple[SharedArena, dict[str, np.ndarray]]:
-    """Map another process's shard columns (``Shard(..., memory="shm").shm_name``). Cost: one mmap; no copy.
+    """Map another process's shard columns (``shard.shm_name`` of a ``memory="shm"`` or ``"file"`` shard).
+    Cost: one mmap; no copy.
 
     Args:
-        name: the shared-memory segment's name.
+        name: the shared-memory segment's name, or the columns file's absolute path.
         spec: the shard's spec.
         capacity_steps: the shard's ring size in steps.
 
@@ -126,11 +127,11 @@ def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tupl
         FileNotFoundError: no such segment (its shard was closed).
         ValueError: an invalid name, or not a gear_mpi shard of this spec and capacity (then unmapped).
     """
-    arena = SharedArena.attach(name)
+    arena = attach_arena(name)
     offsets, nbytes = column_layout(spec, capacity_steps)
     try:
         if arena.nbytes != nbytes:
-            raise ValueError(f"shared-memory segment {name!r} has {arena.nbytes} bytes; "
+            raise ValueError(f"arena {name!r} has {arena.nbytes} bytes; "
                              f"this spec and capacity need {nbytes}")
         check_header(arena.buffer, spec, capacity_steps, name)
     except ValueError:

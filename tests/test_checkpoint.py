@@ -90,7 +90,7 @@ def test_public_names_and_layers():
     """The names of the old gear_mpi.checkpoint module still work; the package imports no replay code."""
     import gear_mpi as gm
     from gear_mpi.errors import CheckpointError
-    assert ck.CheckpointError is CheckpointError and ck.MANIFEST == "MANIFEST.json" and ck.FORMAT_VERSION == 2
+    assert ck.CheckpointError is CheckpointError and ck.MANIFEST == "MANIFEST.json" and ck.FORMAT_VERSION == 3
     assert ck.rank_dir(3) == "rank-00003"
     assert gm.save_checkpoint is ck.save and gm.load_checkpoint == gm.Replay.load
     with pytest.raises(TypeError, match="build"):

@@ -4,17 +4,22 @@
 build)`` (collective; ``Replay.load`` and ``gear_mpi.load_checkpoint`` pass
 ``build=Replay``) returns ``(replay, key_map)``. The directory must be on a file
 system that every rank sees (a parallel file system on a cluster, any local
-directory on one node). Layout (format version 2)::
+directory on one node). Layout (format version 3)::
 
     path/MANIFEST.json              format, version, spec, ranks, capacity, sampler, key tag,
                                     the shared random stream and the size and sha256 of every
                                     other file; written last, by rank 0
-    path/rank-00000/column-000.bin  the ring steps in use of column 0, oldest first (raw bytes,
-    path/rank-00000/column-001.bin  ``steps_used * step_bytes``; no free ring space is written)
+    path/rank-00000/columns.bin     the step columns laid out as the shard's arena (header, each
+                                    column's ring at its offset, steps at their ring positions,
+                                    unused steps left as holes), so that ``load(mmap=True)`` maps
+                                    it (:mod:`~gear_mpi.checkpoint.arena_file`)
     path/rank-00000/table.bin       trajectory-table rows in use, the order ring, the free-slot
                                     stack and the priority index (raw arrays, listed in shard.json)
     path/rank-00000/shard.json      ring counters, statistics and this rank's random streams
     path/rank-00001/...
+
+Version 2 (still loaded) had one ``column-NNN.bin`` per column instead of ``columns.bin``:
+the ring steps in use, oldest first.
 
 Every file is streamed (columns in chunks of :data:`CHUNK_BYTES` straight from the
 shard's memory, so saving holds no second copy of a shard), fsynced, and
@@ -54,6 +59,7 @@ restores its own state through its ``state()``/``load_state()``/``sections()``):
 - :mod:`~gear_mpi.checkpoint.shard_files`: one rank's files from and into its shard;
 - :mod:`~gear_mpi.checkpoint.protocol`: save and load as collectives, the crash-safe install;
 - :mod:`~gear_mpi.checkpoint.reshard`: dealing the trajectories to another number of ranks;
+- :mod:`~gear_mpi.checkpoint.arena_file`: the version-3 ``columns.bin`` (written, read, mapped, verified);
 - :mod:`~gear_mpi.checkpoint.arrival`: deadlines scaled by the bytes each rank moves, heartbeats,
   slow ranks told from absent ones, all on a duplicate of the replay's communicator.
 """
@@ -61,8 +67,8 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from .files import CHUNK_BYTES, FORMAT, FORMAT_VERSION, MANIFEST, rank_dir, read_manifest, resolve
-from .protocol import LOAD_OPTIONS, load, save
+from .protocol import LOAD_OPTIONS, load, save, verify
 from .reshard import remap
 
 __all__ = ["CHUNK_BYTES", "CheckpointError", "FORMAT", "FORMAT_VERSION", "LOAD_OPTIONS", "MANIFEST", "load",
-           "rank_dir", "read_manifest", "remap", "resolve", "save"]
+           "rank_dir", "read_manifest", "remap", "resolve", "save", "verify"]

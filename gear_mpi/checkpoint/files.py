@@ -25,7 +25,8 @@ from .. import progress
 from ..errors import CheckpointError
 
 FORMAT = "gear_mpi-checkpoint"
-FORMAT_VERSION = 2  # 2: the priority index has line sums (l0_sum)
+FORMAT_VERSION = 3  # 2: the priority index has line sums (l0_sum); 3: one columns.bin laid out as the arena
+READABLE_VERSIONS = (2, 3)  # what load reads (version 2: a column-NNN.bin per column, oldest step first)
 MANIFEST = "MANIFEST.json"
 SHARD_JSON = "shard.json"
 TABLE = "table.bin"
@@ -62,26 +63,40 @@ def write_file(filename: str, chunks: Iterable) -> dict[str, Any]:
 
     Args:
         filename: the file to create; it must not exist.
-        chunks: bytes-like objects (numpy arrays included), written in order.
+        chunks: bytes-like objects (numpy arrays included), written in order; or ``(offset, data)``
+            pairs, written at ``offset`` (what lies between stays a hole: sparse where the file
+            system allows). An empty ``data`` at an offset past the end makes the file that long.
+            The sha256 is over the chunks' bytes in the order given.
     Returns:
-        ``{"bytes": size, "sha256": hex digest}``.
+        ``{"bytes": file size, "sha256": hex digest}``, plus ``"data"``: the bytes hashed, when
+        any chunk had an offset.
     Raises:
         FileExistsError: ``filename`` exists (a checkpoint file is never overwritten).
         OSError: the file system refused.
     """
     digest = hashlib.sha256()
-    size = 0
+    data, placed = 0, False
     with open(filename, "xb") as f:
         for chunk in chunks:
+            if isinstance(chunk, tuple):
+                offset, chunk = chunk
+                placed = True
+                f.seek(int(offset))
             mv = memoryview(chunk).cast("B")
             if len(mv):
                 digest.update(mv)
                 f.write(mv)
-                size += len(mv)
+                data += len(mv)
                 progress.advance(len(mv))
+            elif placed and f.tell() > os.fstat(f.fileno()).st_size:
+                f.truncate(f.tell())
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": size, "sha256": digest.hexdigest()}
+        size = os.fstat(f.fileno()).st_size
+    out = {"bytes": size, "sha256": digest.hexdigest()}
+    if placed:
+        out["data"] = data
+    return out
 
 
 def rename(src: str, dst: str) -> None:
@@ -207,6 +222,26 @@ class CheckedFile:
         self.digest.update(mv)
         progress.advance(len(mv))
 
+    def read_at(self, offset: int, dst: np.ndarray, hashed: bool = True) -> None:
+        """Fill ``dst`` with the file's bytes at ``offset``, hashing them (unless ``hashed`` is False).
+        O(dst.nbytes).
+
+        Args:
+            offset: the file position.
+            dst: a C-contiguous array.
+            hashed: add the bytes to the running sha256 (compared by :meth:`finish`).
+        Raises:
+            CheckpointError: the file ends first (truncated).
+        """
+        self.f.seek(int(offset))
+        if hashed:
+            self.read_into(dst)
+            return
+        mv = memoryview(dst).cast("B")
+        if self.f.readinto(mv) != len(mv):
+            raise CheckpointError(f"{self.filename}: ended early (truncated)")
+        progress.advance(len(mv))
+
     def read_bytes(self, n: int) -> bytes:
         """The next ``n`` bytes of the file, hashed. O(n).
 
@@ -224,13 +259,16 @@ class CheckedFile:
         progress.advance(n)
         return data
 
-    def finish(self) -> None:
-        """Hash what was not read, close, and compare with the manifest. O(bytes left).
+    def finish(self, rest: bool = True) -> None:
+        """Hash what was not read (``rest``), close, and compare with the manifest. O(bytes left).
 
+        Args:
+            rest: hash the file from the current position to its end first (False: the checksum
+                covers only what was read, as for a v3 ``columns.bin``).
         Raises:
             CheckpointError: the sha256 differs from the manifest's (corrupted).
         """
-        while True:
+        while rest:
             data = self.f.read(CHUNK_BYTES)
             if not data:
                 break
@@ -313,9 +351,9 @@ def read_manifest(path) -> dict:
         raise CheckpointError(f"{filename}: not valid JSON (truncated or corrupted)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{filename}: not a gear_mpi checkpoint manifest")
-    if doc.get("version") != FORMAT_VERSION:
+    if doc.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{filename}: format version {doc.get('version')!r}; this gear_mpi reads "
-                              f"version {FORMAT_VERSION}")
+                              f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     body = doc.get("body")
     if not isinstance(body, dict) or hashlib.sha256(canonical(body)).hexdigest() != doc.get("sha256"):
         raise CheckpointError(f"{filename}: sha256 of the manifest body does not match (corrupted)")

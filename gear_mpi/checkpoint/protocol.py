@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -27,12 +28,12 @@ from ..errors import CheckpointError
 from ..progress import Meter, log, wanted
 from ..selectors import Selector
 from ..spec import TrajectorySpec
-from . import files, reshard, shard_files
+from . import arena_file, files, reshard, shard_files
 from .arrival import Channel, CheckpointComm, human
 from .files import MANIFEST, rank_dir, read_manifest, resolve
 
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
-                "max_times_sampled", "device", "process_group", "progress")
+                "max_times_sampled", "device", "process_group", "progress", "memory_path", "mmap", "verify")
 
 
 def _package_version() -> str | None:
@@ -225,7 +226,17 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
             or ``max_items`` other than the saved ones reshard (as does another
             number of ranks); ``seed`` seeds the streams of a resharded replay
             (default: derived from the saved streams); ``progress`` (None, True or
-            False) asks for a progress bar of rank 0's bytes as :func:`save` does.
+            False) asks for a progress bar of rank 0's bytes as :func:`save` does;
+            ``memory="file"`` with ``memory_path`` (the new replay's ``path=``; the name
+            ``path`` is the checkpoint's) loads into file-backed shards.
+            ``mmap=True``: an exact restore of a version-3 checkpoint maps each rank's
+            ``columns.bin`` as its shard's memory, copy-on-write (no step is read; the files
+            are never written; node peers' windows then travel through MPI); a reshard or a
+            version-2 checkpoint cannot be mapped and is copied, with a warning (into
+            ``memory``/``memory_path`` when given). ``verify``: check the columns' sha256 (default
+            True, or False with ``mmap``: reading every step is what mapping avoids; the
+            table and shard.json are always checked, the columns' sizes and headers too;
+            :func:`gear_mpi.checkpoint.verify` checks the rest at any time).
     Returns:
         ``(replay, key_map)``: ``key_map = (old_keys, new_keys)``, two int64 arrays
         sorted by old key, one entry per live trajectory of the checkpoint (all
@@ -279,6 +290,17 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     cap = int(overrides.get("capacity_steps", body["capacity_steps"]))
     max_items = int(overrides.get("max_items", body["max_items"]))
     exact = mc.size == body["ranks"] and cap == body["capacity_steps"] and max_items == body["max_items"]
+    mapped = _wants_map(overrides.get("mmap", False), exact, doc["version"], body, mc.size)
+    verify = overrides.get("verify")
+    verify = (not mapped) if verify is None else bool(verify)
+    if mapped:  # this rank's columns.bin must be mappable as its arena; agreed before the replay maps it
+        err = None
+        try:
+            d, entries = shard_files.rank_files(where, body, mc.rank)
+            arena_file.check_mappable(os.path.join(d, arena_file.COLUMNS), entries.get(arena_file.COLUMNS), spec, cap)
+        except Exception as e:
+            err = e
+        mc.agree(err, "load")
     if exact:
         seed = 0  # every stream is restored from the checkpoint
     elif "seed" in overrides:
@@ -288,7 +310,10 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     kw = dict(mode=overrides.get("mode", body["mode"]), comm=mc.comm, seed=seed,
               timeout=float(overrides.get("timeout", body["timeout"])), max_items=max_items,
               max_times_sampled=overrides.get("max_times_sampled", body["max_times_sampled"]),
-              memory=overrides.get("memory"), force_alltoallv=overrides.get("force_alltoallv", body["force_alltoallv"]))
+              memory="mapped" if mapped else overrides.get("memory"),
+              force_alltoallv=overrides.get("force_alltoallv", body["force_alltoallv"]))
+    if mapped or overrides.get("memory_path") is not None:
+        kw["path"] = where if mapped else overrides["memory_path"]
     device = overrides.get("device", body.get("device", "cpu"))
     if device != "cpu":
         kw["device"] = device
@@ -298,8 +323,10 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     ck = None
     try:
         ck = CheckpointComm(replay.comm, "load")
-        restore = _restore_exact if exact else reshard.reshard
-        key_map = restore(replay, ck, where, body, show)
+        if exact:
+            key_map = _restore_exact(replay, ck, where, body, show, mapped, verify)
+        else:
+            key_map = reshard.reshard(replay, ck, where, body, show)
     except BaseException as e:
         log.warning("load of %s failed on rank %d: %s", where, mc.rank, e)
         try:
@@ -311,20 +338,65 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
         if ck is not None:
             ck.close()
     log.info("load: rank %d restored %s of %s (%s) in %.2f s", mc.rank, "its shard" if exact else "its part",
-             where, "exact" if exact else f"resharded from {body['ranks']} ranks", time.monotonic() - started)
+             where, ("mapped" if mapped else "exact") if exact else f"resharded from {body['ranks']} ranks",
+             time.monotonic() - started)
     return replay, key_map
 
 
-def _restore_exact(replay, ck: CheckpointComm, where: str, body: dict, show: bool) -> tuple[np.ndarray, np.ndarray]:
+def _wants_map(mmap: bool, exact: bool, version: int, body: dict, ranks: int) -> bool:
+    """Whether this load maps the columns (``mmap=True`` and an exact restore of a version-3 checkpoint);
+    warns when ``mmap=True`` must copy instead. The same answer on every rank (all read one manifest)."""
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap must be True or False, got {mmap!r}")
+    if not mmap:
+        return False
+    if version < 3:
+        warnings.warn(f"load(mmap=True): this checkpoint has format version {version}, whose column files "
+                      f"cannot be mapped; its steps are read (copied) instead", stacklevel=4)
+        return False
+    if not exact:
+        warnings.warn(f"load(mmap=True): the checkpoint was saved on {body['ranks']} ranks with capacity_steps="
+                      f"{body['capacity_steps']}, max_items={body['max_items']}; loading it onto {ranks} ranks or "
+                      f"other sizes reshards, which copies the steps (into memory= and memory_path= when given)",
+                      stacklevel=4)
+        return False
+    return True
+
+
+def verify(path, ranks=None) -> None:
+    """Check a checkpoint's files against its manifest: sizes and every sha256 (what ``load(mmap=True)``
+    skips by default). Local, no communication: any process may run it, e.g. in a thread beside training.
+
+    Args:
+        path: the checkpoint directory (the crash-recovery rule applies, as for :func:`load`).
+        ranks: the saved ranks whose files to check (None: all).
+    Raises:
+        CheckpointError: a file missing, of the wrong size, or corrupted; the message names it.
+    Cost: reads every file of the given ranks once.
+    """
+    doc = read_manifest(resolve(os.path.abspath(os.fspath(path))))
+    body, where = doc["body"], doc["path"]
+    columns = body["spec"]["columns"]
+    spec = TrajectorySpec.from_dict({"columns": {k: columns[k] for k in body["column_order"]},
+                                     "max_length": body["spec"]["max_length"]})
+    for r in range(body["ranks"]) if ranks is None else ranks:
+        meta = shard_files.read_meta(where, body, r)
+        shard_files.read_table(where, body, r, meta)
+        shard_files.check_columns(where, body, r, meta, spec)
+
+
+def _restore_exact(replay, ck: CheckpointComm, where: str, body: dict, show: bool, mapped: bool = False,
+                   verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Every rank restores its own saved shard and streams; key_map is the identity."""
     rank = ck.rank
-    nbytes = [shard_files.saved_bytes(body, r) for r in range(ck.size)]
+    read = None if (verify or not mapped) else (files.TABLE, files.SHARD_JSON)  # mapped: the columns are not read
+    nbytes = [shard_files.saved_bytes(body, r, read) for r in range(ck.size)]
     channel = Channel(ck, "load", nbytes, "read")
     err = None
     with Meter(nbytes[rank], "gear_mpi load", show) as meter:
         meter.listeners.append(channel.beat)
         try:
-            meta = shard_files.restore_rank(replay.shard, where, body, rank)
+            meta = shard_files.restore_rank(replay.shard, where, body, rank, mapped, verify)
             replay.load_state({"rng": meta["rng_replay"], "shared_rng": body["shared_rng"],
                                "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
         except Exception as e:

@@ -167,7 +167,7 @@ def _insert_from_files(replay, where: str, metas: list[dict], allr: dict, mine: 
 
     def column(r: int, i: int) -> np.ndarray:
         if (r, i) not in maps:
-            maps[(r, i)] = shard_files.map_column(where, r, metas[r], i, spec.columns[i])
+            maps[(r, i)] = shard_files.map_column(where, r, metas[r], i, spec)
         return maps[(r, i)]
 
     limit = max(1, CHUNK_BYTES // max(1, spec.step_bytes))
@@ -181,7 +181,7 @@ def _insert_from_files(replay, where: str, metas: list[dict], allr: dict, mine: 
         trajs = []
         for j in part.tolist():
             r, off, length = int(allr["rank"][j]), int(allr["offset"][j]), int(allr["length"][j])
-            trajs.append({c.name: column(r, i)[off:off + length] for i, c in enumerate(spec.columns)})
+            trajs.append({c.name: column(r, i)(off, length) for i, c in enumerate(spec.columns)})
         keys = replay.insert_many(trajs, allr["priority"][part])
         shard.restore_history(keys, allr["raw_stamp"][part], allr["times"][part])
         progress.advance(steps * spec.step_bytes)

@@ -1,13 +1,18 @@
 """One rank's part of a checkpoint: its column files, ``table.bin`` and ``shard.json``.
 
-A rank's directory holds (format version 2)::
+A rank's directory holds (format version 3)::
 
-    column-NNN.bin  column NNN's ring steps in use, oldest first (``steps_used * step_bytes``)
+    columns.bin     the step columns laid out as the shard's arena (header, each column's ring at
+                    its offset, steps at their ring positions, unused steps left as holes), so
+                    that a load can map it (:mod:`~gear_mpi.checkpoint.arena_file`)
     table.bin       the shard's sections back to back: table rows in use, the order ring,
                     the free-slot stack, the priority index (names, dtypes and counts in
                     shard.json's ``table_layout``)
     shard.json      ring counters, sizes, index kind, the shard's and the rank's random
-                    streams and counters
+                    streams and counters; ``"column_layout": "arena"`` (absent in version 2)
+
+Version 2 (still read) had ``column-NNN.bin`` per column instead of ``columns.bin``: the
+ring steps in use, oldest first (``steps_used * step_bytes``).
 
 The shard hands out and takes back its own state (:meth:`Shard.state`,
 :meth:`Shard.sections`, :meth:`Shard.column_segments`, :meth:`Shard.load_state`,
@@ -24,7 +29,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..kernels import ring
 from ..spec import TrajectorySpec
-from . import files
+from . import arena_file, files
 from .files import SHARD_JSON, TABLE, CheckedFile, column_file, rank_dir, read_json, slices
 
 
@@ -41,16 +46,12 @@ def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str
         ``{file name: {"bytes", "sha256"}}`` for the manifest.
     Raises:
         OSError: writing failed.
-    Cost: streams ``steps_used * step_bytes`` of columns in chunks of
+    Cost: streams ``steps_used * step_bytes`` of columns (to their ring positions in ``columns.bin``) in chunks of
     :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES` straight from the shard's memory,
     plus the table sections (about 70 bytes per slot in use).
     """
     state = shard.state()
-    out = {}
-    for i, c in enumerate(shard.spec.columns):
-        segments = shard.column_segments(c.name)
-        out[column_file(i)] = files.write_file(os.path.join(directory, column_file(i)),
-                                               (part for seg in segments for part in slices(seg)))
+    out = {arena_file.COLUMNS: arena_file.write(os.path.join(directory, arena_file.COLUMNS), shard)}
     sections = shard.sections()
     layout: list[list] = []  # consecutive sections of one name (the order ring's two halves) are one entry
     for name, arr in sections:
@@ -64,7 +65,7 @@ def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str
             "index": state["index"], "rng_shard": state["rng"], "rng_replay": rank_state["rng"],
             "samples_drawn": int(state["samples_drawn"]), "stale_updates": int(state["stale_updates"]),
             "windows_shared": int(rank_state.get("windows_shared", 0)),
-            "windows_mpi": int(rank_state.get("windows_mpi", 0))}
+            "windows_mpi": int(rank_state.get("windows_mpi", 0)), "column_layout": "arena"}
     out[SHARD_JSON] = files.write_file(os.path.join(directory, SHARD_JSON),
                                        [json.dumps(meta, sort_keys=True).encode()])
     return out
@@ -108,8 +109,8 @@ def saved_bytes(body: dict, r: int, names=None) -> int:
     Returns:
         The byte count.
     """
-    entries = body["shards"][r]["files"]
-    return sum(int(e["bytes"]) for n, e in entries.items() if names is None or n in names)
+    entries = body["shards"][r]["files"]  # a v3 columns.bin: the bytes it holds, not its size with holes
+    return sum(int(e.get("data", e["bytes"])) for n, e in entries.items() if names is None or n in names)
 
 
 def read_meta(where: str, body: dict, r: int) -> dict:
@@ -200,28 +201,50 @@ def check_columns(where: str, body: dict, r: int, meta: dict, spec: TrajectorySp
     Raises:
         CheckpointError: a column file missing, of the wrong size, or damaged.
     """
+    if is_arena(meta):
+        d, entries = rank_files(where, body, r)
+        arena_file.verify_file(os.path.join(d, arena_file.COLUMNS), entries.get(arena_file.COLUMNS), spec,
+                               int(meta["capacity_steps"]), meta)
+        return
     for i, c in enumerate(spec.columns):
         with _open_column(where, body, r, meta, i, c.step_bytes) as chk:
             chk.finish()
 
 
-def map_column(where: str, r: int, meta: dict, index: int, column) -> np.ndarray:
-    """Column file ``index`` of rank ``r`` as a read-only memmap. O(1); pages are read on use.
+def is_arena(meta: dict) -> bool:
+    """Whether rank ``meta``'s columns are one ``columns.bin`` laid out as the arena (version 3). O(1).
 
-    Not checked here: call :func:`check_columns` first.
+    Args:
+        meta: a rank's ``shard.json``.
+    Returns:
+        True for version 3, False for version 2's ``column-NNN.bin`` files.
+    """
+    return meta.get("column_layout") == "arena"
+
+
+def map_column(where: str, r: int, meta: dict, index: int, spec: TrajectorySpec):
+    """Column ``index`` of rank ``r``'s files mapped read-only, read by place after the oldest step.
+
+    Not checked here: call :func:`check_columns` first. O(1); pages are read on use.
     Args:
         where: the checkpoint directory.
         r: the saved rank.
         meta: its ``shard.json``.
         index: the column's position in the spec.
-        column: the spec's :class:`~gear_mpi.spec.Column`.
+        spec: the saved spec.
     Returns:
-        ``[steps_used, *column.shape]`` array of ``column.dtype``, oldest step first.
+        ``steps(offset, length)`` -> ``[length, *shape]`` steps from ``offset`` steps after the
+        oldest one in use (a view; a copy where a version-3 ring wraps).
     Raises:
         OSError, ValueError: the file is missing or too short.
     """
+    if is_arena(meta):
+        return arena_file.ring_reader(os.path.join(where, rank_dir(r), arena_file.COLUMNS), spec,
+                                      int(meta["capacity_steps"]), meta, index)
+    column = spec.columns[index]
     filename = os.path.join(where, rank_dir(r), column_file(index))
-    return np.memmap(filename, dtype=column.dtype, mode="r", shape=(steps_used(meta),) + column.shape)
+    flat = np.memmap(filename, dtype=column.dtype, mode="r", shape=(steps_used(meta),) + column.shape)
+    return lambda offset, length: flat[offset:offset + length]
 
 
 def shard_state(meta: dict, tag: int) -> dict[str, Any]:
@@ -241,7 +264,7 @@ def shard_state(meta: dict, tag: int) -> dict[str, Any]:
             "stale_updates": int(meta["stale_updates"]), "tag": int(tag)}
 
 
-def restore_rank(shard, where: str, body: dict, r: int) -> dict:
+def restore_rank(shard, where: str, body: dict, r: int, mapped: bool = False, verify: bool = True) -> dict:
     """Exact restore of rank ``r``'s shard into ``shard`` (of the saved capacity and max_items).
 
     Args:
@@ -249,12 +272,17 @@ def restore_rank(shard, where: str, body: dict, r: int) -> dict:
         where: the checkpoint directory.
         body: the manifest body.
         r: the saved rank to restore.
+        mapped: ``shard``'s arena is this rank's ``columns.bin`` mapped (``load(mmap=True)``):
+            the steps are not read.
+        verify: check the columns' sha256 (reading every step in use from the file, also when
+            ``mapped``). Version-2 column files are always checked.
     Returns:
         The rank's ``shard.json`` (the rank's own streams are in it: ``rng_replay``,
         ``windows_shared``, ``windows_mpi``).
     Raises:
         CheckpointError: a file is missing or damaged, or does not fit ``shard``; the message names it.
-    Cost: reads the rank's files once; the columns straight into the shard's ring.
+    Cost: reads the rank's files once; the columns straight into the shard's ring (``mapped``:
+    only the table and, with ``verify``, a hashing pass over the mapped steps).
     """
     meta = read_meta(where, body, r)
     d, _ = rank_files(where, body, r)
@@ -274,11 +302,19 @@ def restore_rank(shard, where: str, body: dict, r: int) -> dict:
         shard.restore_sections(state, sections)
     except ValueError as e:
         raise CheckpointError(f"{os.path.join(d, TABLE)}: {e}") from None
-    for i, c in enumerate(shard.spec.columns):
-        with _open_column(where, body, r, meta, i, c.step_bytes) as chk:
-            for seg in shard.column_segments(c.name):
-                for part in slices(seg):
-                    chk.read_into(part)
-            chk.finish()
+    columns = os.path.join(d, arena_file.COLUMNS)
+    entries = body["shards"][r]["files"]
+    if mapped:
+        if verify:
+            arena_file.verify_file(columns, entries.get(arena_file.COLUMNS), shard.spec, shard.capacity_steps, meta)
+    elif is_arena(meta):
+        arena_file.read_into(columns, entries.get(arena_file.COLUMNS), shard, meta, verify)
+    else:
+        for i, c in enumerate(shard.spec.columns):
+            with _open_column(where, body, r, meta, i, c.step_bytes) as chk:
+                for seg in shard.column_segments(c.name):
+                    for part in slices(seg):
+                        chk.read_into(part)
+                chk.finish()
     shard.load_state(state)
     return meta
