@@ -11,6 +11,7 @@ from .spec import TrajectorySpec
 from .windows import attach_columns
 from .writer import EpisodeWriter, Writer
 from .remote import MpiWriter
+from .parallel import ParallelGroups, ReplicaSampler, parallel_groups
 from .checkpoint import save as save_checkpoint
 
 load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay
@@ -22,4 +23,4 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter",
-           "Writer", "MpiWriter"]
+           "Writer", "MpiWriter", "ParallelGroups", "ReplicaSampler", "parallel_groups"]
