@@ -12,6 +12,7 @@ from .windows import attach_columns
 from .writer import EpisodeWriter, Writer
 from .remote import MpiWriter
 from .parallel import ParallelGroups, ReplicaSampler, parallel_groups
+from .activity import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
 
 load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay
@@ -23,4 +24,5 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter",
-           "Writer", "MpiWriter", "ParallelGroups", "ReplicaSampler", "parallel_groups"]
+           "Writer", "MpiWriter", "ParallelGroups", "ReplicaSampler", "parallel_groups", "RateMeter", "log_every",
+           "rates"]

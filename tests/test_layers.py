@@ -23,7 +23,7 @@ FLOORS = {
     "writer": 2, "ingest": 2, "remote": 3,
     "shard": 3, "shard_state": 3, "shard_insert": 3,
     "checkpoint": 4,
-    "node": 5, "transport": 5, "plans": 5, "routing": 5, "replay_state": 5, "feeds": 5, "prefetch": 5, "parallel": 5,
+    "node": 5, "transport": 5, "plans": 5, "routing": 5, "replay_state": 5, "feeds": 5, "prefetch": 5, "parallel": 5, "activity": 5,
     "replay": 6,
     "": 7,  # gear_mpi/__init__.py
 }
