@@ -272,7 +272,7 @@ class ReplicaSampler:
         Raises:
             As :meth:`Replay.sample`: the leader's error is raised on each of its peers too.
         Cost: the replay's sample (the leaders' rows), then one broadcast of the batch in its replica:
-            a 32-byte header and one Ibcast per column and per metadata array (``B W S`` bytes in all).
+            a 24-byte header and one Ibcast per column and per metadata array (``B W S`` bytes in all).
         """
         batch, error = None, None
         if self.replay is not None:
