@@ -12,6 +12,8 @@ from .spec import TrajectorySpec
 from .windows import attach_columns
 from .writer import EpisodeWriter, Writer
 from .remote import MpiWriter
+from .parallel import ParallelGroups, ReplicaSampler, parallel_groups
+from .activity import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
 from . import datasets
 
@@ -24,4 +26,5 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
-           "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets"]
+           "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",
+           "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates"]

@@ -17,6 +17,7 @@ messages when some rank failed.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -97,6 +98,7 @@ class MpiComm:
         self.size = self.comm.Get_size()
         self.timeout = float(timeout)
         self.broken: str | None = deadline.pending_reason(self.comm)
+        self.waited = 0.0  # seconds spent in wait() (gear_mpi.activity)
 
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, req, what: str) -> None:
@@ -109,7 +111,9 @@ class MpiComm:
             CollectiveTimeoutError: a rank did not arrive within ``timeout`` (the communicator is then broken,
                 for every MpiComm built on it later too: :func:`gear_mpi.deadline.mark_pending`).
         """
+        start = time.perf_counter()
         if req.Test() or deadline.poll(req.Test, self.timeout):
+            self.waited += time.perf_counter() - start
             return
         self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
                        f"(this is rank {self.rank}); the replay can no longer communicate{errors.ABORT_HINT}")

@@ -44,6 +44,7 @@ from .memory import memory_kind
 from .node import NodeView
 from .rate_limit import RateLimiter
 from .prefetch import BatchIterator, ReplayPrefetch
+from .activity import ReplayActivity, combine_activity, metered_sample, metered_update
 from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
 from .replay_state import ReplayState
 from .selectors import Selector, Uniform
@@ -56,7 +57,7 @@ from .windows import check_batch_size, check_window
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
+class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity):
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
 
     Args:
@@ -153,6 +154,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
         self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
         self._iterator: BatchIterator | None = None  # an active batches() iterator owns the replay
+        self._init_activity()
 
     # ---- local operations -----------------------------------------------------------------
     @property
@@ -263,6 +265,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
         return routing.fetch(self.comm, self.shard, keys, owner)
 
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
+    @metered_sample
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
                mode: str | None = None, out: Batch | None = None) -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
@@ -361,6 +364,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
         self.node.settle()
 
     # ---- priorities ---------------------------------------------------------------------------
+    @metered_update
     def update_priorities(self, keys: Any, priorities: Any) -> int:
         """Collective: route each key's new priority to its owner.
 
@@ -404,11 +408,12 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
             "total": {figure: sum}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}`` for the figures
             of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
             evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi, ingested,
-            writers, staged), plus ``"sample_to_insert_ratio"`` and ``"rate_limiter"`` (its repr).
+            writers, staged), plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"``
+            (counters for :func:`gear_mpi.activity.rates`: ``{"per_rank": ..., "total": ...}``).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: drains this rank's writers (within the insert budget), then one allgather of 18 float64 per
-        rank (a status and 17 figures).
+        Cost: drains this rank's writers (within the insert budget), then one allgather of 31 float64 per
+        rank (a status, 17 figures and 13 activity counters).
         """
         self._check_open()
         err = None
@@ -418,12 +423,14 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch):
             err = e
         mine = self.shard.stats()
         mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi, **self._feed_stats())
-        table = self.comm.agree(err, "stats", stats_schema.row(mine))
+        n = len(stats_schema.REPLAY_FIGURES)
+        table = self.comm.agree(err, "stats", stats_schema.row(mine) + self.activity_row())
         self.settle()
-        out = stats_schema.combine(table, self.mode)
+        out = stats_schema.combine(table[:, :n], self.mode)
         total = out["total"]
         out["sample_to_insert_ratio"] = total["sampled"] / total["inserted"] if total["inserted"] else float("nan")
         out["rate_limiter"] = repr(self.rate_limiter)
+        out["activity"] = combine_activity(table[:, n:])
         return out
 
     def close(self) -> None:

@@ -26,6 +26,8 @@ class ShardInsert:
     """Insertion into a shard (mixed into :class:`~gear_mpi.shard.Shard`; reads its ``spec``, ``store``,
     ``index`` and ``selector``)."""
 
+    bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.activity)
+
     def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
         """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
         O(1 + evictions) table work, one index update.
@@ -125,6 +127,7 @@ class ShardInsert:
         self._check_open()
         self.store.check_batch(lengths)
         slots, evicted = self.store.insert(columns, lengths, priorities)
+        self.bytes_inserted += int(lengths.sum()) * self.spec.step_bytes
         if self.index is not None:
             if priorities.strides == (0,):  # one shared priority (None given): one shared weight
                 weights = np.broadcast_to(self.selector.weights(priorities[:1])[0], priorities.shape)

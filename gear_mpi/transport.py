@@ -17,6 +17,8 @@ three ways, decided per owner by the :class:`~gear_mpi.node.NodeView`:
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -50,6 +52,7 @@ class WindowTransport:
         self.comm, self.node, self.shard, self.device = comm, node, shard, device
         self.spec = shard.spec
         self.torch_comm = None
+        self.copy_seconds = 0.0  # time in exchange() outside MpiComm waits (gear_mpi.activity)
         if device is not None and node.any_remote and kind == "nccl":
             from .comm_torch import TorchComm
             backend = "gloo" if device.simulator else "nccl"
@@ -74,6 +77,14 @@ class WindowTransport:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
             CollectiveError: (NCCL path) the torch communicator broke in an earlier call.
         """
+        start, waited = time.perf_counter(), self.comm.waited
+        try:
+            return self._exchange(choices, send_counts, recv_counts, window, local)
+        finally:  # packing, the batch's pages and the window copies: everything but the collectives' waits
+            self.copy_seconds += time.perf_counter() - start - (self.comm.waited - waited)
+
+    def _exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
+                  local: bool) -> Batch:
         node, size = self.node, self.comm.size
         fields = gather_kernels.choice_records(choices)
         win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]

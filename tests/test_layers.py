@@ -25,6 +25,7 @@ FLOORS = {
     "shard": 3, "shard_state": 3, "shard_insert": 3,
     "checkpoint": 4, "warmup": 4,
     "node": 5, "transport": 5, "plans": 5, "routing": 5, "replay_state": 5, "feeds": 5, "prefetch": 5,
+    "parallel": 5, "activity": 5,
     "replay": 6,
     "datasets": 7,  # builds Replays; gear_mpi/__init__.py re-exports the package
     "": 7,  # gear_mpi/__init__.py

@@ -160,7 +160,8 @@ def test_stats_schema_and_names_of_counts(force):
     ref = fill(replay, shard_sizes()[RANK], seed=15)
     replay.sample(3, 4)
     st = replay.stats()
-    assert set(st) == {"ranks", "mode", "balance", "total", "per_rank", "sample_to_insert_ratio", "rate_limiter"}, st
+    assert set(st) == {"ranks", "mode", "balance", "total", "per_rank", "sample_to_insert_ratio", "rate_limiter",
+                       "activity"}, st
     assert st["rate_limiter"] == "None"
     assert st["sample_to_insert_ratio"] == st["total"]["sampled"] / st["total"]["inserted"]
     assert st["ranks"] == SIZE and st["mode"] == "decentralized"
