@@ -20,6 +20,7 @@ the link are removed after the tests, and on any failure (checked here).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from mpi_util import MpiPytestRun, _read_junit, mpiexec_path
-from scripts.hosts import two_hosts
+from scripts.hosts import two_host_slurm, two_hosts
 from scripts.hosts.two_hosts import HostsError, TwoHosts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +44,8 @@ MODULES = ["test_hosts_replay.py",
            "test_windows.py::test_priority_updates_reach_owners_and_stale_keys_are_dropped",
            "test_distribution.py"]
 REFUSED = ("Operation not permitted", "Permission denied", "not permitted")
+SLURM_SKIP_VAR = "GEAR_MPI_SKIP_SLURM"   # as in tests/test_slurm.py
+SLURM_TIMEOUT_S = 120
 
 
 def skip_reason(env, platform: str, uid: int, missing: list[str]) -> str | None:
@@ -91,6 +94,39 @@ def assert_gone(h: TwoHosts, holders: list[int]) -> None:
     assert not h.dir.exists(), f"{h.dir} was not removed"
 
 
+def _pytest_program(args: list[str]) -> list[str]:
+    args = [str(MPI_TESTS / a) if a.startswith("test_") else a for a in args]
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+
+
+def _job_env(h: TwoHosts, env: dict, reports: str) -> dict:
+    env = dict(env)
+    env.pop("PYTHONUNBUFFERED", None)
+    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", GEAR_MPI_REPORT_DIR=reports,
+               GEAR_MPI_TWO_HOSTS=",".join(x.name for x in h.hosts), **two_hosts.MPI_ENV)
+    return env
+
+
+def _collect(run: MpiPytestRun, reports: str) -> dict[str, list[str]]:
+    for r in range(run.nprocs):
+        _read_junit(Path(reports) / f"rank{r}.xml", r, run)
+    return {p.stem[4:]: p.read_text().split() for p in Path(reports).glob("shm-*.txt")}
+
+
+def _launch(h: TwoHosts, cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd``; on timeout kill it, and every process that ran on the hosts, and return None."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        two_hosts._kill_all(lambda: [p for p in two_hosts.marked_pids(h.dir) if p not in {x.pid for x in h.hosts}],
+                            5.0)
+        return None, proc.communicate()[0]
+
+
 def run_on_hosts(h: TwoHosts, args: list[str], timeout: float) -> tuple[MpiPytestRun, dict[str, list[str]]]:
     """``mpiexec`` on the hosts (2 ranks each) running pytest on ``args`` (tests/mpi modules), each rank
     writing its JUnit report; on timeout the job is killed (and the hosts' processes with it).
@@ -99,30 +135,36 @@ def run_on_hosts(h: TwoHosts, args: list[str], timeout: float) -> tuple[MpiPytes
         The run, and what each host's /dev/shm held (hostname -> names; written by
         test_hosts_replay.py's first rank of each host).
     """
-    args = [str(MPI_TESTS / a) if a.startswith("test_") else a for a in args]
-    program = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
-    nprocs = RANKS_PER_HOST * len(h.hosts)
     with tempfile.TemporaryDirectory(prefix="gear_mpi_reports_") as reports:
-        env = h.env()
-        env.pop("PYTHONUNBUFFERED", None)
-        env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", GEAR_MPI_REPORT_DIR=reports,
-                   GEAR_MPI_TWO_HOSTS=",".join(x.name for x in h.hosts))
-        cmd = h.mpiexec(mpiexec_path(), RANKS_PER_HOST, program, wd=REPO, extra=["-prepend-rank"])
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            two_hosts._kill_all(lambda: two_hosts.marked_pids(h.dir), 5.0)
-            out, _ = proc.communicate()
-            code = None
-        run = MpiPytestRun(nprocs, ["mpiexec", *cmd[cmd.index("-launcher"):]], code, out)
-        for r in range(nprocs):
-            _read_junit(Path(reports) / f"rank{r}.xml", r, run)
-        shm = {p.stem[4:]: p.read_text().split() for p in Path(reports).glob("shm-*.txt")}
-    return run, shm
+        cmd = h.mpiexec(mpiexec_path(), RANKS_PER_HOST, _pytest_program(args), wd=REPO, extra=["-prepend-rank"])
+        code, out = _launch(h, cmd, _job_env(h, h.env(), reports), timeout)
+        run = MpiPytestRun(RANKS_PER_HOST * len(h.hosts), ["mpiexec", *cmd[cmd.index("-launcher"):]], code, out)
+        return run, _collect(run, reports)
+
+
+def run_under_slurm(h: TwoHosts, args: list[str], timeout: float) -> tuple[MpiPytestRun, dict[str, list[str]]]:
+    """``sbatch --wait -N 2 --ntasks-per-node=2`` (from the first host) of ``srun --mpi=pmi2`` running
+    pytest on ``args``, on the cluster of scripts/hosts/two_host_slurm.py; as :func:`run_on_hosts`."""
+    with tempfile.TemporaryDirectory(prefix="gear_mpi_reports_") as reports:
+        out_file = h.dir / "slurm" / "job-%j.out"
+        srun = ["srun", "--mpi=pmi2", "-O", "--kill-on-bad-exit=1", *_pytest_program(args)]
+        cmd = h.on(0, ["sbatch", "--wait", "--parsable", "-N", str(len(h.hosts)), f"--ntasks-per-node={RANKS_PER_HOST}",
+                       "-O", "--time=3", f"--chdir={REPO}", f"--output={out_file}", "--export=ALL",
+                       "--wrap", " ".join(shlex.quote(w) for w in srun)])
+        code, out = _launch(h, cmd, _job_env(h, two_host_slurm.client_env(h), reports), timeout)
+        job = out.strip().splitlines()[0].split(";")[0] if out.strip() else "?"
+        path = Path(str(out_file).replace("%j", job))
+        out += path.read_text(errors="replace") if path.exists() else f"(no job output {path})"
+        run = MpiPytestRun(RANKS_PER_HOST * len(h.hosts), cmd[cmd.index("sbatch"):], code, out)
+        return run, _collect(run, reports)
+
+
+def check_host_shm(h: TwoHosts, host_shm: dict[str, list[str]]) -> None:
+    """Each host had its own /dev/shm, with MPICH's node segment in it; none of it is in the machine's."""
+    assert sorted(host_shm) == sorted(x.name for x in h.hosts), host_shm
+    for name, listing in host_shm.items():
+        assert any(n.startswith("mpich_shm_") for n in listing), (name, listing)
+        assert not set(listing) & set(os.listdir("/dev/shm")), (name, listing)
 
 
 def test_gear_mpi_on_two_hosts(hosts):
@@ -132,11 +174,7 @@ def test_gear_mpi_on_two_hosts(hosts):
     link_bytes = hosts.link_bytes() - link_before
     if run.problems():
         pytest.fail(run.report(), pytrace=False)
-    # each host had its own /dev/shm, with MPICH's node segment in it; none of it is in the machine's
-    assert sorted(host_shm) == sorted(x.name for x in hosts.hosts), host_shm
-    for name, listing in host_shm.items():
-        assert any(n.startswith("mpich_shm_") for n in listing), (name, listing)
-        assert not set(listing) & set(os.listdir("/dev/shm")), (name, listing)
+    check_host_shm(hosts, host_shm)
     ran = run.passed(0)
     names = {t.split("::")[0] for t in ran}
     assert names == {"test_hosts_replay", "test_windows", "test_distribution"}, sorted(ran)
@@ -180,6 +218,28 @@ def test_ns_ssh_refuses_unknown_hosts(hosts):
     r = subprocess.run([str(two_hosts.LAUNCHER), "-x", "gmhost-b", "hostname; cat /proc/self/net/dev | grep -c gmh"],
                        env=hosts.env(), capture_output=True, text=True, timeout=10)
     assert r.returncode == 0 and r.stdout.split() == ["gmhost-b", "1"], r.stdout + r.stderr
+
+
+def test_slurm_allocation_of_the_two_hosts(hosts):
+    """Two slurmd, one in each host: ``sbatch -N 2 --ntasks-per-node=2`` + ``srun --mpi=pmi2`` runs the
+    node and window-path checks of tests/mpi/test_hosts_replay.py (and one bit-exact case) across them.
+    Last in this module: the cluster stays up until the hosts go down."""
+    if os.environ.get(SLURM_SKIP_VAR, "").strip().lower() not in ("", "0", "no", "false"):
+        pytest.skip(f"{SLURM_SKIP_VAR} is set")
+    if two_host_slurm.missing_programs():
+        pytest.skip(f"Slurm is not installed ({two_host_slurm.missing_programs()} missing; tests/test_slurm.py "
+                    "installs it with apt-get, as root)")
+    started = time.time()
+    two_host_slurm.start(hosts, timeout=30)
+    up = time.time() - started
+    run, host_shm = run_under_slurm(hosts, ["test_hosts_replay.py", "-k", "not every_mode or decentralized-Prioritized"],
+                                    SLURM_TIMEOUT_S)
+    if run.problems():
+        pytest.fail(run.report(), pytrace=False)
+    check_host_shm(hosts, host_shm)
+    ran = run.passed(0)
+    assert len(ran) == 4 + 2 + 1 and all(t.startswith("test_hosts_replay::") for t in ran), sorted(ran)
+    print(f"two-node Slurm: up in {up:.1f} s, {len(ran)} tests on 4 ranks, {time.time() - started:.1f} s in all")
 
 
 @pytest.mark.parametrize("env, platform, uid, missing, expect", [

@@ -13,7 +13,8 @@ Each host is a set of namespaces held by one sleeping process (its *holder*):
   the machine or outside it is reachable from a host, and no route leaves it);
 - a UTS namespace with its own hostname (``gmhost-a``, ``gmhost-b``);
 - a mount namespace with a fresh tmpfs on ``/dev/shm`` (so POSIX shared memory, MPICH's and
-  gear_mpi's, is per host, as on two machines) and an ``/etc/hosts`` naming both hosts.
+  gear_mpi's, is per host, as on two machines), an ``/etc/hosts`` naming both hosts, and the
+  sysfs of its own network namespace (the machine's cgroup tree kept under it).
 
 Anything started with ``nsenter --target HOLDER --net --uts --mount`` runs "on" that host.
 ``scripts/hosts/ns_ssh`` does that for MPICH's hydra, standing in for ssh:
@@ -63,13 +64,18 @@ _serial = itertools.count()
 #: between two machines. MPICH's own intra-node shared memory (per host) is unaffected.
 MPI_ENV = {"UCX_TLS": "tcp"}
 
-# The holder: set the hostname, mount a fresh /dev/shm and the hosts file, say so, then sleep
-# until the owner is gone. Run by `ip netns exec NS unshare --uts --mount sh -c ...`, which all
-# exec: the holder's pid is the pid of the Popen.
+# The holder: set the hostname, mount a fresh /dev/shm, the hosts file and the sysfs of its own
+# network namespace (as `ip netns exec` does, so /sys/class/net shows the host's own links) with
+# the machine's cgroup tree moved back under it (slurmd needs /sys/fs/cgroup), say so, then sleep
+# until the owner is gone. Run by `nsenter --net=/run/netns/NS unshare --uts --mount sh -c ...`,
+# which all exec: the holder's pid is the pid of the Popen.
 HOLDER = r"""set -e
 hostname "$1"
 mount -t tmpfs -o size="$2",mode=1777 gear-hosts-shm /dev/shm
 mount --bind "$3" /etc/hosts
+if [ -d /sys/fs/cgroup ]; then mkdir -p "$5"; mount --rbind /sys/fs/cgroup "$5"; fi
+mount -t sysfs gear-hosts-sys /sys
+if [ -d "$5" ]; then mount --move "$5" /sys/fs/cgroup; fi
 echo "ready $$"
 exec tail --pid="$4" -f /dev/null >/dev/null 2>&1
 """
@@ -248,8 +254,9 @@ class TwoHosts:
 
     def _start_holder(self, h: Host, hosts_file: Path, timeout: float) -> None:
         log = self.dir / f"holder.{h.name}.log"
-        cmd = ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "--propagation", "private",
-               "sh", "-c", HOLDER, "holder", h.name, self.shm_size, str(hosts_file), str(self.owner)]
+        cmd = ["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--uts", "--mount", "--propagation", "private",
+               "sh", "-c", HOLDER, "holder", h.name, self.shm_size, str(hosts_file), str(self.owner),
+               str(self.dir / f"cgroup.{h.name}")]
         with open(log, "wb") as err:
             p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                  start_new_session=True)
@@ -263,7 +270,7 @@ class TwoHosts:
             except subprocess.TimeoutExpired:
                 pass
             why = log.read_text(errors="replace").strip()[-800:] or "(nothing on stderr)"
-            raise HostsError(f"starting {h.name} (`ip netns exec {h.netns} unshare --uts --mount sh -c ...`) "
+            raise HostsError(f"starting {h.name} (`nsenter --net=/run/netns/{h.netns} unshare --uts --mount sh -c ...`) "
                              f"failed, exit status {p.returncode}: {why}")
         h.pid = p.pid
         for key in (h.name, h.address):
