@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="make the two hosts and start the cluster on them")
     up.add_argument("--dir", help="the hosts' folder (default: a new /tmp/gear-hosts-*)")
-    up.add_argument("--owner", type=int, default=os.getppid(),
-                    help="everything goes down when this process ends (default: the calling shell)")
+    up.add_argument("--owner", type=int, default=0,
+                    help="the hosts go down when this process ends (default: 0, they stay until `down`)")
     down = sub.add_parser("down", help="stop the cluster and remove the hosts")
     down.add_argument("--dir", required=True)
     args = ap.parse_args(argv)

@@ -26,7 +26,7 @@ started on the first host (:meth:`TwoHosts.command`), so that hydra reaches its 
 the link; it finds the holders through ``GEAR_MPI_HOSTS_DIR`` (this object's folder).
 
 Lifetime: a holder exits by itself when the process that made the hosts (its *owner*) is
-gone (``tail --pid``); :meth:`TwoHosts.down` (also run when :meth:`TwoHosts.up` fails half
+gone (``tail --pid``; the command line's ``up`` has no owner: its hosts stay until ``down``); :meth:`TwoHosts.down` (also run when :meth:`TwoHosts.up` fails half
 way, and on leaving the ``with`` block) kills every process inside either host, deletes the
 namespaces (the veth pair goes with them, and the tmpfs with its segments with the last
 process), and removes the folder. ``clean`` (and every ``up``) also removes hosts whose
@@ -43,6 +43,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,7 @@ if [ -d /sys/fs/cgroup ]; then mkdir -p "$5"; mount --rbind /sys/fs/cgroup "$5";
 mount -t sysfs gear-hosts-sys /sys
 if [ -d "$5" ]; then mount --move "$5" /sys/fs/cgroup; fi
 echo "ready $$"
+if [ "$4" = 0 ]; then exec sleep infinity; fi
 exec tail --pid="$4" -f /dev/null >/dev/null 2>&1
 """
 
@@ -186,7 +188,7 @@ def clean_stale() -> list[str]:
     removed = []
     for ns in namespaces():
         m = NAME_RE.match(ns)
-        if m and not _alive(int(m[1])):
+        if m and int(m[1]) != 0 and not _alive(int(m[1])):
             _delete_ns(ns)
             removed.append(ns)
     return removed
@@ -200,7 +202,8 @@ class TwoHosts:
             temporary one, removed by :meth:`down`; a given one is kept).
         names: the two hostnames.
         shm_size: the size limit of each host's /dev/shm tmpfs (memory is used only as filled).
-        owner: the process whose end ends the holders (default: this one).
+        owner: the process whose end ends the holders (default: this one; 0: none, the hosts stay
+            until :meth:`down`).
     Raises (from :meth:`up`):
         HostsError: a step failed (not root, ``unshare`` not permitted, ...): the message names it;
             whatever was made is removed first.
@@ -211,7 +214,8 @@ class TwoHosts:
         self.owner = os.getpid() if owner is None else owner
         self._own_dir = directory is None
         self.dir = Path(tempfile.mkdtemp(prefix="gear-hosts-")) if directory is None else Path(directory)
-        tag = f"gmh{self.owner}-{next(_serial) % 100}"
+        serial = next(_serial) % 100 if self.owner else int.from_bytes(os.urandom(2), "little") % 100
+        tag = f"gmh{self.owner}-{serial}"
         self.hosts = [Host(names[i], f"{PREFIX}{i + 1}", f"{tag}-{x}", f"{tag}-{x}") for i, x in enumerate("ab")]
         self.shm_size = shm_size
         self._holders: list[subprocess.Popen] = []
@@ -356,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="make the two hosts; print the exports and an mpiexec line")
     up.add_argument("--dir", help="the hosts' folder (default: a new /tmp/gear-hosts-*)")
-    up.add_argument("--owner", type=int, default=os.getppid(),
-                    help="the hosts go down when this process ends (default: the calling shell)")
+    up.add_argument("--owner", type=int, default=0,
+                    help="the hosts go down when this process ends (default: 0, they stay until `down`)")
     run = sub.add_parser("run", help="run a command on a host")
     run.add_argument("--dir", required=True)
     run.add_argument("--host", default="0", help="index or name (default: the first host)")
@@ -372,10 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         directory = Path(args.dir or tempfile.mkdtemp(prefix="gear-hosts-"))
         hosts = TwoHosts(directory, owner=args.owner).up()
-        mpiexec = shutil.which("mpiexec") or "mpiexec"
-        print(f"export {DIR_VAR}={directory}")
-        print("# on the first host, 2 ranks per host:")
-        print(" ".join(hosts.mpiexec(mpiexec, 2, ["python", "-m", "mpi4py", "-c", "..."], wd=os.getcwd())))
+        beside = Path(sys.executable).parent / "mpiexec"
+        mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+        names = ",".join(h.name for h in hosts.hosts)
+        print(f"export {DIR_VAR}={directory} GEAR_MPI_TWO_HOSTS={names}")
+        print("# 2 ranks on each host (mpiexec runs on the first; --wd: this folder):")
+        cmd = hosts.mpiexec(mpiexec, 2, [sys.executable, "-m", "mpi4py", "-m", "pytest", "-q",
+                                         "tests/mpi/test_hosts_replay.py"], wd=os.getcwd())
+        print(" ".join(shlex.quote(w) for w in cmd))
+        print(f"# remove them: {sys.executable} -m scripts.hosts.two_hosts down --dir {directory}")
         return 0
     state = json.loads((Path(args.dir) / "hosts.json").read_text())
     hosts = TwoHosts(args.dir, owner=state["owner"])
