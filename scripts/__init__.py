@@ -9,6 +9,8 @@
 - ``scripts.plots``  -- plot_results: PNG figures from the benchmarks' JSON lines
 - ``scripts.slurm``  -- local_slurm (a one-node Slurm cluster for CI), slurm_smoke (the job
   slurm/replay_sample.sbatch runs)
+- ``scripts.hosts``  -- two_hosts (two hosts on this machine in namespaces), ns_ssh (hydra's ssh
+  stand-in), two_host_slurm (a two-node Slurm cluster on them); docs/TWO_HOSTS.md
 - ``scripts.checks`` -- soak (memory over a long run), gpu_check (every CUDA kernel on a GPU)
 - ``scripts/dev_env.sh`` -- creates ./.venv on a fresh machine
 """
