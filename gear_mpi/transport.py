@@ -79,12 +79,12 @@ class WindowTransport:
         """
         start, waited = time.perf_counter(), self.comm.waited
         try:
-            return self._exchange(choices, send_counts, recv_counts, window, local)
+            return self._exchange(choices, send_counts, recv_counts, window, local, out)
         finally:  # packing, the batch's pages and the window copies: everything but the collectives' waits
             self.copy_seconds += time.perf_counter() - start - (self.comm.waited - waited)
 
     def _exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
-                  local: bool) -> Batch:
+                  local: bool, out: Batch | None) -> Batch:
         node, size = self.node, self.comm.size
         fields = gather_kernels.choice_records(choices)
         win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]
