@@ -432,7 +432,6 @@ class MpiComm:
         cls = _ERROR_CODES[int(statuses[first])]
         raise cls(f"{what}: rank {first}: {text}") from (error if error is not None else None)
 
-
     def agreed(self, build: Callable[[], Any], what: str, undo: Callable[[Any], None] | None = None) -> Any:
         """``build()`` on every rank, its failure agreed: one rank's error raises on all (Raises: as :meth:`agree`).
         Args: build: makes something (a shard); what: names the call; undo: releases what ``build`` made where
@@ -454,8 +453,7 @@ class _AllOf:
     """Several requests seen as one (``Test`` is true when all are complete)."""
 
     def __init__(self, MPI, requests: list):
-        self.MPI = MPI
-        self.requests = requests
+        self.MPI, self.requests = MPI, requests
 
     def Test(self) -> bool:
         """Returns True when every request is complete (one ``MPI.Request.Testall``)."""

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from . import budget, routing
+from .routing import ReplayLookups
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch
@@ -57,7 +58,7 @@ from .windows import check_batch_size, check_window
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity):
+class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLookups):
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
 
     Args:
@@ -226,43 +227,6 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity):
         an error), after the node fence (:meth:`insert`). Returns their keys (int64)."""
         self.settle()
         return self.shard.insert_packed(columns, lengths, priorities)
-
-    def get(self, key: int) -> dict[str, np.ndarray]:
-        """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
-
-        Args:
-            key: a key this rank's shard issued.
-        Returns:
-            Column name -> array of its steps.
-        Raises:
-            StaleKeyError: the trajectory was evicted or removed; InvalidKeyError: not this shard's key.
-        """
-        return self.shard.get(key)
-
-    def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
-        """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
-        its own keys; an empty list is fine).
-
-        Args:
-            keys: keys issued by this replay, of any rank (e.g. ``batch.keys``).
-        Returns:
-            One entry per key, in the given order: column name -> ``[L, *shape]`` array on the host, or
-            None where the key is stale (its trajectory evicted or removed).
-        Raises:
-            TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
-            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one allgather (status), then :func:`gear_mpi.routing.fetch`: an alltoall of counts, two
-        alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
-        between node peers (each step is packed by its owner, then sent).
-        """
-        self._check_open()
-        err, owner = None, None
-        try:
-            keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
-        except Exception as e:
-            err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        self.comm.agree(err, "get_many")
-        return routing.fetch(self.comm, self.shard, keys, owner)
 
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
     @metered_sample

@@ -128,3 +128,45 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
             a, b = int(first[j]), int(first[j] + n_in[j])
             out[i] = {name: col[a:b] for name, col in received.items()}
     return out
+
+
+class ReplayLookups:
+    """Whole trajectories by key, for :class:`~gear_mpi.replay.Replay` (mixed in; it reads the replay's
+    ``shard``, ``comm``, ``ranks`` and ``_check_open``)."""
+
+    def get(self, key: int) -> dict[str, np.ndarray]:
+        """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
+
+        Args:
+            key: a key this rank's shard issued.
+        Returns:
+            Column name -> array of its steps.
+        Raises:
+            StaleKeyError: the trajectory was evicted or removed; InvalidKeyError: not this shard's key.
+        """
+        return self.shard.get(key)
+
+    def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
+        """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
+        its own keys; an empty list is fine).
+
+        Args:
+            keys: keys issued by this replay, of any rank (e.g. ``batch.keys``).
+        Returns:
+            One entry per key, in the given order: column name -> ``[L, *shape]`` array on the host, or
+            None where the key is stale (its trajectory evicted or removed).
+        Raises:
+            TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        Cost: one allgather (status), then :func:`gear_mpi.routing.fetch`: an alltoall of counts, two
+        alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
+        between node peers (each step is packed by its owner, then sent).
+        """
+        self._check_open()
+        err, owner = None, None
+        try:
+            keys, owner = check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
+        except Exception as e:
+            err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self.comm.agree(err, "get_many")
+        return fetch(self.comm, self.shard, keys, owner)
