@@ -66,13 +66,13 @@ class Config:
     heads: int = 4
     dropout: float = 0.1
     batch: int = 64                  # windows per rank per step
-    steps: int = 3000                # training steps
+    steps: int = 2000                # training steps
     lr: float = 1e-3
     weight_decay: float = 1e-4
     warmup: int = 100                # steps of linear learning-rate warm-up
     grad_clip: float = 0.25
     rtg_scale: float = float(MAX_STEPS)  # returns-to-go are divided by this
-    eval_every: int = 500            # steps between curve evaluations (0: none)
+    eval_every: int = 250            # steps between curve evaluations (0: none)
     eval_curve_episodes: int = 4     # episodes per curve evaluation, whole job
     eval_episodes: int = 20          # episodes of the final evaluation, whole job
     max_seconds: float = 900.0       # wall-time budget of the training loop
@@ -91,7 +91,7 @@ def parse_config(argv=None) -> Config:
     p.add_argument("--quick", action="store_true",
                    help="the CI version: 2 layers, 300 steps, 4 evaluation episodes, no plot unless --plot")
     p.add_argument("--sampler", choices=("length", "uniform"), help="how episodes are drawn (default length)")
-    p.add_argument("--steps", type=int, help="training steps (default 3000)")
+    p.add_argument("--steps", type=int, help="training steps (default 2000)")
     p.add_argument("--seed", type=int, help="seed of the dataset, the model and the replay (default 0)")
     p.add_argument("--plot", help=f"save loss and evaluation return here (default {os.path.normpath(DEFAULT_PLOT)}; "
                                   f"'' for none)")
