@@ -307,6 +307,11 @@ def run(cfg: Config) -> dict:
     train_s = wall = 0.0
     t1 = next_log = time.time()
     step = 0
+    if cfg.eval_every:  # the untrained model, for the curve's first point
+        got = world.allgather(evaluate(model, cfg, dataset_best, eval_seeds(cfg.eval_curve_episodes, 0), mean, std))
+        curve.append((0, float(np.mean([x for r in got for x in r])), 0.0))
+        if rank == 0:
+            print(f"{0:>6} {'':>7} {curve[-1][1]:>7.1f} {0.0:>7.1f}", flush=True)
     with replay.batches(cfg.batch, window=cfg.context, align="random", prefetch=2, limit=cfg.steps) as it:
         for batch in it:
             step += 1
@@ -391,7 +396,7 @@ def save_plot(path: str, result: dict, ranks: int) -> None:
                 label=f"dataset best ({result['dataset_best_return']:g})")
     ax2.set_xlabel("training step")
     ax2.set_ylabel("evaluation return")
-    ax2.set_ylim(0, 530)
+    ax2.set_ylim(0, 540)
     ax2.set_title("CartPole-v1 return", fontsize=10)
     ax2.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"offline decision transformer, {result['dataset_episodes']} mixed-quality episodes in gear_mpi, "
