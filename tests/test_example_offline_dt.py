@@ -1,0 +1,70 @@
+"""examples/offline_dt.py trains, end to end: ``--quick`` on 2 ranks.
+
+One run (about a minute on 2 cores) under ``mpiexec -n 2 python -m mpi4py`` with a hard timeout:
+each rank generates its share of a mixed-quality CartPole-v1 dataset into its shard, the ranks
+train a decision transformer with DDP on windows from ``replay.batches(..., prefetch=2)``, then
+evaluate it. Asserted: the training loss falls (the mean of the last 10% of the steps against the
+first 10%), the dataset is mixed (its mean return well under its best), every planned step ran,
+and nothing is left behind (processes of the job's session, the shards' shared-memory segments).
+The evaluation return is reported, not asserted (4 episodes; the full run's 20 are in the README).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpi_util import ROOT, mpiexec_path
+from test_example_online_dqn import session_processes
+
+EXAMPLE = ROOT / "examples" / "offline_dt.py"
+MAX_LOSS_RATIO = 0.8  # last 10% / first 10% of the quick run: 0.59-0.6 in 3 runs here (seed 0)
+TIMEOUT = 300.0
+
+
+def test_offline_dt_quick_loss_falls():
+    pytest.importorskip("gymnasium")
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", str(EXAMPLE), "--quick"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own session: every process of the job is findable
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"offline_dt --quick did not finish within {TIMEOUT:g} s:\n{out[-4000:]}")
+    finally:
+        deadline = time.monotonic() + 10.0
+        left = session_processes(proc.pid)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = session_processes(proc.pid)
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"offline_dt --quick failed:\n{out[-4000:]}"
+    assert not left, f"processes of the job still running after it ended: {left}"
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"expected one RESULT line (rank 0):\n{out[-3000:]}"
+    r = json.loads(lines[0][len("RESULT "):])
+
+    # the dataset is mixed: the noisiest episodes are short, the clean ones reach the time limit
+    assert r["dataset_episodes"] == 96 and r["dataset_best_return"] == 500.0, r
+    assert r["dataset_mean_return"] < 0.6 * r["dataset_best_return"], r
+    # every step ran (the wall-time budget did not cut it), every rank sampled its batches through the iterator
+    assert r["steps"] == 300, r
+    assert r["sampled"] >= 2 * 64 * 300, r  # plus up to prefetch=2 batches sampled ahead per rank
+    # it learned: the loss fell
+    assert r["loss_ratio"] < MAX_LOSS_RATIO, (f"loss {r['loss_first10']} -> {r['loss_last10']} (ratio "
+                                              f"{r['loss_ratio']} >= {MAX_LOSS_RATIO}):\n{out[-3000:]}")
+    print(f"offline_dt --quick: loss {r['loss_first10']} -> {r['loss_last10']}, evaluation {r['eval_mean_return']} "
+          f"over {r['eval_episodes']} episodes, dataset mean {r['dataset_mean_return']}")
+    # tear-down: the shards' segments are gone
+    leaked = sorted(n for n in r["segments"] if n and os.path.exists(os.path.join("/dev/shm", n)))
+    assert not leaked, f"shared-memory segments left behind: {leaked}"
