@@ -120,7 +120,6 @@ class TrajectoryStore:
             raise
         self.columns: dict[str, np.ndarray] = {}
         self._byte_views: dict[str, np.ndarray] | None = None
-        self._scratch: np.ndarray | None = None  # insert's slots and evictions, reused (see insert)
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
@@ -197,24 +196,13 @@ class TrajectoryStore:
             priorities: the raw priority of each (float64).
 
         Returns:
-            (slots of the new trajectories, slots of the live trajectories evicted): views of a
-            scratch array this store reuses, valid until its next insert (copy them to keep them).
+            (slots of the new trajectories, slots of the live trajectories evicted).
 
         Cost: O(n) table work in a kernel plus one copy of the steps (at most two
-        slices per column, for the ring's wrap-around). The scratch grows to the largest batch
-        (8 bytes per item, 8 per possible eviction; grown by doubling) and stays: a fresh one per call cost a 1e7-item
-        insert 160 MB of newly committed pages each time.
+        slices per column, for the ring's wrap-around).
         """
-        n = len(lengths)
-        # the slots, then room for every live eviction: at most one per item plus one per missing step
-        # (each frees a slot or >= 1 step), and never more than the trajectories already stored
-        need = n + min(int(self.state[ring.ORDER_COUNT]), int(lengths.sum()) + n)
-        if self._scratch is None or len(self._scratch) < need:
-            grown = need if self._scratch is None else max(need, 2 * len(self._scratch))
-            self._scratch = _table_row(grown, np.int64, len(ring.TABLE_FIELDS))
-        slots = self._scratch[:n]
-        n_evicted = ring.plan_insert(self._arrays, self.capacity, lengths, time.time_ns(), slots, self._scratch[n:need])
-        evicted = self._scratch[n:n + n_evicted]
+        slots = np.empty(len(lengths), np.int64)
+        evicted = ring.plan_insert(self._arrays, self.capacity, lengths, time.time_ns(), slots)
         self.priority[slots] = priorities
         total = int(lengths.sum())
         first = int(self.start[slots[0]])
@@ -458,7 +446,6 @@ class TrajectoryStore:
         """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
         self.columns = {}
         self._byte_views = None
-        self._scratch = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -93,15 +93,12 @@ def _evict_oldest(state, capacity, n_slots, length, generation, alive, order, fr
 
 
 @njit(cache=True)
-def plan_insert(table, capacity, lengths, now, slots_out, evicted_out):
+def plan_insert(table, capacity, lengths, now, slots_out):
     """Reserve a slot of ``table`` and ring steps for each new trajectory, evicting the oldest (FIFO)
     as needed; ``now`` is the insertion stamp recorded for all of them.
 
-    Writes the new slots to ``slots_out`` and the slots of evicted live trajectories (their
-    weights must be zeroed before the new ones are set) to the front of ``evicted_out``
-    (int64, at least ``min(state[ORDER_COUNT], sum(lengths) + len(lengths))`` entries, a bound on the
-    live evictions: each frees a slot or a missing step; the caller may reuse it
-    from call to call, so that its pages are not committed anew), and returns their count.
+    Writes the new slots to ``slots_out`` and returns the slots of evicted live
+    trajectories (their weights must be zeroed before the new ones are set).
     The caller has checked ``sum(lengths) <= capacity`` and ``len(lengths) <= n_slots``.
     Cost: O(n + evictions); no data is copied here. The counters live in locals for the
     loop (``state`` may alias the rows as far as the compiler knows, so every ``state[...]``
@@ -115,7 +112,7 @@ def plan_insert(table, capacity, lengths, now, slots_out, evicted_out):
     order_head, order_count = state[ORDER_HEAD], state[ORDER_COUNT]
     free_top, next_fresh, next_seq = state[FREE_TOP], state[NEXT_FRESH], state[NEXT_SEQ]
     live_count, live_steps, evicted_total = state[LIVE_COUNT], state[LIVE_STEPS], state[EVICTED_TOTAL]
-    evicted = evicted_out
+    evicted = np.empty(order_count + n, dtype=np.int64)
     n_evicted = 0
     for i in range(n):
         steps = lengths[i]
@@ -169,7 +166,7 @@ def plan_insert(table, capacity, lengths, now, slots_out, evicted_out):
     state[FREE_TOP], state[NEXT_FRESH], state[NEXT_SEQ] = free_top, next_fresh, next_seq
     state[LIVE_COUNT], state[LIVE_STEPS], state[EVICTED_TOTAL] = live_count, live_steps, evicted_total
     state[INSERTED_TOTAL] += n
-    return n_evicted
+    return evicted[:n_evicted]
 
 
 @njit(cache=True)
