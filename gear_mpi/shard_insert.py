@@ -14,7 +14,7 @@ from numba import njit
 from .errors import InvalidTrajectoryError
 from .kernels import ring
 from .priority_index import PriorityIndex
-from .spec import TrajectorySpec, _castable, validate_priorities
+from .spec import TrajectorySpec, validate_priorities
 
 
 # a host index update of at least 1/REBUILD_FRACTION of its slots writes the leaves and rebuilds the levels
@@ -197,37 +197,7 @@ def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps
         InvalidTrajectoryError: not a mapping, a column missing or unknown, non-numeric or uncastable, of the
             wrong shape or of another step count than the others or than ``steps``.
     """
-    where = "packed columns"
-    if not isinstance(columns, Mapping):
-        raise InvalidTrajectoryError(f"{where}: expected a mapping of column -> array, got {type(columns).__name__}")
-    missing = [c.name for c in spec.columns if c.name not in columns]
-    if missing:
-        raise InvalidTrajectoryError(f"{where}: missing column(s) {missing}; the spec has {list(spec.names)}")
-    extra = [k for k in columns if k not in spec.names]
-    if extra:
-        raise InvalidTrajectoryError(f"{where}: unknown column(s) {extra}; the spec has {list(spec.names)}")
-    out: dict[str, np.ndarray] = {}
-    first = None
-    for c in spec.columns:
-        value = columns[c.name]
-        if hasattr(value, "detach") and hasattr(value, "cpu"):
-            value = value.detach().cpu().numpy()
-        arr = np.asarray(value)
-        if arr.dtype.hasobject or arr.dtype.kind not in "biufc":
-            raise InvalidTrajectoryError(f"{where}: column {c.name!r} has non-numeric dtype {arr.dtype}")
-        if not _castable(arr.dtype, c.dtype):
-            raise InvalidTrajectoryError(
-                f"{where}: column {c.name!r} has dtype {arr.dtype}, which cannot be cast safely to {c.dtype}")
-        if arr.ndim != 1 + len(c.shape) or tuple(arr.shape[1:]) != c.shape:
-            raise InvalidTrajectoryError(
-                f"{where}: column {c.name!r} has shape {tuple(arr.shape)}; expected (steps, *{c.shape})")
-        if first is None:
-            first = c.name
-        elif arr.shape[0] != out[first].shape[0]:
-            raise InvalidTrajectoryError(
-                f"{where}: column {c.name!r} has {arr.shape[0]} steps but column {first!r} has {out[first].shape[0]}")
-        out[c.name] = arr
-    if out[first].shape[0] != steps:
-        raise InvalidTrajectoryError(
-            f"{where}: the lengths sum to {steps} steps but the columns have {out[first].shape[0]}")
+    out, rows = spec.column_arrays(columns, "packed columns", rows="steps")
+    if rows != steps:
+        raise InvalidTrajectoryError(f"packed columns: the lengths sum to {steps} steps but the columns have {rows}")
     return out

@@ -122,6 +122,51 @@ class TrajectorySpec:
         """
         return cls({k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}, d["max_length"])
 
+    def column_arrays(self, columns: Mapping[str, Any], where: str, rows: str = "length") -> tuple[dict[str, np.ndarray], int]:
+        """Each column of ``columns`` as an array checked against the spec, not cast or copied (the checks of
+        :meth:`validate` and of packed inserts). O(columns).
+
+        Args:
+            columns: column name -> ``[rows, *shape]`` array-like (numpy, torch, lists).
+            where: how error messages name the input.
+            rows: how error messages name the leading axis.
+        Returns:
+            ``(column name -> array, rows)``.
+        Raises:
+            InvalidTrajectoryError: not a mapping, a column missing or unknown, a non-numeric or uncastable dtype,
+                a wrong shape, or columns with different row counts.
+        """
+        if not isinstance(columns, Mapping):
+            raise InvalidTrajectoryError(f"{where}: expected a mapping of column -> array, got {type(columns).__name__}")
+        missing = [c.name for c in self.columns if c.name not in columns]
+        if missing:
+            raise InvalidTrajectoryError(f"{where}: missing column(s) {missing}; the spec has {list(self.names)}")
+        extra = [k for k in columns if k not in self.names]
+        if extra:
+            raise InvalidTrajectoryError(f"{where}: unknown column(s) {extra}; the spec has {list(self.names)}")
+        out: dict[str, np.ndarray] = {}
+        count = None
+        for c in self.columns:
+            value = columns[c.name]
+            if hasattr(value, "detach") and hasattr(value, "cpu"):
+                value = value.detach().cpu().numpy()
+            arr = np.asarray(value)
+            if arr.dtype.hasobject or arr.dtype.kind not in "biufc":
+                raise InvalidTrajectoryError(f"{where}: column {c.name!r} has non-numeric dtype {arr.dtype}")
+            if not _castable(arr.dtype, c.dtype):
+                raise InvalidTrajectoryError(
+                    f"{where}: column {c.name!r} has dtype {arr.dtype}, which cannot be cast safely to {c.dtype}")
+            if arr.ndim != 1 + len(c.shape) or tuple(arr.shape[1:]) != c.shape:
+                raise InvalidTrajectoryError(
+                    f"{where}: column {c.name!r} has shape {tuple(arr.shape)}; expected ({rows}, *{c.shape})")
+            if count is None:
+                count = arr.shape[0]
+            elif arr.shape[0] != count:
+                raise InvalidTrajectoryError(
+                    f"{where}: column {c.name!r} has {arr.shape[0]} steps but column {self.columns[0].name!r} has {count}")
+            out[c.name] = arr
+        return out, int(count)
+
     def validate(self, trajectory: Mapping[str, Any], where: str = "trajectory") -> tuple[dict[str, np.ndarray], int]:
         """Check one trajectory and convert its columns to the spec's dtypes.
 
@@ -136,37 +181,8 @@ class TrajectorySpec:
                 unknown, a non-numeric or uncastable dtype, a wrong shape, lengths that differ, or a
                 length of 0 or over ``max_length``.
         """
-        if not isinstance(trajectory, Mapping):
-            raise InvalidTrajectoryError(f"{where}: expected a mapping of column -> array, got {type(trajectory).__name__}")
-        missing = [c.name for c in self.columns if c.name not in trajectory]
-        if missing:
-            raise InvalidTrajectoryError(f"{where}: missing column(s) {missing}; the spec has {list(self.names)}")
-        extra = [k for k in trajectory if k not in self.names]
-        if extra:
-            raise InvalidTrajectoryError(f"{where}: unknown column(s) {extra}; the spec has {list(self.names)}")
-        out: dict[str, np.ndarray] = {}
-        length = None
-        for c in self.columns:
-            value = trajectory[c.name]
-            if hasattr(value, "detach") and hasattr(value, "cpu"):
-                value = value.detach().cpu().numpy()
-            arr = np.asarray(value)
-            if arr.dtype.hasobject or arr.dtype.kind not in "biufc":
-                raise InvalidTrajectoryError(f"{where}: column {c.name!r} has non-numeric dtype {arr.dtype}")
-            if not _castable(arr.dtype, c.dtype):
-                raise InvalidTrajectoryError(
-                    f"{where}: column {c.name!r} has dtype {arr.dtype}, which cannot be cast safely to {c.dtype}")
-            if arr.ndim != 1 + len(c.shape) or tuple(arr.shape[1:]) != c.shape:
-                raise InvalidTrajectoryError(
-                    f"{where}: column {c.name!r} has shape {tuple(arr.shape)}; expected (length, *{c.shape})")
-            n = arr.shape[0]
-            if length is None:
-                length = n
-            elif n != length:
-                raise InvalidTrajectoryError(
-                    f"{where}: column {c.name!r} has {n} steps but column {self.columns[0].name!r} has {length}")
-            out[c.name] = np.ascontiguousarray(arr, dtype=c.dtype)
-        assert length is not None
+        arrays, length = self.column_arrays(trajectory, where)
+        out = {name: np.ascontiguousarray(arr, dtype=self[name].dtype) for name, arr in arrays.items()}
         if length == 0:
             raise InvalidTrajectoryError(f"{where}: trajectory has length 0")
         if length > self.max_length:
