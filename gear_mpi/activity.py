@@ -53,6 +53,7 @@ _COUNTS = frozenset({"inserted", "inserted_bytes", "served", "received", "receiv
 class Activity:
     """The counters a replay keeps itself (the rest are read from its shard, communicator and transport)."""
     born: float = field(default_factory=time.perf_counter)
+    step_bytes: int = 0  # a window step's bytes in a batch: the columns' and the mask's
     received: int = 0
     received_bytes: int = 0
     sample_calls: int = 0
@@ -66,7 +67,7 @@ class ReplayActivity:
     """The activity counters of a Replay (mixed in; reads its ``shard``, ``comm`` and ``transport``)."""
 
     def _init_activity(self) -> None:
-        self._activity = Activity()
+        self._activity = Activity(step_bytes=self.spec.step_bytes + 1)
 
     def activity_row(self) -> list[float]:
         """This rank's counters in :data:`ACTIVITY_FIGURES` order (local, O(1); safe from any thread: it only
@@ -93,8 +94,9 @@ def metered_sample(method: Callable) -> Callable:
             a.sample_calls += 1
             a.sample_seconds += time.perf_counter() - start
             a.sample_wait_seconds += self.comm.waited - waited
-        a.received += batch.batch_size
-        a.received_bytes += batch.nbytes
+        rows = batch.batch_size  # bytes as Batch.nbytes counts them: columns and mask per step, 28 B of metadata
+        a.received += rows
+        a.received_bytes += rows * (batch.window * a.step_bytes + 28)
         return batch
     return sample
 
@@ -197,7 +199,7 @@ def flatten(r: dict, prefix: str = "replay/", per_rank: bool = False) -> dict[st
 def describe(r: dict) -> str:
     """One line of text saying what a :func:`rates` result holds (local)."""
     t = r["total"]
-    return (f"replay, {r['ranks']} ranks, last {r['seconds']:.1f} s: {t['inserts_per_s']:.4g} inserts/s "
+    return (f"replay, {r['ranks']} ranks, last {r['seconds']:.3g} s: {t['inserts_per_s']:.4g} inserts/s "
             f"({t['insert_bytes_per_s'] / 1e6:.4g} MB/s), {t['samples_per_s']:.4g} windows/s "
             f"({t['sample_bytes_per_s'] / 1e6:.4g} MB/s) in {t['sample_calls_per_s']:.4g} samples/s of "
             f"{t['sample_ms']:.3g} ms; time in sample {100 * t['sample_fraction']:.1f}% (waiting "

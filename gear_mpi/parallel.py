@@ -333,7 +333,7 @@ class ReplicaSampler:
         return batch
 
     # ---- priorities -----------------------------------------------------------------------------
-    def update_priorities(self, keys: Any = (), priorities: Any = ()) -> int:
+    def update_priorities(self, keys: Any = (), priorities: Any = (), *, iterator=None) -> int:
         """Collective over the world: the replica's reporter (``tp = 0``, last stage) gives new priorities for
         keys of its batch; the other ranks' arguments are ignored.
 
@@ -342,8 +342,11 @@ class ReplicaSampler:
         reporter is not the leader), then the leaders call ``replay.update_priorities``.
         Args:
             keys, priorities: as :meth:`Replay.update_priorities` (e.g. ``batch.keys`` and new |TD errors|).
+            iterator: the ``replay.batches()`` iterator that owns this rank's replay, if any: the update is
+                then given to it (applied before a later sample, as its docs say).
         Returns:
-            What ``replay.update_priorities`` returned on this rank (0 on ranks without a replay).
+            What ``replay.update_priorities`` returned on this rank (0 on ranks without a replay, and when
+            given to an iterator).
         Raises:
             As :meth:`Replay.update_priorities` (every rank of the replay's communicator).
         """
@@ -353,15 +356,20 @@ class ReplicaSampler:
             k = np.ascontiguousarray(keys.cpu().numpy() if hasattr(keys, "cpu") else keys, np.int64).reshape(-1)
             p = np.ascontiguousarray(priorities.detach().cpu().numpy() if hasattr(priorities, "detach")
                                      else priorities, np.float64).reshape(-1)
-        if self.sharding == "world":
+        def apply(k, p) -> int:
+            if iterator is not None:  # deferred by the iterator
+                iterator.update_priorities(k, p)
+                return 0
             return self.replay.update_priorities(k, p)
+        if self.sharding == "world":
+            return apply(k, p)
         if self._group is not None and g.pipeline > 1:  # the reporter's keys to the leader
             n = self._group.bcast(np.array([len(k), len(p)], np.int64), self._reporter, "update_priorities (count)")
             if not mine:
                 k, p = np.zeros(int(n[0]), np.int64), np.zeros(int(n[1]))
             self._group.wait_all([self._group.comm.Ibcast(k, self._reporter),
                                   self._group.comm.Ibcast(p, self._reporter)], "update_priorities (keys)")
-        return self.replay.update_priorities(k, p) if g.is_leader else 0
+        return apply(k, p) if g.is_leader else 0
 
     def close(self) -> None:
         """Free the delivery group (local; idempotent). The replay and the groups stay the caller's."""

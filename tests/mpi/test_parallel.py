@@ -228,15 +228,24 @@ def test_the_reporters_priorities_reach_the_owners(sharding):
 
 @four
 def test_a_leaders_prefetched_batches_are_delivered():
-    g = gm.parallel_groups(COMM, tensor=2)
+    g = gm.parallel_groups(COMM, pipeline=2)
     replay, ref = build(g, "replica", 10)
     sampler = gm.ReplicaSampler(replay, g, spec=SPEC)
     it = replay.batches(6, 3, prefetch=2, limit=4) if g.is_leader else None
-    for _ in range(4):
+    sent = []
+    for step in range(4):
         batch = sampler.deliver(next(it) if it is not None else None)
         check_windows(batch, ref, 3, "random")
         got = [r for d, r in COMM.allgather((g.data_rank, rows(batch))) if d == g.data_rank]
         assert same(got[0], got[1])
+        if step == 0:  # the reporter's update goes to its leader's iterator (applied before a later sample)
+            keys = np.unique(batch.keys.numpy())
+            sent = COMM.allgather(keys if g.is_reporter else None)
+            sampler.update_priorities(keys, 50.0 + keys % 7, iterator=it)
     if it is not None:
         it.close()
+        keys = np.concatenate([k for k in sent if k is not None])
+        owner = gm.keys.decode(keys)[1]
+        own = keys[owner == replay.rank]
+        np.testing.assert_array_equal(replay.shard.priorities(own), 50.0 + own % 7)
     close(replay, sampler, g)
