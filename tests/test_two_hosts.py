@@ -234,8 +234,8 @@ def test_slurm_allocation_of_the_two_hosts(hosts):
     started = time.time()
     two_host_slurm.start(hosts, timeout=30)
     up = time.time() - started
-    run, host_shm = run_under_slurm(hosts, ["test_hosts_replay.py", "-k", "not every_mode or decentralized-Prioritized"],
-                                    SLURM_TIMEOUT_S)
+    subset = ["test_hosts_replay.py", "-k", "not every_mode or decentralized-Prioritized"]
+    run, host_shm = run_under_slurm(hosts, subset, SLURM_TIMEOUT_S)
     if run.problems():
         pytest.fail(run.report(), pytrace=False)
     check_host_shm(hosts, host_shm)
