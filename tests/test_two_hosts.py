@@ -176,11 +176,13 @@ def test_gear_mpi_on_two_hosts(hosts):
         pytest.fail(run.report(), pytrace=False)
     check_host_shm(hosts, host_shm)
     ran = run.passed(0)
-    names = {t.split("::")[0] for t in ran}
-    assert names == {"test_hosts_replay", "test_windows", "test_distribution"}, sorted(ran)
-    hosts_tests = [t for t in ran if t.startswith("test_hosts_replay::")]
-    # 4 layout tests, 2 window-path modes, 3 modes x 6 selectors: none skipped
-    assert len(hosts_tests) == 4 + 2 + 18, sorted(hosts_tests)
+    per_module = {m: sum(t.startswith(m + "::") for t in ran)
+                  for m in ("test_hosts_replay", "test_windows", "test_distribution")}
+    # none skipped or deselected: 4 layout tests, 2 window-path modes, 3 modes x 6 selectors; 2 modes x 6
+    # selectors + priority updates; 2 modes x 2 selectors
+    assert per_module == {"test_hosts_replay": 4 + 2 + 18, "test_windows": 12 + 1, "test_distribution": 4}, \
+        sorted(ran)
+    assert len(ran) == sum(per_module.values()), sorted(ran)
     # the windows, headers and chi-square draws of the other host really crossed the link
     assert link_bytes > 100_000, link_bytes
     print(f"two hosts: {len(ran)} tests on 4 ranks in {time.time() - started:.1f} s, {link_bytes} bytes over the link")
@@ -232,8 +234,8 @@ def test_slurm_allocation_of_the_two_hosts(hosts):
     started = time.time()
     two_host_slurm.start(hosts, timeout=30)
     up = time.time() - started
-    run, host_shm = run_under_slurm(hosts, ["test_hosts_replay.py", "-k", "not every_mode or decentralized-Prioritized"],
-                                    SLURM_TIMEOUT_S)
+    subset = ["test_hosts_replay.py", "-k", "not every_mode or decentralized-Prioritized"]
+    run, host_shm = run_under_slurm(hosts, subset, SLURM_TIMEOUT_S)
     if run.problems():
         pytest.fail(run.report(), pytrace=False)
     check_host_shm(hosts, host_shm)

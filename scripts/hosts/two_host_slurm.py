@@ -71,6 +71,9 @@ ReturnToService=2
 InactiveLimit=0
 KillWait=5
 MinJobAge=5
+# not 1: MPICH names its node segment after the job step, and a segment of another cluster's job 1
+# may be in the machine's /dev/shm (the hosts have their own, but the test compares the two)
+FirstJobId={int.from_bytes(os.urandom(4), "little") % 60_000_000 + 1_000_000}
 MessageTimeout=30
 SlurmctldTimeout=30
 SlurmdTimeout=60

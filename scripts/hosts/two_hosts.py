@@ -20,17 +20,19 @@ Anything started with ``nsenter --target HOLDER --net --uts --mount`` runs "on" 
 ``scripts/hosts/ns_ssh`` does that for MPICH's hydra, standing in for ssh:
 
     mpiexec -launcher ssh -launcher-exec scripts/hosts/ns_ssh -iface <veth of host a> \\
-            -hosts gmhost-a:2,gmhost-b:2 -n 4 python ...
+            -hosts gmhost-a:2,gmhost-b:2 -n 4 -genv UCX_TLS tcp python ...
 
-started on the first host (:meth:`TwoHosts.command`), so that hydra reaches its proxies over
-the link; it finds the holders through ``GEAR_MPI_HOSTS_DIR`` (this object's folder).
+started on the first host (:meth:`TwoHosts.mpiexec` builds the line), so that hydra reaches its
+proxies over the link; ns_ssh finds the holders through ``GEAR_MPI_HOSTS_DIR`` (this object's
+folder). ``UCX_TLS=tcp``: see :data:`MPI_ENV`.
 
 Lifetime: a holder exits by itself when the process that made the hosts (its *owner*) is
-gone (``tail --pid``; the command line's ``up`` has no owner: its hosts stay until ``down``); :meth:`TwoHosts.down` (also run when :meth:`TwoHosts.up` fails half
-way, and on leaving the ``with`` block) kills every process inside either host, deletes the
-namespaces (the veth pair goes with them, and the tmpfs with its segments with the last
-process), and removes the folder. ``clean`` (and every ``up``) also removes hosts whose
-owner died without ``down``. Namespace names carry the owner's pid: ``gmh<pid>-<n>-<a|b>``.
+gone (``tail --pid``; the command line's ``up`` has no owner: its hosts stay until ``down``).
+:meth:`TwoHosts.down` (also run when :meth:`TwoHosts.up` fails half way, and on leaving the
+``with`` block) kills every process inside either host, deletes the namespaces (the veth pair
+goes with them, and the tmpfs with its segments with the last process), and removes the
+folder. ``clean`` (and every ``up``) also removes hosts whose owner died without ``down``.
+Namespace names carry the owner's pid: ``gmh<pid>-<n>-<a|b>``.
 
 Needs root, ``ip`` (iproute2), ``unshare``, ``nsenter`` and ``tail`` (util-linux, coreutils).
 Only the standard library is used, so any python3 runs it.
@@ -274,8 +276,8 @@ class TwoHosts:
             except subprocess.TimeoutExpired:
                 pass
             why = log.read_text(errors="replace").strip()[-800:] or "(nothing on stderr)"
-            raise HostsError(f"starting {h.name} (`nsenter --net=/run/netns/{h.netns} unshare --uts --mount sh -c ...`) "
-                             f"failed, exit status {p.returncode}: {why}")
+            raise HostsError(f"starting {h.name} (`nsenter --net=/run/netns/{h.netns} unshare --uts --mount "
+                             f"sh -c ...`) failed, exit status {p.returncode}: {why}")
         h.pid = p.pid
         for key in (h.name, h.address):
             (self.dir / f"host.{key}.pid").write_text(f"{p.pid}\n")

@@ -10,6 +10,7 @@ priority updates across hosts) and tests/mpi/test_distribution.py (chi-square).
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import numpy as np
@@ -55,14 +56,18 @@ def test_comm_type_shared_sees_two_nodes_of_two_ranks():
 
 
 def test_each_host_has_its_own_dev_shm():
-    """A file one rank puts in /dev/shm is seen by the ranks of its host only; so are MPICH's
-    node segments. The first rank of each host lists its /dev/shm for tests/test_two_hosts.py,
-    which checks that none of it is in the machine's own /dev/shm."""
-    mpich = sorted(n for n in os.listdir(SHM) if n.startswith("mpich_"))
-    by_rank = COMM.allgather(mpich)
-    assert mpich, "MPICH's node segment must be in this host's /dev/shm"
+    """A file one rank puts in /dev/shm is seen by the ranks of its host only; so is MPICH's node
+    segment (``mpich_shm_<job>_<node>``). The first rank of each host lists its /dev/shm for
+    tests/test_two_hosts.py, which checks that none of it is in the machine's own /dev/shm."""
+    # MPICH may create and drop other segments (per communicator) while this runs: compare node segments
+    node_segments = {n for n in os.listdir(SHM) if re.fullmatch(r"mpich_shm_[0-9a-f]+_\d+", n)}
+    by_rank = COMM.allgather(node_segments)
+    assert node_segments, "MPICH's node segment must be in this host's /dev/shm"
     for r in range(SIZE):
-        assert (by_rank[r] == mpich) if r in same_host() else not set(by_rank[r]) & set(mpich), by_rank
+        if r in same_host():
+            assert by_rank[r] & node_segments, by_rank
+        else:
+            assert not by_rank[r] & node_segments, by_rank
     reports = os.environ.get("GEAR_MPI_REPORT_DIR")
     if reports and RANK in (0, 2):
         with open(os.path.join(reports, f"shm-{socket.gethostname()}.txt"), "w") as f:
