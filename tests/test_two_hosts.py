@@ -11,6 +11,9 @@ One 4-rank job (2 per host) runs tests/mpi/test_hosts_replay.py (node detection,
 /dev/shm, which path windows take, every mode and selector bit-exact) and, across the hosts,
 tests/mpi/test_windows.py (global weights and order, priority updates) and
 tests/mpi/test_distribution.py (chi-square of the decentralized and centralized modes).
+Then, where Slurm is installed, a two-node cluster on the same hosts (one slurmd in each,
+scripts/hosts/two_host_slurm.py) runs the node and window-path checks in an
+``sbatch -N 2`` allocation. docs/TWO_HOSTS.md has the details and the figures.
 
 Skips, with the reason, where the hosts cannot be made: not Linux, not root, a missing
 program (ip, unshare, nsenter), or the kernel refusing namespaces (``Operation not
