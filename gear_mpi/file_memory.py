@@ -131,7 +131,30 @@ def _unlink_quietly(filename: str) -> None:
     remove_if_empty(os.path.dirname(filename))
 
 
-class FileArena:
+class NamedMapping:
+    """What a mapped, named arena (a file here, a POSIX shared-memory segment in :mod:`gear_mpi.memory`)
+    does on unlink and close: it holds ``buffer``, ``_mmap`` and ``_finalizer`` (the creator's unlink,
+    None for an attacher)."""
+
+    def unlink(self) -> None:
+        """Remove the name now (mappings stay valid; the space is freed when the last goes). Only the
+        creator does anything. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def close(self) -> None:
+        """Unmap (once no array views it); the creator also unlinks the name. Idempotent."""
+        self.buffer = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # arrays still view it; the mapping goes when they do
+            self._mmap = None
+        self.unlink()
+
+
+class FileArena(NamedMapping):
     """An arena in a memory-mapped file (see the module docstring). Build it with :meth:`create`,
     :meth:`attach` or :meth:`open_private`.
 
@@ -251,22 +274,6 @@ class FileArena:
         except (OSError, ValueError):
             pass
 
-    def unlink(self) -> None:
-        """Remove the file's name now (mappings stay valid; the space is freed when the last goes).
-        Only the creator does anything. Idempotent."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def close(self) -> None:
-        """Unmap (once no array views it); the creator also unlinks the file. Idempotent."""
-        self.buffer = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # arrays still view it; the mapping goes when they do
-            self._mmap = None
-        self.unlink()
 
 
 def carve(buffer: np.ndarray, fields: dict[str, tuple[int, np.dtype]]) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 
 from .errors import MemoryBudgetError
-from .file_memory import COLUMNS_FILE, FileArena, rank_dir_name, rank_directory
+from .file_memory import COLUMNS_FILE, FileArena, NamedMapping, rank_dir_name, rank_directory
 from .spec import TrajectorySpec
 
 ALIGN = 64
@@ -202,8 +202,9 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-class SharedArena:
-    """An arena in a POSIX shared-memory segment, created or attached by name.
+class SharedArena(NamedMapping):
+    """An arena in a POSIX shared-memory segment, created or attached by name (``unlink``/``close``:
+    :class:`~gear_mpi.file_memory.NamedMapping`; a Replay unlinks once every node peer has attached).
 
     ``SharedArena(nbytes)`` creates a new segment (this process owns and unlinks
     it); ``SharedArena.attach(name)`` maps an existing one. Cost: one mmap; pages
@@ -259,26 +260,6 @@ class SharedArena:
             FileNotFoundError: no such segment (its shard was closed).
         """
         return cls(0, name, _attach=True)
-
-    def unlink(self) -> None:
-        """Remove the segment's name now (existing mappings stay valid); no process can attach after this.
-
-        Used once every peer has attached, so that a crash cannot leave the segment behind.
-        """
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def close(self) -> None:
-        """Unmap; the creating process also unlinks the segment. Idempotent."""
-        self.buffer = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # arrays still view it; the mapping goes when they do
-            self._mmap = None
-        if self._finalizer is not None:
-            self._finalizer()
 
 
 HeapArena = PrivateArena  # the old name of PrivateArena
