@@ -15,7 +15,7 @@ import warnings
 
 from .errors import MemoryBudgetError
 from .memory import column_layout
-from .storage import TABLE_BYTES_PER_SLOT
+from .table_layout import bytes_per_slot
 
 GIB = 1 << 30
 
@@ -99,7 +99,8 @@ def shard_bytes(spec, capacity_steps: int, max_items: int | None, proportional: 
     index = slots * (10 if proportional else 0)
     if memory == "file":
         return index
-    table = slots * TABLE_BYTES_PER_SLOT
+    # the widest table these sizes allow (a use limit counted, raw priorities stored)
+    table = slots * bytes_per_slot(int(capacity_steps), slots, spec.max_length, 1, True)
     return index + table + (0 if memory == "mapped" else column_layout(spec, int(capacity_steps))[1])
 
 

@@ -89,6 +89,12 @@ class PriorityIndex:
     def __len__(self) -> int:
         return self.tree.leaves.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the structure's arrays (about 9.3 a slot). O(1)."""
+        return sum(int(a.nbytes) for a in self.tree) + int(getattr(self, "_flags1", np.zeros(0)).nbytes) \
+            + int(getattr(self, "_flags2", np.zeros(0)).nbytes)
+
     def set(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins).
 
@@ -259,6 +265,11 @@ class DevicePriorityIndex:
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the structure's device arrays (about 9.3 a slot). O(1)."""
+        return sum(int(a.nbytes) for a in self.tree)
 
     @property
     def total(self) -> float:

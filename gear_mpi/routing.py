@@ -102,7 +102,7 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     # the owner: lengths back (-1: stale), then the steps of the live ones, requester by requester
     store = shard.store
     slots, live = store.resolve(asked)
-    lengths = np.where(live, store.length[slots], -1).astype(np.int64)
+    lengths = np.where(live, store.length[slots].astype(np.int64), -1)
     got_lengths = np.empty(len(keys), np.int64)
     comm.alltoallv(lengths, recv_counts, got_lengths, send_counts, "get_many (lengths)")
     n_out, n_in = np.maximum(lengths, 0), np.maximum(got_lengths, 0)
@@ -110,7 +110,7 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     steps_out = np.bincount(requester, weights=n_out, minlength=comm.size).astype(np.int64)
     steps_in = np.bincount(owner[order], weights=n_in, minlength=comm.size).astype(np.int64)
     step = np.arange(int(n_out.sum()), dtype=np.int64) - np.repeat(displacements(n_out), n_out)
-    ring_steps = (np.repeat(np.where(live, store.start[slots], 0), n_out) + step) % store.capacity
+    ring_steps = (np.repeat(np.where(live, store.start[slots].astype(np.int64), 0), n_out) + step) % store.capacity
     received, send_buffers, requests = {}, [], []
     for c in shard.spec.columns:
         send = np.ascontiguousarray(store.columns[c.name][ring_steps])

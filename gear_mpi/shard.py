@@ -17,7 +17,8 @@ from .selectors import Selector, Uniform, rank_by_priority
 from .shard_insert import ShardInsert
 from .shard_state import ShardState
 from .spec import TrajectorySpec, validate_priorities
-from .storage import TABLE_BYTES_PER_SLOT, TrajectoryStore
+from . import table_layout
+from .storage import TrajectoryStore
 from .windows import check_batch_size, check_window, column_addresses
 
 _NO_UNIFORMS = np.zeros(0)
@@ -63,8 +64,10 @@ class Shard(ShardState, ShardInsert):
         self.spec = spec
         self.selector = sampler
         self.max_times_sampled = int(max_times_sampled or 0)
+        derived = table_layout.derives_priority(sampler)  # the index gives raw priorities back
         self.store = TrajectoryStore(spec, capacity_steps, max_items, memory, rank,
-                                     secrets.randbits(8) if tag is None else tag, path=path)
+                                     secrets.randbits(8) if tag is None else tag, path=path,
+                                     max_times_sampled=self.max_times_sampled, priority_row=not derived)
         self.device_context = device_context
         if not sampler.proportional:
             self.index = None
@@ -72,6 +75,8 @@ class Shard(ShardState, ShardInsert):
             self.index = PriorityIndex(self.store.max_items)
         else:  # selection in CUDA kernels over a device-resident index
             self.index = DevicePriorityIndex(self.store.max_items, threads=device_context.threads)
+        if derived:
+            self.store.priority = table_layout.DerivedPriority(self.index, sampler.alpha)
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.samples_drawn = 0
         self.stale_updates = 0
@@ -119,13 +124,13 @@ class Shard(ShardState, ShardInsert):
 
     def stored_bytes(self) -> int:
         """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves. O(1)."""
-        per_item = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)  # index: ~9.3 bytes a slot
-        return self.store.steps_used * self.spec.step_bytes + len(self) * per_item
+        per_item = (self.store.table_bytes + (self.index.nbytes if self.index is not None else 0)) / self.store.max_items
+        return self.store.steps_used * self.spec.step_bytes + int(len(self) * per_item)
 
     def reserved_bytes(self) -> int:
         """Bytes this shard reserved at construction: the ring's arena, the table and the index. O(1)."""
-        per_slot = TABLE_BYTES_PER_SLOT + (10 if self.index is not None else 0)
-        return self.store.arena.nbytes + self.store.max_items * per_slot if self.store.arena else 0
+        index = self.index.nbytes if self.index is not None else 0
+        return self.store.arena.nbytes + self.store.table_bytes + index if self.store.arena else 0
 
     # ---- selection --------------------------------------------------------------------
     def check_can_sample(self) -> None:
@@ -363,7 +368,8 @@ class Shard(ShardState, ShardInsert):
         """
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
-        return np.where(live, self.store.start[slots], -1), np.where(live, self.store.length[slots], 0)
+        st = self.store  # narrow rows (uint32 start, uint8 length): int64 results
+        return np.where(live, st.start[slots].astype(np.int64), -1), np.where(live, st.length[slots].astype(np.int64), 0)
 
     def priorities(self, keys: Any) -> np.ndarray:
         """Returns the current priority of each key (float64; NaN for stale keys). O(n).

@@ -136,7 +136,7 @@ class ShardInsert:
             # evicted slots the batch reused get their new weight anyway: zero only the others. The tree
             # depends on its leaves only, so this, and a rebuild after writing the leaves of a large batch,
             # give the very tree that zeroing them all and then setting the new ones would
-            gone = evicted[self.store.alive[evicted] == ring.DEAD]
+            gone = evicted[(self.store.status[evicted] >> ring.ALIVE_SHIFT) == ring.DEAD]
             if isinstance(self.index, PriorityIndex) and (len(gone) + len(slots)) * REBUILD_FRACTION >= len(self.index):
                 self.index.leaves[gone] = 0.0
                 self.index.leaves[slots] = weights

@@ -43,7 +43,7 @@ class ShardState:
         """
         s = self.store.state
         return {"rank": self.rank, "capacity_steps": self.capacity_steps, "max_items": self.store.max_items,
-                "hwm": int(s[ring.NEXT_FRESH]), "ring": [int(v) for v in s], "index": self.index_kind,
+                "hwm": int(s[ring.NEXT_FRESH]), "ring": [int(v) for v in s[:ring.STATE_SIZE]], "index": self.index_kind,
                 "rng": self.rng.bit_generator.state, "samples_drawn": int(self.samples_drawn),
                 "stale_updates": int(self.stale_updates), "tag": int(self.tag)}
 
@@ -131,4 +131,5 @@ class ShardState:
         if not live.all():
             raise StaleKeyError(f"key {int(keys[np.flatnonzero(~live)[0]])}: its trajectory is gone")
         self.store.stamp[slots] = np.asarray(stamps, np.int64)
-        self.store.times_sampled[slots] = np.asarray(times_sampled, np.int64)
+        if self.store.counts_uses:  # a store without a use limit does not count uses
+            self.store.times_sampled[slots] = np.asarray(times_sampled, np.int64)

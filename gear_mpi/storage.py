@@ -1,10 +1,11 @@
 """TrajectoryStore: a shard's columnar step ring and its trajectory table.
 
 Columns are packed back to back in a ring of ``capacity_steps`` steps (no padding
-is stored); the table holds, per slot, start step, length, priority (float64),
-generation, insertion sequence, insertion stamp and times sampled (one
-:class:`~gear_mpi.kernels.ring.Table`). The oldest trajectories are evicted (FIFO)
-when the ring or the table is full.
+is stored); the table holds, per slot, start step, length, status (generation and
+alive code), insertion stamp and (with a use limit) times sampled, one
+:class:`~gear_mpi.kernels.ring.Table` in the narrowest types the sizes allow
+(:mod:`gear_mpi.table_layout`), and the raw priorities where the index cannot give them
+back. The oldest trajectories are evicted (FIFO) when the ring or the table is full.
 
 For checkpoints the store exports and restores its own state: :meth:`TrajectoryStore.table_sections`
 / :meth:`TrajectoryStore.restore_table` for the table, :meth:`TrajectoryStore.step_segments` for
@@ -26,38 +27,26 @@ import numpy as np
 from . import keys as keyspace
 from .errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from .kernels import ring
-from . import file_memory
+from . import file_memory, table_layout
 from .memory import SharedArena, check_header, column_layout, make_arena, memory_kind, write_header
 from .spec import TrajectorySpec
 
-TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # start, length, priority, generation, seq, stamp, times, order + alive
-_ROW_DTYPES = {"priority": np.float64, "alive": np.uint8}  # every other table array is int64
+_NONE_REMOVED = np.zeros(0, np.int64)
 
-
-_ROW_STAGGER = 320  # bytes: 11 rows at k * 320 past a page boundary all fall in different 4 KiB offsets
-
-
-def _table_row(count: int, dtype, k: int) -> np.ndarray:
-    """A zeroed table row of ``count`` entries starting ``k * _ROW_STAGGER`` bytes past a page boundary.
-
-    Big allocations all start at the same offset within a page, so the kernels that walk many rows
-    at once (``ring.plan_insert`` writes 10) would touch addresses 4 KiB apart, all in one L1 cache
-    set: staggering the rows made a 1e7-item insert's table pass about 3x faster. Local, O(1) (the
-    pages are committed when first written).
-    """
-    itemsize = np.dtype(dtype).itemsize
-    raw = np.zeros(count * itemsize + 4096, np.uint8)
-    skip = (k * _ROW_STAGGER - raw.ctypes.data) % 4096
-    return raw[skip:skip + count * itemsize].view(dtype)
+TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # the widest table a slot can take (see table_layout.bytes_per_slot)
 
 
 class TrajectoryStore:
     """Step ring + trajectory table of one shard.
 
     Memory: ``capacity_steps * spec.step_bytes`` for the columns (in the chosen
-    arena) plus ``65 * max_items`` bytes of table, committed lazily as slots are
-    first used (``memory="file"``: both on disk, reserved at once, cached by the page cache). The table's arrays are ``store.table`` (a :class:`ring.Table`) and,
-    by name, ``store.start``, ``store.alive``, ... ``store.state``.
+    arena) plus :attr:`table_bytes` of table (``table_layout.bytes_per_slot``: 12 to 41 bytes a
+    slot), committed lazily as slots are first used (``memory="file"``: both on disk, reserved at
+    once, cached by the page cache). The table's arrays are ``store.table`` (a :class:`ring.Table`)
+    and, by name, ``store.start``, ``store.status``, ... ``store.state``; ``store.alive`` and
+    ``store.generation`` name ``status`` too (pass it to the kernels; the alive code is
+    ``status >> ring.ALIVE_SHIFT``, the generation ``status & keys.GEN_MASK``), ``store.priority``
+    the raw priorities (a row, or a :class:`~gear_mpi.table_layout.DerivedPriority` the shard sets).
 
     Args:
         spec: the trajectory layout.
@@ -69,6 +58,9 @@ class TrajectoryStore:
         tag: the replay's key tag (its low 8 bits are kept).
         arena: an arena to use instead of a new one of ``memory``.
         path: ``memory="file"``/``"mapped"``: the directory holding ``rank-NNNNN/`` (None otherwise).
+        max_times_sampled: the shard's use limit (0: uses are not counted, no row is kept for them).
+        priority_row: whether to keep raw priorities in a row (False: the shard sets
+            ``store.priority`` to read them back from its index).
 
     Raises:
         ValueError: a size or rank out of range, an unknown ``memory``, a ``path`` it does not take,
@@ -77,7 +69,8 @@ class TrajectoryStore:
     """
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, max_items: int | None = None,
-                 memory: str = "private", rank: int = 0, tag: int = 0, arena=None, path=None):
+                 memory: str = "private", rank: int = 0, tag: int = 0, arena=None, path=None,
+                 max_times_sampled: int = 0, priority_row: bool = True):
         if isinstance(capacity_steps, bool) or not isinstance(capacity_steps, (int, np.integer)) or capacity_steps < 1:
             raise ValueError(f"capacity_steps must be a positive integer, got {capacity_steps!r}")
         if capacity_steps < spec.max_length:
@@ -94,8 +87,11 @@ class TrajectoryStore:
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
         memory = memory_kind(memory, stacklevel=3)
-        fields = {name: (max_items, _ROW_DTYPES.get(name, np.int64)) for name in ring.TABLE_FIELDS if name != "state"}
-        fields["state"] = (ring.STATE_SIZE, np.int64)
+        rows = table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled))
+        fields = {name: (count, dtype) for name, (count, dtype, _) in rows.items()}
+        if priority_row:
+            fields["priority"] = (max_items, np.dtype(np.float64))
+        self.table_bytes = sum(c * np.dtype(d).itemsize for c, d in fields.values())
         self._table_arena = None
         self.prefetch_windows = True  # file-backed columns: see prefetch()
         if arena is None and memory == "file":  # both files reserved at once: a full disk fails here
@@ -123,19 +119,18 @@ class TrajectoryStore:
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
-        # a new file's reserved, zero blocks, or zeroed rows staggered within their pages (_table_row): pages
-        # are committed as slots are first used
-        if self._table_arena is not None:
-            arrays = file_memory.carve(self._table_arena.buffer, fields)
-        else:
-            arrays = {name: _table_row(count, dtype, k) for k, (name, (count, dtype)) in enumerate(fields.items())
-                      if name != "state"}
-            arrays["state"] = np.zeros(ring.STATE_SIZE, np.int64)
-        self.table = ring.Table(**arrays)
+        # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: pages are
+        # committed as slots are first used
+        carved = file_memory.carve(self._table_arena.buffer, fields) if self._table_arena is not None else None
+        self.table = table_layout.build(rows, max_items, carved)
         self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
-        # each array by name too (store.start, store.alive, ..., store.state): plain attributes, the same
+        self.counts_uses = bool(max_times_sampled)
+        # each array by name too (store.start, store.status, ..., store.state): plain attributes, the same
         # arrays as in the table (they are only ever written in place, never rebound)
         self.__dict__.update(self.table._asdict())
+        self.alive = self.generation = self.status
+        self.priority = (carved["priority"] if carved is not None else table_layout.priority_row(max_items)) \
+            if priority_row else None
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -203,7 +198,8 @@ class TrajectoryStore:
         """
         slots = np.empty(len(lengths), np.int64)
         evicted = ring.plan_insert(self._arrays, self.capacity, lengths, time.time_ns(), slots)
-        self.priority[slots] = priorities
+        if self.priority is not None:
+            self.priority[slots] = priorities
         total = int(lengths.sum())
         first = int(self.start[slots[0]])
         head = min(total, self.capacity - first)
@@ -264,11 +260,14 @@ class TrajectoryStore:
 
         Args:
             slots: the sampled slots (int64; repeats count once each).
-            max_times: uses after which an item is removed (0: never).
+            max_times: uses after which an item is removed (0: never; uses are only counted by a store
+                built with ``max_times_sampled``).
 
         Returns:
             The slots removed now (their index weights must be zeroed). Cost: O(B), one kernel.
         """
+        if not self.counts_uses or max_times <= 0:
+            return _NONE_REMOVED
         return ring.count_samples(self._arrays, self.capacity, slots, max_times)
 
     # ---- keys -----------------------------------------------------------------------
@@ -284,7 +283,7 @@ class TrajectoryStore:
         """
         slots = np.ascontiguousarray(slots, np.int64)
         out = np.empty(len(slots), np.int64) if out is None else out
-        keyspace.encode_slots(self.tag, self.rank, slots, self.generation, out)
+        keyspace.encode_slots(self.tag, self.rank, slots, self.status, out)
         return out
 
     def resolve(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -304,8 +303,7 @@ class TrajectoryStore:
         keys = np.ascontiguousarray(keys, np.int64)
         slot = np.empty(len(keys), np.int64)
         live = np.empty(len(keys), np.bool_)
-        if keyspace.resolve_keys(keys, self.tag, self.rank, self.max_items, self.generation, self.alive,
-                                 ring.LIVE, slot, live) < 0:
+        if ring.resolve_keys(keys, self.tag, self.rank, self.max_items, self.status, slot, live) < 0:
             return slot, live
         tag, rank, gen, slot = keyspace.decode(keys)  # a foreign key: find it again, for the message
         bad = (keys < 0) | (tag != self.tag) | (rank != self.rank) | (slot >= self.max_items)
@@ -317,7 +315,7 @@ class TrajectoryStore:
             if int(rank[i]) != self.rank:
                 raise InvalidKeyError(f"key {k} belongs to shard {int(rank[i])}, not this shard ({self.rank})")
             raise InvalidKeyError(f"key {k} names slot {int(slot[i])}, but this shard has {self.max_items} slots")
-        live = (self.alive[slot] == ring.LIVE) & ((self.generation[slot] & keyspace.GEN_MASK) == gen)
+        live = self.status[slot] == ((ring.LIVE << ring.ALIVE_SHIFT) | gen)
         return slot, live
 
     def read(self, key: int) -> dict[str, np.ndarray]:
@@ -353,7 +351,7 @@ class TrajectoryStore:
             An int64 array of slots. Cost: O(slots scanned), one kernel.
         """
         t = self.table
-        return ring.live_in_order(t.state, t.alive, t.order, newest_first, len(self) if limit is None else int(limit))
+        return ring.live_in_order(t.state, t.status, t.order, newest_first, len(self) if limit is None else int(limit))
 
     # ---- checkpoint state -------------------------------------------------------------
     def table_sections(self) -> list[tuple[str, np.ndarray]]:
@@ -362,17 +360,13 @@ class TrajectoryStore:
         Returns:
             The rows ``ring.TABLE_ROWS``, each ``[:hwm]`` (``hwm = state[NEXT_FRESH]``, the slots
             ever used); then ``"order"``, the live part of the order ring oldest first, as one
-            or two views of the same name; then ``"free"``, the free-slot stack ``[:FREE_TOP]``.
-            Views, no copy: write them out before the store changes. ``state`` itself is not
-            among them (save ``store.state``).
+            or two views of the same name; then ``"free"``, the free-slot stack, bottom first. Each
+            in its row's type (:mod:`~gear_mpi.table_layout`). Stored rows are views, no copy (write
+            them out before the store changes); derived ones (``seq``, ``generation``, ``alive``,
+            ``free``, and ``priority``, ``length``, ``times_sampled`` where not stored) are computed,
+            O(hwm). ``state`` itself is not among them (save ``store.state[:ring.STATE_SIZE]``).
         """
-        t = self.table
-        hwm = int(t.state[ring.NEXT_FRESH])
-        sections = [(name, getattr(t, name)[:hwm]) for name in ring.TABLE_ROWS]
-        for a, b in ring.ring_segments(int(t.state[ring.ORDER_HEAD]), int(t.state[ring.ORDER_COUNT]), self.max_items):
-            sections.append(("order", t.order[a:b]))
-        sections.append(("free", t.free[:int(t.state[ring.FREE_TOP])]))
-        return sections
+        return table_layout.sections(self)
 
     def restore_table(self, state: np.ndarray, sections: Mapping[str, np.ndarray]) -> None:
         """Load a table saved by :meth:`table_sections` (the inverse), with its counters ``state``.
@@ -385,42 +379,17 @@ class TrajectoryStore:
             state: the ``ring.STATE_SIZE`` counters (``store.state`` when saved).
             sections: each row of ``ring.TABLE_ROWS`` with ``state[NEXT_FRESH]`` entries,
                 ``"order"`` (the live order ring concatenated, oldest first, ``state[ORDER_COUNT]``
-                entries) and ``"free"`` (``state[FREE_TOP]`` entries), in the table's dtypes.
+                entries) and ``"free"`` (``state[FREE_TOP]`` entries): integer sections of any integer
+                type (format 2 and 3 saved int64) are cast to the rows' types, ``priority`` is float64
+                (ignored where the index gives priorities back), ``times_sampled`` is ignored by a
+                store that does not count uses.
 
         Raises:
             ValueError: a section missing or of the wrong length or dtype (named in the message),
-                or counters that do not fit this store's capacity and max_items.
+                values out of the rows' ranges, or counters that do not fit this store's capacity
+                and max_items.
         """
-        state = np.asarray(state)
-        if state.shape != (ring.STATE_SIZE,) or state.dtype.kind not in "iu":
-            raise ValueError(f"section 'state' has {state.shape} x {state.dtype}, expected "
-                             f"({ring.STATE_SIZE},) x int64")
-        state = state.astype(np.int64)
-        cap, m = self.capacity, self.max_items
-        hwm, o_head, o_count = int(state[ring.NEXT_FRESH]), int(state[ring.ORDER_HEAD]), int(state[ring.ORDER_COUNT])
-        if not (0 <= hwm <= m and 0 <= o_head < m and 0 <= o_count <= hwm and 0 <= state[ring.FREE_TOP] <= hwm
-                and 0 <= state[ring.STEP_HEAD] < cap and 0 <= state[ring.STEPS_USED] <= cap):
-            raise ValueError(f"section 'state' {state.tolist()} does not fit a store of capacity_steps={cap}, "
-                             f"max_items={m}")
-        expect = {name: (hwm, getattr(self.table, name).dtype) for name in ring.TABLE_ROWS}
-        expect["order"] = (o_count, np.dtype(np.int64))
-        expect["free"] = (int(state[ring.FREE_TOP]), np.dtype(np.int64))
-        for name, (count, dtype) in expect.items():
-            got = sections.get(name)
-            if got is None:
-                raise ValueError(f"section {name!r} is missing")
-            got = np.asarray(got)
-            if got.shape != (count,) or got.dtype != dtype:
-                raise ValueError(f"section {name!r} has {got.shape} x {got.dtype}, expected ({count},) x {dtype}")
-        t = self.table
-        old_hwm = int(t.state[ring.NEXT_FRESH])
-        for name in ring.TABLE_ROWS:
-            row = getattr(t, name)
-            row[:hwm] = sections[name]
-            row[hwm:old_hwm] = 0
-        t.order[(o_head + np.arange(o_count)) % m] = sections["order"]
-        t.free[:len(sections["free"])] = sections["free"]
-        t.state[:] = state
+        table_layout.restore(self, state, sections)
 
     def step_segments(self, name: str) -> list[np.ndarray]:
         """The ring steps in use of column ``name``, as flat byte views, oldest first.

@@ -367,20 +367,22 @@ def check_ring_invariants(shard: gm.Shard) -> None:
     order = [int(st.order[(s[ring.ORDER_HEAD] + j) % n_slots]) for j in range(count)]
     assert len(set(order)) == count
     pos = int(s[ring.STEP_HEAD])
+    alive = st.status >> ring.ALIVE_SHIFT  # the status row packs the alive code over the generation
+    assert st.alive is st.status and st.generation is st.status
     for slot in order:  # entries (live or removed) lie back to back from the head
-        assert st.alive[slot] in (ring.LIVE, ring.REMOVED)
+        assert alive[slot] in (ring.LIVE, ring.REMOVED)
         assert st.start[slot] == pos
         pos = (pos + int(st.length[slot])) % cap
     assert s[ring.STEPS_USED] == sum(int(st.length[x]) for x in order) <= cap
-    live = [x for x in order if st.alive[x] == ring.LIVE]
+    live = [x for x in order if alive[x] == ring.LIVE]
     assert s[ring.LIVE_COUNT] == len(live) == len(shard)
     assert s[ring.LIVE_STEPS] == sum(int(st.length[x]) for x in live)
     if count:  # removed entries are trimmed from both ends
-        assert st.alive[order[0]] == ring.LIVE and st.alive[order[-1]] == ring.LIVE
-    free = st.free[: s[ring.FREE_TOP]].tolist()
+        assert alive[order[0]] == ring.LIVE and alive[order[-1]] == ring.LIVE
+    free = ring.free_stack(s, st.start).tolist()  # linked through the free slots' start entries
     assert not set(free) & set(order)
     assert len(free) + count == s[ring.NEXT_FRESH] <= n_slots
-    assert all(st.alive[x] == ring.DEAD for x in free)
+    assert all(alive[x] == ring.DEAD for x in free)
     np.testing.assert_array_equal(ring.live_in_order(s, st.alive, st.order, False, n_slots), live)
     np.testing.assert_array_equal(ring.live_in_order(s, st.alive, st.order, True, 3), live[::-1][:3])
     assert s[ring.INSERTED_TOTAL] == s[ring.EVICTED_TOTAL] + s[ring.REMOVED_TOTAL] + len(live)

@@ -35,6 +35,8 @@ def _live_records(tables: list[dict], metas: list[dict], tag: int, old_cap: int)
     """The live trajectories of every saved shard, in global insertion order, one array per field."""
     recs = []
     for r, (t, meta) in enumerate(zip(tables, metas)):
+        # rows may be saved narrow (uint32 start, uint16 generation, ...): int64 for the arithmetic below
+        t = {k: (v.astype(np.int64) if v.dtype.kind in "iu" else v) for k, v in t.items()}
         slots = np.flatnonzero(t["alive"] == ring.LIVE).astype(np.int64)
         slots = slots[np.argsort(t["seq"][slots], kind="stable")]
         stamp = np.maximum.accumulate(t["stamp"][slots]) if len(slots) else np.zeros(0, np.int64)
