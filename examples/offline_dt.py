@@ -3,15 +3,16 @@
     mpiexec -n 2 python -m mpi4py examples/offline_dt.py            # the full run (a few minutes), and its plot
     mpiexec -n 2 python -m mpi4py examples/offline_dt.py --quick    # about a minute (the CI test runs it)
 
-The dataset: CartPole-v1 episodes of a scripted controller (a linear rule on pole angle, pole
-velocity, cart position and velocity) whose actions are replaced by uniform random ones with
-probability ``eps``, at several noise levels (by default 0, 0.25, 0.5, 0.65, 0.8, 1), so the
-episode returns range from about 10 to 500. Episode ``g`` of the job uses noise level
-``g mod levels`` and environment seed ``seed * 100000 + g``; rank ``r`` generates the episodes
-``g = r, r + size, ...`` and inserts them into its own shard with ``replay.insert_many``, so the
-dataset is the same for any number of ranks. Each episode is one trajectory of columns
-``obs`` [4], ``action``, ``reward``, ``rtg`` (the return-to-go, computed per episode) and
-``timestep``.
+The dataset goes through the dataset tools: rank 0 writes a D4RL-layout HDF5 file with
+``scripts/data/make_dataset.py`` (``--set dataset_steps=N`` steps of CartPole-v1 under a scripted
+controller whose actions are replaced by uniform random ones with probability ``eps``, the
+episodes cycling through the noise levels, by default 0, 0.25, 0.5, 0.65, 0.8, 1, so the episode
+returns range from about 10 to 500), adds ``infos/rtg`` (each step's return-to-go, per episode:
+D4RL files carry rewards only), and every rank loads its share of the episodes with
+``gm.datasets.from_d4rl(path, comm, columns=...)``: one trajectory per episode, columns
+``observations`` [4], ``actions``, ``infos/rtg`` and ``infos/episode_step`` (the timestep). The
+file is a temporary one, removed at the end, unless ``--dataset PATH`` names one (made there if
+missing, else reused; any D4RL-layout CartPole file with ``infos/episode_step`` will do).
 
 The model: a decision transformer (Chen et al. 2021): tokens (return-to-go, state, action) per
 step, a timestep embedding added to each, a causal transformer (by default 3 layers, 64 dims, 4
@@ -50,6 +51,9 @@ import numpy as np
 
 OBS_DIM, N_ACTIONS = 4, 2
 MAX_STEPS = 500  # CartPole-v1's time limit: the longest episode, and the timestep embedding's size
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)  # scripts.data.make_dataset, when run as ``python examples/offline_dt.py``
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "offline_dt.png")
 
 
@@ -57,7 +61,8 @@ DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardi
 class Config:
     """Everything a run uses; the command line sets a few (see :func:`parse_config`)."""
 
-    episodes: int = 96               # dataset episodes, whole job
+    dataset_steps: int = 21000       # dataset steps (CartPole-v1: about 95 episodes at these noise levels)
+    dataset: str = ""                # the HDF5 file ("": a temporary one for the run)
     noise: str = "0,0.25,0.5,0.65,0.8,1"  # the eps levels (probability of a random action), cycled over episodes
     sampler: str = "length"          # "length": Prioritized(1, 0), priority = episode length; "uniform"
     context: int = 20                # steps per window (the transformer sees 3 tokens per step)
@@ -89,10 +94,12 @@ def parse_config(argv=None) -> Config:
     """The run's :class:`Config` from the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="the CI version: 2 layers, 300 steps, 4 evaluation episodes, no plot unless --plot")
+                   help="the CI version: 2 layers, 240 steps, 4 evaluation episodes, no plot unless --plot")
     p.add_argument("--sampler", choices=("length", "uniform"), help="how episodes are drawn (default length)")
     p.add_argument("--steps", type=int, help="training steps (default 2000)")
     p.add_argument("--seed", type=int, help="seed of the dataset, the model and the replay (default 0)")
+    p.add_argument("--dataset", help="the D4RL-layout HDF5 file: reused if it exists, else made there "
+                                     "(default: a temporary file, removed at the end)")
     p.add_argument("--plot", help=f"save loss and evaluation return here (default {os.path.normpath(DEFAULT_PLOT)}; "
                                   f"'' for none)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -100,9 +107,9 @@ def parse_config(argv=None) -> Config:
     args = p.parse_args(argv)
     cfg = Config()
     if args.quick:
-        cfg.quick, cfg.layers, cfg.steps, cfg.warmup, cfg.plot = True, 2, 300, 30, None
+        cfg.quick, cfg.layers, cfg.steps, cfg.warmup, cfg.plot = True, 2, 240, 30, None
         cfg.eval_every, cfg.eval_episodes, cfg.max_seconds = 0, 4, 150.0
-    for name in ("sampler", "steps", "seed", "plot"):
+    for name in ("sampler", "steps", "seed", "plot", "dataset"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     fields = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -112,40 +119,49 @@ def parse_config(argv=None) -> Config:
             p.error(f"--set {item}: expected NAME=VALUE with NAME one of {sorted(fields)}")
         kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(fields[name], str)
         setattr(cfg, name, kind(value))
-    if cfg.steps < 10 or cfg.episodes < 1 or cfg.context < 1:
-        p.error("need steps >= 10, episodes >= 1, context >= 1")
+    if cfg.steps < 10 or cfg.dataset_steps < MAX_STEPS or cfg.context < 1:
+        p.error(f"need steps >= 10, dataset_steps >= {MAX_STEPS}, context >= 1")
     cfg.plot = cfg.plot or None
     return cfg
 
 
 # ---- the dataset ---------------------------------------------------------------------------------------
 
-def controller(obs: np.ndarray) -> int:
-    """The scripted policy: push toward the side the pole (and, weakly, the cart) leans and moves."""
-    x, x_dot, theta, theta_dot = obs
-    return int(theta + 0.5 * theta_dot + 0.05 * x + 0.1 * x_dot > 0.0)
+def make_file(cfg: Config, path: str) -> None:
+    """Write the dataset to ``path`` (D4RL layout, through a temporary name) with ``infos/rtg`` added."""
+    import h5py
+    from gear_mpi.datasets import split_episodes
+    from scripts.data.make_dataset import make_dataset
+
+    tmp = f"{path}.{os.getpid()}.part"
+    make_dataset(tmp, "CartPole-v1", steps=cfg.dataset_steps, noise=tuple(cfg.levels()), seed=cfg.seed)
+    with h5py.File(tmp, "a") as f:
+        rew = f["rewards"][:].astype(np.float64)
+        starts, lengths, _ = split_episodes(f["terminals"][:], f["timeouts"][:])
+        rtg = np.empty(len(rew), np.float32)
+        for a, n in zip(starts, lengths):  # the return from each step to its episode's end
+            rtg[a:a + n] = np.cumsum(rew[a:a + n][::-1])[::-1]
+        f.create_dataset("infos/rtg", data=rtg)
+    os.replace(tmp, path)
 
 
-def make_episode(g: int, eps: float, seed: int) -> dict[str, np.ndarray]:
-    """Episode ``g`` of the dataset: the controller with eps-random actions. Returns its columns."""
-    import gymnasium as gym
-    env = gym.make("CartPole-v1")
-    rng = np.random.default_rng([seed, g])
-    obs, _ = env.reset(seed=seed * 100_000 + g)
-    rows_obs, rows_act, rows_rew = [], [], []
-    while True:
-        action = int(rng.integers(N_ACTIONS)) if rng.random() < eps else controller(obs)
-        rows_obs.append(obs)
-        rows_act.append(action)
-        obs, reward, terminated, truncated, _ = env.step(action)
-        rows_rew.append(reward)
-        if terminated or truncated:
-            break
-    env.close()
-    rew = np.asarray(rows_rew, np.float32)
-    rtg = np.cumsum(rew[::-1])[::-1].astype(np.float32)  # return from each step to the episode's end
-    return {"obs": np.asarray(rows_obs, np.float32), "action": np.asarray(rows_act, np.int64), "reward": rew,
-            "rtg": rtg, "timestep": np.arange(len(rew), dtype=np.int64)}
+def describe(path: str, levels: list[float]) -> dict:
+    """The dataset's returns (closed episodes; mean, best, min and mean by noise level), episode lengths
+    (every episode, in file order) and the observations' mean and standard deviation."""
+    import h5py
+    from gear_mpi.datasets import split_episodes
+
+    with h5py.File(path, "r") as f:
+        rew, obs, noise = f["rewards"][:], f["observations"][:].astype(np.float64), f["infos/noise"][:]
+        starts, lengths, open_last = split_episodes(f["terminals"][:], f["timeouts"][:])
+    closed = slice(0, len(starts) - int(open_last))
+    rets = np.add.reduceat(rew.astype(np.float64), starts)[closed]
+    lv = noise[starts][closed]
+    return {"returns": rets, "lengths": lengths, "steps": len(rew), "open_last": open_last,
+            "by_level": {str(x): round(float(rets[np.isclose(lv, x)].mean()), 1) for x in levels
+                         if np.isclose(lv, x).any()},
+            "mean": obs.mean(0).astype(np.float32),
+            "std": np.sqrt(np.maximum(obs.var(0), 1e-6)).astype(np.float32)}
 
 
 # ---- the model -----------------------------------------------------------------------------------------
@@ -241,7 +257,7 @@ def init_ddp(comm):
 
 
 def run(cfg: Config) -> dict:
-    """Generate the dataset, train and evaluate on every rank of ``MPI.COMM_WORLD``; returns the run's
+    """Make and load the dataset, train and evaluate on every rank of ``MPI.COMM_WORLD``; returns the run's
     figures (on every rank)."""
     from mpi4py import MPI
     import torch
@@ -256,36 +272,46 @@ def run(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     dist = init_ddp(world)
 
-    # the dataset: this rank's share of the episodes, into its shard
+    # the dataset: a D4RL-layout file made by rank 0 (or given), each rank loading its share of the episodes
     levels = cfg.levels()
-    mine = list(range(rank, cfg.episodes, size))
-    episodes = [make_episode(g, levels[g % len(levels)], cfg.seed) for g in mine]
-    returns = world.allgather([(g, levels[g % len(levels)], float(e["reward"].sum()))
-                               for g, e in zip(mine, episodes)])
-    returns = sorted(x for r in returns for x in r)
-    rets = np.array([x[2] for x in returns])
-    dataset_mean, dataset_best = float(rets.mean()), float(rets.max())
-    by_level = {str(lv): round(float(np.mean([x[2] for x in returns if x[1] == lv])), 1) for lv in levels}
-    obs_all = np.concatenate([e["obs"] for e in episodes]) if episodes else np.zeros((0, OBS_DIM), np.float32)
-    sums = world.allreduce(np.array([len(obs_all), *obs_all.sum(0), *(obs_all.astype(np.float64) ** 2).sum(0)]))
-    n = sums[0]
-    mean = (sums[1:1 + OBS_DIM] / n).astype(np.float32)
-    std = np.sqrt(np.maximum(sums[1 + OBS_DIM:] / n - mean.astype(np.float64) ** 2, 1e-6)).astype(np.float32)
-
-    spec = gm.TrajectorySpec({"obs": ((OBS_DIM,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
-                              "rtg": ((), np.float32), "timestep": ((), np.int64)}, max_length=MAX_STEPS)
+    path, tmpdir, err, info = cfg.dataset, None, None, None
+    if rank == 0:
+        try:
+            if not path:
+                import tempfile
+                tmpdir = tempfile.mkdtemp(prefix="gear_mpi_offline_dt_")  # /tmp: seen by both "hosts" too
+                path = os.path.join(tmpdir, "cartpole-mixed.hdf5")
+            if not os.path.exists(path):
+                make_file(cfg, path)
+            info = describe(path, levels)
+        except Exception as e:  # noqa: BLE001 -- raised on every rank below
+            err, info = repr(e), None
+    path, info, err = world.bcast((path, info, err), 0)
+    if err:
+        raise RuntimeError(f"offline_dt: the dataset could not be made or read on rank 0: {err}")
+    rets, mean, std = info["returns"], info["mean"], info["std"]
+    dataset_mean, dataset_best, by_level = float(rets.mean()), float(rets.max()), info["by_level"]
     sampler = gm.Prioritized(1.0, 0.0) if cfg.sampler == "length" else gm.Uniform()
-    capacity = -(-cfg.episodes // size) * MAX_STEPS  # the largest share, every episode at the time limit
     learners = world.Dup()  # the replay's collectives run on the prefetch thread: a communicator of their own
-    replay = gm.Replay(spec, capacity, sampler, comm=learners, seed=cfg.seed)
-    replay.insert_many(episodes, [float(len(e["reward"])) for e in episodes])
-    total_steps = world.allreduce(len(obs_all))
+    replay = gm.datasets.from_d4rl(path, learners, columns=["observations", "actions", "infos/rtg",
+                                                            "infos/episode_step"],
+                                   max_length=MAX_STEPS, sampler=sampler, seed=cfg.seed)
+    loaded = replay.dataset_info
+    if cfg.sampler == "length":  # each episode's length as its priority: every step equally likely
+        mine = info["lengths"][loaded["first_episode"]:loaded["first_episode"] + len(loaded["episode_keys"])]
+        replay.update_priorities(loaded["episode_keys"], mine.astype(np.float64))
+    world.Barrier()  # loaded on every rank: a temporary file is no longer needed
+    if tmpdir is not None:
+        import shutil
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    total_steps = loaded["steps"]
     segments = world.allgather(replay.shard.shm_name)
     gen_s = time.time() - t0
     if rank == 0:
-        print(f"offline_dt: {size} ranks; dataset: {len(rets)} CartPole-v1 episodes, {total_steps} steps, noise "
-              f"levels {levels}: return mean {dataset_mean:.1f}, best {dataset_best:g}, min {rets.min():g}; "
-              f"mean by level {by_level} ({gen_s:.1f} s)", flush=True)
+        print(f"offline_dt: {size} ranks; dataset: {loaded['episodes']} CartPole-v1 episodes, {total_steps} steps "
+              f"({path if cfg.dataset else 'a temporary file'}, gm.datasets.from_d4rl), noise levels {levels}: "
+              f"return mean {dataset_mean:.1f}, best {dataset_best:g}, min {rets.min():g} over the {len(rets)} "
+              f"ended episodes; mean by level {by_level} ({gen_s:.1f} s)", flush=True)
 
     model = build_model(cfg)
     ddp = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's initial weights
@@ -316,9 +342,9 @@ def run(cfg: Config) -> dict:
         for batch in it:
             step += 1
             mask = batch.mask
-            obs = (batch["obs"] - mean_t) / std_t
-            rtg = batch["rtg"] / cfg.rtg_scale
-            action, timestep = batch["action"], batch["timestep"]
+            obs = (batch["observations"] - mean_t) / std_t
+            rtg = batch["infos/rtg"] / cfg.rtg_scale
+            action, timestep = batch["actions"].long(), batch["infos/episode_step"].long()
             logits = ddp(rtg, obs, action, timestep)
             loss = F.cross_entropy(logits[mask], action[mask])
             opt.zero_grad()
@@ -354,7 +380,8 @@ def run(cfg: Config) -> dict:
     k = max(1, steps_done // 10)
     first, last = float(all_losses[:k].mean()), float(all_losses[-k:].mean())
     return {"steps": steps_done, "train_s": round(train_s, 1), "data_s": round(gen_s, 1),
-            "dataset_episodes": len(rets), "dataset_steps": int(total_steps),
+            "dataset_episodes": int(loaded["episodes"]), "dataset_ended_episodes": len(rets),
+            "dataset_steps": int(total_steps),
             "dataset_mean_return": round(dataset_mean, 1), "dataset_best_return": dataset_best,
             "dataset_mean_by_noise": by_level, "target_return": dataset_best,
             "eval_episodes": len(final), "eval_mean_return": round(float(np.mean(final)), 1),

@@ -29,11 +29,14 @@ raised by the ``next()`` that would have returned that batch.
 MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
 library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
 Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication.
+``iterator.sample_seconds`` (the thread's time in samples and updates) and
+``iterator.wait_seconds`` (the loop's time blocked in ``next()``) show how much was hidden.
 """
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any
 
 _STOP = object()
@@ -54,6 +57,17 @@ def check_thread_level() -> None:
                            f"was initialised with {names.get(level, level)}: leave mpi4py.rc.thread_level at its "
                            f"default 'multiple' (set before `from mpi4py import MPI`), or use an MPI library that "
                            f"provides it")
+
+
+def _numba_threads(n: int | None = None) -> int | None:
+    """The calling thread's numba thread count (None without numba), after setting it to ``n`` if given."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return None
+    if n is not None:
+        numba.set_num_threads(n)
+    return numba.get_num_threads()
 
 
 class BatchIterator:
@@ -86,6 +100,9 @@ class BatchIterator:
         self._closing = False
         self._error: BaseException | None = None
         self.applied = 0  # priorities applied on this rank by the deferred updates
+        self.sample_seconds = 0.0  # the thread's time in samples and updates (this rank)
+        self.wait_seconds = 0.0  # the training loop's time blocked in next() (this rank)
+        self._numba_threads = _numba_threads()
         self._thread = threading.Thread(target=self._run, name="gear_mpi-prefetch", daemon=True)
         replay._claim(self)
         self._thread.start()
@@ -100,6 +117,7 @@ class BatchIterator:
 
     def _run(self) -> None:
         replay, j = self.replay, 0
+        _numba_threads(self._numba_threads)  # numba's thread count is per thread: the caller's share
         try:
             while True:
                 with self._cv:
@@ -109,12 +127,14 @@ class BatchIterator:
                         break
                     j += 1
                     updates = self._updates.pop(j, [])
+                t0 = time.perf_counter()
                 for keys, priorities in updates:
                     self.applied += replay.update_priorities(keys, priorities)
                 try:
                     item = replay.sample(self._args[0], self._args[1], self._args[2], mode=self._args[3])
                 except BaseException as e:  # raised by the next() that would have returned this batch
                     item = e
+                self.sample_seconds += time.perf_counter() - t0
                 with self._cv:
                     self._ready.append((j, item))
                     self._cv.notify_all()
@@ -147,8 +167,11 @@ class BatchIterator:
                 raise StopIteration
             self._taken += 1  # sample taken + prefetch may start now
             self._cv.notify_all()
-            while not self._ready and self._error is None:
-                self._cv.wait()
+            if not self._ready and self._error is None:
+                t0 = time.perf_counter()
+                while not self._ready and self._error is None:
+                    self._cv.wait()
+                self.wait_seconds += time.perf_counter() - t0
             if not self._ready:
                 raise self._error
             j, item = self._ready.popleft()

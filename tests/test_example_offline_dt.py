@@ -1,7 +1,8 @@
 """examples/offline_dt.py trains, end to end: ``--quick`` on 2 ranks.
 
 One run (about a minute on 2 cores) under ``mpiexec -n 2 python -m mpi4py`` with a hard timeout:
-each rank generates its share of a mixed-quality CartPole-v1 dataset into its shard, the ranks
+rank 0 writes a mixed-quality CartPole-v1 dataset (D4RL-layout HDF5, scripts/data/make_dataset.py),
+every rank loads its share with gm.datasets.from_d4rl, the ranks
 train a decision transformer with DDP on windows from ``replay.batches(..., prefetch=2)``, then
 evaluate it. Asserted: the training loss falls (the mean of the last 10% of the steps against the
 first 10%), the dataset is mixed (its mean return well under its best), every planned step ran,
@@ -23,7 +24,7 @@ from mpi_util import ROOT, mpiexec_path
 from test_example_online_dqn import session_processes
 
 EXAMPLE = ROOT / "examples" / "offline_dt.py"
-MAX_LOSS_RATIO = 0.8  # last 10% / first 10% of the quick run: 0.59-0.6 in 3 runs here (seed 0)
+MAX_LOSS_RATIO = 0.8  # last 10% / first 10% of the quick run (seed 0): 0.63 at 300 steps here
 TIMEOUT = 300.0
 
 
@@ -55,11 +56,11 @@ def test_offline_dt_quick_loss_falls():
     r = json.loads(lines[0][len("RESULT "):])
 
     # the dataset is mixed: the noisiest episodes are short, the clean ones reach the time limit
-    assert r["dataset_episodes"] == 96 and r["dataset_best_return"] == 500.0, r
+    assert r["dataset_episodes"] == 95 and r["dataset_steps"] == 21000 and r["dataset_best_return"] == 500.0, r
     assert r["dataset_mean_return"] < 0.6 * r["dataset_best_return"], r
     # every step ran (the wall-time budget did not cut it), every rank sampled its batches through the iterator
-    assert r["steps"] == 300, r
-    assert r["sampled"] >= 2 * 64 * 300, r  # plus up to prefetch=2 batches sampled ahead per rank
+    assert r["steps"] == 240, r
+    assert r["sampled"] >= 2 * 64 * 240, r  # plus up to prefetch=2 batches sampled ahead per rank
     # it learned: the loss fell
     assert r["loss_ratio"] < MAX_LOSS_RATIO, (f"loss {r['loss_first10']} -> {r['loss_last10']} (ratio "
                                               f"{r['loss_ratio']} >= {MAX_LOSS_RATIO}):\n{out[-3000:]}")

@@ -1,28 +1,44 @@
 #!/usr/bin/env python
 """How much sampling time ``replay.batches(prefetch=...)`` hides behind a training step.
 
-    mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch            # 2 ranks, ~1 min
-    mpiexec -n 1 python -m mpi4py -m scripts.bench.bench_prefetch --quick
-    python -m mpi4py -m scripts.bench.bench_prefetch --json                  # JSON lines on rank 0
+    mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch                 # 2 ranks, ~1.5 min
+    mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch --quick         # ~30 s
+    mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch --compute wait,matmul --json
 
-A training loop whose step costs about as much as one sample: the step is a torch
-matmul loop on one thread (``torch.set_num_threads(1)``), sized at start-up so that it
-takes about ``--compute-ratio`` times the measured sample time. Measured per case, over
-``--steps`` steps after ``--warmup`` untimed ones, medians of ``--reps`` repetitions with
-their spread (cases alternate):
+A training loop whose step costs about as much as the replay's work of a step
+(``--compute-ratio`` times the time of one sample plus one priority update, measured at
+start-up). What the step is (``--compute``):
 
-- ``sample``  the sample alone (``replay.sample`` in a loop);
-- ``compute`` the step alone;
-- ``plain``   sample then step, in the training thread;
-- ``prefetch`` ``for batch in replay.batches(..., prefetch=P)``: step, and a priority update
-  of the batch's keys through the iterator every step (the same in ``plain``).
+- ``wait`` (default): the step runs on an accelerator; the host thread only waits for it,
+  without the GIL and without a core (a calibrated ``time.sleep``). This is a training
+  job's situation, and the only fair one when cores < 2 x ranks: a CPU step would take
+  the core the sampling thread needs.
+- ``matmul``: 256 x 256 torch matmuls on the host, ``torch.set_num_threads`` = the cores
+  per rank left after one for the sampling thread (at least 1). With fewer than
+  2 x ranks free cores the step and the sampling thread time-share a core, and the
+  hidden share can only be what the spare cores allow: the run says so.
 
-hidden = 1 - (prefetch - compute) / sample: the share of the sampling time the step hid
-(target >= 0.8, i.e. prefetch <= compute + 20% of sample); ``plain`` shows what the loop
-costs without it. Workload: W1's hopper
-trajectories, whole windows of 1000 steps, batch 32 per rank, uniform (or
-``--sampler prioritized``). On a machine with fewer free cores than ranks x 2 threads
-the sampling thread competes with the step for a core: the load average is printed.
+Cases, measured over ``--steps`` steps after ``--warmup`` untimed ones, in every one of
+``--reps`` repetitions (cases alternate within a repetition; medians and min-max over
+repetitions; the time of a step is the slowest rank's):
+
+- ``sample``   ``replay.sample`` alone (for reference);
+- ``replay``   ``replay.sample`` and ``replay.update_priorities`` of the batch's keys: the replay's
+  work of a training step, all of which ``batches()`` moves to its thread;
+- ``compute``  the step alone;
+- ``plain``    sample, step, update, all in the training thread (about replay + compute);
+- ``prefetchP`` ``replay.batches(..., prefetch=P)``: next(), step, the update through the iterator.
+
+hidden = 1 - (prefetchP - compute) / replay: the share of the replay's time the step hid
+(target >= 0.8, i.e. step with prefetch <= compute + 20 % of the sampling time). ``thread``
+and ``blocked`` are the iterator's ``sample_seconds`` and ``wait_seconds`` per step (slowest
+rank): the thread's own time (sample + update), and how long the loop still waited for it.
+When the thread's time exceeds the step's, the thread is the bottleneck and cannot be hidden.
+
+Workload: W1 hopper trajectories (T=1000, 61 bytes per step), ``--batch`` whole windows of
+``--window`` steps per rank, decentralized, uniform (``--sampler prioritized``); windows of
+the other ranks travel through MPI (``--transport mpi``: ``force_alltoallv``, as between
+hosts) or are read from node shared memory (``--transport shm``).
 """
 from __future__ import annotations
 
@@ -43,44 +59,127 @@ def log(comm, *a) -> None:
 
 def timed(comm, fn, steps: int) -> float:
     """Seconds per step of ``fn`` over ``steps`` calls, every rank started together (max over ranks)."""
+    from mpi4py import MPI
     comm.Barrier()
     t = time.perf_counter()
     for _ in range(steps):
         fn()
     dt = (time.perf_counter() - t) / steps
-    return comm.allreduce(dt, op=_mpi().MAX)
+    return comm.allreduce(dt, op=MPI.MAX)
 
 
-def _mpi():
+def _overslept(seconds: float) -> float:
+    t = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - t - seconds
+
+
+def make_compute(kind: str, seconds: float, comm, torch_threads: int):
+    """A step of about ``seconds``: ``wait`` sleeps (GIL and core free), ``matmul`` multiplies on the host."""
+    if kind == "wait":  # time.sleep oversleeps by tens of microseconds: ask for that much less
+        over = float(np.median([_overslept(seconds) for _ in range(50)]))
+        s = max(0.0, seconds - over)
+        return lambda: time.sleep(s), f"sleep {s * 1e3:.2f} ms for {seconds * 1e3:.2f} ms (an accelerator step)"
+    import torch
+    torch.set_num_threads(torch_threads)
+    a = torch.randn(256, 256)
+    t_mm = timed(comm, lambda: a @ a, 200)
+    n = max(1, int(round(seconds / t_mm)))
+
+    def matmul():
+        for _ in range(n):
+            a @ a
+    return matmul, f"{n} torch matmuls 256x256 on {torch_threads} thread(s)"
+
+
+def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, B, W) -> dict:
     from mpi4py import MPI
-    return MPI
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // comm.size - 1)
+    compute, what = make_compute(kind, args.compute_ratio * t_replay, comm, threads)
+
+    def replay_work():
+        b = sample()
+        replay.update_priorities(b.keys, np.ones(B))
+
+    def plain_step():
+        b = sample()
+        compute()
+        replay.update_priorities(b.keys, np.ones(B))
+
+    rows = []
+    for rep in range(args.reps):
+        res = {"sample": timed(comm, sample, args.steps), "replay": timed(comm, replay_work, args.steps),
+               "compute": timed(comm, compute, args.steps)}
+        for _ in range(args.warmup):
+            plain_step()
+        res["plain"] = timed(comm, plain_step, args.steps)
+        for pf in prefetches:
+            with replay.batches(B, W, "head", prefetch=pf) as it:
+                def step():
+                    b = next(it)
+                    compute()
+                    it.update_priorities(b.keys, np.ones(B))
+                for _ in range(args.warmup):
+                    step()
+                s0, w0 = it.sample_seconds, it.wait_seconds
+                res[f"prefetch{pf}"] = timed(comm, step, args.steps)
+                res[f"thread{pf}"] = comm.allreduce((it.sample_seconds - s0) / args.steps, op=MPI.MAX)
+                res[f"blocked{pf}"] = comm.allreduce((it.wait_seconds - w0) / args.steps, op=MPI.MAX)
+        rows.append(res)
+        log(comm, f"#   {kind} rep {rep + 1}/{args.reps}: " +
+            ", ".join(f"{k} {v * 1e3:.2f}" for k, v in res.items()) + " ms")
+    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+    spread = {k: (min(r[k] for r in rows), max(r[k] for r in rows)) for k in rows[0]}
+    out = {"compute_kind": kind, "step": what, "median_s": med, "spread_s": spread, "hidden": {}}
+    if comm.rank == 0:
+        oversubscribed = kind == "matmul" and cores < 2 * comm.size
+        print(f"\n## compute = {kind}: {what}" +
+              (f"  [{cores} cores < 2 x {comm.size} ranks: step and sampling thread share a core]"
+               if oversubscribed else ""))
+        print(f"{'case':>10} {'ms/step':>9} {'min-max':>17}  {'thread':>7} {'blocked':>7}  hidden")
+        for k in ("sample", "replay", "compute", "plain") + tuple(f"prefetch{p}" for p in prefetches):
+            lo, hi = spread[k]
+            extra = ""
+            if k.startswith("prefetch"):
+                p = k[len("prefetch"):]
+                h = 1.0 - max(0.0, med[k] - med["compute"]) / med["replay"]
+                out["hidden"][k] = h
+                extra = (f"  {med['thread' + p] * 1e3:7.2f} {med['blocked' + p] * 1e3:7.2f}  {h:5.0%}"
+                         f"  (target >= 80%: {'met' if h >= 0.8 else 'not met'})")
+            print(f"{k:>10} {med[k] * 1e3:9.2f} {lo * 1e3:8.2f}-{hi * 1e3:<8.2f}{extra}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--items", type=int, default=256, help="hopper trajectories per rank")
+    p.add_argument("--items", type=int, default=128, help="hopper trajectories per rank")
     p.add_argument("--batch", type=int, default=32, help="windows per rank per step")
     p.add_argument("--window", type=int, default=1000)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prefetch", default="1,2")
+    p.add_argument("--compute", default="wait", help="comma list of: wait, matmul")
     p.add_argument("--compute-ratio", type=float, default=1.0)
     p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized"])
+    p.add_argument("--transport", default="mpi", choices=["mpi", "shm"])
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.reps, args.items = 25, 2, 96
-    import torch
-    torch.set_num_threads(1)
+        args.steps, args.reps = 40, 3
+    kinds = args.compute.split(",")
+    if not set(kinds) <= {"wait", "matmul"}:
+        p.error(f"--compute: wait and/or matmul, got {args.compute}")
     import gear_mpi as gm
+    from mpi4py import MPI
+
     from scripts.peers._common import HOPPER, HOPPER_T, hopper_trajectory
-    MPI = _mpi()
     comm = MPI.COMM_WORLD
     spec = gm.TrajectorySpec({k: (s, np.dtype(d)) for k, (s, d) in HOPPER.items()}, max_length=HOPPER_T)
     sampler = gm.Uniform() if args.sampler == "uniform" else gm.Prioritized(0.6, 0.4)
-    replay = gm.Replay(spec, args.items * HOPPER_T, sampler, seed=3)
+    replay = gm.Replay(spec, args.items * HOPPER_T, sampler, seed=3, force_alltoallv=args.transport == "mpi")
     base = hopper_trajectory(comm.rank)
     for i in range(args.items):
         replay.insert(base, 1.0 + (i % 7))
@@ -89,63 +188,27 @@ def main(argv: list[str] | None = None) -> int:
     def sample():
         return replay.sample(B, W, "head")
 
-    for _ in range(args.warmup):
-        sample()
-    t_sample = timed(comm, sample, args.steps)
-    # a step of about compute_ratio * t_sample: n matmuls of 256 x 256 on one thread
-    a = torch.randn(256, 256)
-    t_mm = timed(comm, lambda: a @ a, 200)
-    n_mm = max(1, int(round(args.compute_ratio * t_sample / t_mm)))
-
-    def compute(batch=None):
-        x = a
-        for _ in range(n_mm):
-            x = a @ a
-        return x
-
-    def plain_step():
+    def replay_work():
         b = sample()
-        compute(b)
         replay.update_priorities(b.keys, np.ones(B))
 
-    rows = []
+    for _ in range(args.warmup):
+        replay_work()
+    t_replay = timed(comm, replay_work, args.steps)
+    load0 = os.getloadavg()
+    log(comm, f"# {comm.size} ranks, load average {load0}, sample + update {t_replay * 1e3:.2f} ms")
     prefetches = [int(x) for x in args.prefetch.split(",")]
-    log(comm, f"# {comm.size} ranks, load average {os.getloadavg()}, sample {t_sample * 1e3:.2f} ms, "
-              f"step = {n_mm} matmuls")
-    for rep in range(args.reps):
-        res = {"sample": timed(comm, sample, args.steps), "compute": timed(comm, compute, args.steps)}
-        for _ in range(args.warmup):
-            plain_step()
-        res["plain"] = timed(comm, plain_step, args.steps)
-        for pf in prefetches:
-            with replay.batches(B, W, "head", prefetch=pf) as it:
-                for _ in range(args.warmup):
-                    b = next(it)
-                    compute(b)
-                    it.update_priorities(b.keys, np.ones(B))
-
-                def step():
-                    b = next(it)
-                    compute(b)
-                    it.update_priorities(b.keys, np.ones(B))
-                res[f"prefetch{pf}"] = timed(comm, step, args.steps)
-        rows.append(res)
+    results = [run_kind(comm, replay, sample, k, t_replay, args, prefetches, B, W) for k in kinds]
     if comm.rank == 0:
-        med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
-        spread = {k: (min(r[k] for r in rows), max(r[k] for r in rows)) for k in rows[0]}
-        print(f"# bench_prefetch: {comm.size} rank(s), {platform.node()}, load average now {os.getloadavg()}, "
-              f"W1 hopper, B={B}/rank, W={W}, {args.sampler}, {args.steps} steps x {args.reps} reps (median, min-max)")
-        print(f"{'case':>10} {'ms/step':>9} {'min-max':>17}  hidden")
-        for k in med:
-            lo, hi = spread[k]
-            hidden = ""
-            if k.startswith("prefetch"):
-                h = 1.0 - max(0.0, med[k] - med["compute"]) / med["sample"]
-                hidden = f"{h:6.0%}  (target >= 80%: {'met' if h >= 0.8 else 'not met'})"
-            print(f"{k:>10} {med[k] * 1e3:9.2f} {lo * 1e3:8.2f}-{hi * 1e3:<8.2f}  {hidden}")
+        load1 = os.getloadavg()
+        print(f"\n# bench_prefetch: {comm.size} rank(s), {os.cpu_count()} cores, {platform.node()}, MPI "
+              f"thread level {MPI.Query_thread()}, W1 hopper, B={B}/rank, W={W}, {args.sampler}, transport "
+              f"{args.transport}, {args.steps} steps x {args.reps} reps (median, min-max over reps); "
+              f"load average before {tuple(round(x, 2) for x in load0)}, after {tuple(round(x, 2) for x in load1)}")
         if args.json:
-            print(json.dumps({"bench": "prefetch", "ranks": comm.size, "median_s": med, "spread_s": spread,
-                              "sampler": args.sampler, "batch": B, "window": W}))
+            print(json.dumps({"bench": "prefetch", "ranks": comm.size, "cores": os.cpu_count(), "batch": B,
+                              "window": W, "sampler": args.sampler, "transport": args.transport,
+                              "load_before": load0, "load_after": load1, "results": results}))
     replay.close()
     return 0
 

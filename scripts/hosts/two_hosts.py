@@ -5,6 +5,7 @@
     python -m scripts.hosts.two_hosts run --dir DIR -- CMD... # runs CMD on the first host
     python -m scripts.hosts.two_hosts down --dir DIR
     python -m scripts.hosts.two_hosts clean                   # hosts left behind by dead owners
+    python -m scripts.hosts.two_hosts job [--ranks-per-host N] -- PROGRAM...  # up, mpiexec PROGRAM, down
 
 Each host is a set of namespaces held by one sleeping process (its *holder*):
 
@@ -357,6 +358,30 @@ class TwoHosts:
 
 
 # ---- command line ------------------------------------------------------------------------
+def _job(ranks_per_host: int, program: list[str], timeout: float) -> int:
+    """``program`` on ``ranks_per_host`` ranks of each of two fresh hosts (this folder as working
+    directory, this environment plus :data:`MPI_ENV`); prints the bytes the link carried. The hosts
+    and every process that ran on them are removed at the end, also on a timeout."""
+    if not program:
+        raise SystemExit("job: give the program after --")
+    beside = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+    with TwoHosts() as hosts:
+        cmd = hosts.mpiexec(mpiexec, ranks_per_host, program, wd=os.getcwd())
+        print("# " + " ".join(shlex.quote(w) for w in cmd), flush=True)
+        before, t0 = hosts.link_bytes(), time.monotonic()
+        proc = subprocess.Popen(cmd, env=hosts.env(dict(os.environ, **MPI_ENV)), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+        print(f"# job: exit {rc} after {time.monotonic() - t0:.1f} s; the link carried "
+              f"{(hosts.link_bytes() - before) / 1e6:.1f} MB", flush=True)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -371,7 +396,14 @@ def main(argv: list[str] | None = None) -> int:
     down = sub.add_parser("down", help="remove the hosts of --dir")
     down.add_argument("--dir", required=True)
     sub.add_parser("clean", help="remove hosts whose owner process is gone")
+    job = sub.add_parser("job", help="make the hosts, run PROGRAM under mpiexec on them, remove them")
+    job.add_argument("--ranks-per-host", type=int, default=1)
+    job.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is killed")
+    job.add_argument("program", nargs=argparse.REMAINDER, help="e.g. -- python -m mpi4py examples/offline_dt.py")
     args = ap.parse_args(argv)
+    if args.cmd == "job":
+        return _job(args.ranks_per_host, args.program[1:] if args.program[:1] == ["--"] else args.program,
+                    args.timeout)
     if args.cmd == "clean":
         print("\n".join(clean_stale()) or "nothing to clean")
         return 0
