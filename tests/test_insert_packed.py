@@ -194,3 +194,79 @@ def test_error_messages_name_the_fault(spec, make_traj, shard_factory):
     s.close()
     with pytest.raises(RuntimeError):
         s.insert_packed(cols, lengths)
+
+
+def reference_plan(table, capacity, lengths, priorities):
+    """The table pass as first written (plain Python, every row rewritten, every live eviction
+    returned): the model the kernel's shortcuts (reused scratch, evictions taken back at once
+    left out, unchanged rows not rewritten) must match. Works on copies of the table arrays."""
+    start, length, priority, generation, seq, stamp, times_sampled, alive, order, free, state = table
+    n_slots, evicted, slots = len(order), [], []
+    for i, steps in enumerate(lengths):
+        while state[3] > 0:  # ORDER_COUNT
+            head = order[state[2]]
+            if capacity - state[1] >= steps and state[3] < n_slots and alive[head] != 2:
+                break
+            state[0] = (state[0] + length[head]) % capacity
+            state[1] -= length[head]
+            state[2] = (state[2] + 1) % n_slots
+            state[3] -= 1
+            if alive[head] == 1:
+                state[7] -= 1
+                state[8] -= length[head]
+                state[9] += 1
+                evicted.append(head)
+            alive[head] = 0
+            generation[head] += 1
+            free[state[4]] = head
+            state[4] += 1
+        if state[4] > 0:
+            state[4] -= 1
+            slot = free[state[4]]
+        else:
+            slot = state[5]
+            state[5] += 1
+        start[slot] = (state[0] + state[1]) % capacity
+        length[slot], seq[slot], times_sampled[slot], alive[slot] = steps, state[6], 0, 1
+        priority[slot] = priorities[i]
+        state[6] += 1
+        order[(state[2] + state[3]) % n_slots] = slot
+        state[3] += 1
+        state[1] += steps
+        state[7] += 1
+        state[8] += steps
+        slots.append(slot)
+    state[11] += len(lengths)
+    return np.array(slots, np.int64), np.array(evicted, np.int64)
+
+
+def test_table_pass_matches_the_plain_model(make_spec, make_traj, shard_factory):
+    """Random batches (one-step items filling the ring again and again, mixed lengths; priorities
+    none, shared or drawn with repeats) between samples that remove items: after each insert the
+    table (stamps aside) and the index are what the plain model and a rebuild from its leaves give."""
+    spec = make_spec(4)
+    s = shard_factory(spec, 120, gm.Prioritized(0.7, 0.4), max_items=48, max_times_sampled=2)
+    rng = np.random.default_rng(5)
+    for r in range(80):
+        ref = [a.copy() for a in s.store.table]
+        leaves = s.index.leaves.copy()
+        k = int(rng.integers(1, 49 if r % 3 else 31))  # at most 48 slots, 120 steps
+        lengths = np.ones(k, np.int64) if r % 3 else rng.integers(1, 5, k)
+        kind = r % 4
+        pr = None if kind == 0 else np.full(k, 1.5) if kind == 1 else rng.choice([0.0, 0.5, 2.0], k)
+        cols, lengths = pack([make_traj(int(n)) for n in lengths])
+        keys = s.insert_packed(cols, lengths, pr)
+        slots, evicted = reference_plan(ref, s.store.capacity, lengths, np.ones(k) if pr is None else pr)
+        for name, x, y in zip(s.store.table._fields, ref, s.store.table):
+            if name != "stamp":
+                np.testing.assert_array_equal(x, y, err_msg=f"round {r}: {name}")
+        np.testing.assert_array_equal(s.store.resolve(keys)[0], slots)
+        leaves[evicted[ref[7][evicted] == 0]] = 0.0
+        leaves[slots] = s.selector.weights(np.ones(k) if pr is None else pr)
+        np.testing.assert_array_equal(s.index.leaves, leaves, err_msg=f"round {r}")
+        fresh = PriorityIndex(48)
+        fresh.set(np.arange(48), leaves)
+        for name, x, y in zip(fresh.tree._fields, fresh.tree, s.index.tree):
+            np.testing.assert_array_equal(x, y, err_msg=f"round {r}: {name}")
+        if len(s):
+            s.sample(8, window=1)  # uses count towards max_times_sampled=2: removals between inserts
