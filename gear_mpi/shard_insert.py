@@ -14,6 +14,7 @@ from numba import njit
 from .errors import InvalidTrajectoryError
 from .kernels import ring
 from .priority_index import PriorityIndex
+from .store_insert import set_inserted_leaves
 from .spec import TrajectorySpec, validate_priorities
 
 
@@ -126,22 +127,24 @@ class ShardInsert:
         """
         self._check_open()
         self.store.check_batch(lengths)
-        slots, evicted = self.store.insert(columns, lengths, priorities)
+        slots, evicted = self.store.insert(columns, lengths, priorities)  # views of the store's scratch
         self.bytes_inserted += int(lengths.sum()) * self.spec.step_bytes
         if self.index is not None:
-            if priorities.strides == (0,):  # one shared priority (None given): one shared weight
-                weights = np.broadcast_to(self.selector.weights(priorities[:1])[0], priorities.shape)
-            else:
-                weights = self.selector.weights(priorities)
+            # one shared priority (None given): one shared weight, as a 1-element array
+            shared = priorities.strides == (0,)
+            weights = self.selector.weights(priorities[:1] if shared else priorities)
             # evicted slots the batch reused get their new weight anyway: zero only the others. The tree
             # depends on its leaves only, so this, and a rebuild after writing the leaves of a large batch,
             # give the very tree that zeroing them all and then setting the new ones would
+            if isinstance(self.index, PriorityIndex) and (len(evicted) + len(slots)) * REBUILD_FRACTION >= len(self.index):
+                if set_inserted_leaves(self.index.leaves, slots, np.ascontiguousarray(weights, np.float64), evicted,
+                                       self.store.status, ring.ALIVE_SHIFT, ring.DEAD):
+                    self.index.rebuild()  # the levels follow from the leaves: unchanged leaves, unchanged tree
+                return self.store.keys_of(slots)
+            if shared:
+                weights = np.broadcast_to(weights[0], priorities.shape)
             gone = evicted[(self.store.status[evicted] >> ring.ALIVE_SHIFT) == ring.DEAD]
-            if isinstance(self.index, PriorityIndex) and (len(gone) + len(slots)) * REBUILD_FRACTION >= len(self.index):
-                self.index.leaves[gone] = 0.0
-                self.index.leaves[slots] = weights
-                self.index.rebuild()
-            elif len(gone):
+            if len(gone):
                 self.index.set(np.concatenate([gone, slots]), np.concatenate([np.zeros(len(gone)), weights]))
             else:
                 self.index.set(slots, np.ascontiguousarray(weights))

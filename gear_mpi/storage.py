@@ -19,7 +19,6 @@ mapped copy-on-write and the table is in memory.
 from __future__ import annotations
 
 import mmap
-import time
 from typing import Mapping
 
 import numpy as np
@@ -27,7 +26,7 @@ import numpy as np
 from . import keys as keyspace
 from .errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from .kernels import ring
-from . import file_memory, table_layout
+from . import file_memory, store_insert, table_layout
 from .memory import SharedArena, check_header, column_layout, make_arena, memory_kind, write_header
 from .spec import TrajectorySpec
 
@@ -116,6 +115,7 @@ class TrajectoryStore:
             raise
         self.columns: dict[str, np.ndarray] = {}
         self._byte_views: dict[str, np.ndarray] | None = None
+        self._insert_scratch = store_insert.InsertScratch()  # insert's slots and evictions, reused
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
@@ -191,24 +191,13 @@ class TrajectoryStore:
             priorities: the raw priority of each (float64).
 
         Returns:
-            (slots of the new trajectories, slots of the live trajectories evicted).
+            (slots of the new trajectories, slots of the live trajectories evicted): views of a scratch
+            this store reuses, valid until its next insert (see :mod:`gear_mpi.store_insert`).
 
         Cost: O(n) table work in a kernel plus one copy of the steps (at most two
         slices per column, for the ring's wrap-around).
         """
-        slots = np.empty(len(lengths), np.int64)
-        evicted = ring.plan_insert(self._arrays, self.capacity, lengths, time.time_ns(), slots)
-        if self.priority is not None:
-            self.priority[slots] = priorities
-        total = int(lengths.sum())
-        first = int(self.start[slots[0]])
-        head = min(total, self.capacity - first)
-        for name, data in columns.items():
-            dst = self.columns[name]
-            dst[first:first + head] = data[:head]
-            if head < total:
-                dst[:total - head] = data[head:]
-        return slots, evicted
+        return store_insert.insert(self, columns, lengths, priorities)
 
     def prefetch(self, start: np.ndarray, steps: np.ndarray) -> None:
         """Ask the kernel to read the windows about to be copied (``MADV_WILLNEED`` on each window of
@@ -415,6 +404,7 @@ class TrajectoryStore:
         """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
         self.columns = {}
         self._byte_views = None
+        self._insert_scratch.drop()
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import gear_mpi as gm
+from gear_mpi.kernels import ring
 from gear_mpi.priority_index import PriorityIndex
 from gear_mpi.shard_insert import REBUILD_FRACTION
 
@@ -194,3 +195,83 @@ def test_error_messages_name_the_fault(spec, make_traj, shard_factory):
     s.close()
     with pytest.raises(RuntimeError):
         s.insert_packed(cols, lengths)
+
+
+def reference_plan(table, capacity, lengths):
+    """The table pass as first written (plain Python, every row rewritten, every live eviction
+    returned): the model the kernel's shortcuts (reused scratch, evictions taken back at once
+    left out, unchanged rows not rewritten) must match. Works on copies of the table arrays: the
+    narrow rows of ``table_layout`` (free slots linked through ``start`` from ``state[FREE_HEAD]``)."""
+    start, length, status, stamp, times_sampled, order, state = table
+    n_slots, evicted, slots = len(order), [], []
+    for steps in lengths:
+        while state[ring.ORDER_COUNT] > 0:
+            head = order[state[ring.ORDER_HEAD]]
+            alive = int(status[head]) >> ring.ALIVE_SHIFT
+            if capacity - state[ring.STEPS_USED] >= steps and state[ring.ORDER_COUNT] < n_slots \
+                    and alive != ring.REMOVED:
+                break
+            state[ring.STEP_HEAD] = (state[ring.STEP_HEAD] + int(length[head])) % capacity
+            state[ring.STEPS_USED] -= int(length[head])
+            state[ring.ORDER_HEAD] = (state[ring.ORDER_HEAD] + 1) % n_slots
+            state[ring.ORDER_COUNT] -= 1
+            if alive == ring.LIVE:
+                state[ring.LIVE_COUNT] -= 1
+                state[ring.LIVE_STEPS] -= int(length[head])
+                state[ring.EVICTED_TOTAL] += 1
+                evicted.append(head)
+            status[head] = (int(status[head]) + 1) & ring.GEN_MASK  # dead, next generation
+            start[head] = state[ring.FREE_HEAD]
+            state[ring.FREE_HEAD] = head
+            state[ring.FREE_TOP] += 1
+        if state[ring.FREE_TOP] > 0:
+            state[ring.FREE_TOP] -= 1
+            slot = int(state[ring.FREE_HEAD])
+            state[ring.FREE_HEAD] = int(start[slot])
+        else:
+            slot = int(state[ring.NEXT_FRESH])
+            state[ring.NEXT_FRESH] += 1
+        start[slot] = (state[ring.STEP_HEAD] + state[ring.STEPS_USED]) % capacity
+        length[slot], times_sampled[slot] = steps, 0
+        status[slot] = (int(status[slot]) & ring.GEN_MASK) | (ring.LIVE << ring.ALIVE_SHIFT)
+        state[ring.NEXT_SEQ] += 1
+        order[(state[ring.ORDER_HEAD] + state[ring.ORDER_COUNT]) % n_slots] = slot
+        state[ring.ORDER_COUNT] += 1
+        state[ring.STEPS_USED] += steps
+        state[ring.LIVE_COUNT] += 1
+        state[ring.LIVE_STEPS] += steps
+        slots.append(slot)
+    state[ring.INSERTED_TOTAL] += len(lengths)
+    return np.array(slots, np.int64), np.array(evicted, np.int64)
+
+
+def test_table_pass_matches_the_plain_model(make_spec, make_traj, shard_factory):
+    """Random batches (one-step items filling the ring again and again, mixed lengths; priorities
+    none, shared or drawn with repeats) between samples that remove items: after each insert the
+    table (stamps aside) and the index are what the plain model and a rebuild from its leaves give."""
+    spec = make_spec(4)
+    s = shard_factory(spec, 120, gm.Prioritized(0.7, 0.4), max_items=48, max_times_sampled=2)
+    rng = np.random.default_rng(5)
+    for r in range(80):
+        ref = [a.copy() for a in s.store.table]
+        leaves = s.index.leaves.copy()
+        k = int(rng.integers(1, 49 if r % 3 else 31))  # at most 48 slots, 120 steps
+        lengths = np.ones(k, np.int64) if r % 3 else rng.integers(1, 5, k)
+        kind = r % 4
+        pr = None if kind == 0 else np.full(k, 1.5) if kind == 1 else rng.choice([0.0, 0.5, 2.0], k)
+        cols, lengths = pack([make_traj(int(n)) for n in lengths])
+        keys = s.insert_packed(cols, lengths, pr)
+        slots, evicted = reference_plan(ref, s.store.capacity, lengths)
+        for name, x, y in zip(s.store.table._fields, ref, s.store.table):
+            if name != "stamp":
+                np.testing.assert_array_equal(x, y, err_msg=f"round {r}: {name}")
+        np.testing.assert_array_equal(s.store.resolve(keys)[0], slots)
+        leaves[evicted[(ref[2][evicted] >> ring.ALIVE_SHIFT) == ring.DEAD]] = 0.0
+        leaves[slots] = s.selector.weights(np.ones(k) if pr is None else pr)
+        np.testing.assert_array_equal(s.index.leaves, leaves, err_msg=f"round {r}")
+        fresh = PriorityIndex(48)
+        fresh.set(np.arange(48), leaves)
+        for name, x, y in zip(fresh.tree._fields, fresh.tree, s.index.tree):
+            np.testing.assert_array_equal(x, y, err_msg=f"round {r}: {name}")
+        if len(s):
+            s.sample(8, window=1)  # uses count towards max_times_sampled=2: removals between inserts

@@ -20,7 +20,7 @@ FLOORS = {
     "rate_limit": 0,
     "kernels": 1, "memory": 1, "file_memory": 1, "batch": 1, "comm": 1, "comm_torch": 1, "device": 1, "pinned": 1, "staging": 1,
     "budget": 2,
-    "priority_index": 2, "selectors": 2, "storage": 2, "table_layout": 2, "windows": 2,
+    "priority_index": 2, "selectors": 2, "storage": 2, "store_insert": 2, "table_layout": 2, "windows": 2,
     "writer": 2, "ingest": 2, "remote": 3,
     "shard": 3, "shard_state": 3, "shard_insert": 3,
     "checkpoint": 4, "warmup": 4,

@@ -51,7 +51,7 @@ def test_more_than_2_to_the_32_ring_steps_keep_exact_starts():
     assert t.start.dtype == np.int64
     t.state[ring.STEP_HEAD] = cap - 4  # an empty ring whose head sits near its top
     slots = np.empty(3, np.int64)
-    ring.plan_insert(tuple(t), cap, np.array([3, 3, 3], np.int64), 7, slots)
+    ring.plan_insert(tuple(t), cap, np.array([3, 3, 3], np.int64), 7, slots, np.empty(3, np.int64))
     assert t.start[slots].tolist() == [cap - 4, cap - 1, 2]
     assert int(t.state[ring.STEPS_USED]) == 9
 

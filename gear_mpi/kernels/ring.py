@@ -126,13 +126,19 @@ def _evict_oldest(state, capacity, n_slots, start, length, status, order):
     return slot, was_live
 
 
-@njit(cache=True)
-def plan_insert(table, capacity, lengths, now, slots_out):
+@njit(cache=True, nogil=True)
+def plan_insert(table, capacity, lengths, now, slots_out, evicted_out):
     """Reserve a slot of ``table`` and ring steps for each new trajectory, evicting the oldest (FIFO)
-    as needed; ``now`` is the insertion stamp recorded for all of them.
+    as needed; ``now`` is the insertion stamp recorded for all of them (raw priorities, where the
+    table keeps them, are the caller's to write).
 
-    Writes the new slots to ``slots_out`` and returns the slots of evicted live
-    trajectories (their weights must be zeroed before the new ones are set).
+    Writes the new slots to ``slots_out`` and the slots of evicted live trajectories (their
+    weights must be zeroed where the batch left them free) to the front of ``evicted_out``
+    (int64, at least ``min(state[ORDER_COUNT], sum(lengths) + len(lengths))`` entries, a bound on the
+    live evictions: each frees a slot or a missing step; the caller may reuse it
+    from call to call, so that its pages are not committed anew), and returns their count. A slot
+    evicted and at once taken back by the next new trajectory (the steady state of a full ring) is
+    left out: it is live again, its weight to be overwritten.
     The caller has checked ``sum(lengths) <= capacity`` and ``len(lengths) <= n_slots``.
     Cost: O(n + evictions); no data is copied here. The counters live in locals for the
     loop (``state`` may alias the rows as far as the compiler knows, so every ``state[...]``
@@ -147,7 +153,7 @@ def plan_insert(table, capacity, lengths, now, slots_out):
     free_top, next_fresh, next_seq = state[FREE_TOP], state[NEXT_FRESH], state[NEXT_SEQ]
     free_head = state[FREE_HEAD]
     live_count, live_steps, evicted_total = state[LIVE_COUNT], state[LIVE_STEPS], state[EVICTED_TOTAL]
-    evicted = np.empty(order_count + n, dtype=np.int64)
+    evicted = evicted_out
     n_evicted = 0
     for i in range(n):
         steps = lengths[i]
@@ -181,18 +187,29 @@ def plan_insert(table, capacity, lengths, now, slots_out):
             free_top -= 1
             slot = free_head
             free_head = np.int64(start[slot])
+            if n_evicted > 0 and evicted[n_evicted - 1] == slot:
+                n_evicted -= 1  # an eviction taken back at once: its weight is overwritten anyway
         else:
             slot = next_fresh
             next_fresh += 1
+        # rows that already hold the value are not rewritten (a full ring of equal-length items, in its
+        # steady state, takes each slot back at the same step, length and order place): a clean cache
+        # line (a clean page of a file-backed table) costs a read, a written one a read and a write-back
         pos = step_head + steps_used
-        start[slot] = pos - capacity if pos >= capacity else pos
-        length[slot] = steps
+        pos = pos - capacity if pos >= capacity else pos
+        if start[slot] != pos:
+            start[slot] = pos
+        if length[slot] != steps:
+            length[slot] = steps
         stamp[slot] = now
         next_seq += 1
-        times_sampled[slot] = 0
+        if times_sampled[slot] != 0:
+            times_sampled[slot] = 0
         status[slot] = (status[slot] & GEN_MASK) | (LIVE << ALIVE_SHIFT)
         pos = order_head + order_count
-        order[pos - n_slots if pos >= n_slots else pos] = slot
+        pos = pos - n_slots if pos >= n_slots else pos
+        if order[pos] != slot:
+            order[pos] = slot
         order_count += 1
         steps_used += steps
         live_count += 1
@@ -204,7 +221,7 @@ def plan_insert(table, capacity, lengths, now, slots_out):
     state[FREE_HEAD] = free_head
     state[LIVE_COUNT], state[LIVE_STEPS], state[EVICTED_TOTAL] = live_count, live_steps, evicted_total
     state[INSERTED_TOTAL] += n
-    return evicted[:n_evicted]
+    return n_evicted
 
 
 @njit(cache=True)
