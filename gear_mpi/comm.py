@@ -108,15 +108,16 @@ class MpiComm:
             req: an mpi4py request (anything with ``Test()``).
             what: names the call in the error.
         Raises:
-            CollectiveTimeoutError: a rank did not arrive within ``timeout`` (the communicator is then broken,
-                for every MpiComm built on it later too: :func:`gear_mpi.deadline.mark_pending`).
+            CollectiveTimeoutError: a rank did not arrive in time or the ranks are out of step (deadline.finish);
+                the communicator is then broken, for every MpiComm built on it later too (deadline.mark_pending).
         """
         start = time.perf_counter()
-        if req.Test() or deadline.poll(req.Test, self.timeout):
+        cause = deadline.finish(req, self.timeout, self.size, _mpi().Exception)
+        if cause is None:
             self.waited += time.perf_counter() - start
             return
-        self.broken = (f"{what}: not every rank of {self.size} arrived within timeout={self.timeout:g} s "
-                       f"(this is rank {self.rank}); the replay can no longer communicate{errors.ABORT_HINT}")
+        self.broken = (f"{what}: {cause} (this is rank {self.rank}); the replay can no longer "
+                       f"communicate{errors.ABORT_HINT}")
         deadline.mark_pending(self.comm, self.broken)
         raise errors.CollectiveTimeoutError(self.broken)
 
@@ -234,7 +235,7 @@ class MpiComm:
         if len(requests) == 1:
             self.wait(requests[0], what)
         elif requests:
-            self.wait(_AllOf(_mpi(), requests), what)
+            self.wait(deadline.AllOf(_mpi(), requests), what)
 
     def alltoall(self, values: np.ndarray, what: str) -> np.ndarray:
         """Returns ``out[r]``: the int64 rank r sent to this rank. Collective: one Ialltoall of 8 bytes a pair.
@@ -388,6 +389,16 @@ class MpiComm:
         node = self.comm.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank)
         return MpiComm(node, self.timeout)
 
+    def dup(self, what: str) -> "MpiComm":
+        """Collective (one ``Idup``, with the deadline): a duplicate, whose collectives are never matched with
+        this one's; the caller frees it. Args: what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
+        new, req = self.comm.Idup()
+        self.wait(req, what)
+        return MpiComm(new, self.timeout)
+
     def free(self) -> None:
         """Free the wrapped communicator (for communicators this layer created). Local; idempotent."""
         deadline.forget(self.comm)
@@ -447,14 +458,3 @@ class MpiComm:
                 undo(made)
             raise
         return made
-
-
-class _AllOf:
-    """Several requests seen as one (``Test`` is true when all are complete)."""
-
-    def __init__(self, MPI, requests: list):
-        self.MPI, self.requests = MPI, requests
-
-    def Test(self) -> bool:
-        """Returns True when every request is complete (one ``MPI.Request.Testall``)."""
-        return bool(self.MPI.Request.Testall(self.requests))

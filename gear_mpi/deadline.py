@@ -82,3 +82,42 @@ def forget(comm: Any) -> None:
     key = _key(comm)
     if key is not None:
         _PENDING.pop(key, None)
+
+
+def finish(req: Any, seconds: float, size: int, mpi_error: type) -> str | None:
+    """Poll ``req`` (:func:`poll`) until it completes or ``seconds`` pass. Local.
+
+    Args:
+        req: an mpi4py request of a collective (anything with ``Test()``).
+        seconds: the most to wait.
+        size: the communicator's size (for the message).
+        mpi_error: mpi4py's ``MPI.Exception``.
+    Returns:
+        None when it completed; else why not: the time ran out, or MPI failed the request because the
+        ranks are out of step. A rank whose collective timed out leaves it pending, and the next one
+        posted there (by it or by its peers) may be matched with it: Open MPI then fails the request
+        (e.g. ``MPI_ERR_TRUNCATE``) where MPICH lets it time out.
+    """
+    try:
+        if req.Test() or poll(req.Test, seconds):
+            return None
+    except mpi_error as e:
+        return (f"not every rank of {size} arrived: MPI failed the collective ({e}), as when a rank left "
+                f"an earlier collective pending after a timeout and this one met it")
+    return f"not every rank of {size} arrived within timeout={seconds:g} s"
+
+
+class AllOf:
+    """Several mpi4py requests seen as one: ``Test`` is true when all are complete.
+
+    Args:
+        MPI: the mpi4py ``MPI`` module.
+        requests: the requests.
+    """
+
+    def __init__(self, MPI: Any, requests: list):
+        self.MPI, self.requests = MPI, requests
+
+    def Test(self) -> bool:
+        """Returns True when every request is complete (one ``MPI.Request.Testall``). Local."""
+        return bool(self.MPI.Request.Testall(self.requests))

@@ -56,6 +56,7 @@ class NodeView:
         self.ranks = ranks
         self.epoch = 0    # samples this rank has entered (the same count on every rank: sample is collective)
         self.settled = 0  # the last sample whose node-peer reads are known to be over
+        self.closing = comm  # join() replaces it by a duplicate of comm, for the replay's closing barrier
         self.node_peers = False
         self._arenas: dict = {}
         self.peer_views: dict[int, dict[str, np.ndarray]] = {}
@@ -65,7 +66,10 @@ class NodeView:
     @classmethod
     def join(cls, comm: MpiComm, what: str = "Replay construction") -> "NodeView":
         """Collective: split ``comm`` by node and learn the node's ranks (an Ibarrier, ``Split_type``
-        and one allgather of 8 bytes per node rank, each with the deadline).
+        and one allgather of 8 bytes per node rank, each with the deadline), and duplicate ``comm`` for
+        the closing barrier (one ``Idup``): a rank's close must never be matched with a collective its
+        peers still run (a sample of ranks that went on after this one stopped), which Open MPI would
+        do, handing them this rank's barrier as their data.
 
         Args:
             comm: the replay's communicator.
@@ -78,10 +82,13 @@ class NodeView:
         node_comm = comm.split_node(f"{what} (node split)")
         try:
             ranks = node_comm.allgather(np.array([comm.rank], np.int64), f"{what} (node ranks)")[:, 0]
+            closing = comm.dup(f"{what} (close communicator)")
         except BaseException:
             node_comm.free()
             raise
-        return cls(comm, node_comm, [int(r) for r in ranks])
+        view = cls(comm, node_comm, [int(r) for r in ranks])
+        view.closing = closing
+        return view
 
     @property
     def size(self) -> int:
@@ -195,8 +202,22 @@ class NodeView:
         hints.fence()  # no write of ours before the peers' reads that the counters vouch for
         self.settled = epoch
 
+    def closing_barrier(self) -> None:
+        """Collective: the replay's closing barrier, on the closing communicator (one Ibarrier, with the deadline).
+
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline; the replay's communicator is then
+                marked unusable too (its ranks are out of step), as when the barrier ran on it.
+        """
+        try:
+            self.closing.barrier("close")
+        except CollectiveTimeoutError:
+            self.comm.broken = self.closing.broken
+            deadline.mark_pending(self.comm.comm, self.closing.broken)
+            raise
+
     def close(self) -> None:
-        """Unmap the GPU mappings and the node peers' columns, free the node communicator (local).
+        """Unmap the GPU mappings and the node peers' columns, free the node and closing communicators (local).
         Idempotent; this rank's own arena is its shard's to close."""
         for mapped in self._mapped:  # unregister the pinned mappings before unmapping the arenas
             mapped.close()
@@ -208,3 +229,6 @@ class NodeView:
                 arena.close()
         self._arenas = {}
         self.node_comm.free()
+        if self.closing is not self.comm:
+            self.closing.free()
+            self.closing = self.comm

@@ -412,7 +412,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         try:
             if self.comm.broken is None and self.ranks > 1:
                 self.settle()
-                self.comm.barrier("close")
+                self.node.closing_barrier()  # on a communicator of its own: never matched with a sample
         finally:
             self._close_feeds()
             self.transport.close()

