@@ -62,7 +62,7 @@ import numpy as np
 from scripts.bench.bench_replay import memcpy_gbps  # the same-run memcpy ceiling, one definition
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository: workers run as modules from there
-PEERS = "scripts.peers"
+WORKER_PACKAGE = "scripts.peers"  # the workers run as modules of this package
 
 PEERS = {
     "reverb": {"requirements": ["dm-reverb[tensorflow]==0.14.0"],
@@ -214,7 +214,7 @@ def worker_commands(system: str, workload: str, cfg: dict, setup: dict, args) ->
     """The commands (with environments) that measure ``workload`` on ``system`` once."""
     blob = json.dumps(cfg)
     if system == GEAR:
-        script = ["-m", f"{PEERS}.gear_worker"]
+        script = ["-m", f"{WORKER_PACKAGE}.gear_worker"]
         if workload == "W1":
             cores = os.cpu_count() or 1
             cmds = []
@@ -228,7 +228,7 @@ def worker_commands(system: str, workload: str, cfg: dict, setup: dict, args) ->
         return [([sys.executable, *script, json.dumps({**cfg, "threads": n})],
                  _clean_env({"NUMBA_NUM_THREADS": str(n)})) for n in thread_counts(args)]
     py = setup[system]["python"]
-    script = ["-m", f"{PEERS}.{system}_worker"]
+    script = ["-m", f"{WORKER_PACKAGE}.{system}_worker"]
     if system == "reverb":
         return [(["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", py, *script, blob],
                  _clean_env())]
