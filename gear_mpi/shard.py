@@ -279,9 +279,10 @@ class Shard(ShardState, ShardInsert):
         local_sample.sample_proportional(
             self.index._arrays, uniforms, place_u, st.start, st.length, st.generation, st.times_sampled,
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
-            self.index.min_positive if prioritized else 1.0, sel.beta if prioritized else 0.0, prioritized,
-            self.column_addresses()[0], self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths,
-            probabilities, weights)
+            self.index.min_positive if prioritized else 1.0, prioritized, self.column_addresses()[0],
+            self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
+        if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
+            np.power(weights, np.float32(sel.beta), out=weights)
         self.samples_drawn += b
         return batch
 
@@ -360,9 +361,9 @@ class Shard(ShardState, ShardInsert):
         keys = np.ascontiguousarray(keys, np.int64)
         n = len(keys)
         slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
-        applied, foreign = local_sample.resolve_live(keys, np.ascontiguousarray(priorities, np.float64), st.tag, st.rank,
-                                                     st.max_items, st.generation, st.alive, ring.LIVE, st.priority,
-                                                     slots, values, live)
+        pr = np.ascontiguousarray(priorities, np.float64)
+        applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.generation, st.alive,
+                                                     ring.LIVE, st.priority, slots, values, live)
         if foreign >= 0:
             st.resolve(keys[foreign:foreign + 1])  # raises InvalidKeyError, naming what is wrong with the key
         self.stale_updates += n - applied

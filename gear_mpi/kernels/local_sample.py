@@ -59,37 +59,35 @@ def _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, 
 
 
 @njit(cache=True, inline="always")
-def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, beta, prioritized, window, keys, lengths,
-                   probabilities, weights, mask):
+def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
+                   weights, mask):
     """Batch rows ``lo:hi`` from the scratch arrays (row ``i`` is sorted item ``inv[i]``): key, real steps,
     probability, importance weight and mask row (sequential writes, reads from cache-resident scratch)."""
-    fb = np.float32(beta)
     for i in range(lo, hi):
         k = inv[i]
         w = sw[k]
         keys[i] = skey[k]
         lengths[i] = nv[k]
         probabilities[i] = w / total
-        if prioritized:  # (min w / w) ** beta, the ratio in float64, the power in float32 (as the selector's)
-            weights[i] = np.float32(wmin / w) ** fb
-        else:
-            weights[i] = 1.0
+        # prioritized: the ratio min w / w (float64, stored as float32); the caller raises it to beta in one
+        # vectorised numpy power, as the selector does (a scalar powf here costs ~20 ns an item)
+        weights[i] = wmin / w if prioritized else 1.0
         _mask_row(mask, i, pf[k], pf[k] + nv[k], window)
 
 
 @njit(cache=True, parallel=True)
 def sample_proportional(tree, uniforms, place_u, start, length, generation, times_sampled, key_head, gen_shift,
-                        gen_mask, capacity, window, align_code, wmin, beta, prioritized, addrs, step_bytes, outs,
+                        gen_mask, capacity, window, align_code, wmin, prioritized, addrs, step_bytes, outs,
                         mask, keys, lengths, probabilities, weights):
     """Draw ``len(uniforms)`` slots from ``tree`` and fill a batch with them, in one call.
 
     Row ``i`` of the batch is the slot ``uniforms[i]`` selects (as :func:`priority_draw.draw`): its key
     (``key_head | generation << gen_shift | slot``), window (placed by ``align_code``, ``place_u[i]`` for
     random alignment, as ``gather.fill_choices``), real steps, probability ``w / total``, importance weight
-    (``prioritized``: ``(wmin / w) ** beta`` in float32, else 1) and mask row; the window's steps are copied
-    from the column rings at ``addrs`` (``step_bytes[c]`` bytes a step, ``capacity`` steps, kept mapped by
-    the caller) into ``outs`` (flat byte views of the batch columns). Each draw adds one to
-    ``times_sampled`` of its slot. The table is trusted (placements lie in the ring).
+    (``prioritized``: the ratio ``wmin / w`` as float32, for the caller to raise to ``beta``; else 1) and
+    mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
+    step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
+    columns). Each draw adds one to ``times_sampled`` of its slot. The table is trusted (placements lie in the ring).
 
     Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
     ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
@@ -131,15 +129,15 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, time
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
         chunks = max(2, min(64, nb // 1024))
         for t in prange(chunks):
-            _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin, beta,
-                           prioritized, window, keys, lengths, probabilities, weights, mask)
+            _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin, prioritized,
+                           window, keys, lengths, probabilities, weights, mask)
     else:
         if nb >= DRAW_PIPE:
             _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
         _place_run(sslots, 0, nb, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, place_u, order, skey, sw, ws, nv, pf)
-        _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, beta, prioritized, window, keys, lengths,
-                       probabilities, weights, mask)
+        _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
+                       weights, mask)
         if nb * row_bytes < SERIAL_BYTES:
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
         else:  # runs of >= 32 windows, so each run prefetches ahead of itself
