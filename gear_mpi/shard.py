@@ -9,11 +9,11 @@ import numpy as np
 from .batch import Batch
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
-from .kernels import ring
+from .kernels import local_sample, ring
 from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .memory import memory_kind
 from .priority_index import DevicePriorityIndex, PriorityIndex
-from .selectors import Selector, Uniform, rank_by_priority
+from .selectors import Prioritized, Selector, Uniform, rank_by_priority
 from .shard_insert import ShardInsert
 from .shard_state import ShardState
 from .spec import TrajectorySpec, validate_priorities
@@ -81,6 +81,7 @@ class Shard(ShardState, ShardInsert):
         self.samples_drawn = 0
         self.stale_updates = 0
         self._addresses = None
+        self._fused = None  # whether samples go through one kernel (see _one_call)
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -253,6 +254,8 @@ class Shard(ShardState, ShardInsert):
         if batch_size > 0:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
+        if batch_size > 0 and self._one_call():
+            return self._sample_one_call(batch, batch_size, window, code)
         slots = self.select(batch_size)
         choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
         keys, probabilities, weights, lengths = batch.meta_numpy()
@@ -261,6 +264,31 @@ class Shard(ShardState, ShardInsert):
                                           window, batch._mask_np, keys, lengths, probabilities)
         weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
+        return batch
+
+    def _one_call(self) -> bool:
+        """Whether a sample can go through one kernel (:mod:`~gear_mpi.kernels.local_sample`): a host index,
+        Uniform or Prioritized exactly (their weights are known), no use limit, memory columns."""
+        if self._fused is None:
+            self._fused = (isinstance(self.index, PriorityIndex) and type(self.selector) in (Uniform, Prioritized)
+                           and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped"))
+        return self._fused
+
+    def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
+        st = self.store
+        sel = self.selector
+        uniforms = self.rng.random(b)  # the same stream as select + make_choices: draws, then placements
+        place_u = self.rng.random(b) if code == 0 else _NO_UNIFORMS
+        keys, probabilities, weights, lengths = batch.meta_numpy()
+        prioritized = type(sel) is Prioritized
+        local_sample.sample_proportional(
+            self.index._arrays, uniforms, place_u, st.start, st.length, st.generation, st.times_sampled,
+            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
+            self.index.min_positive if prioritized else 1.0, prioritized, self.column_addresses()[0],
+            self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
+        if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
+            np.power(weights, np.float32(sel.beta), out=weights)
+        self.samples_drawn += b
         return batch
 
     def make_choices(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
@@ -334,12 +362,18 @@ class Shard(ShardState, ShardInsert):
             InvalidKeyError: a key of another shard or replay (nothing changed).
         """
         self._check_open()
-        slots, live = self.store.resolve(keys)
-        self.stale_updates += int((~live).sum())
-        s, pr = slots[live], priorities[live]
-        self.store.priority[s] = pr
-        if self.index is not None:
-            self.index.set(s, self.selector.weights(pr))
+        st = self.store
+        keys = np.ascontiguousarray(keys, np.int64)
+        n = len(keys)
+        slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
+        pr = np.ascontiguousarray(priorities, np.float64)
+        applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.generation, st.alive,
+                                                     ring.LIVE, st.priority, slots, values, live)
+        if foreign >= 0:
+            st.resolve(keys[foreign:foreign + 1])  # raises InvalidKeyError, naming what is wrong with the key
+        self.stale_updates += n - applied
+        if self.index is not None and applied:
+            self.index.set(slots[:applied], self.selector.weights(values[:applied]))
         return live
 
     def get(self, key: int) -> dict[str, np.ndarray]:

@@ -12,8 +12,11 @@ path that inter-node windows take) and local; uniform and prioritized (0.6, 0.4)
 Delivered GB/s = K * (32 x 1000 x 61 bytes) * calls / elapsed wall time (rank 0 prints).
 W2: gm.Shard(Prioritized) with N length-1 items; one step = sample(B, 1, out=batch) +
 update_priorities(batch.keys, new priorities).
-W3: the shard's priority index (gear_mpi.selectors.PriorityIndex): draw B + set B per step
-("draw+set"), and the same plus probabilities and importance weights ("+IS weights"),
+W3: through the public API, as W2 with one float32 per item: gm.Shard(Prioritized) holding N
+length-1 items, one step = sample(B, 1, out=batch) + update_priorities(batch.keys, new priorities)
+("Shard(Prioritized) sample+update", the row compare_peers' ratios use); and, for information,
+the shard's internal priority index alone (gear_mpi.priority_index.PriorityIndex): draw B + set B
+per step ("draw+set"), and the same plus probabilities and importance weights ("+IS weights"),
 as scripts/bench/bench_shard.py does.
 """
 from __future__ import annotations
@@ -137,16 +140,48 @@ def w2(cfg: dict) -> None:
     shard.close()
 
 
+W3_SHARD = "Shard(Prioritized) sample+update"
+
+
+def w3_shard(n: int, b: int, cfg: dict) -> None:
+    """W3 through the public API: a Shard of ``n`` one-float items, sample(B, 1, out=) + update_priorities."""
+    spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
+    t0 = time.perf_counter()
+    shard = gm.Shard(spec, n, gm.Prioritized(ALPHA, BETA), seed=0)
+    chunk = 10_000_000
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        shard.insert_packed({"x": np.arange(lo, hi, dtype=np.float32)}, np.ones(hi - lo, np.int64),
+                            initial_priorities(n)[lo:hi])
+    fill_s = time.perf_counter() - t0
+    rng = np.random.default_rng(3)
+    new_p = rng.random(b) + 0.01
+    batch = shard.sample(b, 1)
+
+    def step():
+        shard.sample(b, 1, out=batch)
+        shard.update_priorities(batch.keys, new_p)
+
+    r = steady_loop(step, cfg["seconds"], min_calls=3, warmup=2, warmup_s=cfg.get("warmup_s", 0.5))
+    emit({"workload": "W3", "peer": PEER, "variant": W3_SHARD, "sampler": "prioritized",
+          "threads": cfg.get("threads"), "clients": 1, "B": b, "N": n, "step_bytes": 4, **r, "bytes_per_call": 4 * b,
+          "fill_s": fill_s, "version": version()})
+    shard.close()
+
+
 def w3(cfg: dict) -> None:
     from gear_mpi.priority_index import PriorityIndex
 
     b = int(cfg["B"])
     sel = gm.Prioritized(ALPHA, BETA)
     for n in cfg["Ns"]:
-        need = int(8.3 * n) + 16 * min(n, 10_000_000) + 8 * n
+        # shard: ring 4 B, table ~65 B, index ~9.3 B an item, plus the fill's priorities; index alone: less
+        need = 80 * n + 16 * min(n, 10_000_000)
         if available_bytes() and need * 1.5 > available_bytes():
-            fail("W3", PEER, f"skipped: needs about {need / 2**30:.1f} GiB", B=b, N=n)
+            fail("W3", PEER, f"skipped: needs about {need / 2**30:.1f} GiB", B=b, N=n, variant=W3_SHARD)
             continue
+        w3_shard(n, b, cfg)
+        gc.collect()
         t0 = time.perf_counter()
         idx = PriorityIndex(n)
         p0 = initial_priorities(n)

@@ -1,0 +1,186 @@
+"""One-call sampling from, and priority updates of, a shard's own host priority index (CPU kernels).
+
+A :class:`~gear_mpi.shard.Shard` with a Uniform or Prioritized selector on a host index
+draws, describes and copies a batch in one kernel call (:func:`sample_proportional`)
+instead of a chain of them (draw, choices, importance weights, gather, use counts) with
+Python and temporaries in between. The draw is :mod:`priority_draw`'s, bit for bit
+(the same slot for every uniform); keys, placements, probabilities, importance weights,
+mask and data are what ``gather.fill_choices``, the selector and
+``gather.gather_from_owners`` give, for the same rows.
+
+Large batches are drawn in ascending order of their uniforms (``priority_draw``'s runs);
+each run then reads the table rows, leaves and ring steps of its items in ascending slot
+order, on the thread that drew them, into scratch arrays in that sorted order; the batch
+rows are finally written in draw order from the scratch. So the batch is in draw order,
+exactly as before, while the random reads of the big arrays go in address order.
+
+Updates (:func:`resolve_live`) check every key, then resolve them, drop stale ones and
+write the raw priorities in one pass, producing the compacted slots the index update takes.
+Table arrays may have any integer dtypes (they are read, never assumed int64).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
+from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement
+from .hints import prefetch as _prefetch
+from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _sort_order, draw_one
+
+AHEAD = 16  # table rows requested this many items ahead
+
+
+@njit(cache=True, inline="always")
+def _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity, window,
+               align_code, place_u, order, skey, sw, ws, nv, pf):
+    """Items ``lo:hi`` in draw-sorted order (slot ``sslots[k]``, batch row ``order[k]``): key, leaf weight and
+    window placement into the scratch arrays, at ``k`` (sequential writes; table rows read in slot order)."""
+    for k in range(lo, hi):
+        if k + AHEAD < hi:  # table rows of a later item, asked for while this one is served
+            t = sslots[k + AHEAD]
+            _prefetch(start, t)
+            _prefetch(length, t)
+            _prefetch(generation, t)
+        s = sslots[k]
+        sw[k] = leaves[s]
+        skey[k] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
+        u = place_u[order[k]] if align_code == 0 else 0.0
+        a, b, c = _placement(start[s], length[s], window, align_code, u)
+        ws[k] = a % capacity
+        nv[k] = b
+        pf[k] = c
+
+
+@njit(cache=True, inline="always")
+def _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi):
+    for c in range(step_bytes.shape[0]):
+        _gather_run(addrs[c], capacity, step_bytes[c], ws, nv, pf, order, outs[c], window * step_bytes[c], lo, hi)
+
+
+@njit(cache=True, inline="always")
+def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
+                   weights, mask):
+    """Batch rows ``lo:hi`` from the scratch arrays (row ``i`` is sorted item ``inv[i]``): key, real steps,
+    probability, importance weight and mask row (sequential writes, reads from cache-resident scratch)."""
+    for i in range(lo, hi):
+        k = inv[i]
+        w = sw[k]
+        keys[i] = skey[k]
+        lengths[i] = nv[k]
+        probabilities[i] = w / total
+        # prioritized: the ratio min w / w (float64, stored as float32); the caller raises it to beta in one
+        # vectorised numpy power, as the selector does (a scalar powf here costs ~20 ns an item)
+        weights[i] = wmin / w if prioritized else 1.0
+        _mask_row(mask, i, pf[k], pf[k] + nv[k], window)
+
+
+@njit(cache=True, parallel=True)
+def sample_proportional(tree, uniforms, place_u, start, length, generation, times_sampled, key_head, gen_shift,
+                        gen_mask, capacity, window, align_code, wmin, prioritized, addrs, step_bytes, outs,
+                        mask, keys, lengths, probabilities, weights):
+    """Draw ``len(uniforms)`` slots from ``tree`` and fill a batch with them, in one call.
+
+    Row ``i`` of the batch is the slot ``uniforms[i]`` selects (as :func:`priority_draw.draw`): its key
+    (``key_head | generation << gen_shift | slot``), window (placed by ``align_code``, ``place_u[i]`` for
+    random alignment, as ``gather.fill_choices``), real steps, probability ``w / total``, importance weight
+    (``prioritized``: the ratio ``wmin / w`` as float32, for the caller to raise to ``beta``; else 1) and
+    mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
+    step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
+    columns). Each draw adds one to ``times_sampled`` of its slot. The table is trusted (placements lie in the ring).
+
+    Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
+    ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
+    order from O(B) scratch; parallel from ``DRAW_THREADS_MIN`` items (small batches copy in parallel from
+    ``SERIAL_BYTES``). The caller guarantees a positive total.
+    """
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
+    nb = uniforms.shape[0]
+    total = prefix[l2_sum.shape[0]]
+    sslots = np.empty(nb, np.int64)
+    skey = np.empty(nb, np.int64)
+    sw = np.empty(nb, np.float64)
+    ws = np.empty(nb, np.int64)
+    nv = np.empty(nb, np.int64)
+    pf = np.empty(nb, np.int64)
+    ident = np.arange(nb)  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
+    if nb < DRAW_PIPE:
+        order = ident
+        skeys = uniforms
+        for i in range(nb):
+            sslots[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
+        inv = order
+    else:
+        order, skeys = _sort_order(uniforms)
+        inv = np.empty(nb, np.int64)
+        for k in range(nb):
+            inv[order[k]] = k
+    row_bytes = 0
+    for c in range(step_bytes.shape[0]):
+        row_bytes += window * step_bytes[c]
+    if nb >= DRAW_THREADS_MIN:  # draw, place and copy each run of sorted uniforms on one thread
+        runs = max(2, min(DRAW_RUNS, nb // 256))
+        for t in prange(runs):
+            lo = t * nb // runs
+            hi = (t + 1) * nb // runs
+            _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
+            _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
+                       window, align_code, place_u, order, skey, sw, ws, nv, pf)
+            _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
+        chunks = max(2, min(64, nb // 1024))
+        for t in prange(chunks):
+            _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin, prioritized,
+                           window, keys, lengths, probabilities, weights, mask)
+    else:
+        if nb >= DRAW_PIPE:
+            _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
+        _place_run(sslots, 0, nb, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
+                   window, align_code, place_u, order, skey, sw, ws, nv, pf)
+        _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
+                       weights, mask)
+        if nb * row_bytes < SERIAL_BYTES:
+            _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
+        else:  # runs of >= 32 windows, so each run prefetches ahead of itself
+            chunks = max(1, min(64, nb // 32))
+            for t in prange(chunks):
+                _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, t * nb // chunks,
+                          (t + 1) * nb // chunks)
+    for k in range(nb):
+        times_sampled[sslots[k]] += 1
+
+
+@njit(cache=True)
+def resolve_live(keys, priorities, tag, rank, max_items, generation, alive, live_code, priority, slots_out, values_out,
+                 live):
+    """Resolve ``keys`` of one shard and write the priorities of the live ones: ``priority[slot] =
+    priorities[i]``; the live slots, compacted in key order, go to ``slots_out`` and their priorities to
+    ``values_out``; ``live[i]`` tells whether key ``i`` was live (``alive[slot] == live_code``, same
+    generation). Nothing is written unless every key is this shard's.
+
+    Returns:
+        ``(applied count, -1)``, or ``(0, index of the first foreign key)`` (negative, another tag or
+        rank, or a slot past ``max_items``) with nothing written. O(B), two passes (checks, then writes).
+    """
+    n = keys.shape[0]
+    for i in range(n):
+        k = keys[i]
+        if k < 0 or ((k >> _TAG_SHIFT) & TAG_MASK) != tag or ((k >> _RANK_SHIFT) & RANK_MASK) != rank \
+                or (k & SLOT_MASK) >= max_items:
+            return 0, i
+    m = 0
+    for i in range(n):
+        if i + AHEAD < n:
+            t = keys[i + AHEAD] & SLOT_MASK
+            _prefetch(generation, t)
+            _prefetch(alive, t)
+            _prefetch(priority, t)
+        k = keys[i]
+        s = k & SLOT_MASK
+        ok = alive[s] == live_code and (generation[s] & GEN_MASK) == ((k >> _GEN_SHIFT) & GEN_MASK)
+        live[i] = ok
+        if ok:
+            priority[s] = priorities[i]
+            slots_out[m] = s
+            values_out[m] = priorities[i]
+            m += 1
+    return m, -1

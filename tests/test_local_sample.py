@@ -1,0 +1,65 @@
+"""The one-call sample and update of a shard's own host index (gear_mpi.kernels.local_sample) give what
+the general path (select, make_choices, gather_from_owners, apply_priorities' old steps) gives: the same
+rows, keys, probabilities, masks and data for the same seed, the same use counts and index afterwards."""
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi.shard import Shard
+
+
+def _fill(sh, n, maxlen, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, maxlen + 1, n)
+    sh.insert_packed({"obs": rng.standard_normal((lengths.sum(), 3)).astype(np.float32),
+                      "r": np.arange(lengths.sum(), dtype=np.int32)}, lengths, rng.random(n) + 0.1)
+
+
+def _shard(sel, n=400, maxlen=5):
+    """A shard whose ring has wrapped (windows that wrap, evicted items)."""
+    spec = gm.TrajectorySpec({"obs": ((3,), "float32"), "r": ((), "int32")}, max_length=maxlen)
+    sh = Shard(spec, 1500, sel, seed=5, tag=7, rank=3)
+    _fill(sh, n, maxlen, 0)
+    _fill(sh, n, maxlen, 1)
+    return sh
+
+
+@pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
+@pytest.mark.parametrize("b", [1, 31, 32, 300, 4000])
+def test_one_call_matches_the_general_path(sel, b):
+    for window, align in ((1, "random"), (3, "random"), (4, "head"), (5, "tail")):
+        fast, slow = _shard(sel), _shard(sel)
+        assert fast._one_call()
+        slow._fused = False  # the general path
+        for _ in range(2):
+            bf, bs = fast.sample(b, window, align), slow.sample(b, window, align)
+            for got, want in ((bf["obs"], bs["obs"]), (bf["r"], bs["r"]), (bf.mask, bs.mask), (bf.keys, bs.keys),
+                              (bf.lengths, bs.lengths), (bf.probabilities, bs.probabilities)):
+                np.testing.assert_array_equal(got.numpy(), want.numpy())
+            np.testing.assert_allclose(bf.weights.numpy(), bs.weights.numpy(), rtol=1e-6)
+            np.testing.assert_array_equal(fast.store.times_sampled, slow.store.times_sampled)
+            new = np.random.default_rng(b).random(b) + 0.01
+            assert fast.update_priorities(bf.keys, new) == slow.update_priorities(bs.keys, new)
+            np.testing.assert_array_equal(fast.index.leaves, slow.index.leaves)
+            np.testing.assert_array_equal(fast.store.priority, slow.store.priority)
+        assert fast.stats() == slow.stats()
+
+
+def test_one_call_only_where_it_applies(tmp_path):
+    spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
+    assert Shard(spec, 10, gm.Prioritized())._one_call()
+    assert not Shard(spec, 10, gm.Prioritized(), max_times_sampled=2)._one_call()
+    assert not Shard(spec, 10, gm.Fifo())._one_call()
+    assert not Shard(spec, 10, gm.Uniform(), memory="file", path=tmp_path)._one_call()
+
+
+def test_update_with_stale_and_foreign_keys():
+    sh = _shard(gm.Prioritized(1.0, 1.0))
+    b = sh.sample(20, 1)
+    keys = b.keys.numpy().copy()
+    with pytest.raises(gm.InvalidKeyError):
+        sh.update_priorities(np.concatenate([keys, [keys[0] ^ (1 << 62)]]), np.ones(21))
+    assert sh.stale_updates == 0 and np.isclose(sh.priorities(keys), sh.store.priority[keys & ((1 << 27) - 1)]).all()
+    for seed in range(4):  # evicts every item sampled above
+        _fill(sh, 300, 5, 10 + seed)
+    assert sh.update_priorities(keys, np.full(20, 2.0)) == 0 and sh.stale_updates == 20
