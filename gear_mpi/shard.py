@@ -282,7 +282,7 @@ class Shard(ShardState, ShardInsert):
         keys, probabilities, weights, lengths = batch.meta_numpy()
         prioritized = type(sel) is Prioritized
         local_sample.sample_proportional(
-            self.index._arrays, uniforms, place_u, st.start, st.length, st.generation, st.times_sampled,
+            self.index._arrays, uniforms, place_u, st.start, st.length, st.status,
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
             self.index.min_positive if prioritized else 1.0, prioritized, self.column_addresses()[0],
             self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
@@ -367,8 +367,10 @@ class Shard(ShardState, ShardInsert):
         n = len(keys)
         slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
         pr = np.ascontiguousarray(priorities, np.float64)
-        applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.generation, st.alive,
-                                                     ring.LIVE, st.priority, slots, values, live)
+        raw = st.priority if isinstance(st.priority, np.ndarray) else _NO_UNIFORMS  # derived or none: not kept
+        applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.status,
+                                                     ring.ALIVE_SHIFT, ring.LIVE, raw, raw is not _NO_UNIFORMS,
+                                                     slots, values, live)
         if foreign >= 0:
             st.resolve(keys[foreign:foreign + 1])  # raises InvalidKeyError, naming what is wrong with the key
         self.stale_updates += n - applied

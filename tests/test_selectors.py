@@ -119,7 +119,10 @@ def test_prioritized_after_update_priorities(shard_factory, spec, make_traj):
     new = rng.uniform(0.0, 8.0, len(changed))
     new[0] = 0.0
     assert shard.update_priorities(changed, new) == len(changed)
-    np.testing.assert_array_equal(shard.priorities(changed), new)
+    # raw priorities are read back from the index's p ** alpha (not stored: table_layout.DerivedPriority):
+    # within a few ulps of what was set, and 0 exactly
+    np.testing.assert_allclose(shard.priorities(changed), new, rtol=4 * np.finfo(np.float64).eps, atol=0)
+    assert shard.priorities(changed)[0] == 0.0
     check_prioritized(shard, keys, alpha, beta, 60_000)
     # priorities sampled by a batch can be fed straight back (torch tensors)
     b = shard.sample(64, window=1)

@@ -76,7 +76,7 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
 
 
 @njit(cache=True, parallel=True)
-def sample_proportional(tree, uniforms, place_u, start, length, generation, times_sampled, key_head, gen_shift,
+def sample_proportional(tree, uniforms, place_u, start, length, generation, key_head, gen_shift,
                         gen_mask, capacity, window, align_code, wmin, prioritized, addrs, step_bytes, outs,
                         mask, keys, lengths, probabilities, weights):
     """Draw ``len(uniforms)`` slots from ``tree`` and fill a batch with them, in one call.
@@ -87,7 +87,9 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, time
     (``prioritized``: the ratio ``wmin / w`` as float32, for the caller to raise to ``beta``; else 1) and
     mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
     step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
-    columns). Each draw adds one to ``times_sampled`` of its slot. The table is trusted (placements lie in the ring).
+    columns). Uses are not counted (the caller takes this path only without ``max_times_sampled``, where the
+    table keeps no use counts). ``generation`` may be the table's ``status`` row: ``gen_mask`` keeps its
+    generation bits. The table is trusted (placements lie in the ring).
 
     Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
     ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
@@ -145,17 +147,16 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, time
             for t in prange(chunks):
                 _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, t * nb // chunks,
                           (t + 1) * nb // chunks)
-    for k in range(nb):
-        times_sampled[sslots[k]] += 1
 
 
 @njit(cache=True)
-def resolve_live(keys, priorities, tag, rank, max_items, generation, alive, live_code, priority, slots_out, values_out,
-                 live):
-    """Resolve ``keys`` of one shard and write the priorities of the live ones: ``priority[slot] =
-    priorities[i]``; the live slots, compacted in key order, go to ``slots_out`` and their priorities to
-    ``values_out``; ``live[i]`` tells whether key ``i`` was live (``alive[slot] == live_code``, same
-    generation). Nothing is written unless every key is this shard's.
+def resolve_live(keys, priorities, tag, rank, max_items, status, alive_shift, live_code, priority, keep_raw,
+                 slots_out, values_out, live):
+    """Resolve ``keys`` of one shard and, where the table keeps raw priorities (``keep_raw``), write those
+    of the live ones: ``priority[slot] = priorities[i]``; the live slots, compacted in key order, go to
+    ``slots_out`` and their priorities to ``values_out``; ``live[i]`` tells whether key ``i`` was live
+    (``status[slot] >> alive_shift == live_code``, and the key's generation in ``status``'s low bits).
+    Nothing is written unless every key is this shard's.
 
     Returns:
         ``(applied count, -1)``, or ``(0, index of the first foreign key)`` (negative, another tag or
@@ -171,15 +172,17 @@ def resolve_live(keys, priorities, tag, rank, max_items, generation, alive, live
     for i in range(n):
         if i + AHEAD < n:
             t = keys[i + AHEAD] & SLOT_MASK
-            _prefetch(generation, t)
-            _prefetch(alive, t)
-            _prefetch(priority, t)
+            _prefetch(status, t)
+            if keep_raw:
+                _prefetch(priority, t)
         k = keys[i]
         s = k & SLOT_MASK
-        ok = alive[s] == live_code and (generation[s] & GEN_MASK) == ((k >> _GEN_SHIFT) & GEN_MASK)
+        st = np.int64(status[s])
+        ok = (st >> alive_shift) == live_code and (st & GEN_MASK) == ((k >> _GEN_SHIFT) & GEN_MASK)
         live[i] = ok
         if ok:
-            priority[s] = priorities[i]
+            if keep_raw:
+                priority[s] = priorities[i]
             slots_out[m] = s
             values_out[m] = priorities[i]
             m += 1
