@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "libpmix-dev")  # libpmix-dev: srun --mpi=pmix
 DAEMONS = ("munged", "slurmctld", "slurmd")
 MARKER = "GEAR_LOCAL_SLURM_DIR"   # put in the daemons' environment; slurmstepd inherits it
 PARTITION = "debug"

@@ -88,6 +88,8 @@ def test_rate_limiter_bounds_hold_with_writers_at_varying_speeds():
                 assert lo <= diff <= hi, (diff, lo, hi, total)
             if total["inserted"] == expected:
                 break
+            if expected * spi - total["sampled"] - 3 * COMM.size < lo:
+                continue  # even every insert still to come could not admit another call: let the writers finish
             replay.sample(3, window=2)  # waits (draining) while the ratio is above its band
             calls += 1
         for p in procs:
