@@ -330,7 +330,33 @@ def remove_leaked_mpich_segments(since: float, prefixes: tuple[str, ...] = ("mpi
                 removed.append(name)
         except OSError:
             continue
+    # hydra's topology file (``mpiexec`` removes it at exit, a killed one cannot), once no hydra runs
+    if not _hydra_running():
+        tmp = tempfile.gettempdir()
+        for name in os.listdir(tmp):
+            path = os.path.join(tmp, name)
+            try:
+                if name.startswith("hydra_hwloc_xmlfile_") and os.stat(path).st_mtime >= since - 1:
+                    os.unlink(path)
+                    removed.append(name)
+            except OSError:
+                continue
     return removed
+
+
+def _hydra_running() -> bool:
+    """Whether some process of this machine is MPICH's hydra (``mpiexec``/``mpiexec.hydra``/its proxy)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if comm.startswith(("mpiexec", "hydra_pmi_proxy")):
+            return True
+    return False
 
 
 def _session_dirs(uid: int) -> list[str]:
