@@ -41,7 +41,9 @@ def test_soak_ten_seconds_memory_flat():
     table = rows(proc.stdout)
     assert len(table) >= 8, out
     time_s, inserts, samples, updates, mbps, rss, items = zip(*table)
-    assert list(time_s) == sorted(time_s) and time_s[-1] >= 9.5, out
+    # rows come every interval from the first one (when the replay is full), so the last lies within one
+    # interval of the end
+    assert list(time_s) == sorted(time_s) and time_s[-1] >= 9.0, out
     assert all(x > 0 for x in inserts[1:]) and all(x > 0 for x in samples[1:]) and all(x > 0 for x in mbps[1:])
     assert "full after" in proc.stdout and "# memory: flat" in proc.stdout, out
     growth = float(re.search(r"growth after capacity: ([+-][\d.]+) MiB", proc.stdout).group(1))
