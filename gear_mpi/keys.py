@@ -115,35 +115,3 @@ def encode_slots(tag, rank, slots, generation, out):
     for i in range(slots.shape[0]):
         s = slots[i]
         out[i] = head | ((generation[s] & GEN_MASK) << _GEN_SHIFT) | s
-
-
-@njit(cache=True)
-def resolve_keys(keys, tag, rank, max_items, generation, alive, live_code, slots, live):
-    """Slots of this shard's keys and whether each is live. O(B), one pass (numba).
-
-    A key is live when ``alive[slot] == live_code`` and its generation matches the slot's.
-
-    Args:
-        keys: int64 keys.
-        tag: this replay's key tag.
-        rank: this shard's rank.
-        max_items: this shard's slots.
-        generation: the table's generation of every slot (int64).
-        alive: the table's state of every slot (uint8).
-        live_code: the ``alive`` value of a live slot.
-        slots: an int64 array of ``len(keys)`` to fill with each key's slot.
-        live: a bool array of ``len(keys)`` to fill with each key's liveness.
-
-    Returns:
-        The index of the first key that is not this shard's (negative, out of range, another tag or
-        rank), or -1; nothing is filled past it.
-    """
-    for i in range(keys.shape[0]):
-        k = keys[i]
-        s = k & SLOT_MASK
-        if k < 0 or ((k >> _TAG_SHIFT) & TAG_MASK) != tag or ((k >> _RANK_SHIFT) & RANK_MASK) != rank \
-                or s >= max_items:
-            return i
-        slots[i] = s
-        live[i] = alive[s] == live_code and (generation[s] & GEN_MASK) == ((k >> _GEN_SHIFT) & GEN_MASK)
-    return -1
