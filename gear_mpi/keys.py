@@ -100,7 +100,7 @@ def as_key_array(keys) -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def encode_slots(tag, rank, slots, generation, out):
     """``out[i]`` = the key of ``slots[i]``, its generation read from the table. O(B), one pass (numba).
 

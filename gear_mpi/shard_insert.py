@@ -177,7 +177,7 @@ def check_lengths(lengths: Any, max_length: int) -> np.ndarray:
     return arr
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _first_bad_length(lengths, max_length):
     """The index of the first length outside ``[1, max_length]``, or -1 (one pass, no temporaries)."""
     for i in range(lengths.shape[0]):

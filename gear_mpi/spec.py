@@ -219,7 +219,7 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _copy_checked(src, out):
     """``out[:] = src + 0.0`` (-0.0 made +0.0) while checking each value is finite and >= 0;
     returns the index of the first that is not (nothing is promised about ``out`` then), or -1."""

@@ -84,7 +84,7 @@ def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple
     return slots, evicted
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def set_inserted_leaves(leaves, slots, weights, evicted, status, alive_shift, dead):
     """Write a batch's weights into an index's ``leaves`` and zero the evicted slots it did not reuse;
     return how many leaves changed (none: the levels above need no rebuild).

@@ -77,7 +77,7 @@ def _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
                         t * b // chunks, (t + 1) * b // chunks)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window):
     """Copy windows into ``out`` (bytes, ``[B * window * step_bytes]``), in parallel over windows.
 
@@ -98,7 +98,7 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def gather_columns(srcs, step_bytes, capacity, starts, n_valid, pad_front, out_rows, outs, window, mask):
     """:func:`gather_windows` for every column at once (``srcs``/``outs``: tuples of byte arrays,
     ``step_bytes[c]`` bytes per step of column ``c``), then the mask rows (:func:`fill_mask`) when
@@ -124,7 +124,7 @@ def _mask_row(mask, row, lo, hi, window):
         mask[row, t] = lo <= t and t < hi
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def fill_mask(n_valid, pad_front, out_rows, mask):
     """``mask[row, t]`` is True where step ``t`` of the row is a real step. Cost: O(B * window)."""
     window = mask.shape[1]
@@ -164,7 +164,7 @@ def _place_one_values(i, start, length, window, align_code, uniforms, win_start,
     win_start[i], n_valid[i], pad_front[i] = _placement(start, length, window, align_code, u)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def place_slots(slots, start, length, capacity, window, align_code, uniforms, win_start, n_valid, pad_front):
     """:func:`place_windows` for table ``slots`` (their ``start`` and ``length`` read here), with
     ``win_start`` wrapped into the ring. O(B), serial (one pass, no temporaries)."""
@@ -174,7 +174,7 @@ def place_slots(slots, start, length, capacity, window, align_code, uniforms, wi
         win_start[i] %= capacity
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def place_windows(starts, lengths, window, align_code, uniforms, win_start, n_valid, pad_front):
     """Where each window lies: ring step it starts at, real steps, leading padding.
 
@@ -212,7 +212,7 @@ def choice_records(words: np.ndarray) -> np.ndarray:
     return words.view(CHOICE).reshape(words.shape[0])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def fill_choices(slots, start, length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
                  uniforms, leaves, total, choices, weights):
     """Owner side: the choice of each chosen slot in ``choices`` (``[B, CHOICE_WIDTH]`` int64): key,
@@ -301,7 +301,7 @@ def _copy_window_from(base, capacity, step_bytes, start, nv, front_steps, out, r
         _memzero(out, o, end - o)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, choices, outs, window, mask, keys,
                        lengths, probabilities):
     """Requester side: the rows of a batch from the choices its owners sent (``choices``,

@@ -58,7 +58,7 @@ def _fence(typingctx):
     return sig, codegen
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def publish(flag, value):
     """``flag[0] = value`` after every earlier load and store of this process (a full fence first):
     a reader in another process that sees ``value`` sees all that came before it."""
@@ -66,7 +66,7 @@ def publish(flag, value):
     flag[0] = value
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def fence():
     """A full memory fence: nothing after it is done before everything before it."""
     _fence()

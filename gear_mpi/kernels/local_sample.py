@@ -75,7 +75,7 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
         _mask_row(mask, i, pf[k], pf[k] + nv[k], window)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def sample_proportional(tree, uniforms, place_u, start, length, generation, key_head, gen_shift,
                         gen_mask, capacity, window, align_code, wmin, prioritized, addrs, step_bytes, outs,
                         mask, keys, lengths, probabilities, weights):
@@ -149,7 +149,7 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
                           (t + 1) * nb // chunks)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def resolve_live(keys, priorities, tag, rank, max_items, status, alive_shift, live_code, priority, keep_raw,
                  slots_out, values_out, live):
     """Resolve ``keys`` of one shard and, where the table keeps raw priorities (``keep_raw``), write those

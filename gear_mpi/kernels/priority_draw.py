@@ -93,7 +93,7 @@ def draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, u):
     return leaf
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sort_order(uniforms):
     """``(order, keys)``: indices of ``uniforms`` in ascending order and the sorted values.
 
@@ -163,7 +163,7 @@ def _resumable_scan(sums, lo, hi, r, block, cur, pos, acc0, last0):
     return -1, acc, last
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
     """Draws ``keys[lo:hi]`` (ascending uniforms) in one pass; draw ``k`` goes to ``out[order[k]]``.
 
@@ -230,7 +230,7 @@ def _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
             out[order[k]] = leaf
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def draw(tree, uniforms, out):
     """Batched proportional draws with replacement from ``tree`` (a :class:`Tree`, or the plain
     tuple of its arrays): ``out[i]`` is the leaf chosen by ``uniforms[i]``.

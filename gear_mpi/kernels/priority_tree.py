@@ -83,7 +83,7 @@ def _children_sum_min(sums, mins, lo, hi):
     return s, m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rebuild_prefix(l2_sum, prefix):
     acc = 0.0
     prefix[0] = 0.0
@@ -92,7 +92,7 @@ def _rebuild_prefix(l2_sum, prefix):
         prefix[j + 1] = acc
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def rebuild(tree):
     """Recompute every level of ``tree`` (a :class:`Tree`, or the plain tuple of its arrays) from its
     leaves. Cost: O(n) reads, parallel."""
@@ -186,7 +186,7 @@ def _finish_blocks(leaves, l0_sum, l1_sum, l1_min, flags1, slots, lo, hi, blocks
         flags1[b] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values):
     """Small batches: write leaves in order, recount each touched line and block. O(B)."""
     n1 = l1_sum.shape[0]
@@ -207,7 +207,7 @@ def _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, 
         flags2[slots[i] // FANOUT2] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _group_by_top(slots, values, n2, bounds, gslots, gvalues):
     """Stable counting sort of (slot, value) pairs by level-2 block. O(B + n2), serial.
 
@@ -231,7 +231,7 @@ def _group_by_top(slots, values, n2, bounds, gslots, gvalues):
     bounds[0] = 0
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def set_leaves(tree, flags1, flags2, slots, values):
     """Batched update of ``tree`` (a :class:`Tree`, or the plain tuple of its arrays):
     ``leaves[slots[i]] = values[i]`` (the last of duplicates wins).

@@ -100,7 +100,7 @@ def _set_alive(status, slot, code):
     status[slot] = (status[slot] & GEN_MASK) | (code << ALIVE_SHIFT)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _release(state, slot, start, status):
     # dead, next generation; pushed on the free stack linked through ``start``
     status[slot] = (status[slot] + 1) & GEN_MASK
@@ -109,7 +109,7 @@ def _release(state, slot, start, status):
     state[FREE_TOP] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _evict_oldest(state, capacity, n_slots, start, length, status, order):
     slot = order[state[ORDER_HEAD]]
     steps = length[slot]
@@ -224,7 +224,7 @@ def plan_insert(table, capacity, lengths, now, slots_out, evicted_out):
     return n_evicted
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _trim_ends(state, capacity, start, length, status, order):
     """Release removed trajectories sitting at either end of the order ring, with their steps."""
     n_slots = order.shape[0]
@@ -240,7 +240,7 @@ def _trim_ends(state, capacity, start, length, status, order):
         _release(state, slot, start, status)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def count_samples(table, capacity, slots, max_times):
     """Add one use to each sampled slot of ``table``; remove those that reached ``max_times`` (> 0).
 
@@ -265,7 +265,7 @@ def count_samples(table, capacity, slots, max_times):
     return removed[:k]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def live_in_order(state, status, order, newest_first, limit):
     """Up to ``limit`` live slots in insertion order (or newest first). Cost: O(scanned).
 
@@ -285,7 +285,7 @@ def live_in_order(state, status, order, newest_first, limit):
     return out[:k]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def free_stack(state, start):
     """The free slots, bottom of the stack first (as a saved ``free`` section lists them). O(free)."""
     n = state[FREE_TOP]
@@ -297,7 +297,7 @@ def free_stack(state, start):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def link_free(state, start, free):
     """Make ``free`` (bottom first) the free stack, linked through ``start``. O(free)."""
     below = -1
@@ -310,7 +310,7 @@ def link_free(state, start, free):
     state[FREE_HEAD] = below if below >= 0 else 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def resolve_keys(keys, tag, rank, max_items, status, slots, live):
     """Slots of this shard's keys and whether each is live. O(B), one pass.
 
@@ -341,7 +341,7 @@ def resolve_keys(keys, tag, rank, max_items, status, slots, live):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def seq_numbers(state, order, hwm):
     """Each slot's insertion sequence number, derived from its place in the order ring (0 for slots not in
     it); the newest has ``state[NEXT_SEQ] - 1``. O(hwm)."""
