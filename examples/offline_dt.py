@@ -239,23 +239,6 @@ def evaluate(model, cfg: Config, target: float, seeds: list[int], mean: np.ndarr
 
 # ---- the run -------------------------------------------------------------------------------------------
 
-def init_ddp(comm):
-    """A gloo process group over the ranks of ``comm``, at a free port of rank 0 agreed through MPI."""
-    import socket
-    import torch.distributed as dist
-
-    port = 0
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    hosts = comm.allgather(socket.gethostname())
-    port = comm.bcast(port, 0)
-    addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
-    return dist
-
-
 def run(cfg: Config) -> dict:
     """Make and load the dataset, train and evaluate on every rank of ``MPI.COMM_WORLD``; returns the run's
     figures (on every rank)."""
@@ -270,7 +253,8 @@ def run(cfg: Config) -> dict:
     rank, size = world.rank, world.size
     t0 = time.time()
     torch.manual_seed(cfg.seed)
-    dist = init_ddp(world)
+    gm.init_torch_process_group(world, "gloo")  # DDP's gloo group, its address agreed over MPI
+    import torch.distributed as dist
 
     # the dataset: a D4RL-layout file made by rank 0 (or given), each rank loading its share of the episodes
     levels = cfg.levels()

@@ -264,23 +264,6 @@ def actor_main(index: int, address: str, state_name: str, n_params: int, cfg: Co
 
 # ---- learner -----------------------------------------------------------------------------------------
 
-def init_ddp(comm):
-    """A gloo process group over the ranks of ``comm``, at a free port of rank 0 agreed through MPI."""
-    import socket
-    import torch.distributed as dist
-
-    port = 0
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    hosts = comm.allgather(socket.gethostname())
-    port = comm.bcast(port, 0)
-    addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
-    return dist
-
-
 def run(cfg: Config) -> dict:
     """Train on every rank of ``MPI.COMM_WORLD``; returns the run's figures (on every rank)."""
     from mpi4py import MPI
@@ -293,7 +276,8 @@ def run(cfg: Config) -> dict:
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     torch.manual_seed(cfg.seed)
-    dist = init_ddp(comm)
+    gm.init_torch_process_group(comm, "gloo")  # DDP's gloo group, its address agreed over MPI
+    import torch.distributed as dist
 
     def net():
         return nn.Sequential(nn.Linear(OBS_DIM, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, cfg.hidden),

@@ -21,10 +21,20 @@ load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): 
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``init_torch_process_group`` (comm_torch.init_process_group) is imported on first use: torch loads only
+    for jobs that ask for it."""
+    if name == "init_torch_process_group":
+        from .comm_torch import init_process_group
+        return init_process_group
+    raise AttributeError(f"module 'gear_mpi' has no attribute {name!r}")
+
+
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
            "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
            "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",
-           "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates"]
+           "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates", "init_torch_process_group"]

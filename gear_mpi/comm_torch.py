@@ -34,6 +34,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bootstrap(mpi: MpiComm, backend: str, timeout: float, host: str | None):
+    """Join the ranks of ``mpi`` in a torch.distributed group; returns ``(group, created)``.
+
+    ``created`` is True when this call initialised torch.distributed (the group is then WORLD and
+    its creator destroys it). Rank 0 broadcasts its host name and ``address:port``; a rank on the
+    same host as rank 0 connects to 127.0.0.1 (the store listens on every interface), others to
+    the address (``host``, else ``$GEAR_MPI_TORCH_HOST``, else rank 0's host name).
+    """
+    buf = np.zeros(ADDRESS_BYTES, np.uint8)
+    if mpi.rank == 0:
+        address = host or os.environ.get("GEAR_MPI_TORCH_HOST") or socket.gethostname()
+        text = f"{socket.gethostname()} {address}:{_free_port()}".encode()
+        if len(text) > ADDRESS_BYTES:
+            raise ValueError(f"torch.distributed bootstrap address too long ({len(text)} > {ADDRESS_BYTES} bytes)")
+        buf[:len(text)] = np.frombuffer(text, np.uint8)
+    text = bytes(mpi.bcast(buf, 0, "torch.distributed bootstrap (address)")).rstrip(b"\0").decode()
+    root_host, endpoint = text.split(" ", 1)
+    address, port = endpoint.rsplit(":", 1)
+    if host is None and not os.environ.get("GEAR_MPI_TORCH_HOST") and socket.gethostname() == root_host:
+        address = "127.0.0.1"
+    td = datetime.timedelta(seconds=max(timeout, 1.0))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=mpi.rank,
+                                world_size=mpi.size, timeout=td)
+        return dist.group.WORLD, True
+    if dist.get_world_size() != mpi.size:
+        raise ValueError("torch.distributed is already initialised over other ranks: pass process_group=")
+    return dist.new_group(backend=backend, timeout=td), False
+
+
+def init_process_group(comm, backend: str = "gloo", timeout: float = 60.0, host: str | None = None):
+    """Start torch.distributed over the ranks of an MPI communicator, with no launcher variables.
+
+    For DDP (or any torch collective) beside the replay in an ``mpiexec``/``srun`` job: rank 0
+    picks a free TCP port, its address travels over MPI, and every rank joins. If torch.distributed
+    is already initialised over the same number of ranks, a new group over them is made instead.
+
+    Collective over ``comm``. Cost: one 256-byte MPI broadcast, torch's TCP rendezvous (one
+    connection per rank to rank 0), one MPI barrier.
+
+    Args:
+        comm: an mpi4py communicator or :class:`~gear_mpi.comm.MpiComm` (its rank order is kept).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        timeout: seconds every rank may wait for the others (broadcast, rendezvous, barrier).
+        host: the address other hosts reach rank 0 at (default ``$GEAR_MPI_TORCH_HOST`` or rank 0's
+            host name); ranks on rank 0's host connect through 127.0.0.1.
+
+    Returns:
+        The process group: ``torch.distributed.group.WORLD`` when this call initialised
+        torch.distributed (pass nothing as ``group=`` then), else the new group.
+
+    Raises:
+        ValueError: a bad backend, or torch.distributed already initialised over another rank count.
+        CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+    """
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    mpi = comm if isinstance(comm, MpiComm) else MpiComm(comm, timeout)
+    group, _ = _bootstrap(mpi, backend, float(timeout), host)
+    mpi.barrier("torch.distributed bootstrap")
+    return group
+
+
 class TorchComm:
     """Personalised exchanges of tensors over a torch.distributed process group.
 
@@ -69,22 +132,7 @@ class TorchComm:
                 raise ValueError(f"process_group has {dist.get_world_size(process_group)} ranks, "
                                  f"the MPI communicator {self.size}")
             return
-        buf = np.zeros(ADDRESS_BYTES, np.uint8)
-        if self.rank == 0:
-            text = f"{host or os.environ.get('GEAR_MPI_TORCH_HOST') or socket.gethostname()}:{_free_port()}"
-            buf[:len(text)] = np.frombuffer(text.encode()[:ADDRESS_BYTES], np.uint8)
-        text = bytes(mpi.bcast(buf, 0, "TorchComm (address)")).rstrip(b"\0").decode()
-        address = text.rsplit(":", 1)
-        td = datetime.timedelta(seconds=max(self.timeout, 1.0))
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}", rank=self.rank,
-                                    world_size=self.size, timeout=td)
-            self.group = dist.group.WORLD
-            self.owns_group = True
-        else:
-            if dist.get_world_size() != self.size:
-                raise ValueError("torch.distributed is already initialised over other ranks: pass process_group=")
-            self.group = dist.new_group(backend=backend, timeout=td)
+        self.group, self.owns_group = _bootstrap(mpi, backend, self.timeout, host)
         mpi.barrier("TorchComm (construction)")
 
     def _wait(self, work, what: str) -> None:

@@ -11,17 +11,12 @@ The evaluation return is reported, not asserted (4 episodes; the full run's 20 a
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from mpi_util import ROOT, mpiexec_path
-from test_example_online_dqn import session_processes
+from example_util import run_example_job
+from mpi_util import ROOT
 
 EXAMPLE = ROOT / "examples" / "offline_dt.py"
 MAX_LOSS_RATIO = 0.8  # last 10% / first 10% of the quick run (seed 0): 0.63 at 300 steps here
@@ -30,30 +25,7 @@ TIMEOUT = 300.0
 
 def test_offline_dt_quick_loss_falls():
     pytest.importorskip("gymnasium")
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", str(EXAMPLE), "--quick"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own session: every process of the job is findable
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"offline_dt --quick did not finish within {TIMEOUT:g} s:\n{out[-4000:]}")
-    finally:
-        deadline = time.monotonic() + 10.0
-        left = session_processes(proc.pid)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = session_processes(proc.pid)
-        if left:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"offline_dt --quick failed:\n{out[-4000:]}"
-    assert not left, f"processes of the job still running after it ended: {left}"
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, f"expected one RESULT line (rank 0):\n{out[-3000:]}"
-    r = json.loads(lines[0][len("RESULT "):])
+    r, out = run_example_job(EXAMPLE, "--quick", timeout=TIMEOUT)
 
     # the dataset is mixed: the noisiest episodes are short, the clean ones reach the time limit
     assert r["dataset_episodes"] == 95 and r["dataset_steps"] == 21000 and r["dataset_best_return"] == 500.0, r

@@ -9,43 +9,20 @@ job's session, the example's shared-memory segments).
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
 import gear_mpi as gm
 from gear_mpi.warmup import warm_kernels
-from mpi_util import ROOT, mpiexec_path
+from example_util import run_example_job
+from mpi_util import ROOT
 
 EXAMPLE = ROOT / "examples" / "online_dqn.py"
 RANDOM_POLICY_RETURN = 22.0  # CartPole-v1, uniform random actions
 MIN_MEAN100 = 100.0  # the quick run ends near 210-230 (3 runs here, seed 0); random is about 22
 TIMEOUT = 300.0
-
-
-def session_processes(sid: int) -> list[str]:
-    """``pid cmdline`` of every live process of session ``sid`` (the job's: mpiexec, ranks, actors)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid or fields[0] == "Z":  # field 6 of stat: the session; skip zombies
-                continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{pid} {args[:160]}")
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def test_one_step_spec_warms_up_and_samples():
@@ -68,30 +45,7 @@ def test_one_step_spec_warms_up_and_samples():
 
 def test_online_dqn_quick_learns():
     pytest.importorskip("gymnasium")
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", str(EXAMPLE), "--quick"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own session: every process of the job is findable
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"online_dqn --quick did not finish within {TIMEOUT:g} s:\n{out[-4000:]}")
-    finally:
-        deadline = time.monotonic() + 10.0  # the ranks join their actors before they exit; allow for reaping
-        left = session_processes(proc.pid)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = session_processes(proc.pid)
-        if left:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"online_dqn --quick failed:\n{out[-4000:]}"
-    assert not left, f"processes of the job still running after it ended: {left}"
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, f"expected one RESULT line (rank 0):\n{out[-3000:]}"
-    r = json.loads(lines[0][len("RESULT "):])
+    r, out = run_example_job(EXAMPLE, "--quick", timeout=TIMEOUT)
 
     # it learned
     assert r["episodes"] >= 100, r

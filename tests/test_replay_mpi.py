@@ -20,7 +20,8 @@ RUNS = [
     (2, False, ["test_windows.py", "test_errors.py"]),
     (2, True, ["test_windows.py"]),
     (3, True, ["test_windows.py", "test_distribution.py", "test_fence.py", "test_api.py",
-               "test_device.py::test_torch_comm_alltoallv_over_gloo"]),
+               "test_device.py::test_torch_comm_alltoallv_over_gloo",
+               "test_device.py::test_init_torch_process_group_joins_every_rank"]),
     (4, False, ["test_windows.py", "test_distribution.py", "test_api.py"]),
     (4, True, ["test_windows.py", "test_errors.py"]),
 ]

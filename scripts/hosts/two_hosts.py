@@ -358,14 +358,19 @@ class TwoHosts:
 
 
 # ---- command line ------------------------------------------------------------------------
+def _mpiexec() -> str:
+    """The mpiexec beside this Python (a virtual environment's MPI wheel), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
 def _job(ranks_per_host: int, program: list[str], timeout: float) -> int:
     """``program`` on ``ranks_per_host`` ranks of each of two fresh hosts (this folder as working
     directory, this environment plus :data:`MPI_ENV`); prints the bytes the link carried. The hosts
     and every process that ran on them are removed at the end, also on a timeout."""
     if not program:
         raise SystemExit("job: give the program after --")
-    beside = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+    mpiexec = _mpiexec()
     with TwoHosts() as hosts:
         cmd = hosts.mpiexec(mpiexec, ranks_per_host, program, wd=os.getcwd())
         print("# " + " ".join(shlex.quote(w) for w in cmd), flush=True)
@@ -410,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         directory = Path(args.dir or tempfile.mkdtemp(prefix="gear-hosts-"))
         hosts = TwoHosts(directory, owner=args.owner).up()
-        beside = Path(sys.executable).parent / "mpiexec"
-        mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+        mpiexec = _mpiexec()
         names = ",".join(h.name for h in hosts.hosts)
         print(f"export {DIR_VAR}={directory} GEAR_MPI_TWO_HOSTS={names}")
         print("# 2 ranks on each host (mpiexec runs on the first; --wd: this folder):")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -111,6 +112,23 @@ def available_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def quit_workers(procs: list, timeout: float = 20.0) -> None:
+    """Ask each worker process (a ``subprocess.Popen`` reading JSON commands on stdin) to quit, wait up
+    to ``timeout`` seconds for each, and kill those that do not end."""
+    for p in procs:
+        try:
+            p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            p.stdin.flush()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def parse_config(argv=None) -> dict:

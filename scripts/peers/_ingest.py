@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from scripts.peers._common import HOPPER, TRANSITION, hopper_trajectory, step_bytes, transitions
+from scripts.peers._common import HOPPER, TRANSITION, hopper_trajectory, quit_workers, step_bytes, transitions
 
 WORKLOADS = {
     "hopper": {"columns": HOPPER, "length": 1000},
@@ -154,18 +154,7 @@ class LinePool:
         return out
 
     def close(self) -> None:
-        for p in self.procs:
-            try:
-                p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                p.stdin.flush()
-            except OSError:
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        quit_workers(self.procs)
 
 
 def summarize_writers(results: list[dict], workload: str) -> dict:

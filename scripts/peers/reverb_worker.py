@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 from scripts.peers._common import (  # noqa: E402
     ALPHA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, emit, fail, hopper_priorities, hopper_trajectory,
-    initial_priorities, parse_config, step_bytes, transitions)
+    initial_priorities, parse_config, quit_workers, step_bytes, transitions)
 
 PEER = "reverb"
 HANDSHAKE_TIMEOUT = 300.0
@@ -169,18 +169,7 @@ class ClientPool:
                 "shapes": ready[0]["shapes"]}
 
     def close(self) -> None:
-        for p in self.procs:
-            try:
-                p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                p.stdin.flush()
-            except OSError:
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        quit_workers(self.procs)
 
 
 # ---- server + writer ----------------------------------------------------------------------------

@@ -31,9 +31,9 @@ def make_replay(sampler, mode="decentralized", capacity=400, force=False, **kw) 
     return gm.Replay(SPEC, capacity, sampler, mode=mode, seed=7, timeout=TIMEOUT, force_alltoallv=force, **kw)
 
 
-def fill(replay: gm.Replay, n: int, seed: int) -> dict[int, tuple[dict, float]]:
-    """Insert ``n`` trajectories on this rank; return {key: (data, priority)} of every rank's inserts."""
-    rng = np.random.default_rng(1000 * seed + RANK)
+def insert_random(replay: gm.Replay, n: int, rng: np.random.Generator) -> dict[int, tuple[dict, float]]:
+    """Insert ``n`` random trajectories of SPEC (lengths 1..max_length, steps naming rank and item) on this rank;
+    return {key: (data, priority)} of them."""
     mine = {}
     for i in range(n):
         length = int(rng.integers(1, SPEC.max_length + 1))
@@ -42,6 +42,12 @@ def fill(replay: gm.Replay, n: int, seed: int) -> dict[int, tuple[dict, float]]:
                 "flag": rng.integers(0, 255, (length, 2)).astype(np.uint8)}
         prio = float(rng.uniform(0.1, 3.0))
         mine[replay.insert(data, priority=prio)] = (data, prio)
+    return mine
+
+
+def fill(replay: gm.Replay, n: int, seed: int) -> dict[int, tuple[dict, float]]:
+    """Insert ``n`` trajectories on this rank; return {key: (data, priority)} of every rank's inserts."""
+    mine = insert_random(replay, n, np.random.default_rng(1000 * seed + RANK))
     ref = {}
     for m in COMM.allgather(mine):
         ref.update(m)

@@ -87,3 +87,21 @@ def test_torch_comm_alltoallv_over_gloo():
     expect = torch.cat([torch.full((int(c),), 100 * s + RANK, dtype=torch.int64) for s, c in enumerate(recv_counts)])
     assert torch.equal(recv, expect), (recv, expect)
     tc.close()
+
+
+def test_init_torch_process_group_joins_every_rank():
+    """gm.init_torch_process_group: a gloo group over the MPI ranks, set up twice in one job (the second call
+    finds torch.distributed initialised and makes a new group over the same ranks); a bad backend is refused
+    on every rank before any communication."""
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match="backend must be"):
+        gm.init_torch_process_group(COMM, "mpi")
+    created = not dist.is_initialized()
+    groups = [gm.init_torch_process_group(COMM, "gloo", timeout=30) for _ in range(2)]
+    if created:
+        assert groups[0] is dist.group.WORLD and groups[1] is not dist.group.WORLD
+    for g in groups:
+        t = torch.tensor([RANK + 1], dtype=torch.int64)
+        dist.all_reduce(t, group=g)
+        assert int(t) == SIZE * (SIZE + 1) // 2
+    dist.destroy_process_group()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows
+from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows, insert_random
 
 four = pytest.mark.skipif(SIZE != 4, reason="the layouts tested need 4 ranks")
 LAYOUTS = [(2, 1), (1, 2)]  # (tensor, pipeline): 2 DP x 2 TP and 2 DP x 2 PP
@@ -32,16 +32,7 @@ def build(groups: gm.ParallelGroups, sharding: str, n_items: int, seed: int = 3)
     comm = groups.replay_comm(sharding)
     replay = None if comm is None else gm.Replay(SPEC, 2000, gm.Prioritized(0.8, 0.4), comm=comm, seed=seed,
                                                  timeout=TIMEOUT)
-    mine = {}
-    if replay is not None:
-        rng = np.random.default_rng(50 * seed + RANK)
-        for i in range(n_items + RANK):
-            length = int(rng.integers(1, SPEC.max_length + 1))
-            data = {"obs": rng.standard_normal((length, 3)).astype(np.float32),
-                    "step": np.arange(length, dtype=np.int64) + 100_000 * RANK + 1000 * i,
-                    "flag": rng.integers(0, 255, (length, 2)).astype(np.uint8)}
-            prio = float(rng.uniform(0.1, 3.0))
-            mine[replay.insert(data, priority=prio)] = (data, prio)
+    mine = {} if replay is None else insert_random(replay, n_items + RANK, np.random.default_rng(50 * seed + RANK))
     ref = {}
     for part in COMM.allgather(mine):
         ref.update(part)
