@@ -22,7 +22,8 @@ under /var/tmp, a disk, not tmpfs; removed at the end unless ``--keep``).
             traj_key="episode", cache_values=True), batch_size=B*W)``, in TorchRL's venv
             (``python -m scripts.bench.compare_peers --peers torchrl --setup-only`` makes it).
   cold: every page of the store written back and dropped from RAM (msync + MADV_PAGEOUT; the
-  row's ``resident_after_evict`` shows it worked), then one sample, ``--cold-reps`` times;
+  row's ``resident_after_evict`` shows it worked), then one sample, ``--cold-reps`` times (median and
+  quartiles; ``disk_bytes_per_call``: what /proc/self/io says the sample had read from the disk);
   warm: every page read once, then samples for ``--seconds``. GB/s = B * W * step bytes per
   call / the median call time. With ``--size-gb`` above RAM the warm case cannot be warm:
   it measures the steady state of a larger-than-RAM replay instead.
@@ -49,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from scripts.peers._common import steady_loop
-from scripts.peers._offline import IMAGE, evict, image_step_bytes, image_trajectory, resident
+from scripts.peers._offline import IMAGE, evict, image_step_bytes, image_trajectory, read_bytes, resident
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,16 +105,20 @@ def part_b_gear(args, directory: str, rows: list) -> "object":
     act = b["action"].numpy()
     i = int(act[0, 0]) // args.T
     assert np.array_equal(b["obs"].numpy()[0], image_trajectory(i, args.T)["obs"][int(act[0, 0]) % args.T:][:args.window])
-    cold = []
+    cold, disk = [], []
     for _ in range(args.cold_reps):
         evict(buf.ctypes.data, buf.nbytes)
         left = resident(buf.ctypes.data, buf.nbytes)
+        d0 = read_bytes()
         t0 = time.perf_counter()
         replay.sample(args.batch, args.window)
         cold.append(time.perf_counter() - t0)
+        disk.append(read_bytes() - d0)
     med = float(np.median(cold))
     rows.append({**base, "case": "cold", "median_call_s": med, "best_call_s": float(np.min(cold)), "calls": len(cold),
-                 "resident_after_evict": left, "gbps": base["bytes_per_call"] / med / 1e9})
+                 "q25_call_s": float(np.percentile(cold, 25)), "q75_call_s": float(np.percentile(cold, 75)),
+                 "disk_bytes_per_call": float(np.median(disk)), "resident_after_evict": left,
+                 "gbps": base["bytes_per_call"] / med / 1e9})
     store = replay.shard.store
     steady = buf.nbytes > 0.8 * available_memory()  # larger than RAM: no pass can make it warm
     for a in range(0, 0 if steady else buf.nbytes, 1 << 26):  # warm: every page in (MADV_RANDOM turns read-ahead
@@ -199,8 +204,12 @@ def table(rows: list) -> None:
             else:
                 t = f"{1e3 * r['median_call_s']:.2f} ms"
                 notes = f"{r['calls']} calls, best {1e3 * r['best_call_s']:.2f} ms"
+                if "q25_call_s" in r:
+                    notes += f", quartiles {1e3 * r['q25_call_s']:.1f}-{1e3 * r['q75_call_s']:.1f} ms"
                 if "resident_after_evict" in r:
                     notes += f", {r['resident_after_evict'] / 2**20:.1f} MiB resident after eviction"
+                if r.get("disk_bytes_per_call", -1) >= 0:
+                    notes += f", {r['disk_bytes_per_call'] / 1e6:.1f} MB read from disk a call"
                 if "advice" in r:
                     notes += f"; MADV_{r['advice'].upper()}, prefetch {r['prefetch']}"
             print(f"{'(b)':>7} {r['peer']:>9} {r['case']:>18} {'':>5} {t:>13} {r['gbps']:7.2f}  {notes}")
@@ -269,6 +278,10 @@ def main() -> None:
         for case in ("cold", "warm"):
             if case in g and case in t:
                 print(f"# {case}: gear_mpi / TorchRL = {g[case]['gbps'] / t[case]['gbps']:.1f}x")
+        if "cold" in g and "cold" in t and g["cold"].get("disk_bytes_per_call", -1) > 0:
+            print(f"# cold disk reads a call: gear_mpi {g['cold']['disk_bytes_per_call'] / 1e6:.1f} MB, TorchRL "
+                  f"{t['cold'].get('disk_bytes_per_call', -1) / 1e6:.1f} MB, for "
+                  f"{g['cold']['bytes_per_call'] / 1e6:.1f} MB of windows")
 
 
 if __name__ == "__main__":

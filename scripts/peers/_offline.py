@@ -7,6 +7,8 @@
   ``MADV_PAGEOUT``), so that the next reads come from the disk ("cold").
 - :func:`resident`: how many bytes of a mapping are in RAM (``/proc/self/smaps``), to show that
   an eviction worked.
+- :func:`read_bytes`: how many bytes this process has had read from the disk (``/proc/self/io``),
+  to show what a cold sample cost in I/O (the bytes it needed, or the read-ahead around them).
 """
 from __future__ import annotations
 
@@ -70,3 +72,13 @@ def resident(address: int, nbytes: int) -> int:
             elif inside and line.startswith("Rss:"):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def read_bytes() -> int:
+    """Bytes this process has caused to be read from storage so far (``read_bytes`` of /proc/self/io,
+    read-ahead it started included); -1 where that file cannot be read."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return -1

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from scripts.peers._common import emit, fail, parse_config, steady_loop
-from scripts.peers._offline import evict, image_step_bytes, image_trajectory, resident
+from scripts.peers._offline import evict, image_step_bytes, image_trajectory, read_bytes, resident
 
 PEER = "torchrl"
 
@@ -70,16 +70,20 @@ def main() -> None:
         assert bool(((act[:, 1:] - act[:, :-1]) == 1).all()), "each window is consecutive steps"
 
     check(rb.sample())
-    cold = []
+    cold, disk = [], []
     for _ in range(int(cfg["cold_reps"])):
         for t in tensors:
             evict(t.data_ptr(), t.numel() * t.element_size())
         left = sum(resident(t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+        d0 = read_bytes()
         t0 = time.perf_counter()
         rb.sample()
         cold.append(time.perf_counter() - t0)
+        disk.append(read_bytes() - d0)
     emit({"workload": "offline", "peer": PEER, "case": "cold", "median_call_s": float(np.median(cold)),
           "best_call_s": float(np.min(cold)), "calls": len(cold), "resident_after_evict": left,
+          "q25_call_s": float(np.percentile(cold, 25)), "q75_call_s": float(np.percentile(cold, 75)),
+          "disk_bytes_per_call": float(np.median(disk)),
           "gbps": base["bytes_per_call"] / float(np.median(cold)) / 1e9, **base})
     with open("/proc/meminfo") as f:
         avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
