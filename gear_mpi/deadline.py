@@ -12,6 +12,7 @@ raises at once instead of waiting out another deadline.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -96,15 +97,29 @@ def finish(req: Any, seconds: float, size: int, mpi_error: type) -> str | None:
         None when it completed; else why not: the time ran out, or MPI failed the request because the
         ranks are out of step. A rank whose collective timed out leaves it pending, and the next one
         posted there (by it or by its peers) may be matched with it: Open MPI then fails the request
-        (e.g. ``MPI_ERR_TRUNCATE``) where MPICH lets it time out.
+        (e.g. ``MPI_ERR_TRUNCATE``) where MPICH lets it time out. Under ULFM (Open MPI's
+        ``mpiexec --with-ft ulfm``) MPI fails it at once with ``MPI_ERR_PROC_FAILED`` when a rank died.
     """
     try:
         if req.Test() or poll(req.Test, seconds):
             return None
     except mpi_error as e:
+        if _process_failed(e):
+            return f"not every rank of {size} arrived: MPI reports that a rank of the job failed ({e})"
         return (f"not every rank of {size} arrived: MPI failed the collective ({e}), as when a rank left "
                 f"an earlier collective pending after a timeout and this one met it")
     return f"not every rank of {size} arrived within timeout={seconds:g} s"
+
+
+def _process_failed(e: Any) -> bool:
+    """Whether mpi4py's exception ``e`` is ULFM's ``MPI_ERR_PROC_FAILED`` (an MPI without ULFM gives
+    the constant ``MPI_ERR_UNKNOWN``'s value: never taken for it)."""
+    MPI = sys.modules.get(type(e).__module__)
+    failed = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING")}
+    try:
+        return e.Get_error_class() in failed - {None, getattr(MPI, "ERR_UNKNOWN", None)}
+    except Exception:
+        return False
 
 
 class AllOf:

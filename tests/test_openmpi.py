@@ -13,18 +13,30 @@ read from node peers, the fence), every remote window forced through ``Ialltoall
 non-blocking collectives polled to completion with a deadline (prefetched batches), a rank that
 stops while the others wait (Open MPI fails the next, mismatched collective with
 MPI_ERR_TRUNCATE where MPICH times out: both must surface as CollectiveTimeoutError),
-checkpoints, file-backed shards, model-parallel groups. Leftovers of aborted runs (Open MPI's
-``/dev/shm/sm_segment.*``, its session folders in /tmp) are removed by run_pytest_mpi.
+checkpoints, file-backed shards, model-parallel groups, dataset ingest (errors agreed on every
+rank, a read that fails after construction closing the replay everywhere). Leftovers of aborted
+runs (Open MPI's ``/dev/shm/sm_segment.*``, its session folders in /tmp) are removed by
+run_pytest_mpi.
+
+Ranks killed on purpose run under Open MPI in tests/test_faults.py (its ``[openmpi]`` cases and
+the ULFM test): what prterun does when a rank dies (tears the job down; ``--enable-recovery``
+keeps the survivors, who then time out as under MPICH; ``--with-ft ulfm`` fails their pending
+collective at once with MPI_ERR_PROC_FAILED).
 
 The whole suite can also run under Open MPI: ``GEAR_MPI_TEST_MPI=openmpi pytest tests``.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 
-from mpi_util import ROOT, openmpi_runtime, run_pytest_mpi
+from mpi_util import MPI_TESTS, ROOT, openmpi_runtime, run_pytest_mpi
+
+_spec = importlib.util.spec_from_file_location("dataset_files", MPI_TESTS / "dataset_files.py")
+dataset_files = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dataset_files)
 
 # (ranks, force every remote window through MPI, modules run by that one start); test_prefetch.py comes last:
 # its last test leaves the world communicator out of step on purpose (a rank stops while the others sample)
@@ -35,7 +47,7 @@ FEEDS = [f"test_feeds.py::{t}" for t in ("test_writers_feed_each_rank_through_it
                                          "test_actor_ranks_send_episodes_over_mpi")]
 RUNS = [
     (2, False, ["test_windows.py", "test_errors.py", "test_api.py", "test_fence.py", "test_checkpoint_restore.py",
-                "test_checkpoint_fixture.py", *FEEDS, "test_prefetch.py"]),
+                "test_checkpoint_fixture.py", *FEEDS, "test_dataset_ingest.py", "test_prefetch.py"]),
     (2, True, ["test_file_memory.py"]),
     (4, False, ["test_windows.py", "test_distribution.py", "test_parallel.py", "test_activity.py",
                 "test_prefetch.py"]),
@@ -49,10 +61,17 @@ def openmpi():
     return openmpi_runtime()
 
 
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """The dataset files test_dataset_ingest.py reads (tests/mpi/dataset_files.py)."""
+    return dataset_files.write_all(tmp_path_factory.mktemp("datasets"))
+
+
 @pytest.mark.parametrize("nprocs,force,modules", RUNS,
                          ids=[f"{n}-{'alltoallv' if f else 'shm'}" for n, f, _ in RUNS])
-def test_modules_under_openmpi(openmpi, nprocs, force, modules):
-    run = run_pytest_mpi(nprocs, *modules, *(["--force-alltoallv"] if force else []), timeout=600, mpi=openmpi)
+def test_modules_under_openmpi(openmpi, datasets, nprocs, force, modules):
+    run = run_pytest_mpi(nprocs, *modules, *(["--force-alltoallv"] if force else []), timeout=600, mpi=openmpi,
+                         env={dataset_files.ENV: str(datasets)})
     assert "[1,0]<stdout>:" in run.output, run.output[-2000:]  # Open MPI's launcher tagged the ranks' lines
     ran = run.passed(0)
     for m in modules:  # every module ran (none was skipped whole); ranks ran the same tests (run_pytest_mpi)
@@ -61,7 +80,9 @@ def test_modules_under_openmpi(openmpi, nprocs, force, modules):
         assert any("test_a_rank_that_stops_makes_the_others_time_out_not_hang" in t for t in ran), sorted(ran)
     if "test_parallel.py" in modules:
         assert any("test_ranks_of_a_replica_receive_the_same_batch" in t for t in ran), sorted(ran)
-    if "test_feeds.py" in modules:
+    if "test_dataset_ingest.py" in modules:  # all of it: errors agreed on every rank, a failed read closing the replay
+        assert sum(t.startswith("test_dataset_ingest::") for t in ran) >= 12, sorted(ran)
+    if any(m.startswith("test_feeds.py") for m in modules):
         assert any("test_actor_ranks_send_episodes_over_mpi" in t for t in ran), sorted(ran)
 
 
