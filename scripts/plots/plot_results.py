@@ -9,7 +9,8 @@ Reads JSON lines (other lines are skipped) and writes, for what the files hold:
   peers_w1_clients.png   W1: delivered GB/s against clients (1 panel per sampler), log scale,
                          with the same run's memcpy rate as a dashed line
   peers_w2_batch.png     W2: delivered GB/s against batch size (when several were measured)
-  peers_w3_selection.png W3: time of one prioritized sample+update step against N (log-log)
+  peers_w3_selection.png W3: time of one prioritized sample+update step against N (log-log; gear_mpi's
+                         internal PriorityIndex rows, information only, drawn faint)
   replay_ranks.png       bench_replay: delivered GB/s against ranks, per mode and window path
 Needs matplotlib (the project's ``bench`` extra).
 """
@@ -151,7 +152,13 @@ def plot_w3(plt, rows, metas, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(10.5, 5.0))
     ss = series(rows, "N", "ms_per_call", label)
     for i, (name, pts) in enumerate(sorted(ss.items())):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **_style(i, name))
+        st = _style(i, name)
+        if "PriorityIndex" in name:  # the internal index alone: information, drawn faint
+            st.update(alpha=0.45, linewidth=1.0)
+            name = name + " (index alone)"
+        elif name.startswith("gear_mpi"):
+            st.update(linewidth=2.4)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **st)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("items N")
