@@ -33,10 +33,10 @@ library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; che
 Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication.
 With ``recycle=True`` the thread refills a ring of ``prefetch + 2`` batches
 (``sample(out=...)``) instead of allocating new ones: fresh batches cost the thread page
-faults (tens per 2 MB batch, as freed memory goes back to the system), and on 2 ranks x
-1 core that alone took the hidden share from ~95 % to ~70 % (prefetch=2,
-scripts/bench/bench_prefetch.py). A recycled batch is overwritten once the loop has taken
-two more batches.
+faults (tens per 2 MB batch, as freed memory goes back to the system): on 2 ranks x 1 core,
+prefetch=2, a step costing one sample hid 86-92 % of the replay's time with it and 69 %
+without (scripts/bench/bench_prefetch.py). A recycled batch is overwritten once the loop has
+taken two more batches.
 ``iterator.sample_seconds`` (the thread's time in samples and updates) and
 ``iterator.wait_seconds`` (the loop's time blocked in ``next()``) show how much was hidden.
 """
