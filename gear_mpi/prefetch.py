@@ -12,10 +12,12 @@ The schedule is the same on every rank, whatever the timing, so the collectives 
 
 - sample ``j`` (1-based) starts only once the loop has taken batch ``j - prefetch``:
   at most ``prefetch`` batches wait ready;
-- an update given after the loop took batch ``k`` is applied (a collective) right before
-  sample ``k + prefetch + 1``, the first one that cannot have started yet. So at most
-  ``prefetch`` batches are sampled before an update is applied (the *staleness*);
-  ``prefetch=0`` samples each batch when asked for it, after every earlier update;
+- an update given after the loop took batch ``k`` is applied (a collective) after sample
+  ``k + prefetch`` and before sample ``k + prefetch + 1``, the first one that cannot have
+  started yet: as soon as the thread is free, so while the step runs rather than in front
+  of that sample. So at most ``prefetch`` batches are sampled before an update is applied
+  (the *staleness*); ``prefetch=0`` samples each batch when asked for it, after every
+  earlier update;
 - :meth:`BatchIterator.close` (also on leaving a ``with`` block, on an exception in the
   loop, and at ``replay.close()``) lets the thread finish the samples that are already
   allowed -- up to ``prefetch`` more, the same count on every rank -- applies the updates
@@ -29,6 +31,12 @@ raised by the ``next()`` that would have returned that batch.
 MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
 library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
 Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication.
+With ``recycle=True`` the thread refills a ring of ``prefetch + 2`` batches
+(``sample(out=...)``) instead of allocating new ones: fresh batches cost the thread page
+faults (tens per 2 MB batch, as freed memory goes back to the system): on 2 ranks x 1 core,
+prefetch=2, a step costing one sample hid 86-92 % of the replay's time with it and 69 %
+without (scripts/bench/bench_prefetch.py). A recycled batch is overwritten once the loop has
+taken two more batches.
 ``iterator.sample_seconds`` (the thread's time in samples and updates) and
 ``iterator.wait_seconds`` (the loop's time blocked in ``next()``) show how much was hidden.
 """
@@ -78,21 +86,26 @@ class BatchIterator:
         batch_size, window, align, mode: as :meth:`Replay.sample` (the same for every batch).
         prefetch: batches sampled ahead (>= 0).
         limit: stop after this many batches (None: never; ``next()`` then raises StopIteration on every rank).
+        recycle: refill the batches of a ring of ``prefetch + 2`` instead of new ones (host replays; see
+            :meth:`ReplayPrefetch.batches`).
     Raises:
-        ValueError: a bad ``prefetch`` or ``limit``; RuntimeError: MPI without THREAD_MULTIPLE, or another
+        ValueError: a bad ``prefetch`` or ``limit``, ``recycle`` on a device replay; RuntimeError: MPI without THREAD_MULTIPLE, or another
             iterator of this replay is active.
     """
 
     def __init__(self, replay, batch_size: int, window: int | None, align: str, mode: str | None,
-                 prefetch: int, limit: int | None):
+                 prefetch: int, limit: int | None, recycle: bool = False):
         if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
             raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
+        if recycle and getattr(replay, "device", None) is not None:
+            raise ValueError("recycle=True refills host batches (sample's out=): a device replay returns new ones")
         if replay.comm.size > 1:
             check_thread_level()
         self.replay, self.prefetch, self.limit = replay, int(prefetch), limit
         self._args = (batch_size, window, align, mode)
+        self._ring: list | None = [None] * (self.prefetch + 2) if recycle else None
         self._cv = threading.Condition()
         self._ready: collections.deque = collections.deque()  # (j, batch or exception)
         self._updates: dict[int, list] = collections.defaultdict(list)  # before sample j: [(keys, priorities)]
@@ -120,21 +133,29 @@ class BatchIterator:
         _numba_threads(self._numba_threads)  # numba's thread count is per thread: the caller's share
         try:
             while True:
-                with self._cv:
-                    while j + 1 > self._last_allowed() and not self._closing:
+                with self._cv:  # wait until sample j + 1 may start, or an update due before it arrives
+                    while j + 1 > self._last_allowed() and not self._updates.get(j + 1) and not self._closing:
                         self._cv.wait()
-                    if j + 1 > self._last_allowed():  # closing, and every allowed sample is done
+                    updates = self._updates.pop(j + 1, [])
+                    sample = j + 1 <= self._last_allowed()
+                    if not sample and not updates:  # closing, and every allowed sample is done
                         break
-                    j += 1
-                    updates = self._updates.pop(j, [])
                 t0 = time.perf_counter()
+                # updates due before sample j + 1 go now, while the step runs: same order on every rank
+                # (after sample j, before sample j + 1), and the sample no longer waits for them
                 for keys, priorities in updates:
                     self.applied += replay.update_priorities(keys, priorities)
-                try:
-                    item = replay.sample(self._args[0], self._args[1], self._args[2], mode=self._args[3])
-                except BaseException as e:  # raised by the next() that would have returned this batch
-                    item = e
+                if sample:
+                    j += 1
+                    try:
+                        item = replay.sample(*self._args[:3], mode=self._args[3], out=self._out(j))
+                    except BaseException as e:  # raised by the next() that would have returned this batch
+                        item = e
                 self.sample_seconds += time.perf_counter() - t0
+                if not sample:
+                    continue
+                if self._ring is not None and not isinstance(item, BaseException):
+                    self._ring[j % len(self._ring)] = item
                 with self._cv:
                     self._ready.append((j, item))
                     self._cv.notify_all()
@@ -150,6 +171,11 @@ class BatchIterator:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+
+    def _out(self, j: int):
+        """The batch sample ``j`` refills (``recycle``): sample ``j - prefetch - 2``'s, which the loop has
+        left two next() calls ago; None while the ring fills, or without ``recycle``."""
+        return None if self._ring is None else self._ring[j % len(self._ring)]
 
     # ---- the training loop's side ---------------------------------------------------------
     def __iter__(self) -> "BatchIterator":
@@ -211,6 +237,7 @@ class BatchIterator:
         if first:
             self._thread.join()
             self._ready.clear()
+            self._ring = None
             self.replay._release(self)
             if self._error is not None:
                 raise self._error
@@ -239,7 +266,8 @@ class ReplayPrefetch:
     ``_iterator`` and ``_check_open``)."""
 
     def batches(self, batch_size: int, window: int | None = None, align: str = "random", *,
-                mode: str | None = None, prefetch: int = 2, limit: int | None = None) -> BatchIterator:
+                mode: str | None = None, prefetch: int = 2, limit: int | None = None,
+                recycle: bool = False) -> BatchIterator:
         """Collective in effect: an iterator of batches sampled ``prefetch`` ahead by a background thread
         (:mod:`gear_mpi.prefetch`: the schedule, staleness of updates, and shutdown). Every rank iterates in
         step; give priority updates with ``iterator.update_priorities``; use it as a context manager.
@@ -247,17 +275,20 @@ class ReplayPrefetch:
         Args:
             batch_size, window, align, mode: as :meth:`sample`, for every batch.
             prefetch: batches sampled ahead (0: each when asked for). limit: batches to give (None: no end).
+            recycle: refill a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of allocating a
+                new one per step (host replays): the background thread then takes no page faults on fresh
+                memory. A batch is then overwritten once the loop has taken two more: copy what it keeps.
         Returns:
             The :class:`~gear_mpi.prefetch.BatchIterator`.
         Raises:
-            ValueError: a bad ``prefetch``/``limit``. RuntimeError: the replay is closed or already iterated,
+            ValueError: a bad ``prefetch``/``limit``, ``recycle`` on a device replay. RuntimeError: the replay is closed or already iterated,
                 or MPI lacks THREAD_MULTIPLE.
         Cost: one thread; each batch costs what :meth:`sample` does, hidden behind the training step.
         """
         self._check_open()
         if self._iterator is not None:
             raise RuntimeError("this replay already has an active batches() iterator: close it first")
-        return BatchIterator(self, batch_size, window, align, mode, prefetch, limit)
+        return BatchIterator(self, batch_size, window, align, mode, prefetch, limit, recycle)
 
     def _claim(self, iterator: BatchIterator) -> None:
         self._iterator = iterator

@@ -10,9 +10,9 @@ A training loop whose step costs about as much as the replay's work of a step
 start-up). What the step is (``--compute``):
 
 - ``wait`` (default): the step runs on an accelerator; the host thread only waits for it,
-  without the GIL and without a core (a calibrated ``time.sleep``). This is a training
-  job's situation, and the only fair one when cores < 2 x ranks: a CPU step would take
-  the core the sampling thread needs.
+  without the GIL and without a core (a calibrated ``time.sleep``, which releases the GIL
+  as ``torch.cuda.synchronize`` does). This is a training job's situation, and the only
+  fair one when cores < 2 x ranks: a CPU step would take the core the sampling thread needs.
 - ``matmul``: 256 x 256 torch matmuls on the host, ``torch.set_num_threads`` = the cores
   per rank left after one for the sampling thread (at least 1). With fewer than
   2 x ranks free cores the step and the sampling thread time-share a core, and the
@@ -27,7 +27,17 @@ repetitions; the time of a step is the slowest rank's):
   work of a training step, all of which ``batches()`` moves to its thread;
 - ``compute``  the step alone;
 - ``plain``    sample, step, update, all in the training thread (about replay + compute);
-- ``prefetchP`` ``replay.batches(..., prefetch=P)``: next(), step, the update through the iterator.
+- ``prefetchP`` ``replay.batches(..., prefetch=P)``: next(), step, the update through the iterator;
+- ``prefetchPr`` the same with ``recycle=True``: the thread refills a ring of P + 2 batches
+  instead of allocating a new one per step (``--recycle``: no, yes, both).
+
+What costs in the thread (2 ranks x 1 core, W1 hopper, B=32): a fresh 2 MB batch costs it
+tens of page faults per step (the training thread's own samples reuse the batch it just
+freed and take none): with new batches prefetch=2 hid ~70 %, with ``recycle=True`` ~85-95 %.
+The update of step k runs while the step runs (after sample k + P, before k + P + 1), not in
+front of the sample. What is left is jitter: the thread's time is the slowest rank's
+(collectives), on cores shared with other processes, and the step waits whenever one
+sample runs late; with compute ~= replay there is no slack to absorb it.
 
 hidden = 1 - (prefetchP - compute) / replay: the share of the replay's time the step hid
 (target >= 0.8, i.e. step with prefetch <= compute + 20 % of the sampling time). ``thread``
@@ -92,7 +102,7 @@ def make_compute(kind: str, seconds: float, comm, torch_threads: int):
     return matmul, f"{n} torch matmuls 256x256 on {torch_threads} thread(s)"
 
 
-def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, B, W) -> dict:
+def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, recycles, B, W) -> dict:
     from mpi4py import MPI
     cores = os.cpu_count() or 1
     threads = max(1, cores // comm.size - 1)
@@ -114,8 +124,9 @@ def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, B, W) -> di
         for _ in range(args.warmup):
             plain_step()
         res["plain"] = timed(comm, plain_step, args.steps)
-        for pf in prefetches:
-            with replay.batches(B, W, "head", prefetch=pf) as it:
+        for pf, r in ((pf, r) for pf in prefetches for r in recycles):
+            name = f"{pf}{'r' if r else ''}"
+            with replay.batches(B, W, "head", prefetch=pf, recycle=r) as it:
                 def step():
                     b = next(it)
                     compute()
@@ -123,9 +134,9 @@ def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, B, W) -> di
                 for _ in range(args.warmup):
                     step()
                 s0, w0 = it.sample_seconds, it.wait_seconds
-                res[f"prefetch{pf}"] = timed(comm, step, args.steps)
-                res[f"thread{pf}"] = comm.allreduce((it.sample_seconds - s0) / args.steps, op=MPI.MAX)
-                res[f"blocked{pf}"] = comm.allreduce((it.wait_seconds - w0) / args.steps, op=MPI.MAX)
+                res[f"prefetch{name}"] = timed(comm, step, args.steps)
+                res[f"thread{name}"] = comm.allreduce((it.sample_seconds - s0) / args.steps, op=MPI.MAX)
+                res[f"blocked{name}"] = comm.allreduce((it.wait_seconds - w0) / args.steps, op=MPI.MAX)
         rows.append(res)
         log(comm, f"#   {kind} rep {rep + 1}/{args.reps}: " +
             ", ".join(f"{k} {v * 1e3:.2f}" for k, v in res.items()) + " ms")
@@ -138,7 +149,7 @@ def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, B, W) -> di
               (f"  [{cores} cores < 2 x {comm.size} ranks: step and sampling thread share a core]"
                if oversubscribed else ""))
         print(f"{'case':>10} {'ms/step':>9} {'min-max':>17}  {'thread':>7} {'blocked':>7}  hidden")
-        for k in ("sample", "replay", "compute", "plain") + tuple(f"prefetch{p}" for p in prefetches):
+        for k in ("sample", "replay", "compute", "plain") + tuple(k for k in med if k.startswith("prefetch")):
             lo, hi = spread[k]
             extra = ""
             if k.startswith("prefetch"):
@@ -160,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prefetch", default="1,2")
+    p.add_argument("--recycle", default="both", choices=["no", "yes", "both"],
+                   help="batches(recycle=...): new batches (prefetchP), a ring refilled (prefetchPr), or both")
     p.add_argument("--compute", default="wait", help="comma list of: wait, matmul")
     p.add_argument("--compute-ratio", type=float, default=1.0)
     p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized"])
@@ -198,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     log(comm, f"# {comm.size} ranks, load average {load0}, sample + update {t_replay * 1e3:.2f} ms")
     prefetches = [int(x) for x in args.prefetch.split(",")]
-    results = [run_kind(comm, replay, sample, k, t_replay, args, prefetches, B, W) for k in kinds]
+    recycles = {"no": [False], "yes": [True], "both": [False, True]}[args.recycle]
+    results = [run_kind(comm, replay, sample, k, t_replay, args, prefetches, recycles, B, W) for k in kinds]
     if comm.rank == 0:
         load1 = os.getloadavg()
         print(f"\n# bench_prefetch: {comm.size} rank(s), {os.cpu_count()} cores, {platform.node()}, MPI "

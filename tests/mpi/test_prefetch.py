@@ -29,7 +29,8 @@ def build(seed: int = 5, timeout: float = 60.0) -> gm.Replay:
     return replay
 
 
-def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented_point():
+@pytest.mark.parametrize("recycle", [False, True])
+def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented_point(recycle):
     prefetch, n, update_after = 2, 12, (3, 7)
     updates = {}
     untagged = (1 << (SLOT_BITS + GEN_BITS + RANK_BITS)) - 1  # the replays' random key tags differ
@@ -44,13 +45,17 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
             if j in update_after:  # new priorities from this batch's keys (rank-dependent, deterministic)
                 updates[j] = (b.keys.numpy().copy(), np.full(6, 50.0 + j + COMM.rank))
     with build() as replay:
-        got = []
-        with replay.batches(6, window=3, prefetch=prefetch, limit=n) as it:
+        got, objects = [], []
+        with replay.batches(6, window=3, prefetch=prefetch, limit=n, recycle=recycle) as it:
             for j, b in enumerate(it, start=1):
                 got.append((b.keys.numpy().copy(), b["x"].numpy().copy()))
+                objects.append(b)
                 if j in update_after:
                     it.update_priorities(b.keys.numpy(), updates[j][1])
         assert len(got) == n
+        ring = prefetch + 2  # recycle: batch j is refilled as batch j + prefetch + 2, not before
+        assert all((objects[i] is objects[i + ring]) == recycle for i in range(n - ring))
+        assert len({id(o) for o in objects}) == (ring if recycle else n)
         for (k1, x1), (k2, x2) in zip(plain, got):
             np.testing.assert_array_equal(k1 & untagged, k2 & untagged)
             np.testing.assert_array_equal(x1, x2)
