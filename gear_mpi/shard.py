@@ -254,7 +254,7 @@ class Shard(ShardState, ShardInsert):
         if batch_size > 0:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
-        if batch_size > 0 and self._one_call():
+        if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
             return self._sample_one_call(batch, batch_size, window, code)
         slots = self.select(batch_size)
         choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)

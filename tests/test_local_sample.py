@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
+from gear_mpi.kernels import local_sample
 from gear_mpi.shard import Shard
 
 
@@ -26,7 +27,8 @@ def _shard(sel, n=400, maxlen=5):
 
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 @pytest.mark.parametrize("b", [1, 31, 32, 300, 4000])
-def test_one_call_matches_the_general_path(sel, b):
+def test_one_call_matches_the_general_path(sel, b, monkeypatch):
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call even for large B on small shards
     for window, align in ((1, "random"), (3, "random"), (4, "head"), (5, "tail")):
         fast, slow = _shard(sel), _shard(sel)
         assert fast._one_call()
@@ -51,6 +53,10 @@ def test_one_call_only_where_it_applies(tmp_path):
     assert not Shard(spec, 10, gm.Prioritized(), max_times_sampled=2)._one_call()
     assert not Shard(spec, 10, gm.Fifo())._one_call()
     assert not Shard(spec, 10, gm.Uniform(), memory="file", path=tmp_path)._one_call()
+    # a large batch from a shard that sits in cache goes the plain way (faster there); small batches always one
+    assert local_sample.pays_off(local_sample.DRAW_THREADS_MIN - 1, 10)
+    assert not local_sample.pays_off(local_sample.DRAW_THREADS_MIN, local_sample.ONE_CALL_MIN_CAPACITY - 1)
+    assert local_sample.pays_off(65536, local_sample.ONE_CALL_MIN_CAPACITY)
 
 
 def test_update_with_stale_and_foreign_keys():

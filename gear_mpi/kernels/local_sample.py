@@ -31,6 +31,18 @@ from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _s
 AHEAD = 16  # table rows requested this many items ahead
 
 
+#: below this capacity a large batch (>= DRAW_THREADS_MIN) is drawn by the plain path: when the tree and
+#: table sit in cache, sorting the uniforms and the extra passes of the one-call kernel cost more than its
+#: in-order reads save (W3, B=65536 here: 15-16 ms one call against 8.5 ms plain at N=1e5, 14.5 against
+#: 16-21 ms at N=1e6, one thread)
+ONE_CALL_MIN_CAPACITY = 1 << 19
+
+
+def pays_off(batch_size: int, capacity: int) -> bool:
+    """Whether :func:`sample_proportional` beats the plain draw-place-copy chain for this batch and shard."""
+    return batch_size < DRAW_THREADS_MIN or capacity >= ONE_CALL_MIN_CAPACITY
+
+
 @njit(cache=True, inline="always")
 def _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity, window,
                align_code, place_u, order, skey, sw, ws, nv, pf):
