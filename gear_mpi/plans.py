@@ -76,13 +76,16 @@ class Assignment(NamedTuple):
 
     ``slots``: the items this rank serves, in requester order (``send_counts[r]`` for requester r);
     ``recv_counts[o]``: how many items owner o serves this rank; ``mass`` and ``min_weight``: the
-    selection mass and smallest weight the draw was made over (for probabilities and importance weights).
+    selection mass and smallest weight the draw was made over (for probabilities and importance weights);
+    ``counts[r, o]``: items owner o serves requester r, when every rank knows them all (decentralized
+    plans; None otherwise): the node board then carries the choices (:class:`~gear_mpi.node.NodeBoard`).
     """
     slots: np.ndarray
     send_counts: np.ndarray
     recv_counts: np.ndarray
     mass: float
     min_weight: float
+    counts: np.ndarray | None = None
 
 
 def check_header(head: np.ndarray, proportional: bool) -> None:
@@ -175,7 +178,7 @@ class DecentralizedPlan(Plan):
             mass, wmin = _mass(head)
             counts = self.shared_rng.multinomial(sizes, head[:, MASS] / mass)
             serve = np.ascontiguousarray(counts[:, self.rank])
-            return Assignment(self.shard.select(int(serve.sum())), serve, counts[self.rank], mass, wmin)
+            return Assignment(self.shard.select(int(serve.sum())), serve, counts[self.rank], mass, wmin, counts)
         btot = int(sizes.sum())
         slots, keys = self.shard.ordered_candidates(btot)
         ncand = np.minimum(head[:, ITEMS].astype(np.int64), btot)
@@ -185,7 +188,8 @@ class DecentralizedPlan(Plan):
         serve_req, serve_idx = requester[me], index[me]
         assign = [slots[serve_idx[serve_req == r]] for r in range(self.size)]
         recv = np.bincount(owner[requester == self.rank], minlength=self.size)
-        return self._finish(head, assign, recv)
+        counts = np.bincount(requester * self.size + owner, minlength=self.size * self.size)
+        return self._finish(head, assign, recv)._replace(counts=counts.reshape(self.size, self.size))
 
 
 class CentralizedPlan(Plan):

@@ -308,7 +308,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         and the owners count the uses of what they served."""
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
-                                        local=mode == "local", out=out)
+                                        local=mode == "local", out=out, counts=plan.counts)
         self.windows_shared += int(plan.recv_counts @ self.node.peer_direct)
         self.windows_mpi += int(plan.recv_counts @ self.node.remote)
         self.shard.after_sampling(plan.slots)
