@@ -89,8 +89,6 @@ class WindowTransport:
     def _exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
                   local: bool, out: Batch | None, counts: np.ndarray | None = None) -> Batch:
         node, size = self.node, self.comm.size
-        fields = gather_kernels.choice_records(choices)
-        win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
         nb = int(row_of_owner[-1])
@@ -109,6 +107,8 @@ class WindowTransport:
             board.collect(counts, node.epoch, choices, got, "sample (choices)")
         else:
             # choices and (for requesters that cannot read this rank's memory) windows, in flight at once
+            fields = gather_kernels.choice_records(choices)
+            win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]
             got = np.empty((nb, _WIDTH), np.int64)
             requests = [self.comm.ialltoallv(choices.reshape(-1), send_counts * _WIDTH, got.reshape(-1),
                                              recv_counts * _WIDTH)]
@@ -121,7 +121,6 @@ class WindowTransport:
                                      data, window)
             self.comm.wait_all(requests, "sample (choices and windows)")
             del send_buffers
-        got_fields = gather_kernels.choice_records(got)
         if self.device is None:
             # windows read directly (this rank's own and, on the shared-memory path, the node's), keys,
             # lengths, probabilities and mask of every row: one kernel
@@ -129,8 +128,9 @@ class WindowTransport:
             gather_kernels.gather_from_owners(node.column_addrs, self.spec.step_bytes_array,
                                               self.shard.capacity_steps, node.direct, row_of_owner, got,
                                               batch.byte_views(), window, mask, keys, lengths, probabilities)
-            weights[:] = got_fields["weight"]
+            weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             return batch
+        got_fields = gather_kernels.choice_records(got)
         g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
         rows = np.arange(nb, dtype=np.int64)
         for o in range(size):
