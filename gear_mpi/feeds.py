@@ -179,7 +179,7 @@ class ReplayFeeds:
                     raise err
                 head = np.array(row, np.float64)[None]
             else:
-                head = self.comm.agree(err, "sample", row)
+                head = (self.node.board or self.comm).agree(err, "sample", row)  # node board: no MPI
             if self._admit(head):
                 return head
             self._back_off(rounds)

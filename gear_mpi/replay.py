@@ -255,10 +255,10 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
 
         First the rank's writers are drained (within its insert budget); with a rate limiter that does
         not admit the call, every rank repeats drain + header allgather, backing off, until it does.
-        Cost per call (decentralized, proportional): two rounds of latency -- an
-        allgather of 96 bytes per rank, then, in flight together, one alltoallv of
-        48 bytes per item and one alltoallv per column carrying ``W S`` bytes per
-        window owned on another node. A counter published at the end (read by an
+        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 96 bytes
+        per rank, then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per
+        column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI call, both
+        rounds through shared memory, :class:`~gear_mpi.node.NodeBoard`). A counter published at the end (read by an
         owner before it next writes its shard; see the module docstring) keeps owners
         from overwriting windows that node peers still copy.
         Selection on the owner: O(items log n); copies: each delivered byte once
@@ -308,7 +308,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         and the owners count the uses of what they served."""
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
-                                        local=mode == "local", out=out)
+                                        local=mode == "local", out=out, counts=plan.counts)
         self.windows_shared += int(plan.recv_counts @ self.node.peer_direct)
         self.windows_mpi += int(plan.recv_counts @ self.node.remote)
         self.shard.after_sampling(plan.slots)

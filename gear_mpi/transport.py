@@ -25,7 +25,7 @@ import torch
 from .batch import Batch
 from .comm import MpiComm, displacements
 from .kernels import gather as gather_kernels
-from .node import NodeView
+from .node import CHOICE_CAPACITY, NodeView
 from .shard import Shard
 
 _WIDTH = gather_kernels.CHOICE_WIDTH
@@ -59,7 +59,7 @@ class WindowTransport:
             self.torch_comm = TorchComm(comm, backend, comm.timeout, process_group=process_group)
 
     def exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
-                 local: bool = False, out: Batch | None = None) -> Batch:
+                 local: bool = False, out: Batch | None = None, counts: np.ndarray | None = None) -> Batch:
         """Deliver the choices and windows of one sample into a batch, in owner order.
 
         Collective unless ``local``. Cost: one alltoallv of 48 bytes per item, in flight together with
@@ -71,6 +71,9 @@ class WindowTransport:
             window: steps per window.
             local: this rank serves only itself (mode "local" on a GPU): no communication.
             out: a host batch of exactly these windows to fill (checked by the caller), or None: a new one.
+            counts: ``[ranks, ranks]``, items owner o serves requester r at ``[r, o]``, when every rank knows
+                them (None: unknown). With a node board and no owner serving more than it holds, the choices
+                travel through the board (no MPI message; :class:`~gear_mpi.node.NodeBoard`).
         Returns:
             The :class:`~gear_mpi.batch.Batch` of ``sum(recv_counts)`` windows (on the device for a device replay).
         Raises:
@@ -79,15 +82,13 @@ class WindowTransport:
         """
         start, waited = time.perf_counter(), self.comm.waited
         try:
-            return self._exchange(choices, send_counts, recv_counts, window, local, out)
+            return self._exchange(choices, send_counts, recv_counts, window, local, out, counts)
         finally:  # packing, the batch's pages and the window copies: everything but the collectives' waits
             self.copy_seconds += time.perf_counter() - start - (self.comm.waited - waited)
 
     def _exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
-                  local: bool, out: Batch | None) -> Batch:
+                  local: bool, out: Batch | None, counts: np.ndarray | None = None) -> Batch:
         node, size = self.node, self.comm.size
-        fields = gather_kernels.choice_records(choices)
-        win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
         nb = int(row_of_owner[-1])
@@ -97,10 +98,17 @@ class WindowTransport:
         else:
             data = {c.name: self.device.empty((nb, window) + c.shape, c.dtype) for c in self.spec.columns}
             mask = self.device.empty((nb, window), np.bool_)
+        board = node.board if counts is not None and self.device is None else None
         if local:
             got = choices
+        elif board is not None and int(counts.sum(0).max()) <= CHOICE_CAPACITY:  # every owner's fit
+            board.post(choices, node.epoch)
+            got = np.empty((nb, _WIDTH), np.int64)
+            board.collect(counts, node.epoch, choices, got, "sample (choices)")
         else:
             # choices and (for requesters that cannot read this rank's memory) windows, in flight at once
+            fields = gather_kernels.choice_records(choices)
+            win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]
             got = np.empty((nb, _WIDTH), np.int64)
             requests = [self.comm.ialltoallv(choices.reshape(-1), send_counts * _WIDTH, got.reshape(-1),
                                              recv_counts * _WIDTH)]
@@ -113,7 +121,6 @@ class WindowTransport:
                                      data, window)
             self.comm.wait_all(requests, "sample (choices and windows)")
             del send_buffers
-        got_fields = gather_kernels.choice_records(got)
         if self.device is None:
             # windows read directly (this rank's own and, on the shared-memory path, the node's), keys,
             # lengths, probabilities and mask of every row: one kernel
@@ -121,8 +128,9 @@ class WindowTransport:
             gather_kernels.gather_from_owners(node.column_addrs, self.spec.step_bytes_array,
                                               self.shard.capacity_steps, node.direct, row_of_owner, got,
                                               batch.byte_views(), window, mask, keys, lengths, probabilities)
-            weights[:] = got_fields["weight"]
+            weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             return batch
+        got_fields = gather_kernels.choice_records(got)
         g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
         rows = np.arange(nb, dtype=np.int64)
         for o in range(size):
