@@ -30,7 +30,6 @@ import numpy as np
 
 from .comm import MpiComm, displacements
 from .errors import EmptyReplayError
-from .kernels.gather import owner_counts
 from .shard import Shard
 
 # the columns of a sample's header (one row per rank); MODE: the index of the call's mode in MODES;
@@ -38,7 +37,6 @@ from .shard import Shard
 BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE, INSERTED, SAMPLED, BACKLOG, WAITED = range(11)
 HEADER_WIDTH = 11
 MODES = ("decentralized", "centralized", "local")
-CATEGORICAL_DRAWS = 4096  # up to this many items in a sample, the count matrix is drawn item by item
 
 
 def mode_code(mode: str) -> int:
@@ -160,9 +158,7 @@ class DecentralizedPlan(Plan):
 
     Proportional: counts[r, o] ~ Multinomial(B_r, mass_o / total), independently per requester
     r, drawn from the shared stream, so the whole count matrix is known everywhere without a
-    message (up to :data:`CATEGORICAL_DRAWS` items in all, as one categorical draw per item:
-    ``kernels.gather.owner_counts``; above, numpy's multinomial); each owner then draws that many
-    items from its shard: P(item) = w / total exactly.
+    message; each owner then draws that many items from its shard: P(item) = w / total exactly.
     Ordered: one allgatherv of each shard's ``min(Btot, size)`` best sort keys (8 bytes each);
     every rank computes the same global merge (O(C log C) for C candidates).
     """
@@ -180,12 +176,7 @@ class DecentralizedPlan(Plan):
         sizes = head[:, BATCH].astype(np.int64)
         if self.proportional:
             mass, wmin = _mass(head)
-            btot = int(sizes.sum())
-            if btot <= CATEGORICAL_DRAWS:  # one uniform per item: cheaper than P binomials per requester
-                counts = np.empty((self.size, self.size), np.int64)
-                owner_counts(sizes, np.ascontiguousarray(head[:, MASS]), self.shared_rng.random(btot), counts)
-            else:
-                counts = self.shared_rng.multinomial(sizes, head[:, MASS] / mass)
+            counts = self.shared_rng.multinomial(sizes, head[:, MASS] / mass)
             serve = np.ascontiguousarray(counts[:, self.rank])
             return Assignment(self.shard.select(int(serve.sum())), serve, counts[self.rank], mass, wmin, counts)
         btot = int(sizes.sum())
@@ -296,7 +287,6 @@ def build_plans(comm: MpiComm, shard: Shard, rng: np.random.Generator,
     Returns:
         Mode name -> its plan; a sample picks one per call.
     """
-    owner_counts(np.ones(1, np.int64), np.ones(1), np.zeros(1), np.empty((1, 1), np.int64))  # load (or compile) now
     return {mode: PLANS[mode](comm, shard, rng, shared_rng) for mode in MODES}
 
 

@@ -480,22 +480,3 @@ def test_named_state_is_built_once_and_compiled_once(spec, make_traj):
     assert {k: len(k.signatures) for k in counts} == counts
     assert shard.store._arrays is arrays and shard.index._arrays is tree_arrays
     shard.close()
-
-
-def test_owner_counts_is_a_multinomial_per_requester():
-    """The decentralized plan's count matrix: rows sum to the batch sizes, a zero-mass owner gets
-    nothing, and the mean over many draws matches B_r * mass / total (fixed seed, 4-sigma bounds)."""
-    rng = np.random.default_rng(5)
-    sizes = np.array([32, 0, 7, 32], np.int64)
-    masses = np.array([1.0, 2.0, 0.0, 3.0])
-    counts = np.empty((4, 4), np.int64)
-    total = np.zeros((4, 4))
-    reps = 4000
-    for _ in range(reps):
-        gather.owner_counts(sizes, masses, rng.random(int(sizes.sum())), counts)
-        assert (counts.sum(1) == sizes).all() and (counts[:, 2] == 0).all()
-        total += counts
-    p = masses / masses.sum()
-    expect = sizes[:, None] * p[None, :]
-    sigma = np.sqrt(sizes[:, None] * p * (1 - p) / reps)
-    assert (np.abs(total / reps - expect) <= 4 * sigma + 1e-12).all(), total / reps

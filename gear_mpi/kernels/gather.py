@@ -364,36 +364,3 @@ def _prefetch_window_addr(base, capacity, step_bytes, start, nv):
     a = base + start * step_bytes
     for q in range(0, min(nb, PREFETCH_BYTES), 64):
         prefetch_address(a + q)
-
-
-# ---- the decentralized plan's count matrix ----
-@njit(cache=True, nogil=True)
-def owner_counts(sizes, masses, uniforms, counts):
-    """``counts[r, o]``: how many of requester ``r``'s draws fall to owner ``o``, each draw landing in
-    owner o with probability ``masses[o] / sum(masses)``: requester r's row is Multinomial(``sizes[r]``,
-    masses / total) exactly. ``uniforms``: ``sum(sizes)`` floats in [0, 1), requester by requester.
-    The masses are summed in rank order (the same on every rank), so every rank that passes the same
-    arguments gets the same matrix. Cost: O(P + B log P) for P owners and B draws; local."""
-    n = masses.shape[0]
-    cum = np.empty(n, np.float64)
-    acc = 0.0
-    last = 0
-    for o in range(n):
-        acc += masses[o]
-        cum[o] = acc
-        if masses[o] > 0.0:
-            last = o
-    counts[:, :] = 0
-    i = 0
-    for r in range(sizes.shape[0]):
-        for _ in range(sizes[r]):
-            x = uniforms[i] * acc
-            i += 1
-            lo, hi = 0, n  # the first owner whose cumulative mass exceeds x
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if cum[mid] > x:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            counts[r, min(lo, last)] += 1
