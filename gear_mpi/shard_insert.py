@@ -14,6 +14,7 @@ from numba import njit
 from .errors import InvalidTrajectoryError
 from .kernels import ring
 from .priority_index import PriorityIndex
+from . import store_insert
 from .store_insert import set_inserted_leaves
 from .spec import TrajectorySpec, validate_priorities
 
@@ -101,7 +102,7 @@ class ShardInsert:
         arrays = check_packed_columns(self.spec, columns, int(lengths.sum()))
         n, total = len(lengths), int(arrays[self.spec.names[0]].shape[0])
         # None: one shared 1.0 read n times (no n-element array to allocate)
-        pr = np.broadcast_to(np.float64(1.0), (n,)) if priorities is None else validate_priorities(priorities, n)
+        pr = np.broadcast_to(np.float64(1.0), (n,)) if priorities is None else checked_priorities(priorities, n)
         if n == 0:
             return np.zeros(0, np.int64)
         if total > self.store.capacity or n > self.store.max_items:
@@ -112,13 +113,16 @@ class ShardInsert:
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray) -> np.ndarray:
         """Store already-validated trajectories laid end to end (the common tail of every insert path).
-        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
+        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update,
+        all in chunks of ``store_insert.CHUNK_ITEMS`` trajectories: besides the keys returned, the
+        temporaries are bounded (about 3 MB), whatever the batch.
 
         Args:
             columns: column name -> all their steps back to back, ``[rows, *shape]``, of a dtype that casts
                 to the column's (the ring copy casts: no copy is made before it).
             lengths: int64 steps of each trajectory (each in ``[1, max_length]``, summing to the rows).
-            priorities: float64 priorities, validated (finite, >= 0), one per trajectory.
+            priorities: float64 priorities, validated (finite, >= 0), one per trajectory (or one shared,
+                as a stride-0 array).
         Returns:
             Their keys (int64), in order.
         Raises:
@@ -126,29 +130,73 @@ class ShardInsert:
                 (nothing is stored).
         """
         self._check_open()
-        self.store.check_batch(lengths)
-        slots, evicted = self.store.insert(columns, lengths, priorities)  # views of the store's scratch
-        self.bytes_inserted += int(lengths.sum()) * self.spec.step_bytes
-        if self.index is not None:
-            # one shared priority (None given): one shared weight, as a 1-element array
-            shared = priorities.strides == (0,)
-            weights = self.selector.weights(priorities[:1] if shared else priorities)
-            # evicted slots the batch reused get their new weight anyway: zero only the others. The tree
-            # depends on its leaves only, so this, and a rebuild after writing the leaves of a large batch,
-            # give the very tree that zeroing them all and then setting the new ones would
-            if isinstance(self.index, PriorityIndex) and (len(evicted) + len(slots)) * REBUILD_FRACTION >= len(self.index):
-                if set_inserted_leaves(self.index.leaves, slots, np.ascontiguousarray(weights, np.float64), evicted,
-                                       self.store.status, ring.ALIVE_SHIFT, ring.DEAD):
-                    self.index.rebuild()  # the levels follow from the leaves: unchanged leaves, unchanged tree
-                return self.store.keys_of(slots)
-            if shared:
-                weights = np.broadcast_to(weights[0], priorities.shape)
-            gone = evicted[(self.store.status[evicted] >> ring.ALIVE_SHIFT) == ring.DEAD]
-            if len(gone):
-                self.index.set(np.concatenate([gone, slots]), np.concatenate([np.zeros(len(gone)), weights]))
+        store = self.store
+        store.check_batch(lengths)
+        n = len(lengths)
+        out = store_insert.mapped_empty(n)  # the slots, then (in place) the keys returned
+        index = self.index
+        shared = priorities.strides == (0,)
+        host = isinstance(index, PriorityIndex)
+        # a large batch writes the leaves and rebuilds the levels; evicted slots the batch reused get
+        # their new weight anyway: zero only the others. The tree depends on its leaves only, so this
+        # gives the very tree that zeroing them all and then setting the new ones would
+        bound = store_insert.eviction_bound(store.state, store.max_items, store.capacity, n, int(lengths.sum()))
+        rebuild = host and (n + bound) * REBUILD_FRACTION >= len(index)
+        changed = [0]
+
+        def on_evicted(evicted: np.ndarray) -> None:  # per chunk, before the columns are written
+            if rebuild:
+                changed[0] += store_insert.zero_evicted_leaves(index.leaves, evicted, store.status,
+                                                               ring.ALIVE_SHIFT, ring.DEAD)
             else:
-                self.index.set(slots, np.ascontiguousarray(weights))
-        return self.store.keys_of(slots)
+                gone = evicted[(store.status[evicted] >> ring.ALIVE_SHIFT) == ring.DEAD]
+                if len(gone):
+                    index.set(gone, np.zeros(len(gone)))
+
+        store_insert.insert_chunked(store, columns, lengths, priorities, out,
+                                    None if index is None else on_evicted)
+        self.bytes_inserted += int(lengths.sum()) * self.spec.step_bytes
+        if index is not None:
+            weights = self.selector.weights(priorities[:1]) if shared else None  # one shared weight
+            for lo in range(0, n, store_insert.CHUNK_ITEMS):
+                hi = min(n, lo + store_insert.CHUNK_ITEMS)
+                w = weights if shared else self.selector.weights(priorities[lo:hi] + 0.0)  # -0.0 read as +0.0
+                if rebuild:
+                    changed[0] += set_inserted_leaves(index.leaves, out[lo:hi], np.ascontiguousarray(w, np.float64),
+                                                      out[:0], store.status, ring.ALIVE_SHIFT, ring.DEAD)
+                else:
+                    index.set(out[lo:hi], np.ascontiguousarray(np.broadcast_to(w[0], (hi - lo,)) if shared else w))
+            if rebuild and changed[0]:
+                index.rebuild()  # the levels follow from the leaves: unchanged leaves, unchanged tree
+        return store.keys_of(out, out=out)
+
+
+def checked_priorities(priorities: Any, count: int) -> np.ndarray:
+    """:func:`~gear_mpi.spec.validate_priorities` without its copy where none is needed. Local, O(count).
+
+    Args:
+        priorities: as ``validate_priorities`` takes them.
+        count: how many there must be.
+    Returns:
+        ``priorities`` itself when it is a 1-D float64 numpy array of ``count`` finite values >= 0
+        (a -0.0 stays: the store reads each as ``p + 0.0``), else ``validate_priorities``' new array.
+    Raises:
+        InvalidPriorityError: as ``validate_priorities`` (the same messages).
+    """
+    if (isinstance(priorities, np.ndarray) and priorities.dtype == np.float64 and priorities.ndim == 1
+            and len(priorities) == count and _first_bad_priority(priorities) < 0):
+        return priorities  # an n-element copy less: it would stay in the C heap (see store_insert)
+    return validate_priorities(priorities, count)
+
+
+@njit(cache=True, nogil=True)
+def _first_bad_priority(priorities):
+    """The index of the first NaN, infinite or negative priority, or -1 (one pass, no temporary)."""
+    for i in range(priorities.shape[0]):
+        v = priorities[i]
+        if not (v >= 0.0 and v < np.inf):
+            return i
+    return -1
 
 
 def check_lengths(lengths: Any, max_length: int) -> np.ndarray:

@@ -1,33 +1,48 @@
 """The fast path of a batch insert: a store's table pass and column copies, and the index's leaves.
 
-:func:`insert` is :meth:`TrajectoryStore.insert <gear_mpi.storage.TrajectoryStore.insert>`'s body:
-one :func:`ring.plan_insert <gear_mpi.kernels.ring.plan_insert>` pass (slots, evictions and
-priorities, written into an :class:`InsertScratch` the store keeps), then one copy per column (two
-where the ring wraps). :func:`set_inserted_leaves` is the host index's part of a large insert: zero the
-evicted slots the batch did not reuse, write the new weights (the caller then rebuilds the levels).
+:func:`insert_chunked` is the body of every shard insert: :func:`ring.plan_insert
+<gear_mpi.kernels.ring.plan_insert>` over chunks of at most :data:`CHUNK_ITEMS` trajectories (the new
+slots written straight into the caller's output, the evictions of each chunk into an
+:class:`InsertScratch` the store keeps, handed to the caller's ``on_evicted`` before the next chunk),
+then one copy per column (two where the ring wraps). :func:`insert` is the older one-call form
+(:meth:`TrajectoryStore.insert <gear_mpi.storage.TrajectoryStore.insert>`).
+:func:`set_inserted_leaves` is the host index's part of a large insert.
 
-Why a scratch: a 1e7-item insert needs 160 MB for its slots and evictions; a fresh array per call
-committed those pages anew each time (on this VM that alone moved a warm insert between 0.42 and
-0.78 s). Local: no communication. The code reads the table's arrays whatever their dtypes.
+Why chunks and a scratch of its own: a 1e7-item insert used to take 160 MB of slots and evictions
+(kept by the store: 8-16 B per item for good) and every insert left its n-sized temporaries
+(validated priorities, weights) to glibc's heap, which kept them resident (its mmap threshold rises
+with the first big free, so later ones of up to 32 MB come from the heap and stay): 7 B per item at
+N=1e7 filled in chunks of 1e6 (scripts/bench/bench_memory.py). Chunked, the scratch is bounded
+(:data:`SCRATCH_ENTRIES`, 2 MB) and reused, and taken from an anonymous mapping: never from malloc,
+so glibc's threshold and heap do not move, and returned to the system when the store closes. Local:
+no communication. The code reads the table's arrays whatever their dtypes.
 """
 from __future__ import annotations
 
+import mmap
 import time
+from typing import Callable
 
 import numpy as np
 from numba import njit
 
 from .kernels import ring
 
+CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
+SCRATCH_ENTRIES = 1 << 18  # eviction entries a chunk may need (2 MB): a chunk ends before its bound passes it
+
 
 class InsertScratch:
-    """A grow-only int64 buffer a store reuses from insert to insert (new slots, then evictions).
+    """A grow-only int64 buffer a store reuses from insert to insert (a chunk's evictions).
 
-    Memory: 8 bytes per entry, grown to the largest need seen (by doubling at least), kept until
-    :meth:`drop`. Not thread-safe (nor is the store).
+    Memory: 8 bytes per entry, grown to the largest need seen (by doubling at least; at most
+    ``SCRATCH_ENTRIES`` unless one trajectory alone could evict more), in an anonymous private
+    mapping (not the C heap: released to the system by :meth:`drop` or when it grows), committed
+    only where written. Not thread-safe (nor is the store).
     """
 
     def __init__(self) -> None:
+        self._map = None
         self.buffer = np.zeros(0, np.int64)
 
     def take(self, need: int) -> np.ndarray:
@@ -36,52 +51,151 @@ class InsertScratch:
         Args:
             need: the entries wanted (>= 0).
         Returns:
-            An int64 array of ``need`` entries or more, contents undefined. O(1) unless it grows.
+            An int64 array of ``need`` entries or more, contents undefined. O(1) unless it grows
+            (one mmap; the old mapping is unmapped).
         """
         if len(self.buffer) < need:
-            self.buffer = np.empty(max(need, 2 * len(self.buffer)), np.int64)
+            size = max(need, 2 * len(self.buffer), 512)
+            new_map = mmap.mmap(-1, size * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.drop()
+            self._map = new_map
+            self.buffer = np.frombuffer(new_map, np.int64)
         return self.buffer
 
     def drop(self) -> None:
-        """Release the buffer (the store closes). O(1)."""
+        """Release the buffer (the store closes). O(1). Views handed out before must not be used."""
         self.buffer = np.zeros(0, np.int64)
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes with it
+                pass
+            self._map = None
 
 
-def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def mapped_empty(count: int, dtype=np.int64) -> np.ndarray:
+    """A new array of ``count`` entries: from an anonymous mapping when it is 1 MiB or more (freeing it
+    unmaps it), else from numpy's allocator. For the keys an insert returns: a big one from the C heap
+    would raise glibc's mmap threshold when freed, and the next ones of that size would then stay in
+    the heap once freed. Cost: one mmap (pages committed when written).
+    """
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes < 1 << 20:
+        return np.empty(count, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype)
+
+
+def eviction_bound(state: np.ndarray, n_slots: int, capacity: int, n: int, steps: int) -> int:
+    """A bound on the live trajectories an insert of ``n`` trajectories of ``steps`` steps evicts.
+
+    ``plan_insert`` evicts only while the next trajectory lacks an order place or ring steps, and
+    every eviction frees one place and at least one step: the evictions are at most the places
+    missing plus the steps missing (and at most the trajectories stored). 0 while the ring fills.
+    Args:
+        state: the store's ``state`` row (before the insert).
+        n_slots: table slots; capacity: ring steps; n, steps: the batch's trajectories and steps.
+    Returns:
+        The bound (>= 0). O(1).
+    """
+    count = int(state[ring.ORDER_COUNT])
+    short = max(0, count + n - n_slots) + max(0, int(state[ring.STEPS_USED]) + steps - capacity)
+    return min(count, short)
+
+
+@njit(cache=True, nogil=True)
+def _chunk_end(lengths, lo, max_items, max_entries):
+    """The end of the chunk starting at ``lo``: at most ``max_items`` trajectories whose count plus
+    steps stays within ``max_entries`` (at least one trajectory). One pass over the chunk."""
+    hi = lo
+    used = 0
+    n = lengths.shape[0]
+    while hi < n and hi - lo < max_items:
+        cost = 1 + lengths[hi]
+        if hi > lo and used + cost > max_entries:
+            break
+        used += cost
+        hi += 1
+    return hi
+
+
+def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, slots_out: np.ndarray,
+                   on_evicted: Callable[[np.ndarray], None] | None = None) -> int:
     """Store already-validated trajectories laid end to end in ``store`` (a
-    :class:`~gear_mpi.storage.TrajectoryStore`), evicting the oldest (FIFO) to make room.
+    :class:`~gear_mpi.storage.TrajectoryStore`), evicting the oldest (FIFO) to make room, the table
+    planned chunk by chunk (the same table as one pass: the chunks are planned in order, with one stamp).
 
     Args:
         store: the store; the caller has passed the batch through its ``check_batch``.
         columns: column name -> all the batch's steps, back to back, of a dtype that casts to the column's.
         lengths: int64 steps of each trajectory (C-contiguous).
         priorities: the raw priority of each (float64), or one shared by all as a stride-0 array.
+        slots_out: int64, C-contiguous, ``len(lengths)`` entries: receives the new slots.
+        on_evicted: called after each chunk's table pass with the slots of the live trajectories it
+            evicted (a view of the scratch, valid during the call; the status row already says which
+            the chunk took back), before any column is written.
     Returns:
-        (slots of the new trajectories, slots of the live trajectories evicted): views of the store's
-        scratch, valid until its next insert.
-    Cost: one table pass in a kernel (O(n + evictions)), one copy per column (at most two slices, for the
-    ring's wrap-around, the dtype cast inside the copy); no allocation once the scratch is large enough.
+        The live trajectories evicted in all.
+    Cost: one table pass in a kernel (O(n + evictions)) in chunks of ``CHUNK_ITEMS``, one copy per
+    column (at most two slices, for the ring's wrap-around, the dtype cast inside the copy); no
+    allocation once the scratch is large enough (it is bounded).
     """
     n = len(lengths)
     total = int(lengths.sum())
-    # the slots, then room for every live eviction: never more than the trajectories stored, nor more than
-    # one per new item plus one per new step (each eviction frees a slot or at least one step)
-    need = n + min(int(store.state[ring.ORDER_COUNT]), total + n)
-    scratch = store._insert_scratch.take(need)
-    if n and priorities.strides == (0,):
-        priorities = priorities[:1]
-    n_evicted = ring.plan_insert(store._arrays, store.capacity, lengths, time.time_ns(), scratch[:n], scratch[n:need])
-    slots, evicted = scratch[:n], scratch[n:n + n_evicted]
-    if store.priority is not None:  # raw priorities, where the table keeps them (see table_layout)
-        store.priority[slots] = priorities
-    first = int(store.start[slots[0]])
+    shared = priorities.strides == (0,)
+    now = time.time_ns()
+    first = -1
+    evicted_all = 0
+    lo = 0
+    while lo < n:
+        hi = int(_chunk_end(lengths, lo, CHUNK_ITEMS, SCRATCH_ENTRIES))
+        part = lengths[lo:hi]
+        need = eviction_bound(store.state, store.max_items, store.capacity, hi - lo, int(part.sum()))
+        evicted = store._insert_scratch.take(need)
+        slots = slots_out[lo:hi]
+        k = ring.plan_insert(store._arrays, store.capacity, part, now, slots, evicted[:need])
+        if first < 0:
+            first = int(store.start[slots[0]])
+        if store.priority is not None:  # raw priorities, where the table keeps them (see table_layout)
+            store.priority[slots] = (priorities[:1] if shared else priorities[lo:hi]) + 0.0  # -0.0 as +0.0
+        evicted_all += k
+        if k and on_evicted is not None:
+            on_evicted(evicted[:k])
+        lo = hi
     head = min(total, store.capacity - first)
     for name, data in columns.items():
         dst = store.columns[name]
         dst[first:first + head] = data[:head]
         if head < total:
             dst[:total - head] = data[head:]
-    return slots, evicted
+    return evicted_all
+
+
+def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`insert_chunked` in one call, for :meth:`TrajectoryStore.insert
+    <gear_mpi.storage.TrajectoryStore.insert>`: the same arguments but ``slots_out`` and ``on_evicted``.
+
+    Returns:
+        (slots of the new trajectories, slots of the live trajectories evicted): new arrays.
+    Cost: as :func:`insert_chunked`, plus the two arrays returned.
+    """
+    slots = np.empty(len(lengths), np.int64)
+    gone: list[np.ndarray] = []
+    insert_chunked(store, columns, lengths, priorities, slots, lambda e: gone.append(e.copy()))
+    return slots, (np.concatenate(gone) if gone else np.zeros(0, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def zero_evicted_leaves(leaves, evicted, status, alive_shift, dead):
+    """Zero the leaves of the ``evicted`` slots still free (``status``'s alive code, above
+    ``alive_shift`` bits, ``dead``); return how many changed. O(evictions), no temporary; the levels
+    above are not touched (rebuild them)."""
+    changed = 0
+    for i in range(evicted.shape[0]):
+        e = evicted[i]
+        if (status[e] >> alive_shift) == dead and leaves[e] != 0.0:
+            leaves[e] = 0.0
+            changed += 1
+    return changed
 
 
 @njit(cache=True, nogil=True)
@@ -99,12 +213,7 @@ def set_inserted_leaves(leaves, slots, weights, evicted, status, alive_shift, de
     Cost: O(n + evictions), one pass each; no temporary. A leaf that already holds its value is not
     rewritten (its cache line stays clean).
     """
-    changed = 0
-    for i in range(evicted.shape[0]):
-        e = evicted[i]
-        if (status[e] >> alive_shift) == dead and leaves[e] != 0.0:
-            leaves[e] = 0.0
-            changed += 1
+    changed = zero_evicted_leaves(leaves, evicted, status, alive_shift, dead)
     shared = weights.shape[0] == 1
     for i in range(slots.shape[0]):
         w = weights[0] if shared else weights[i]

@@ -27,6 +27,7 @@ row's type here (derived ones computed at save); a load casts whatever integer t
 """
 from __future__ import annotations
 
+import mmap
 from typing import Mapping
 
 import numpy as np
@@ -90,10 +91,16 @@ def _staggered(count: int, dtype, k: int) -> np.ndarray:
     Big allocations all start at the same offset within a page, so the kernels that walk many rows
     at once (``ring.plan_insert`` writes 6) would touch addresses 4 KiB apart, all in one L1 cache
     set: staggering the rows made a 1e7-item insert's table pass about 3x faster. O(1) (the pages are
-    committed when first written).
+    committed when first written). Big rows come from an anonymous mapping (zero pages, unmapped when
+    the last view goes), not numpy's allocator: numpy asks for transparent huge pages on arrays of 4 MB
+    and more, and on this VM a fresh huge page costs far more to commit (see ``memory.PrivateArena``).
     """
     itemsize = np.dtype(dtype).itemsize
-    raw = np.zeros(count * itemsize + 4096, np.uint8)
+    nbytes = count * itemsize + 4096
+    if nbytes >= 1 << 20:
+        raw = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+    else:
+        raw = np.zeros(nbytes, np.uint8)
     skip = (k * _ROW_STAGGER - raw.ctypes.data) % 4096
     return raw[skip:skip + count * itemsize].view(dtype)
 
