@@ -27,13 +27,13 @@ row's type here (derived ones computed at save); a load casts whatever integer t
 """
 from __future__ import annotations
 
-import mmap
 from typing import Mapping
 
 import numpy as np
 
 from .kernels import ring
 from .keys import GEN_MASK
+from .memory import anonymous_pages
 
 _ROW_STAGGER = 320  # bytes: rows at k * 320 past a page boundary all fall in different 4 KiB offsets
 _STAMP_DTYPE = np.dtype(np.int64)
@@ -92,13 +92,12 @@ def _staggered(count: int, dtype, k: int) -> np.ndarray:
     at once (``ring.plan_insert`` writes 6) would touch addresses 4 KiB apart, all in one L1 cache
     set: staggering the rows made a 1e7-item insert's table pass about 3x faster. O(1) (the pages are
     committed when first written). Big rows come from an anonymous mapping (zero pages, unmapped when
-    the last view goes), not numpy's allocator: numpy asks for transparent huge pages on arrays of 4 MB
-    and more, and on this VM a fresh huge page costs far more to commit (see ``memory.PrivateArena``).
+    the last view goes; huge pages as ``memory.PrivateArena.huge_pages`` says), not numpy's allocator.
     """
     itemsize = np.dtype(dtype).itemsize
     nbytes = count * itemsize + 4096
     if nbytes >= 1 << 20:
-        raw = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+        raw = np.frombuffer(anonymous_pages(nbytes), np.uint8)
     else:
         raw = np.zeros(nbytes, np.uint8)
     skip = (k * _ROW_STAGGER - raw.ctypes.data) % 4096
