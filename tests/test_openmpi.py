@@ -20,8 +20,8 @@ run_pytest_mpi.
 
 Ranks killed on purpose run under Open MPI in tests/test_faults.py (its ``[openmpi]`` cases and
 the ULFM test): what prterun does when a rank dies (tears the job down; ``--enable-recovery``
-keeps the survivors, who then time out as under MPICH; ``--with-ft ulfm`` fails their pending
-collective at once with MPI_ERR_PROC_FAILED).
+keeps the survivors, who then time out as under MPICH; so does ``--with-ft ulfm`` for a one-node
+sample, which agrees in shared memory with no MPI call for ULFM to fail).
 
 The whole suite can also run under Open MPI: ``GEAR_MPI_TEST_MPI=openmpi pytest tests``.
 """
