@@ -57,7 +57,7 @@ class IngestPoint:
         return self._address
 
     def _discover(self) -> None:
-        announced = np.flatnonzero(self.registry.announce)
+        announced = np.flatnonzero(self.registry.announce.copy())  # writers announce while we look: a snapshot
         if len(announced) == len(self.writers):
             return
         for slot in announced.tolist():
@@ -159,7 +159,7 @@ class IngestPoint:
         if self.registry is None:
             return
         publish(self.registry.words[R_CLOSED:R_CLOSED + 1], 1)  # writers raise WriterError from now on
-        for slot in np.flatnonzero(self.registry.announce).tolist():
+        for slot in np.flatnonzero(self.registry.announce.copy()).tolist():
             self._free(slot, self.writers.get(slot))
         for slot, st in list(self.writers.items()):
             self._free(slot, st)
