@@ -1,6 +1,7 @@
 """Batch: the result of a sample -- one ``[B, W, ...]`` tensor per column plus per-item metadata."""
 from __future__ import annotations
 
+import sys
 from typing import Iterator
 
 import numpy as np
@@ -160,6 +161,32 @@ class Batch:
         """Bytes of all returned tensors (columns, mask, keys, probabilities, weights, lengths). O(columns)."""
         return (sum(t.numel() * t.element_size() for t in self.data.values()) + self.mask.numel()
                 + 8 * 3 * self.batch_size + 4 * self.batch_size)
+
+    def references(self) -> tuple[int, ...] | None:
+        """Reference counts of the batch and of every buffer, tensor and tensor storage it holds.
+
+        Two calls from the same kind of place (the same references held by the caller) give equal
+        tuples exactly when nothing else took or dropped a reference in between: a kept tensor, a
+        torch or numpy view of a buffer, a tensor's ``numpy()``, an autograd graph that saved a
+        tensor all count. Used to refill a batch only when nobody outside holds any of it
+        (``batches(recycle="auto")``). A raw pointer or a weak reference is not seen. O(columns).
+
+        Returns:
+            The counts, or None for a device batch or a torch without storage use counts.
+        """
+        if self._np is None:
+            return None
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:  # pragma: no cover - every supported torch has it
+            return None
+        tensors = [*self.data.values(), self.mask, self.keys, self.probabilities, self.weights, self.lengths]
+        arrays = [*self._np.values(), self._mask_np, *self._meta_np]
+        counts = [sys.getrefcount(self)]
+        for t in tensors:
+            counts.append(sys.getrefcount(t))
+            counts.append(use_count(t.untyped_storage()._cdata))
+        counts.extend(sys.getrefcount(a) for a in arrays)
+        return tuple(counts)
 
     def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
         """Whether this batch's buffers can take the windows of a sample, as ``out=``. O(columns), then O(1).

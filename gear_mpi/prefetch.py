@@ -31,12 +31,19 @@ raised by the ``next()`` that would have returned that batch.
 MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
 library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
 Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication.
-With ``recycle=True`` the thread refills a ring of ``prefetch + 2`` batches
-(``sample(out=...)``) instead of allocating new ones: fresh batches cost the thread page
-faults (tens per 2 MB batch, as freed memory goes back to the system): on 2 ranks x 1 core,
-prefetch=2, a step costing one sample hid 86-92 % of the replay's time with it and 69 %
-without (scripts/bench/bench_prefetch.py). A recycled batch is overwritten once the loop has
-taken two more batches.
+The thread refills a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of
+allocating new ones: fresh batches cost the thread page faults (tens per 2 MB batch, as freed
+memory goes back to the system): on 2 ranks x 1 core, prefetch=2, a step costing one sample
+hid 86-92 % of the replay's time with a ring and 69 % without (scripts/bench/bench_prefetch.py).
+``recycle`` says when a batch of the ring is refilled, once the loop has taken two more:
+
+- ``"auto"`` (the default): only when nothing outside the iterator still references it or
+  any of its tensors, buffers or views (:meth:`~gear_mpi.batch.Batch.references`); a batch the
+  loop kept (a list of batches, a tensor saved in an autograd graph still alive, a view) is
+  left alone and a new one takes its place in the ring. Safe, and as fast as ``True`` in a
+  loop that drops its batches;
+- ``True``: always, even if the loop kept it (the loop must copy what it keeps);
+- ``False``: never: a new batch every step.
 ``iterator.sample_seconds`` (the thread's time in samples and updates) and
 ``iterator.wait_seconds`` (the loop's time blocked in ``next()``) show how much was hidden.
 """
@@ -86,26 +93,33 @@ class BatchIterator:
         batch_size, window, align, mode: as :meth:`Replay.sample` (the same for every batch).
         prefetch: batches sampled ahead (>= 0).
         limit: stop after this many batches (None: never; ``next()`` then raises StopIteration on every rank).
-        recycle: refill the batches of a ring of ``prefetch + 2`` instead of new ones (host replays; see
-            :meth:`ReplayPrefetch.batches`).
+        recycle: ``"auto"``, True or False: when to refill the batches of a ring of ``prefetch + 2`` instead of
+            allocating new ones (host replays; see the module docstring).
     Raises:
-        ValueError: a bad ``prefetch`` or ``limit``, ``recycle`` on a device replay; RuntimeError: MPI without THREAD_MULTIPLE, or another
+        ValueError: a bad ``prefetch``, ``limit`` or ``recycle``, ``recycle=True`` on a device replay; RuntimeError: MPI without THREAD_MULTIPLE, or another
             iterator of this replay is active.
     """
 
     def __init__(self, replay, batch_size: int, window: int | None, align: str, mode: str | None,
-                 prefetch: int, limit: int | None, recycle: bool = False):
+                 prefetch: int, limit: int | None, recycle: bool | str = "auto"):
         if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
             raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
-        if recycle and getattr(replay, "device", None) is not None:
+        if recycle not in (True, False, "auto") or not isinstance(recycle, (bool, str)):
+            raise ValueError(f"recycle must be 'auto', True or False, got {recycle!r}")
+        if recycle is True and getattr(replay, "device", None) is not None:
             raise ValueError("recycle=True refills host batches (sample's out=): a device replay returns new ones")
+        if recycle == "auto" and getattr(replay, "device", None) is not None:
+            recycle = False  # device batches are new ones
         if replay.comm.size > 1:
             check_thread_level()
         self.replay, self.prefetch, self.limit = replay, int(prefetch), limit
         self._args = (batch_size, window, align, mode)
         self._ring: list | None = [None] * (self.prefetch + 2) if recycle else None
+        self._checked = recycle == "auto"  # refill only batches nobody else references
+        self._ring_refs: list = [None] * (self.prefetch + 2)  # each ring batch's references() when handed over
+        self.recycled = 0  # batches refilled from the ring (this rank)
         self._cv = threading.Condition()
         self._ready: collections.deque = collections.deque()  # (j, batch or exception)
         self._updates: dict[int, list] = collections.defaultdict(list)  # before sample j: [(keys, priorities)]
@@ -156,6 +170,8 @@ class BatchIterator:
                     continue
                 if self._ring is not None and not isinstance(item, BaseException):
                     self._ring[j % len(self._ring)] = item
+                    if self._checked:  # the same holders as in _out: the ring and one local name
+                        self._ring_refs[j % len(self._ring)] = item.references()
                 with self._cv:
                     self._ready.append((j, item))
                     self._cv.notify_all()
@@ -174,8 +190,21 @@ class BatchIterator:
 
     def _out(self, j: int):
         """The batch sample ``j`` refills (``recycle``): sample ``j - prefetch - 2``'s, which the loop has
-        left two next() calls ago; None while the ring fills, or without ``recycle``."""
-        return None if self._ring is None else self._ring[j % len(self._ring)]
+        left two next() calls ago; None while the ring fills, without ``recycle``, or (``"auto"``) when
+        something outside still references that batch (it then leaves the ring)."""
+        if self._ring is None:
+            return None
+        i = j % len(self._ring)
+        batch = self._ring[i]
+        if batch is None:
+            return None
+        if self._checked:
+            refs = batch.references()
+            if refs is None or refs != self._ring_refs[i]:
+                self._ring[i] = None
+                return None
+        self.recycled += 1
+        return batch
 
     # ---- the training loop's side ---------------------------------------------------------
     def __iter__(self) -> "BatchIterator":
@@ -267,7 +296,7 @@ class ReplayPrefetch:
 
     def batches(self, batch_size: int, window: int | None = None, align: str = "random", *,
                 mode: str | None = None, prefetch: int = 2, limit: int | None = None,
-                recycle: bool = False) -> BatchIterator:
+                recycle: bool | str = "auto") -> BatchIterator:
         """Collective in effect: an iterator of batches sampled ``prefetch`` ahead by a background thread
         (:mod:`gear_mpi.prefetch`: the schedule, staleness of updates, and shutdown). Every rank iterates in
         step; give priority updates with ``iterator.update_priorities``; use it as a context manager.
@@ -277,11 +306,13 @@ class ReplayPrefetch:
             prefetch: batches sampled ahead (0: each when asked for). limit: batches to give (None: no end).
             recycle: refill a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of allocating a
                 new one per step (host replays): the background thread then takes no page faults on fresh
-                memory. A batch is then overwritten once the loop has taken two more: copy what it keeps.
+                memory. A batch is refilled once the loop has taken two more: with ``"auto"`` (default) only
+                if nothing outside the iterator references it or any of its tensors (else a new one takes
+                its place); with True always (copy what the loop keeps); with False never.
         Returns:
             The :class:`~gear_mpi.prefetch.BatchIterator`.
         Raises:
-            ValueError: a bad ``prefetch``/``limit``, ``recycle`` on a device replay. RuntimeError: the replay is closed or already iterated,
+            ValueError: a bad ``prefetch``/``limit``/``recycle``, ``recycle=True`` on a device replay. RuntimeError: the replay is closed or already iterated,
                 or MPI lacks THREAD_MULTIPLE.
         Cost: one thread; each batch costs what :meth:`sample` does, hidden behind the training step.
         """

@@ -13,7 +13,8 @@ def test_bench_prefetch_prints_every_case_and_the_hidden_share():
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
                            "scripts.bench.bench_prefetch", "--items", "8", "--batch", "4", "--window", "100",
-                           "--steps", "5", "--warmup", "2", "--reps", "2", "--compute", "wait,matmul", "--json"],
+                           "--steps", "5", "--warmup", "2", "--reps", "2", "--compute", "wait,matmul", "--json",
+                           "--recycle", "all"],
                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -23,8 +24,11 @@ def test_bench_prefetch_prints_every_case_and_the_hidden_share():
     for r in kinds.values():
         med = r["median_s"]
         for case in ("sample", "replay", "compute", "plain", "prefetch1", "prefetch2", "thread1", "blocked2",
-                     "prefetch1r", "prefetch2r", "thread2r", "blocked1r"):
+                     "prefetch1r", "prefetch2r", "thread2r", "blocked1r", "prefetch1a", "prefetch2a"):
             assert med[case] >= 0 and r["spread_s"][case][0] <= med[case] <= r["spread_s"][case][1], (case, r)
         assert med["sample"] > 0 and med["compute"] > 0 and med["plain"] > med["compute"], r
-        assert set(r["hidden"]) == {"prefetch1", "prefetch2", "prefetch1r", "prefetch2r"} and all(h <= 1 for h in r["hidden"].values()), r
+        assert set(r["hidden"]) == {f"prefetch{p}{s}" for p in "12" for s in ("", "r", "a")}, r
+        assert all(h <= 1 for h in r["hidden"].values()), r
+        # the loop drops its batches: "auto" refills as many as True (all but the ring's first fill)
+        assert med["recycled2a"] == med["recycled2r"] > 0 and med["recycled1"] == 0, r
     assert "hidden" in proc.stdout and "target >= 80%" in proc.stdout, proc.stdout

@@ -28,12 +28,15 @@ repetitions; the time of a step is the slowest rank's):
 - ``compute``  the step alone;
 - ``plain``    sample, step, update, all in the training thread (about replay + compute);
 - ``prefetchP`` ``replay.batches(..., prefetch=P)``: next(), step, the update through the iterator;
-- ``prefetchPr`` the same with ``recycle=True``: the thread refills a ring of P + 2 batches
-  instead of allocating a new one per step (``--recycle``: no, yes, both).
+- ``prefetchP`` is ``recycle=False`` (a new batch per step); ``prefetchPr`` is ``recycle=True``:
+  the thread refills a ring of P + 2 batches instead of allocating a new one per step;
+  ``prefetchPa`` is ``recycle="auto"``, the default: the ring's batches are refilled when
+  nothing outside the iterator holds them, as here (``--recycle``: no, yes, auto, both = no
+  and yes, all = the three). ``recycledP..`` is the share of steps whose batch was refilled.
 
 What costs in the thread (2 ranks x 1 core, W1 hopper, B=32): a fresh 2 MB batch costs it
 tens of page faults per step (the training thread's own samples reuse the batch it just
-freed and take none): with new batches prefetch=2 hid ~70 %, with ``recycle=True`` ~85-95 %.
+freed and take none): with new batches prefetch=2 hid ~70 %, with a refilled ring ~85-95 %.
 The update of step k runs while the step runs (after sample k + P, before k + P + 1), not in
 front of the sample. What is left is jitter: the thread's time is the slowest rank's
 (collectives), on cores shared with other processes, and the step waits whenever one
@@ -102,6 +105,9 @@ def make_compute(kind: str, seconds: float, comm, torch_threads: int):
     return matmul, f"{n} torch matmuls 256x256 on {torch_threads} thread(s)"
 
 
+RECYCLE_SUFFIX = {False: "", True: "r", "auto": "a"}  # batches(recycle=...) -> case name suffix
+
+
 def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, recycles, B, W) -> dict:
     from mpi4py import MPI
     cores = os.cpu_count() or 1
@@ -125,7 +131,7 @@ def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, recycles, B
             plain_step()
         res["plain"] = timed(comm, plain_step, args.steps)
         for pf, r in ((pf, r) for pf in prefetches for r in recycles):
-            name = f"{pf}{'r' if r else ''}"
+            name = f"{pf}{RECYCLE_SUFFIX[r]}"
             with replay.batches(B, W, "head", prefetch=pf, recycle=r) as it:
                 def step():
                     b = next(it)
@@ -133,13 +139,15 @@ def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, recycles, B
                     it.update_priorities(b.keys, np.ones(B))
                 for _ in range(args.warmup):
                     step()
-                s0, w0 = it.sample_seconds, it.wait_seconds
+                s0, w0, r0 = it.sample_seconds, it.wait_seconds, it.recycled
                 res[f"prefetch{name}"] = timed(comm, step, args.steps)
+                res[f"recycled{name}"] = comm.allreduce((it.recycled - r0) / args.steps, op=MPI.MIN)
                 res[f"thread{name}"] = comm.allreduce((it.sample_seconds - s0) / args.steps, op=MPI.MAX)
                 res[f"blocked{name}"] = comm.allreduce((it.wait_seconds - w0) / args.steps, op=MPI.MAX)
         rows.append(res)
         log(comm, f"#   {kind} rep {rep + 1}/{args.reps}: " +
-            ", ".join(f"{k} {v * 1e3:.2f}" for k, v in res.items()) + " ms")
+            ", ".join(f"{k} {v:.2f}" if k.startswith("recycled") else f"{k} {v * 1e3:.2f} ms"
+                      for k, v in res.items()))
     med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
     spread = {k: (min(r[k] for r in rows), max(r[k] for r in rows)) for k in rows[0]}
     out = {"compute_kind": kind, "step": what, "median_s": med, "spread_s": spread, "hidden": {}}
@@ -171,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prefetch", default="1,2")
-    p.add_argument("--recycle", default="both", choices=["no", "yes", "both"],
-                   help="batches(recycle=...): new batches (prefetchP), a ring refilled (prefetchPr), or both")
+    p.add_argument("--recycle", default="all", choices=["no", "yes", "auto", "both", "all"],
+                   help="batches(recycle=...): False, new batches (prefetchP); True, a ring refilled "
+                        "(prefetchPr); 'auto' (the default), refilled when nothing holds them (prefetchPa); "
+                        "both: no and yes; all: the three")
     p.add_argument("--compute", default="wait", help="comma list of: wait, matmul")
     p.add_argument("--compute-ratio", type=float, default=1.0)
     p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized"])
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     log(comm, f"# {comm.size} ranks, load average {load0}, sample + update {t_replay * 1e3:.2f} ms")
     prefetches = [int(x) for x in args.prefetch.split(",")]
-    recycles = {"no": [False], "yes": [True], "both": [False, True]}[args.recycle]
+    recycles = {"no": [False], "yes": [True], "auto": ["auto"], "both": [False, True],
+                "all": [False, True, "auto"]}[args.recycle]
     results = [run_kind(comm, replay, sample, k, t_replay, args, prefetches, recycles, B, W) for k in kinds]
     if comm.rank == 0:
         load1 = os.getloadavg()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def build(seed: int = 5, timeout: float = 60.0) -> gm.Replay:
     return replay
 
 
-@pytest.mark.parametrize("recycle", [False, True])
+@pytest.mark.parametrize("recycle", [False, True, "auto"])
 def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented_point(recycle):
     prefetch, n, update_after = 2, 12, (3, 7)
     updates = {}
@@ -54,12 +55,47 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
                     it.update_priorities(b.keys.numpy(), updates[j][1])
         assert len(got) == n
         ring = prefetch + 2  # recycle: batch j is refilled as batch j + prefetch + 2, not before
-        assert all((objects[i] is objects[i + ring]) == recycle for i in range(n - ring))
-        assert len({id(o) for o in objects}) == (ring if recycle else n)
+        reused = recycle is True  # "auto" refills none: the loop keeps every batch in `objects`
+        assert all((objects[i] is objects[i + ring]) == reused for i in range(n - ring))
+        assert len({id(o) for o in objects}) == (ring if reused else n)
+        assert it.recycled == (n - ring if reused else 0)
         for (k1, x1), (k2, x2) in zip(plain, got):
             np.testing.assert_array_equal(k1 & untagged, k2 & untagged)
             np.testing.assert_array_equal(x1, x2)
         assert replay.sample(2).keys.shape == (2,)  # the main thread has the replay back
+
+
+def test_auto_recycling_refills_only_batches_nobody_holds():
+    """recycle="auto": a dropped batch is refilled; one the loop still holds through a view of a tensor,
+    a tensor's numpy() or a numpy view of a buffer is left as it was, and a new batch takes its place."""
+    prefetch, n = 1, 24
+    ring = prefetch + 2
+    holders = {1: lambda b: b["x"][:, 0], 6: lambda b: b.keys.numpy(), 11: lambda b: b.numpy()["r"][2:],
+               16: lambda b: b.mask[1]}
+    with build() as replay:
+        refs, kept, same = [], {}, []
+        with replay.batches(6, window=3, prefetch=prefetch, limit=n) as it:
+            for j, b in enumerate(it):
+                refs.append(weakref.ref(b))
+                if j >= ring:  # is this batch j - ring's object, refilled?
+                    same.append(refs[j - ring]() is b)
+                if j in holders:  # keep a torch view, a tensor's numpy(), a buffer's numpy view
+                    hold = holders[j](b)
+                    kept[j] = (hold, hold.clone() if hasattr(hold, "clone") else hold.copy())
+        recycled = it.recycled
+    for j, (hold, copy) in kept.items():  # never overwritten
+        assert (hold == copy).all(), j
+    # a batch nobody held is refilled as batch j + ring; a held one never (a new batch takes its place)
+    assert same == [j not in kept for j in range(n - ring)]
+    assert recycled == n - ring - len(kept)
+
+
+@pytest.mark.parametrize("recycle", [1, "yes", None])
+def test_a_bad_recycle_argument_is_refused(recycle):
+    with build() as replay:
+        with pytest.raises(ValueError, match="recycle must be 'auto', True or False"):
+            replay.batches(4, recycle=recycle)
+        assert replay.sample(2).keys.shape == (2,)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
