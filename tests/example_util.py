@@ -6,31 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from mpi_util import ROOT, mpiexec_path
-
-
-def session_processes(sid: int) -> list[str]:
-    """``pid cmdline`` of every live process of session ``sid`` (the job's: mpiexec, ranks, actors)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid or fields[0] == "Z":  # field 6 of stat: the session; skip zombies
-                continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{pid} {args[:160]}")
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
+from mpi_util import ROOT, mpiexec_path, reap_session
 
 
 def run_example_job(example: Path, *args: str, ranks: int = 2, timeout: float = 300.0) -> tuple[dict, str]:
@@ -53,13 +33,7 @@ def run_example_job(example: Path, *args: str, ranks: int = 2, timeout: float = 
         out, _ = proc.communicate()
         pytest.fail(f"{name} did not finish within {timeout:g} s:\n{out[-4000:]}")
     finally:
-        deadline = time.monotonic() + 10.0  # ranks join their children before they exit; allow for reaping
-        left = session_processes(proc.pid)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = session_processes(proc.pid)
-        if left:
-            os.killpg(proc.pid, signal.SIGKILL)
+        left = reap_session(proc.pid, 10.0)  # ranks join their children before they exit; allow for reaping
     assert proc.returncode == 0, f"{name} failed:\n{out[-4000:]}"
     assert not left, f"processes of the job still running after it ended: {left}"
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

@@ -296,6 +296,41 @@ def run_single(program: str, *args: str, timeout: float = 120.0) -> subprocess.C
                           timeout=timeout, env=env)
 
 
+def session_processes(sid: int) -> list[str]:
+    """``pid cmdline`` of every live process (zombies left out) of session ``sid``, from /proc."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid or fields[0] == "Z":  # field 6 of stat: the session
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} {args[:160]}")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def reap_session(sid: int, grace: float) -> list[str]:
+    """Wait up to ``grace`` seconds for the processes of session ``sid`` (a job started with
+    ``start_new_session=True``) to end, then SIGKILL the ones left; returns those (``pid cmdline``)."""
+    deadline = time.monotonic() + grace
+    left = session_processes(sid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = session_processes(sid)
+    if left:
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
 def _mapped_paths() -> set[str]:
     """Every file path that some process of this machine has mapped (from /proc/*/maps)."""
     paths = set()

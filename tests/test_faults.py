@@ -51,7 +51,7 @@ from pathlib import Path
 import pytest
 
 from mpi_util import (PROGRAMS, MpiRuntime, _mapped_paths, _mpi_env, default_runtime, openmpi_runtime, passes,
-                      remove_leaked_mpi_leftovers)
+                      reap_session, remove_leaked_mpi_leftovers)
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
 TIMEOUT = 4.0  # the replay's collective deadline in the kill scenario
@@ -72,21 +72,6 @@ class Job:
     @property
     def out(self) -> str:
         return self.stdout + self.stderr[-3000:]
-
-
-def _session_members(sid: int) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(rest[3]) == sid and rest[0] != "Z":
-            pids.append(int(pid))
-    return pids
 
 
 def _gear_segments() -> set[str]:
@@ -119,17 +104,7 @@ def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
     elapsed = time.monotonic() - t0
-    leftovers = _session_members(proc.pid)
-    for _ in range(50):  # give stragglers a moment, then record and kill them
-        if not leftovers:
-            break
-        time.sleep(0.1)
-        leftovers = _session_members(proc.pid)
-    if leftovers:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    leftovers = reap_session(proc.pid, 5.0)  # give stragglers a moment, then record and kill them
     remove_leaked_mpi_leftovers(started, mpi)
     mapped = _mapped_paths()
     leaked = [n for n in _gear_segments() - before if f"/dev/shm/{n}" not in mapped and _created_since(n, started)]

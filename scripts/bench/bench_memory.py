@@ -170,10 +170,11 @@ def run_one(system: str, py: str, n: int, timeout: float) -> dict:
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run([py, str(Path(__file__).resolve()), "--worker", system, "--n", str(n)],
                           capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    from scripts.bench.json_lines import json_rows  # the driver's side only: workers run in peers' venvs
+    rows = json_rows(proc.stdout)
+    if proc.returncode != 0 or not rows:
         return {"system": system, "n": n, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-    return json.loads(lines[-1])
+    return rows[-1]
 
 
 def main(argv=None) -> None:

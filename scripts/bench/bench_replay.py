@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scripts.bench.json_lines import json_rows
+
 ROOT = Path(__file__).resolve().parents[2]   # the repository: run as modules from there
 
 WORKLOADS = {
@@ -246,12 +248,10 @@ def driver(args, argv: list[str]) -> int:
             print(f"# ranks={k}: mpiexec failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
             status = 1
             continue
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                row = json.loads(line)
-                copy_rates.append(row["memcpy_gbps"])
-                peers_cpu.append(row.get("memcpy_peers_cpu", 0.0))
-                emit(row, args.json)
+        for row in json_rows(proc.stdout):
+            copy_rates.append(row["memcpy_gbps"])
+            peers_cpu.append(row.get("memcpy_peers_cpu", 0.0))
+            emit(row, args.json)
     if copy_rates and not args.json:
         print(f"# memcpy (same runs, one process, the other ranks asleep, at most {100 * max(peers_cpu):.1f}% CPU): "
               f"{min(copy_rates):.2f}-{max(copy_rates):.2f} GB/s", flush=True)

@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from scripts.bench.bench_replay import memcpy_gbps  # the same-run memcpy ceiling, one definition
+from scripts.bench.json_lines import json_rows
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository: workers run as modules from there
 WORKER_PACKAGE = "scripts.peers"  # the workers run as modules of this package
@@ -188,23 +189,12 @@ def run_worker(cmd: list[str], timeout: float, env: dict) -> tuple[list[dict], s
         except ProcessLookupError:
             pass
         out, err = proc.communicate()
-        rows = _rows(out)
+        rows = json_rows(out)
         return rows, f"timed out after {timeout:.0f} s"
-    rows = _rows(out)
+    rows = json_rows(out)
     if proc.returncode != 0:
         return rows, f"exit {proc.returncode}: {_tail(err, 800)}"
     return rows, None
-
-
-def _rows(out: str) -> list[dict]:
-    rows = []
-    for line in (out or "").splitlines():
-        if line.startswith("{"):
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-    return rows
 
 
 def mpiexec() -> str:

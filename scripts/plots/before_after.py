@@ -30,17 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-
-def rows_of(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+from scripts.bench.json_lines import json_rows
 
 
 def _n(x) -> str:
@@ -86,7 +76,7 @@ def collect(specs: list[str]) -> dict:
         side, _, name = spec.partition(":")
         if side not in ("before", "after") or not name:
             raise SystemExit(f"expected before:FILE or after:FILE, got {spec!r}")
-        for row in rows_of(Path(name)):
+        for row in json_rows(Path(name).read_text()):
             for table, key, value in figures(row):
                 data.setdefault(table, {}).setdefault(key, {"before": [], "after": []})[side].append(value)
     return data
@@ -122,7 +112,7 @@ def merge_peers(out: Path, files: list[Path]) -> None:
 
     metas, runs = [], []
     for f in files:
-        rows = rows_of(f)
+        rows = json_rows(f.read_text())
         metas += [r for r in rows if r.get("kind") == "meta"]
         for r in (r for r in rows if r.get("kind") == "run"):
             runs.append({**{k: v for k, v in r.items() if k != "kind"}, "file": f.name})

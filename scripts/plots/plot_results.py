@@ -17,9 +17,10 @@ Needs matplotlib (the project's ``bench`` extra).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from scripts.bench.json_lines import json_rows
 
 COLORS = {"gear_mpi": "tab:blue", "reverb": "tab:red", "cpprb": "tab:green", "torchrl": "tab:orange"}
 STYLES = ["-", "--", ":", "-."]
@@ -30,14 +31,7 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
     """(compare_peers result rows, compare_peers meta rows, bench_replay rows)."""
     peers, metas, replay = [], [], []
     for p in paths:
-        for line in p.read_text().splitlines():
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
+        for row in json_rows(p.read_text()):
             if row.get("kind") == "result" and row.get("status") == "ok":
                 peers.append(row)
             elif row.get("kind") == "meta":
