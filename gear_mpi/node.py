@@ -414,7 +414,9 @@ class NodeBoard:
                     hints.publish(mine, r + 1)
                     hints.fence()  # the flag is stored before the counter is read again (see _publish)
                     if not _reached(word, target):
-                        _futex(word, _FUTEX_WAIT, ctypes.c_int32(seen).value, 0.05)
+                        # naps of 50 ms at most, never past the deadline: a timeout is raised on time
+                        nap = min(0.05, max(1e-3, start + self.comm.timeout - now))
+                        _futex(word, _FUTEX_WAIT, ctypes.c_int32(seen).value, nap)
                     mine[0] = 0
         hints.fence()  # nothing read of the peers' boards before their counters said it is there
         if start is not None:
