@@ -24,6 +24,11 @@ under /var/tmp, a disk, not tmpfs; removed at the end unless ``--keep``).
   cold: every page of the store written back and dropped from RAM (msync + MADV_PAGEOUT; the
   row's ``resident_after_evict`` shows it worked), then one sample, ``--cold-reps`` times (median and
   quartiles; ``disk_bytes_per_call``: what /proc/self/io says the sample had read from the disk);
+  floor (``--floor on``, the default): after each cold call, the store evicted again and 64 other
+  random windows' pages (every column, page-rounded, as the library's MADV_WILLNEED asks) read
+  straight from the columns file with O_DIRECT from ``--floor-depth`` threads, no copy: what the disk
+  alone takes for the bytes a cold call must read, the least any read path could take here (other
+  windows than the call's, so the host's cache of what the call read does not help);
   warm: every page read once, then samples for ``--seconds``. GB/s = B * W * step bytes per
   call / the median call time. With ``--size-gb`` above RAM the warm case cannot be warm:
   it measures the steady state of a larger-than-RAM replay instead.
@@ -94,6 +99,63 @@ def build_gear(args, directory: str):
     return replay, fill_s
 
 
+def _mapped_file(address: int) -> tuple[str, int]:
+    """The /proc/self/map_files entry of the mapping holding ``address`` (the file may be unlinked;
+    opening it needs root or CAP_SYS_ADMIN) and the mapping's start address."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span = line.split()[0]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                if int(line.split()[2], 16) != 0:
+                    raise OSError("the columns mapping does not start at offset 0 of its file")
+                return f"/proc/self/map_files/{span}", lo
+    raise OSError(f"no mapping holds {address:#x}")
+
+
+class DirectFloor:
+    """O_DIRECT reads of random windows' page ranges of a file-backed store's columns file, from a
+    thread pool (``os.preadv`` releases the GIL), each thread into its own page-aligned buffer."""
+
+    def __init__(self, store, window: int, depth: int):
+        import mmap
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+        path, lo = _mapped_file(store.arena.buffer.ctypes.data)
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        self.skew = store.arena.buffer.ctypes.data - lo
+        self.store, self.window, self.page = store, window, mmap.PAGESIZE
+        self.pool = ThreadPoolExecutor(depth)
+        self.local = threading.local()
+        self.biggest = max(c.step_bytes for c in store.spec.columns) * window + 2 * self.page
+
+    def _read(self, span) -> int:
+        import mmap
+        buf = getattr(self.local, "buf", None)
+        if buf is None:
+            buf = self.local.buf = mmap.mmap(-1, self.biggest)
+        a, b = span
+        return os.preadv(self.fd, [memoryview(buf)[:b - a]], a)
+
+    def spans(self, rng, batch: int) -> list:
+        st, page = self.store, self.page
+        starts = rng.integers(0, st.capacity - self.window + 1, batch)
+        out = []
+        for c in st.spec.columns:
+            for s in starts.tolist():
+                lo = self.skew + st.offsets[c.name] + s * c.step_bytes
+                hi = lo + self.window * c.step_bytes
+                out.append((lo - lo % page, -(-hi // page) * page))
+        return out
+
+    def read(self, spans: list) -> int:
+        return sum(self.pool.map(self._read, spans))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
+
+
 def part_b_gear(args, directory: str, rows: list) -> "object":
     replay, fill_s = build_gear(args, directory)
     base = {"workload": "offline", "peer": "gear_mpi", "B": args.batch, "W": args.window, "T": args.T,
@@ -105,7 +167,15 @@ def part_b_gear(args, directory: str, rows: list) -> "object":
     act = b["action"].numpy()
     i = int(act[0, 0]) // args.T
     assert np.array_equal(b["obs"].numpy()[0], image_trajectory(i, args.T)["obs"][int(act[0, 0]) % args.T:][:args.window])
-    cold, disk = [], []
+    cold, disk, floor, floor_disk = [], [], [], []
+    direct = None
+    if args.floor == "on":
+        try:
+            direct = DirectFloor(replay.shard.store, args.window, args.floor_depth)
+        except OSError as e:
+            rows.append({"workload": "offline", "peer": "disk", "status": "failed",
+                         "reason": f"no O_DIRECT floor: {e}"})
+    rng = np.random.default_rng(7)
     for _ in range(args.cold_reps):
         evict(buf.ctypes.data, buf.nbytes)
         left = resident(buf.ctypes.data, buf.nbytes)
@@ -114,11 +184,26 @@ def part_b_gear(args, directory: str, rows: list) -> "object":
         replay.sample(args.batch, args.window)
         cold.append(time.perf_counter() - t0)
         disk.append(read_bytes() - d0)
+        if direct is not None:
+            spans = direct.spans(rng, args.batch)
+            evict(buf.ctypes.data, buf.nbytes)
+            d0 = read_bytes()
+            t0 = time.perf_counter()
+            direct.read(spans)
+            floor.append(time.perf_counter() - t0)
+            floor_disk.append(read_bytes() - d0)
     med = float(np.median(cold))
     rows.append({**base, "case": "cold", "median_call_s": med, "best_call_s": float(np.min(cold)), "calls": len(cold),
                  "q25_call_s": float(np.percentile(cold, 25)), "q75_call_s": float(np.percentile(cold, 75)),
                  "disk_bytes_per_call": float(np.median(disk)), "resident_after_evict": left,
                  "gbps": base["bytes_per_call"] / med / 1e9})
+    if direct is not None:
+        direct.close()
+        fm = float(np.median(floor))
+        rows.append({**base, "peer": "disk", "case": "cold floor", "median_call_s": fm, "best_call_s": float(np.min(floor)),
+                     "calls": len(floor), "q25_call_s": float(np.percentile(floor, 25)),
+                     "q75_call_s": float(np.percentile(floor, 75)), "depth": args.floor_depth,
+                     "disk_bytes_per_call": float(np.median(floor_disk)), "gbps": base["bytes_per_call"] / fm / 1e9})
     store = replay.shard.store
     steady = buf.nbytes > 0.8 * available_memory()  # larger than RAM: no pass can make it warm
     for a in range(0, 0 if steady else buf.nbytes, 1 << 26):  # warm: every page in (MADV_RANDOM turns read-ahead
@@ -210,7 +295,9 @@ def table(rows: list) -> None:
                     notes += f", {r['resident_after_evict'] / 2**20:.1f} MiB resident after eviction"
                 if r.get("disk_bytes_per_call", -1) >= 0:
                     notes += f", {r['disk_bytes_per_call'] / 1e6:.1f} MB read from disk a call"
-                if "advice" in r:
+                if r["peer"] == "disk":
+                    notes += f"; O_DIRECT, {r['depth']} threads, no copy"
+                elif "advice" in r:
                     notes += f"; MADV_{r['advice'].upper()}, prefetch {r['prefetch']}"
             print(f"{'(b)':>7} {r['peer']:>9} {r['case']:>18} {'':>5} {t:>13} {r['gbps']:7.2f}  {notes}")
         else:
@@ -236,6 +323,9 @@ def main() -> None:
                     help="gear_mpi's madvise on the columns (default random, the library's)")
     ap.add_argument("--prefetch", default="on", choices=["on", "off"],
                     help="gear_mpi's MADV_WILLNEED of each sampled window (store.prefetch_windows; default on)")
+    ap.add_argument("--floor", default="on", choices=["on", "off"],
+                    help="also time O_DIRECT reads of other random windows' pages after each cold call (default on)")
+    ap.add_argument("--floor-depth", type=int, default=16, help="threads of the O_DIRECT floor (default 16)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the TorchRL worker")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a new directory under /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the files")
@@ -282,6 +372,13 @@ def main() -> None:
             print(f"# cold disk reads a call: gear_mpi {g['cold']['disk_bytes_per_call'] / 1e6:.1f} MB, TorchRL "
                   f"{t['cold'].get('disk_bytes_per_call', -1) / 1e6:.1f} MB, for "
                   f"{g['cold']['bytes_per_call'] / 1e6:.1f} MB of windows")
+        f = next((r for r in rows if r.get("peer") == "disk" and "gbps" in r), None)
+        if f is not None and "cold" in g:
+            line = (f"# cold floor (O_DIRECT, the same bytes, no copy): {1e3 * f['median_call_s']:.1f} ms; "
+                    f"gear_mpi cold / floor = {g['cold']['median_call_s'] / f['median_call_s']:.2f}")
+            if "cold" in t:
+                line += f"; TorchRL cold / floor = {t['cold']['median_call_s'] / f['median_call_s']:.1f}x"
+            print(line)
 
 
 if __name__ == "__main__":
