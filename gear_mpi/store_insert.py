@@ -4,7 +4,7 @@
 <gear_mpi.kernels.ring.plan_insert>` over chunks of at most :data:`CHUNK_ITEMS` trajectories (the new
 slots written straight into the caller's output, the evictions of each chunk into an
 :class:`InsertScratch` the store keeps, handed to the caller's ``on_evicted`` before the next chunk),
-then one copy per column (two where the ring wraps; in a worker thread, alongside the table
+then one copy per column (two where the ring wraps; in a thread of its own, alongside the table
 pass, for a large batch). :func:`insert` is the older one-call form
 (:meth:`TrajectoryStore.insert <gear_mpi.storage.TrajectoryStore.insert>`).
 :func:`set_inserted_leaves` is the host index's part of a large insert.
@@ -21,6 +21,7 @@ no communication. The code reads the table's arrays whatever their dtypes.
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from typing import Callable
 
@@ -139,8 +140,8 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     Cost: one table pass in a kernel (O(n + evictions)) in chunks of ``CHUNK_ITEMS``, one copy per
     column (at most two slices, for the ring's wrap-around, the dtype cast inside the copy); no
     allocation once the scratch is large enough (it is bounded). A batch of :data:`OVERLAP_BYTES` or
-    more copies its columns in a worker thread (numpy's copy and the table kernel both release the
-    GIL) while this thread plans the table: the two overlap on two cores (1e7 one-step items, warm:
+    more copies its columns in a thread started for it (numpy's copy and the table kernel both
+    release the GIL) while this thread plans the table: the two overlap on two cores (1e7 one-step items, warm:
     0.33-0.39 s -> 0.23-0.26 s here). The copies end before this returns, or raises.
     """
     n = len(lengths)
@@ -175,8 +176,7 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     return evicted_all
 
 
-OVERLAP_BYTES = 32 << 20  # a batch of at least this many step bytes copies its columns in a worker thread
-_worker = None  # that thread's pool (one thread, made at the first such batch, shared by every store)
+OVERLAP_BYTES = 32 << 20  # a batch of at least this many step bytes copies its columns in a thread of its own
 
 
 def _copy_columns(store, columns, first: int, total: int) -> None:
@@ -189,15 +189,35 @@ def _copy_columns(store, columns, first: int, total: int) -> None:
             dst[:total - head] = data[head:]
 
 
-def _start_copies(store, columns, first: int, total: int):
-    """The column copies of a large batch started in the worker thread (a Future), or None (small)."""
-    global _worker
+class _Copies(threading.Thread):
+    """The column copies of one large batch, in a thread of their own (started here, joined by
+    :meth:`result`: no thread outlives the insert, so a later ``fork`` finds none)."""
+
+    def __init__(self, store, columns, first: int, total: int):
+        super().__init__(name="gear_mpi_insert_copy", daemon=True)
+        self.args = (store, columns, first, total)
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            _copy_columns(*self.args)
+        except BaseException as e:  # re-raised in the inserting thread
+            self.error = e
+
+    def result(self) -> None:
+        """Wait for the copies; raise what they raised."""
+        self.join()
+        self.args = None
+        if self.error is not None:
+            raise self.error
+
+
+def _start_copies(store, columns, first: int, total: int) -> _Copies | None:
+    """The column copies of a large batch started in a thread, or None (a small batch: the caller copies)."""
     if total * store.spec.step_bytes < OVERLAP_BYTES:
         return None
-    if _worker is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _worker = ThreadPoolExecutor(1, thread_name_prefix="gear_mpi_insert")
-    return _worker.submit(_copy_columns, store, columns, first, total)
+    return _Copies(store, columns, first, total)
 
 
 def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
