@@ -4,7 +4,8 @@
 <gear_mpi.kernels.ring.plan_insert>` over chunks of at most :data:`CHUNK_ITEMS` trajectories (the new
 slots written straight into the caller's output, the evictions of each chunk into an
 :class:`InsertScratch` the store keeps, handed to the caller's ``on_evicted`` before the next chunk),
-then one copy per column (two where the ring wraps). :func:`insert` is the older one-call form
+then one copy per column (two where the ring wraps; in a thread of its own, alongside the table
+pass, for a large batch). :func:`insert` is the older one-call form
 (:meth:`TrajectoryStore.insert <gear_mpi.storage.TrajectoryStore.insert>`).
 :func:`set_inserted_leaves` is the host index's part of a large insert.
 
@@ -20,6 +21,7 @@ no communication. The code reads the table's arrays whatever their dtypes.
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from typing import Callable
 
@@ -132,42 +134,90 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
         slots_out: int64, C-contiguous, ``len(lengths)`` entries: receives the new slots.
         on_evicted: called after each chunk's table pass with the slots of the live trajectories it
             evicted (a view of the scratch, valid during the call; the status row already says which
-            the chunk took back), before any column is written.
+            the chunk took back); a large batch's columns may be being written meanwhile.
     Returns:
         The live trajectories evicted in all.
     Cost: one table pass in a kernel (O(n + evictions)) in chunks of ``CHUNK_ITEMS``, one copy per
     column (at most two slices, for the ring's wrap-around, the dtype cast inside the copy); no
-    allocation once the scratch is large enough (it is bounded).
+    allocation once the scratch is large enough (it is bounded). A batch of :data:`OVERLAP_BYTES` or
+    more copies its columns in a thread started for it (numpy's copy and the table kernel both
+    release the GIL) while this thread plans the table: the two overlap on two cores (1e7 one-step items, warm:
+    0.33-0.39 s -> 0.23-0.26 s here). The copies end before this returns, or raises.
     """
     n = len(lengths)
     total = int(lengths.sum())
     shared = priorities.strides == (0,)
     now = time.time_ns()
-    first = -1
+    # the batch's steps go to the ring's tail, where the table pass will put them: evictions take steps
+    # from the head only, so the tail is known now and the copies can run while the table is planned
+    first = int(store.state[ring.STEP_HEAD] + store.state[ring.STEPS_USED]) % store.capacity
+    copying = _start_copies(store, columns, first, total)
     evicted_all = 0
-    lo = 0
-    while lo < n:
-        hi = int(_chunk_end(lengths, lo, CHUNK_ITEMS, SCRATCH_ENTRIES))
-        part = lengths[lo:hi]
-        need = eviction_bound(store.state, store.max_items, store.capacity, hi - lo, int(part.sum()))
-        evicted = store._insert_scratch.take(need)
-        slots = slots_out[lo:hi]
-        k = ring.plan_insert(store._arrays, store.capacity, part, now, slots, evicted[:need])
-        if first < 0:
-            first = int(store.start[slots[0]])
-        if store.priority is not None:  # raw priorities, where the table keeps them (see table_layout)
-            store.priority[slots] = (priorities[:1] if shared else priorities[lo:hi]) + 0.0  # -0.0 as +0.0
-        evicted_all += k
-        if k and on_evicted is not None:
-            on_evicted(evicted[:k])
-        lo = hi
+    try:
+        lo = 0
+        while lo < n:
+            hi = int(_chunk_end(lengths, lo, CHUNK_ITEMS, SCRATCH_ENTRIES))
+            part = lengths[lo:hi]
+            need = eviction_bound(store.state, store.max_items, store.capacity, hi - lo, int(part.sum()))
+            evicted = store._insert_scratch.take(need)
+            slots = slots_out[lo:hi]
+            k = ring.plan_insert(store._arrays, store.capacity, part, now, slots, evicted[:need])
+            if isinstance(store.priority, np.ndarray):  # raw priorities, where the table keeps them (see table_layout)
+                set_priorities(store.priority, slots, priorities[:1] if shared else priorities[lo:hi])
+            evicted_all += k
+            if k and on_evicted is not None:
+                on_evicted(evicted[:k])
+            lo = hi
+    finally:  # the copies run on while the table is planned: they end before this returns or raises
+        if copying is not None:
+            copying.result()
+    if copying is None:
+        _copy_columns(store, columns, first, total)
+    return evicted_all
+
+
+OVERLAP_BYTES = 32 << 20  # a batch of at least this many step bytes copies its columns in a thread of its own
+
+
+def _copy_columns(store, columns, first: int, total: int) -> None:
+    """Copy ``total`` steps of ``columns`` into ``store``'s ring from step ``first`` (wrapping around)."""
     head = min(total, store.capacity - first)
     for name, data in columns.items():
         dst = store.columns[name]
         dst[first:first + head] = data[:head]
         if head < total:
             dst[:total - head] = data[head:]
-    return evicted_all
+
+
+class _Copies(threading.Thread):
+    """The column copies of one large batch, in a thread of their own (started here, joined by
+    :meth:`result`: no thread outlives the insert, so a later ``fork`` finds none)."""
+
+    def __init__(self, store, columns, first: int, total: int):
+        super().__init__(name="gear_mpi_insert_copy", daemon=True)
+        self.args = (store, columns, first, total)
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            _copy_columns(*self.args)
+        except BaseException as e:  # re-raised in the inserting thread
+            self.error = e
+
+    def result(self) -> None:
+        """Wait for the copies; raise what they raised."""
+        self.join()
+        self.args = None
+        if self.error is not None:
+            raise self.error
+
+
+def _start_copies(store, columns, first: int, total: int) -> _Copies | None:
+    """The column copies of a large batch started in a thread, or None (a small batch: the caller copies)."""
+    if total * store.spec.step_bytes < OVERLAP_BYTES:
+        return None
+    return _Copies(store, columns, first, total)
 
 
 def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -182,6 +232,18 @@ def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple
     gone: list[np.ndarray] = []
     insert_chunked(store, columns, lengths, priorities, slots, lambda e: gone.append(e.copy()))
     return slots, (np.concatenate(gone) if gone else np.zeros(0, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def set_priorities(row, slots, priorities):
+    """``row[slots[i]] = priorities[i] + 0.0`` (-0.0 stored as +0.0), or the one value of a 1-element
+    ``priorities`` for every slot; an entry that already holds its value is not rewritten (a full ring
+    reinserted at one priority leaves the row's cache lines clean). O(n), no temporary."""
+    shared = priorities.shape[0] == 1
+    for i in range(slots.shape[0]):
+        v = (priorities[0] if shared else priorities[i]) + 0.0
+        if row[slots[i]] != v:
+            row[slots[i]] = v
 
 
 @njit(cache=True, nogil=True)

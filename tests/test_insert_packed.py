@@ -275,3 +275,41 @@ def test_table_pass_matches_the_plain_model(make_spec, make_traj, shard_factory)
             np.testing.assert_array_equal(x, y, err_msg=f"round {r}: {name}")
         if len(s):
             s.sample(8, window=1)  # uses count towards max_times_sampled=2: removals between inserts
+
+
+def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factory, monkeypatch):
+    """A large batch copies its columns in a thread beside the table pass (store_insert.OVERLAP_BYTES):
+    forced on for every batch, the tables, steps, index and keys are those of the plain path, through
+    ring wrap-arounds and a full ring of one-step items; no thread is left; a copy's error reaches
+    the caller."""
+    import threading
+    from gear_mpi import store_insert
+    rng = np.random.default_rng(11)
+    a = shard_factory(spec, 120, gm.Uniform(), max_items=20)
+    b = shard_factory(spec, 120, gm.Uniform(), max_items=20)
+    for round_ in range(12):
+        trajs = [make_traj(int(n)) for n in rng.integers(1, 17, rng.integers(1, 8))]
+        cols, lengths = pack(trajs)
+        monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 62)
+        ka = a.insert_packed(cols, lengths)
+        monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 0)
+        kb = b.insert_packed(cols, lengths)
+        np.testing.assert_array_equal(ka, kb)
+        same_state(a, b)
+    assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]
+    one = gm.TrajectorySpec({"x": ((3,), np.float32)}, max_length=1)
+    c, d = shard_factory(one, 64, max_items=64), shard_factory(one, 64, max_items=64)
+    for r in range(3):  # each batch replaces the whole ring: every slot freed and taken back at once
+        x = rng.standard_normal((64, 3)).astype(np.float32)
+        monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 62)
+        kc = c.insert_packed({"x": x}, np.ones(64, np.int64))
+        monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 0)
+        np.testing.assert_array_equal(kc, d.insert_packed({"x": x}, np.ones(64, np.int64)))
+        same_state(c, d)
+
+    def broken(*args):
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr(store_insert, "_copy_columns", broken)
+    with pytest.raises(MemoryError, match="copy failed"):
+        d.insert_packed({"x": x}, np.ones(64, np.int64))
