@@ -7,7 +7,8 @@
 
 A training loop whose step costs about as much as the replay's work of a step
 (``--compute-ratio`` times the time of one sample plus one priority update, measured at
-start-up). What the step is (``--compute``):
+the start of each repetition: the replay's speed drifts between repetitions on a shared
+machine, and a step calibrated once could end up shorter than the replay's work). What the step is (``--compute``):
 
 - ``wait`` (default): the step runs on an accelerator; the host thread only waits for it,
   without the GIL and without a core (a calibrated ``time.sleep``, which releases the GIL
@@ -108,11 +109,10 @@ def make_compute(kind: str, seconds: float, comm, torch_threads: int):
 RECYCLE_SUFFIX = {False: "", True: "r", "auto": "a"}  # batches(recycle=...) -> case name suffix
 
 
-def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, recycles, B, W) -> dict:
+def run_kind(comm, replay, sample, kind, args, prefetches, recycles, B, W) -> dict:
     from mpi4py import MPI
     cores = os.cpu_count() or 1
     threads = max(1, cores // comm.size - 1)
-    compute, what = make_compute(kind, args.compute_ratio * t_replay, comm, threads)
 
     def replay_work():
         b = sample()
@@ -125,8 +125,11 @@ def run_kind(comm, replay, sample, kind, t_replay, args, prefetches, recycles, B
 
     rows = []
     for rep in range(args.reps):
-        res = {"sample": timed(comm, sample, args.steps), "replay": timed(comm, replay_work, args.steps),
-               "compute": timed(comm, compute, args.steps)}
+        res = {"sample": timed(comm, sample, args.steps), "replay": timed(comm, replay_work, args.steps)}
+        # the step costs --compute-ratio x this repetition's replay time: the replay's speed drifts between
+        # repetitions on a shared machine, and a step shorter than the replay's work could not hide it all
+        compute, what = make_compute(kind, args.compute_ratio * res["replay"], comm, threads)
+        res["compute"] = timed(comm, compute, args.steps)
         for _ in range(args.warmup):
             plain_step()
         res["plain"] = timed(comm, plain_step, args.steps)
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     prefetches = [int(x) for x in args.prefetch.split(",")]
     recycles = {"no": [False], "yes": [True], "auto": ["auto"], "both": [False, True],
                 "all": [False, True, "auto"]}[args.recycle]
-    results = [run_kind(comm, replay, sample, k, t_replay, args, prefetches, recycles, B, W) for k in kinds]
+    results = [run_kind(comm, replay, sample, k, args, prefetches, recycles, B, W) for k in kinds]
     if comm.rank == 0:
         load1 = os.getloadavg()
         print(f"\n# bench_prefetch: {comm.size} rank(s), {os.cpu_count()} cores, {platform.node()}, MPI "
