@@ -144,7 +144,7 @@ class ShardInsert:
         rebuild = host and (n + bound) * REBUILD_FRACTION >= len(index)
         changed = [0]
 
-        def on_evicted(evicted: np.ndarray) -> None:  # per chunk, before the columns are written
+        def on_evicted(evicted: np.ndarray) -> None:  # per chunk; touches the index only, never the columns
             if rebuild:
                 changed[0] += store_insert.zero_evicted_leaves(index.leaves, evicted, store.status,
                                                                ring.ALIVE_SHIFT, ring.DEAD)
