@@ -149,6 +149,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
             warm_kernels(spec, sampler)
             none = np.zeros(size, np.int64)
             self.transport.exchange(self.shard.make_choices(none[:0], 1, 0, 1.0, 1.0), none, none, 1, local=True)
+            self.transport.copy_seconds = 0.0  # the warm-up is not a sample's copy time (stats()["activity"])
         self.spec = spec
         self.selector = sampler
         self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
