@@ -143,12 +143,13 @@ def memory_kind(memory: str, stacklevel: int = 2) -> str:
     return memory
 
 
-def anonymous_pages(nbytes: int) -> mmap.mmap:
+def anonymous_pages(nbytes: int, huge: bool = True) -> mmap.mmap:
     """A zero-filled private anonymous mapping of ``nbytes`` (unmapped when its last user goes), with
-    transparent huge pages requested from 2 MB up when :attr:`PrivateArena.huge_pages` is set. O(1): pages
+    transparent huge pages requested from 2 MB up when ``huge`` and :attr:`PrivateArena.huge_pages` are
+    set (``huge=False`` for short-lived buffers: a fresh huge page can be slow to commit). O(1): pages
     are committed when first written."""
     pages = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if PrivateArena.huge_pages and nbytes >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and PrivateArena.huge_pages and nbytes >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             pages.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # not offered by this kernel: plain pages

@@ -20,7 +20,6 @@ no communication. The code reads the table's arrays whatever their dtypes.
 """
 from __future__ import annotations
 
-import mmap
 import threading
 import time
 from typing import Callable
@@ -29,6 +28,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import ring
+from .memory import anonymous_pages
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
 SCRATCH_ENTRIES = 1 << 18  # eviction entries a chunk may need (2 MB): a chunk ends before its bound passes it
@@ -58,7 +58,7 @@ class InsertScratch:
         """
         if len(self.buffer) < need:
             size = max(need, 2 * len(self.buffer), 512)
-            new_map = mmap.mmap(-1, size * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            new_map = anonymous_pages(size * 8, huge=False)
             self.drop()
             self._map = new_map
             self.buffer = np.frombuffer(new_map, np.int64)
@@ -84,7 +84,7 @@ def mapped_empty(count: int, dtype=np.int64) -> np.ndarray:
     nbytes = count * np.dtype(dtype).itemsize
     if nbytes < 1 << 20:
         return np.empty(count, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype)
+    return np.frombuffer(anonymous_pages(nbytes, huge=False), dtype)
 
 
 def eviction_bound(state: np.ndarray, n_slots: int, capacity: int, n: int, steps: int) -> int:
