@@ -36,14 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-WIDE = 28224
-NARROW = (8, 4, 1)
+from scripts.peers._offline import IMAGE, read_bytes
+
+WIDE = int(np.prod(IMAGE["obs"][0]))  # an image step's observation: 28,224 B
+NARROW = tuple(np.dtype(d).itemsize for name, (_, d) in IMAGE.items() if name != "obs")  # 8, 4, 1 B
 PAGE = mmap.PAGESIZE
-
-
-def read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith("read_bytes:"))
 
 
 class ColdReads:
