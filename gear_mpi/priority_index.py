@@ -22,6 +22,8 @@ from .kernels import priority_draw
 from .kernels import priority_tree as tree_kernels
 from .kernels.priority_tree import TREE_FIELDS, Tree
 
+SET_SCRATCH_KEEP = 1 << 20  # set: batches up to this many slots keep their scratch (24 bytes a slot)
+_NO_INTS, _NO_FLOATS = np.empty((2, 0), np.int64), np.empty(0, np.float64)
 LEVEL_FIELDS = TREE_FIELDS[1:]  # everything but the leaves: what a checkpoint may carry to skip a rebuild
 
 
@@ -75,6 +77,8 @@ class PriorityIndex:
         self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
         self._flags1 = np.zeros(n1, np.uint8)
         self._flags2 = np.zeros(n2, np.uint8)
+        self._bounds = np.empty(n2 + 1, np.int64)  # set's scratch (see _set_scratch)
+        self._scratch_i, self._scratch_f = _NO_INTS, _NO_FLOATS
 
     @property
     def total(self) -> float:
@@ -104,9 +108,23 @@ class PriorityIndex:
 
         Cost: O(B + n / 4096), one kernel call (parallel from 513 slots).
         """
-        if len(slots):
-            tree_kernels.set_leaves(self._arrays, self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
-                                    np.ascontiguousarray(values, np.float64))
+        nb = len(slots)
+        if nb:
+            ints, floats = self._set_scratch(nb)
+            tree_kernels.set_leaves_into(self._arrays, self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
+                                         np.ascontiguousarray(values, np.float64), self._bounds, ints[0], floats,
+                                         ints[1])
+
+    def _set_scratch(self, nb: int) -> tuple[np.ndarray, np.ndarray]:
+        """Scratch rows for :meth:`set` of ``nb`` slots (``[2, nb]`` int64, ``nb`` float64), kept up to
+        ``SET_SCRATCH_KEEP`` slots so that repeated large updates fault in no fresh pages. O(1) when kept."""
+        if nb <= tree_kernels.SET_SERIAL_MAX:
+            return _NO_INTS, _NO_FLOATS
+        if nb > SET_SCRATCH_KEEP:
+            return np.empty((2, nb), np.int64), np.empty(nb, np.float64)
+        if nb > self._scratch_f.shape[0]:
+            self._scratch_i, self._scratch_f = np.empty((2, nb), np.int64), np.empty(nb, np.float64)
+        return self._scratch_i[:, :nb], self._scratch_f[:nb]
 
     def draw(self, uniforms: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Draw one slot per uniform, with replacement: P(slot) = weight / total.

@@ -457,7 +457,7 @@ def test_kernels_unpack_named_state_in_field_order():
     import inspect
     import re
     cases = [(ring.TABLE_FIELDS, (ring.plan_insert, ring.count_samples)),
-             (tree.TREE_FIELDS, (tree.set_leaves, tree.rebuild, priority_draw.draw))]
+             (tree.TREE_FIELDS, (tree.set_leaves_into, tree.rebuild, priority_draw.draw))]
     for fields, kernels in cases:
         for kernel in kernels:
             src = inspect.getsource(kernel.py_func)
@@ -473,7 +473,8 @@ def test_named_state_is_built_once_and_compiled_once(spec, make_traj):
     for _ in range(3):
         shard.insert(make_traj(3))
         shard.sample(4, 2)
-    counts = {k: len(k.signatures) for k in (ring.plan_insert, ring.count_samples, tree.set_leaves, priority_draw.draw)}
+    counts = {k: len(k.signatures) for k in (ring.plan_insert, ring.count_samples, tree.set_leaves_into,
+                                              priority_draw.draw)}
     for _ in range(5):
         shard.insert(make_traj(3))
         shard.sample(4, 2)

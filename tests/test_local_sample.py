@@ -69,3 +69,34 @@ def test_update_with_stale_and_foreign_keys():
     for seed in range(4):  # evicts every item sampled above
         _fill(sh, 300, 5, 10 + seed)
     assert sh.update_priorities(keys, np.full(20, 2.0)) == 0 and sh.stale_updates == 20
+
+
+def test_scratch_is_kept_per_thread_and_updates_reuse_theirs():
+    """The one-call sample's scratch is kept between calls of a thread (no fresh pages to fault in), never
+    shared between threads; an index's update scratch is kept too, and reusing it changes no result."""
+    import threading
+
+    from gear_mpi.kernels import priority_tree
+    from gear_mpi.priority_index import PriorityIndex
+
+    rows = local_sample._scratch(600)
+    assert local_sample._scratch(600) is rows
+    small = local_sample._scratch(100)
+    assert np.shares_memory(small[0][0], rows[0][0]) and all(r.flags.c_contiguous and len(r) == 100 for r in small[0])
+    other = []
+    t = threading.Thread(target=lambda: other.append(local_sample._scratch(600)))
+    t.start()
+    t.join()
+    assert not np.shares_memory(other[0][0][0], rows[0][0])
+    rng = np.random.default_rng(4)
+    kept, fresh = PriorityIndex(50_000), PriorityIndex(50_000)
+    for b in (4000, 700, 4000, 3000):
+        slots, values = rng.integers(0, 50_000, b), rng.random(b)
+        kept.set(slots, values)
+        priority_tree.set_leaves(fresh._arrays, fresh._flags1, fresh._flags2, slots, values)
+    assert kept._scratch_f.shape[0] == 4000
+    for a, b in zip(kept.tree, fresh.tree):
+        np.testing.assert_array_equal(a, b)
+    priority_tree.rebuild(fresh._arrays)
+    for a, b in zip(kept.tree, fresh.tree):
+        np.testing.assert_array_equal(a, b)

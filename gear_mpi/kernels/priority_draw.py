@@ -103,15 +103,25 @@ def _sort_order(uniforms):
     the draw stays exact, only its locality suffers).
     """
     b = uniforms.shape[0]
+    order = np.empty(b, np.int64)
+    keys = np.empty(b, np.float64)
+    _sort_order_into(uniforms, np.empty(max(1, b // 2) + 1, np.int64), order, keys)
+    return order, keys
+
+
+@njit(cache=True, nogil=True)
+def _sort_order_into(uniforms, bounds, order, keys):
+    """:func:`_sort_order` into the caller's arrays: ``order`` and ``keys`` of ``len(uniforms)`` entries,
+    ``bounds`` (int64 scratch) of at least ``max(1, len(uniforms) // 2) + 1``. The same result."""
+    b = uniforms.shape[0]
     nb = max(1, b // 2)
-    bounds = np.zeros(nb + 1, np.int64)
+    for k in range(nb + 1):
+        bounds[k] = 0
     for i in range(b):
         k = min(max(int(uniforms[i] * nb), 0), nb - 1)
         bounds[k + 1] += 1
     for k in range(nb):
         bounds[k + 1] += bounds[k]
-    order = np.empty(b, np.int64)
-    keys = np.empty(b, np.float64)
     for i in range(b):
         u = uniforms[i]
         k = min(max(int(u * nb), 0), nb - 1)
@@ -131,7 +141,6 @@ def _sort_order(uniforms):
                 c -= 1
             order[c + 1] = x
             keys[c + 1] = ux
-    return order, keys
 
 
 @njit(cache=True, inline="always")

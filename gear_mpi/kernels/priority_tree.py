@@ -231,7 +231,7 @@ def _group_by_top(slots, values, n2, bounds, gslots, gvalues):
     bounds[0] = 0
 
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, nogil=True)
 def set_leaves(tree, flags1, flags2, slots, values):
     """Batched update of ``tree`` (a :class:`Tree`, or the plain tuple of its arrays):
     ``leaves[slots[i]] = values[i]`` (the last of duplicates wins).
@@ -248,17 +248,25 @@ def set_leaves(tree, flags1, flags2, slots, values):
     32 KiB span of leaves, prefetching the next group's lines. ``flags1``/``flags2``
     are zeroed uint8 scratch of the level lengths; they are returned zeroed.
     """
+    nb = slots.shape[0]
+    big = nb > SET_SERIAL_MAX
+    set_leaves_into(tree, flags1, flags2, slots, values, np.empty(tree[4].shape[0] + 1 if big else 0, np.int64),
+                    np.empty(nb if big else 0, np.int64), np.empty(nb if big else 0, np.float64),
+                    np.empty(nb if big else 0, np.int64))
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def set_leaves_into(tree, flags1, flags2, slots, values, bounds, gslots, gvalues, blocks):
+    """:func:`set_leaves` on the caller's scratch (needed above ``SET_SERIAL_MAX`` slots; kept between calls
+    by the index, so no fresh pages fault in): ``bounds`` int64 of at least ``len(l2_sum) + 1`` entries,
+    ``gslots``, ``gvalues`` (float64) and ``blocks`` of at least ``len(slots)``. The same result."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     n1 = l1_sum.shape[0]
     n2 = l2_sum.shape[0]
     nb = slots.shape[0]
     if nb <= SET_SERIAL_MAX:
         _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values)
-    else:
-        bounds = np.empty(n2 + 1, np.int64)
-        gslots = np.empty(nb, np.int64)
-        gvalues = np.empty(nb, np.float64)
-        blocks = np.empty(nb, np.int64)  # touched level-1 blocks of group c, in blocks[bounds[c]:]
+    else:  # blocks: the touched level-1 blocks of group c, in blocks[bounds[c]:]
         _group_by_top(slots, values, n2, bounds, gslots, gvalues)
         for c in prange(n2):
             lo = bounds[c]
