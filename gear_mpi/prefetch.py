@@ -126,7 +126,7 @@ class BatchIterator:
         self._taken = 0  # batches the loop has taken
         self._closing = False
         self._error: BaseException | None = None
-        self.applied = 0  # priorities applied on this rank by the deferred updates
+        self.applied = 0  # priorities this rank's shard applied for the deferred updates (any rank's keys)
         self.sample_seconds = 0.0  # the thread's time in samples and updates (this rank)
         self.wait_seconds = 0.0  # the training loop's time blocked in next() (this rank)
         self._numba_threads = _numba_threads()
@@ -158,7 +158,7 @@ class BatchIterator:
                 # updates due before sample j + 1 go now, while the step runs: same order on every rank
                 # (after sample j, before sample j + 1), and the sample no longer waits for them
                 for keys, priorities in updates:
-                    self.applied += replay.update_priorities(keys, priorities)
+                    self.applied += replay._update(keys, priorities, deferred=True)
                 if sample:
                     j += 1
                     try:
@@ -182,7 +182,7 @@ class BatchIterator:
                 rest = [u for k in sorted(self._updates) for u in self._updates[k]]
                 self._updates.clear()
             for keys, priorities in rest:
-                self.applied += replay.update_priorities(keys, priorities)
+                self.applied += replay._update(keys, priorities, deferred=True)
         except BaseException as e:
             with self._cv:
                 self._error = e
