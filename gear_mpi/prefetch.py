@@ -124,6 +124,7 @@ class BatchIterator:
         self._ready: collections.deque = collections.deque()  # (j, batch or exception)
         self._updates: dict[int, list] = collections.defaultdict(list)  # before sample j: [(keys, priorities)]
         self._taken = 0  # batches the loop has taken
+        self._given = None  # the host batch next() returned last
         self._closing = False
         self._error: BaseException | None = None
         self.applied = 0  # priorities this rank's shard applied for the deferred updates (any rank's keys)
@@ -233,6 +234,7 @@ class BatchIterator:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        self._given = item if item._np is not None else None  # a host batch: update_priorities reads its keys
         return item
 
     def update_priorities(self, keys: Any, priorities: Any) -> None:
@@ -245,11 +247,20 @@ class BatchIterator:
             RuntimeError: the iterator is closed.
         """
         import numpy as np
+        # copied before taking the lock, and the keys of the batch just given from its numpy buffer: torch
+        # calls right after the step cost the training thread tens of microseconds of cold code each
+        last = self._given
+        if last is not None and keys is last.keys:
+            k = last._meta_np[0].copy()
+        else:
+            k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
+        if type(priorities) is np.ndarray:
+            p = priorities.copy()
+        else:
+            p = np.array(priorities.detach().cpu().numpy() if hasattr(priorities, "detach") else priorities, copy=True)
         with self._cv:
             if self._closing:
                 raise RuntimeError("update_priorities: this batches() iterator is closed")
-            k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
-            p = np.array(priorities.detach().cpu().numpy() if hasattr(priorities, "detach") else priorities, copy=True)
             self._updates[self._taken + self.prefetch + 1].append((k, p))
 
     def close(self) -> None:
@@ -266,7 +277,7 @@ class BatchIterator:
         if first:
             self._thread.join()
             self._ready.clear()
-            self._ring = None
+            self._ring = self._given = None
             self.replay._release(self)
             if self._error is not None:
                 raise self._error

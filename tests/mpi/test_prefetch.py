@@ -51,8 +51,8 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
             for j, b in enumerate(it, start=1):
                 got.append((b.keys.numpy().copy(), b["x"].numpy().copy()))
                 objects.append(b)
-                if j in update_after:
-                    it.update_priorities(b.keys.numpy(), updates[j][1])
+                if j in update_after:  # the batch's own keys tensor (read from its buffer), or a numpy array
+                    it.update_priorities(b.keys if j == update_after[0] else b.keys.numpy(), updates[j][1])
         assert len(got) == n
         ring = prefetch + 2  # recycle: batch j is refilled as batch j + prefetch + 2, not before
         reused = recycle is True  # "auto" refills none: the loop keeps every batch in `objects`
