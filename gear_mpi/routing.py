@@ -46,34 +46,43 @@ def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndar
     return keys, owner.astype(np.int64, copy=False)
 
 
-def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str):
-    """Sort the keys by owner and tell each owner how many it gets. One alltoall of 8 bytes a pair."""
+def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str, recv_counts=None):
+    """Sort the keys by owner and tell each owner how many it gets: one alltoall of 8 bytes a pair,
+    unless ``recv_counts`` (what every rank sends this one) is already known."""
     order = np.argsort(owner, kind="stable")
     send_counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
-    recv_counts = comm.alltoall(send_counts, f"{what} (counts)")
-    return order, send_counts, recv_counts
+    if recv_counts is None:
+        recv_counts = comm.alltoall(send_counts, f"{what} (counts)")
+    return order, send_counts, np.asarray(recv_counts, np.int64)
 
 
 def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray,
-                     priorities: np.ndarray) -> int:
+                     priorities: np.ndarray, recv_counts: np.ndarray | None = None, count_back: bool = True) -> int:
     """Collective: each key's new priority goes to its owner, which applies it.
 
     Args:
         comm: the replay's communicator; shard: this rank's shard.
         keys, owner: as :func:`check_keys` returns them; priorities: validated, one per key.
+        recv_counts: keys each rank sends this one, when every rank already knows them (then no alltoall
+            of counts); None: exchanged here.
+        count_back: tell each rank how many of its keys were applied (one alltoall); False: return how
+            many keys this rank's shard applied, whoever sent them.
     Returns:
-        How many of this rank's keys were applied (stale keys are dropped and counted by their owner).
+        How many of this rank's keys were applied (stale keys are dropped and counted by their owner);
+        with ``count_back=False``, how many this rank's shard applied.
     Raises:
         CollectiveTimeoutError: a rank did not arrive within the deadline.
-    Cost: one alltoall of counts, one alltoallv of 16 bytes per key, one alltoall of applied counts;
-    O(n) on the owner plus one batched index update. Duplicates: the highest rank's value wins, and
-    within a rank the last one.
+    Cost: one alltoall of counts (none with ``recv_counts``), one alltoallv of 16 bytes per key, one
+    alltoall of applied counts (none without ``count_back``); O(n) on the owner plus one batched
+    index update. Duplicates: the highest rank's value wins, and within a rank the last one.
     """
-    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "update_priorities")
+    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "update_priorities", recv_counts)
     packed = np.stack([keys[order], priorities[order].view(np.int64)], 1).reshape(-1)
     got = np.empty((int(recv_counts.sum()), 2), np.int64)
     comm.alltoallv(packed, send_counts * 2, got.reshape(-1), recv_counts * 2, "update_priorities (keys)")
     applied = shard.apply_priorities(got[:, 0], got[:, 1].view(np.float64).copy())
+    if not count_back:
+        return int(applied.sum())
     source = np.repeat(np.arange(comm.size), recv_counts)
     per_source = np.bincount(source, weights=applied, minlength=comm.size).astype(np.int64)
     back = comm.alltoall(per_source, "update_priorities (applied)")

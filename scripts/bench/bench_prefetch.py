@@ -39,9 +39,13 @@ What costs in the thread (2 ranks x 1 core, W1 hopper, B=32): a fresh 2 MB batch
 tens of page faults per step (the training thread's own samples reuse the batch it just
 freed and take none): with new batches prefetch=2 hid ~70 %, with a refilled ring ~85-95 %.
 The update of step k runs while the step runs (after sample k + P, before k + P + 1), not in
-front of the sample. What is left is jitter: the thread's time is the slowest rank's
-(collectives), on cores shared with other processes, and the step waits whenever one
-sample runs late; with compute ~= replay there is no slack to absorb it.
+front of the sample. The thread's own work costs what the training thread's does (the same
+sample + update back to back in either thread: equal, phase by phase); what makes it slower
+in this loop is waiting in its collectives: each is a rendezvous of the ranks' threads, and
+with 2 x ranks threads on ranks cores every rank's training thread (0.10-0.15 ms of CPU a
+step, right after its wake-up) and every other process preempt one of them. Fewer
+rendezvous (the thread's updates: two collectives, not four) and a lighter training-thread
+side help; with compute ~= replay there is still no slack to absorb the rest.
 
 hidden = 1 - (prefetchP - compute) / replay: the share of the replay's time the step hid
 (target >= 0.8, i.e. step with prefetch <= compute + 20 % of the sampling time). ``thread``

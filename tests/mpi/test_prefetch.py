@@ -36,11 +36,11 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
     updates = {}
     untagged = (1 << (SLOT_BITS + GEN_BITS + RANK_BITS)) - 1  # the replays' random key tags differ
     with build() as replay:  # the reference: plain samples, each update applied before sample k + prefetch + 1
-        plain = []
+        plain, applied = [], 0
         for j in range(1, n + 1):
             for k in update_after:
                 if j == k + prefetch + 1:
-                    replay.update_priorities(*updates[k])
+                    applied += replay.update_priorities(*updates[k])
             b = replay.sample(6, window=3)
             plain.append((b.keys.numpy().copy(), b["x"].numpy().copy()))
             if j in update_after:  # new priorities from this batch's keys (rank-dependent, deterministic)
@@ -51,8 +51,8 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
             for j, b in enumerate(it, start=1):
                 got.append((b.keys.numpy().copy(), b["x"].numpy().copy()))
                 objects.append(b)
-                if j in update_after:
-                    it.update_priorities(b.keys.numpy(), updates[j][1])
+                if j in update_after:  # the batch's own keys tensor (read from its buffer), or a numpy array
+                    it.update_priorities(b.keys if j == update_after[0] else b.keys.numpy(), updates[j][1])
         assert len(got) == n
         ring = prefetch + 2  # recycle: batch j is refilled as batch j + prefetch + 2, not before
         reused = recycle is True  # "auto" refills none: the loop keeps every batch in `objects`
@@ -62,6 +62,9 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
         for (k1, x1), (k2, x2) in zip(plain, got):
             np.testing.assert_array_equal(k1 & untagged, k2 & untagged)
             np.testing.assert_array_equal(x1, x2)
+        # the thread's updates take two collectives (counts folded into the agreement, no counts sent back):
+        # each rank counts what its own shard applied, so only the totals match the plain updates'
+        assert COMM.allreduce(it.applied) == COMM.allreduce(applied) > 0
         assert replay.sample(2).keys.shape == (2,)  # the main thread has the replay back
 
 
@@ -140,6 +143,23 @@ def test_an_error_of_a_sample_is_raised_at_its_batch_on_every_rank():
         with replay.batches(2, prefetch=2) as it:
             with pytest.raises(gm.EmptyReplayError):
                 next(it)
+
+
+def test_a_bad_update_of_one_rank_is_raised_on_every_rank():
+    """The thread's update agrees on errors as Replay.update_priorities does: a bad key on rank 0 stops
+    every rank's iterator at the same batch with rank 0's error, and close() leaves no thread."""
+    with build() as replay:
+        it = replay.batches(4, window=2, prefetch=1, limit=8)
+        keys = next(it).keys.numpy().copy()
+        if COMM.rank == 0:
+            keys[0] = -1  # not a key of this replay
+        it.update_priorities(keys, np.ones(len(keys)))  # applied before sample 3
+        assert next(it).keys.shape == (4,)  # batch 2 was sampled before the update
+        with pytest.raises(gm.InvalidKeyError, match="rank 0"):
+            next(it)
+        with pytest.raises(gm.InvalidKeyError):
+            it.close()
+        assert not it._thread.is_alive() and it.closed
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
