@@ -147,7 +147,7 @@ class ShardInsert:
         # gives the very tree that zeroing them all and then setting the new ones would
         bound = store_insert.eviction_bound(store.state, store.max_items, store.capacity, n, steps)
         rebuild = host and (n + bound) * REBUILD_FRACTION >= len(index)
-        changed = [0]
+        changed = [0, 0]  # leaves changed by on_evicted (this thread) and by after_chunk (maybe the copy thread)
 
         def on_evicted(evicted: np.ndarray) -> None:  # per chunk; touches the index only, never the columns
             if rebuild:
@@ -166,9 +166,9 @@ class ShardInsert:
 
         per_slot = index is not None and not rebuild  # index updates slot by slot, after every eviction
 
-        def after_chunk(lo: int, hi: int) -> None:  # while the chunk's slots are in the cache
+        def after_chunk(lo: int, hi: int) -> None:  # maybe in the copy thread: these slots' leaves and keys only
             if rebuild:  # leaves only, the levels rebuilt at the end: the order of the writes does not matter
-                changed[0] += set_inserted_leaves(index.leaves, out[lo:hi], chunk_weights(lo, hi), out[:0],
+                changed[1] += set_inserted_leaves(index.leaves, out[lo:hi], chunk_weights(lo, hi), out[:0],
                                                   store.status, ring.ALIVE_SHIFT, ring.DEAD)
             if not per_slot:  # slots -> keys in place (later chunks leave these slots' generations alone)
                 keyspace.encode_slots(store.tag, store.rank, out[lo:hi], store.status, out[lo:hi])
@@ -182,7 +182,7 @@ class ShardInsert:
                 w = chunk_weights(lo, hi)
                 index.set(out[lo:hi], np.ascontiguousarray(np.broadcast_to(w[0], (hi - lo,)) if shared else w))
             store.keys_of(out, out=out)
-        elif rebuild and changed[0]:
+        elif rebuild and (changed[0] or changed[1]):
             index.rebuild()  # the levels follow from the leaves: unchanged leaves, unchanged tree
         return out
 

@@ -138,9 +138,12 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
             evicted (a view of the scratch, valid during the call; the status row already says which
             the chunk took back); a large batch's columns may be being written meanwhile.
         steps: ``lengths.sum()`` where the caller has it (None: summed here).
-        after_chunk: called with ``(lo, hi)`` after trajectories ``lo:hi`` are planned (and their
-            ``on_evicted`` call made), while ``slots_out[lo:hi]`` is still in the cache: later chunks never
-            evict or retake these slots (a batch fits the store), so their slots and generations are final.
+        after_chunk: called with ``(lo, hi)`` once trajectories ``lo:hi`` are planned (and their raw
+            priorities written and ``on_evicted`` call made), chunk after chunk, soon enough that
+            ``slots_out[lo:hi]`` is mostly still cached; for a large batch in the copy thread, alongside
+            the planning of later chunks and their ``on_evicted`` calls, so it may touch only what belongs
+            to these slots. Later chunks never evict or retake them (a batch fits the store): their slots
+            and generations are final.
     Returns:
         The live trajectories evicted in all.
     Cost: one table pass in a kernel (O(n + evictions)) in chunks of ``CHUNK_ITEMS``, one copy per
@@ -148,7 +151,8 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     allocation once the scratch is large enough (it is bounded). A batch of :data:`OVERLAP_BYTES` or
     more copies its columns in a thread started for it (numpy's copy and the table kernel both
     release the GIL) while this thread plans the table: the two overlap on two cores (1e7 one-step items, warm:
-    0.33-0.39 s -> 0.23-0.26 s here). The copies end before this returns, or raises.
+    0.33-0.39 s -> 0.23-0.26 s here); that thread then writes the raw priorities and runs ``after_chunk``
+    of the chunks planned, while this one plans the next. All of it ends before this returns, or raises.
     """
     n = len(lengths)
     total = int(lengths.sum()) if steps is None else int(steps)
@@ -157,7 +161,15 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     # the batch's steps go to the ring's tail, where the table pass will put them: evictions take steps
     # from the head only, so the tail is known now and the copies can run while the table is planned
     first = int(store.state[ring.STEP_HEAD] + store.state[ring.STEPS_USED]) % store.capacity
-    copying = _start_copies(store, columns, first, total, slots_out)
+    keeps_priorities = isinstance(store.priority, np.ndarray)  # raw priorities, where the table keeps them
+
+    def finish_chunk(lo: int, hi: int) -> None:  # after the chunk's plan: touches its slots' rows only
+        if keeps_priorities:
+            set_priorities(store.priority, slots_out[lo:hi], priorities[:1] if shared else priorities[lo:hi])
+        if after_chunk is not None:
+            after_chunk(lo, hi)
+
+    copying = _start_copies(store, columns, first, total, slots_out, finish_chunk)
     evicted_all = 0
     try:
         lo = 0
@@ -166,15 +178,14 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
             part = lengths[lo:hi]
             need = eviction_bound(store.state, store.max_items, store.capacity, hi - lo, int(part_steps))
             evicted = store._insert_scratch.take(need)
-            slots = slots_out[lo:hi]
-            k = ring.plan_insert(store._arrays, store.capacity, part, now, slots, evicted[:need])
-            if isinstance(store.priority, np.ndarray):  # raw priorities, where the table keeps them (see table_layout)
-                set_priorities(store.priority, slots, priorities[:1] if shared else priorities[lo:hi])
+            k = ring.plan_insert(store._arrays, store.capacity, part, now, slots_out[lo:hi], evicted[:need])
             evicted_all += k
             if k and on_evicted is not None:
                 on_evicted(evicted[:k])
-            if after_chunk is not None:
-                after_chunk(lo, hi)
+            if copying is not None:
+                copying.hand(lo, hi)
+            else:
+                finish_chunk(lo, hi)
             lo = hi
     finally:  # the copies run on while the table is planned: they end before this returns or raises
         if copying is not None:
@@ -217,37 +228,65 @@ class _Copies(threading.Thread):
     :meth:`result`: no thread outlives the insert, so a later ``fork`` finds none). Done copying, it
     commits the pages of ``slots_out`` (the keys returned: a fresh 80 MB at 1e7 items) that the table
     pass has not reached yet, which that pass would otherwise fault in one by one (1e7 one-step items,
-    warm, ten alternating pairs in one process: 308 ms median against 320, faster in 9 pairs of 10)."""
+    warm, ten alternating pairs in one process: 308 ms median against 320, faster in 9 pairs of 10),
+    and then finishes the chunks the table pass hands it (:meth:`hand`: raw priorities, index leaves,
+    keys; ``finish(lo, hi)``), in order, while that pass plans the next ones."""
 
-    def __init__(self, store, columns, first: int, total: int, slots_out: np.ndarray | None = None):
+    def __init__(self, store, columns, first: int, total: int, slots_out: np.ndarray | None = None,
+                 finish: Callable[[int, int], None] | None = None):
         super().__init__(name="gear_mpi_insert_copy", daemon=True)
         self.args = (store, columns, first, total)
         self.slots_out = slots_out
+        self.finish = finish
+        self.chunks: list[tuple[int, int]] = []
+        self.more = threading.Condition()
+        self.closed = False
         self.error: BaseException | None = None
         self.start()
+
+    def hand(self, lo: int, hi: int) -> None:
+        """Queue chunk ``lo:hi`` (planned) for ``finish``. O(1)."""
+        with self.more:
+            self.chunks.append((lo, hi))
+            self.more.notify()
 
     def run(self) -> None:
         try:
             _copy_columns(*self.args)
             if self.slots_out is not None:
                 populate(self.slots_out)
+            done = 0
+            while True:
+                with self.more:
+                    while len(self.chunks) == done and not self.closed:
+                        self.more.wait()
+                    todo = self.chunks[done:]
+                if not todo:
+                    return
+                for lo, hi in todo:
+                    self.finish(lo, hi)
+                done += len(todo)
         except BaseException as e:  # re-raised in the inserting thread
             self.error = e
 
     def result(self) -> None:
-        """Wait for the copies; raise what they raised."""
+        """No more chunks: wait for the copies and the chunks handed; raise what they raised."""
+        with self.more:
+            self.closed = True
+            self.more.notify()
         self.join()
-        self.args = self.slots_out = None
+        self.args = self.slots_out = self.finish = None
         if self.error is not None:
             raise self.error
 
 
-def _start_copies(store, columns, first: int, total: int, slots_out: np.ndarray | None = None) -> _Copies | None:
-    """The column copies of a large batch started in a thread (then ``slots_out``'s pages committed), or
-    None (a small batch: the caller copies)."""
+def _start_copies(store, columns, first: int, total: int, slots_out: np.ndarray | None = None,
+                  finish: Callable[[int, int], None] | None = None) -> _Copies | None:
+    """The column copies of a large batch started in a thread (then ``slots_out``'s pages committed and
+    the chunks handed to it finished by ``finish``), or None (a small batch: the caller does all)."""
     if total * store.spec.step_bytes < OVERLAP_BYTES:
         return None
-    return _Copies(store, columns, first, total, slots_out)
+    return _Copies(store, columns, first, total, slots_out, finish)
 
 
 def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
