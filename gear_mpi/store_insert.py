@@ -187,6 +187,8 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
             else:
                 finish_chunk(lo, hi)
             lo = hi
+        if copying is not None:
+            copying.copy_pieces()  # the table planned: help with the copies left (a cold ring's fresh pages)
     finally:  # the copies run on while the table is planned: they end before this returns or raises
         if copying is not None:
             copying.result()
@@ -206,6 +208,23 @@ def _copy_columns(store, columns, first: int, total: int) -> None:
         dst[first:first + head] = data[:head]
         if head < total:
             dst[:total - head] = data[head:]
+
+
+PIECE_BYTES = 16 << 20  # a large batch's copies go in pieces of about this many bytes, taken by either thread
+
+
+def _copy_pieces(store, columns, first: int, total: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`_copy_columns` cut into (destination, source) pairs of about :data:`PIECE_BYTES` each."""
+    head = min(total, store.capacity - first)
+    pieces = []
+    for name, data in columns.items():
+        dst = store.columns[name]
+        step = max(1, PIECE_BYTES // max(1, dst[:1].nbytes))
+        for a, b, at in ((0, head, first), (head, total, first - store.capacity)):
+            for lo in range(a, b, step):
+                hi = min(b, lo + step)
+                pieces.append((dst[at + lo:at + hi], data[lo:hi]))
+    return pieces
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+ (refused, EINVAL, before)
@@ -235,7 +254,9 @@ class _Copies(threading.Thread):
     def __init__(self, store, columns, first: int, total: int, slots_out: np.ndarray | None = None,
                  finish: Callable[[int, int], None] | None = None):
         super().__init__(name="gear_mpi_insert_copy", daemon=True)
-        self.args = (store, columns, first, total)
+        self.pieces = _copy_pieces(store, columns, first, total)
+        self.taken = 0
+        self.take = threading.Lock()
         self.slots_out = slots_out
         self.finish = finish
         self.chunks: list[tuple[int, int]] = []
@@ -250,9 +271,22 @@ class _Copies(threading.Thread):
             self.chunks.append((lo, hi))
             self.more.notify()
 
+    def copy_pieces(self) -> None:
+        """Copy pieces not yet taken by either thread, until none is left (the inserting thread calls it
+        once the table is planned: a cold ring's fresh pages, faulted by two threads, took 0.69-0.88 s
+        against 1.70-2.08 s by one for 640 MB of huge pages here). Raises what a copy raises."""
+        while True:
+            with self.take:
+                i = self.taken
+                self.taken += 1
+            if i >= len(self.pieces):
+                return
+            dst, src = self.pieces[i]
+            dst[...] = src
+
     def run(self) -> None:
         try:
-            _copy_columns(*self.args)
+            self.copy_pieces()
             if self.slots_out is not None:
                 populate(self.slots_out)
             done = 0
@@ -275,7 +309,7 @@ class _Copies(threading.Thread):
             self.closed = True
             self.more.notify()
         self.join()
-        self.args = self.slots_out = self.finish = None
+        self.pieces = self.slots_out = self.finish = None
         if self.error is not None:
             raise self.error
 

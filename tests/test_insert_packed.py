@@ -278,13 +278,15 @@ def test_table_pass_matches_the_plain_model(make_spec, make_traj, shard_factory)
 
 
 def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factory, monkeypatch):
-    """A large batch copies its columns in a thread beside the table pass (store_insert.OVERLAP_BYTES):
-    forced on for every batch, the tables, steps, index and keys are those of the plain path, through
+    """A large batch copies its columns in a thread beside the table pass (store_insert.OVERLAP_BYTES),
+    in pieces the inserting thread helps with once the table is planned: forced on for every batch
+    (pieces of a few steps), the tables, steps, index and keys are those of the plain path, through
     ring wrap-arounds and a full ring of one-step items; no thread is left; a copy's error reaches
     the caller."""
     import threading
     from gear_mpi import store_insert
     rng = np.random.default_rng(11)
+    monkeypatch.setattr(store_insert, "PIECE_BYTES", 40)  # copies in pieces of a few steps, taken by both threads
     a = shard_factory(spec, 120, gm.Uniform(), max_items=20)
     b = shard_factory(spec, 120, gm.Uniform(), max_items=20)
     for round_ in range(12):
@@ -307,12 +309,14 @@ def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factor
         np.testing.assert_array_equal(kc, d.insert_packed({"x": x}, np.ones(64, np.int64)))
         same_state(c, d)
 
-    def broken(*args):
-        raise MemoryError("copy failed")
+    class Broken:  # a piece of the copies that fails, whichever thread takes it
+        def __setitem__(self, where, value):
+            raise MemoryError("copy failed")
 
-    monkeypatch.setattr(store_insert, "_copy_columns", broken)
+    monkeypatch.setattr(store_insert, "_copy_pieces", lambda *args: [(Broken(), None)])
     with pytest.raises(MemoryError, match="copy failed"):
         d.insert_packed({"x": x}, np.ones(64, np.int64))
+    assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]
 
 
 @pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Fifo()], ids=repr)
