@@ -161,17 +161,18 @@ class TrajectoryStore:
         return self._byte_views
 
     # ---- insertion ------------------------------------------------------------------
-    def check_batch(self, lengths: np.ndarray) -> None:
+    def check_batch(self, lengths: np.ndarray, steps: int | None = None) -> None:
         """Check that a batch of trajectories can be stored at once (before anything changes).
 
         Args:
             lengths: the steps of each trajectory.
+            steps: their sum, where the caller has it (None: summed here, O(n)).
 
         Raises:
             InvalidTrajectoryError: more steps than ``capacity_steps``, or more trajectories than
                 ``max_items``.
         """
-        total = int(lengths.sum())
+        total = int(lengths.sum()) if steps is None else int(steps)
         if total > self.capacity:
             raise InvalidTrajectoryError(
                 f"insert_many: {len(lengths)} trajectories hold {total} steps, more than capacity_steps={self.capacity}")

@@ -278,13 +278,15 @@ def test_table_pass_matches_the_plain_model(make_spec, make_traj, shard_factory)
 
 
 def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factory, monkeypatch):
-    """A large batch copies its columns in a thread beside the table pass (store_insert.OVERLAP_BYTES):
-    forced on for every batch, the tables, steps, index and keys are those of the plain path, through
+    """A large batch copies its columns in a thread beside the table pass (store_insert.OVERLAP_BYTES),
+    in pieces the inserting thread helps with once the table is planned: forced on for every batch
+    (pieces of a few steps), the tables, steps, index and keys are those of the plain path, through
     ring wrap-arounds and a full ring of one-step items; no thread is left; a copy's error reaches
     the caller."""
     import threading
     from gear_mpi import store_insert
     rng = np.random.default_rng(11)
+    monkeypatch.setattr(store_insert, "PIECE_BYTES", 40)  # copies in pieces of a few steps, taken by both threads
     a = shard_factory(spec, 120, gm.Uniform(), max_items=20)
     b = shard_factory(spec, 120, gm.Uniform(), max_items=20)
     for round_ in range(12):
@@ -307,9 +309,49 @@ def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factor
         np.testing.assert_array_equal(kc, d.insert_packed({"x": x}, np.ones(64, np.int64)))
         same_state(c, d)
 
-    def broken(*args):
-        raise MemoryError("copy failed")
+    class Broken:  # a piece of the copies that fails, whichever thread takes it
+        def __setitem__(self, where, value):
+            raise MemoryError("copy failed")
 
-    monkeypatch.setattr(store_insert, "_copy_columns", broken)
+    monkeypatch.setattr(store_insert, "_copy_pieces", lambda *args: [(Broken(), None)])
     with pytest.raises(MemoryError, match="copy failed"):
         d.insert_packed({"x": x}, np.ones(64, np.int64))
+    assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]
+
+
+@pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Fifo()], ids=repr)
+def test_copy_thread_finishes_chunks_as_the_plain_path(spec, make_traj, shard_factory, sampler, monkeypatch):
+    """A large batch's copy thread also writes the raw priorities, index leaves and keys of each chunk the
+    table pass hands it (store_insert._Copies.hand): in chunks of 3, through evictions, both index
+    paths and removals, the keys, tables, raw priorities and index are those of one plain pass; an
+    error in that work reaches the caller and no thread is left."""
+    import threading
+    from gear_mpi import store_insert
+    rng = np.random.default_rng(17)
+    a = shard_factory(spec, 150, sampler, max_items=40, max_times_sampled=2, seed=3)
+    b = shard_factory(spec, 150, sampler, max_items=40, max_times_sampled=2, seed=3)
+    for round_ in range(10):
+        trajs = [make_traj(int(n)) for n in rng.integers(1, 9, rng.integers(1, 30))]
+        pr = rng.uniform(0.0, 3.0, len(trajs))
+        cols, lengths = pack(trajs)
+        with monkeypatch.context() as m:
+            m.setattr(store_insert, "OVERLAP_BYTES", 0)
+            m.setattr(store_insert, "CHUNK_ITEMS", 3)
+            ka = a.insert_packed(cols, lengths, None if round_ % 4 == 3 else pr)
+        kb = b.insert_packed(cols, lengths, None if round_ % 4 == 3 else pr)
+        np.testing.assert_array_equal(ka, kb)
+        same_state(a, b)
+        if isinstance(a.store.priority, np.ndarray):
+            np.testing.assert_array_equal(a.store.priority, b.store.priority)
+        if round_ % 3 == 2:  # removals (twice sampled) leave REMOVED entries in the order ring
+            for _ in range(2):
+                np.testing.assert_array_equal(a.sample(8, 1).keys.numpy(), b.sample(8, 1).keys.numpy())
+
+    def broken(*args):
+        raise ValueError("finish failed")
+
+    monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 0)
+    monkeypatch.setattr(gm.keys, "encode_slots", broken)  # the keys of a chunk, in the copy thread
+    with pytest.raises(ValueError, match="finish failed"):
+        a.insert_packed(cols, lengths, pr)
+    assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]
