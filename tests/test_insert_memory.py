@@ -71,9 +71,7 @@ _CHILD = textwrap.dedent("""
     import gear_mpi as gm
     from gear_mpi import store_insert
 
-    def rss():
-        with open("/proc/self/status") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+    from scripts.bench.bench_memory import rss_bytes as rss
 
     n = int(sys.argv[1])
     spec = gm.TrajectorySpec({"obs": ((), np.float32)}, max_length=1)

@@ -35,13 +35,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository: run as modules from there
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def rss_mb() -> float:
-    """Resident set size of this process (second field of /proc/self/statm), in MiB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE / 2**20
+    """Resident set size of this process (VmRSS, :func:`scripts.bench.bench_memory.rss_bytes`), in MiB."""
+    from scripts.bench.bench_memory import rss_bytes
+    return rss_bytes() / 2**20
 
 
 def worker(args) -> int:
