@@ -203,20 +203,18 @@ OVERLAP_BYTES = 32 << 20  # a batch of at least this many step bytes copies its 
 
 
 def _copy_columns(store, columns, first: int, total: int) -> None:
-    """Copy ``total`` steps of ``columns`` into ``store``'s ring from step ``first`` (wrapping around)."""
-    head = min(total, store.capacity - first)
-    for name, data in columns.items():
-        dst = store.columns[name]
-        dst[first:first + head] = data[:head]
-        if head < total:
-            dst[:total - head] = data[head:]
+    """Copy ``total`` steps of ``columns`` into ``store``'s ring from step ``first`` (wrapping around),
+    piece by piece (:func:`_copy_pieces`) in this thread."""
+    for dst, src in _copy_pieces(store, columns, first, total):
+        dst[...] = src
 
 
 PIECE_BYTES = 16 << 20  # a large batch's copies go in pieces of about this many bytes, taken by either thread
 
 
 def _copy_pieces(store, columns, first: int, total: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`_copy_columns` cut into (destination, source) pairs of about :data:`PIECE_BYTES` each."""
+    """The copies of ``total`` steps of ``columns`` into ``store``'s ring from step ``first`` (wrapping
+    around), as (destination, source) pairs of about :data:`PIECE_BYTES` each."""
     head = min(total, store.capacity - first)
     pieces = []
     for name, data in columns.items():

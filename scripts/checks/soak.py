@@ -33,13 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
+from scripts.bench.bench_memory import rss_bytes
+
 ROOT = Path(__file__).resolve().parents[2]   # the repository: run as modules from there
 
 
 
 def rss_mb() -> float:
     """Resident set size of this process (VmRSS, :func:`scripts.bench.bench_memory.rss_bytes`), in MiB."""
-    from scripts.bench.bench_memory import rss_bytes
     return rss_bytes() / 2**20
 
 
