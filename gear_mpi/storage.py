@@ -116,6 +116,7 @@ class TrajectoryStore:
         self.columns: dict[str, np.ndarray] = {}
         self._byte_views: dict[str, np.ndarray] | None = None
         self._insert_scratch = store_insert.InsertScratch()  # insert's slots and evictions, reused
+        self.ring_touched = 0  # ring steps from 0 ever written by an insert (see store_insert.reaches_fresh)
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)

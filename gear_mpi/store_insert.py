@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import ring
-from .memory import anonymous_pages
+from .memory import anonymous_pages, small_pages
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
 SCRATCH_ENTRIES = 1 << 18  # eviction entries a chunk may need (2 MB): a chunk ends before its bound passes it
@@ -156,7 +156,6 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     this thread, done planning, copies those still left (a cold ring's fresh pages: 1e7 one-step items,
     first insert 1.97-2.35 s -> 1.59-1.71 s here). All of it ends before this returns, or raises.
     """
-    n = len(lengths)
     total = int(lengths.sum()) if steps is None else int(steps)
     shared = priorities.strides == (0,)
     now = time.time_ns()
@@ -171,6 +170,34 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
         if after_chunk is not None:
             after_chunk(lo, hi)
 
+    fresh = total * store.spec.step_bytes >= OVERLAP_BYTES and reaches_fresh(store, first + total)
+    with small_pages(fresh_arrays(store) if fresh else ()):
+        evicted_all = _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now,
+                                     finish_chunk)
+    store.ring_touched = store.capacity if first + total >= store.capacity else max(store.ring_touched, first + total)
+    return evicted_all
+
+
+def reaches_fresh(store, end: int) -> bool:
+    """Whether an insert whose steps end at ring step ``end`` (unwrapped) may write memory never written
+    before: ring steps past ``store.ring_touched`` or table slots never used. O(1)."""
+    return end > store.ring_touched or int(store.state[ring.NEXT_FRESH]) < store.max_items
+
+
+def fresh_arrays(store) -> list[np.ndarray]:
+    """The arrays a large first fill commits: the column arena and the table's rows (the raw priorities'
+    too, where kept): what :class:`~gear_mpi.memory.small_pages` advises. O(1)."""
+    arrays = [] if store.arena is None else [store.arena.buffer]
+    arrays += [a for a in store.table if a.strides[0]]
+    if isinstance(store.priority, np.ndarray):
+        arrays.append(store.priority)
+    return arrays
+
+
+def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now, finish_chunk) -> int:
+    """:func:`insert_chunked`'s table pass and copies (its arguments, the tail ``first`` and the stamp
+    ``now`` computed). Returns the live trajectories evicted."""
+    n = len(lengths)
     copying = _start_copies(store, columns, first, total, slots_out, finish_chunk)
     evicted_all = 0
     try:
