@@ -18,6 +18,7 @@ knows the spec and capacity can map the same columns by name.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 import json
 import mmap
@@ -173,6 +174,30 @@ def _mapping_of(array) -> mmap.mmap | None:
         array = array.obj if isinstance(array, memoryview) else getattr(array, "base", None)
         seen += 1
     return None
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+ (refused, EINVAL, before)
+try:  # madvise on any address range, the GIL released during the call (ctypes.CDLL)
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _madvise.restype = ctypes.c_int
+except (OSError, AttributeError):  # no C library to call: commit_pages does nothing
+    _madvise = None
+
+
+def commit_pages(view: np.ndarray) -> None:
+    """Commit the pages under ``view`` (C-contiguous, in an anonymous mapping of :func:`anonymous_pages`) in
+    one ``madvise(MADV_POPULATE_WRITE)``, the GIL released; the contents are unchanged. Anything else (other
+    memory, a kernel that refuses): nothing. Why: on this VM, committing fresh 4 KiB pages this way took
+    123-159 ms per 256 MB against 240-300 ms for first writes by one thread (it batches the faults),
+    so the first fill of a large insert commits each piece before it copies into it. O(pages)."""
+    if _madvise is None or view.nbytes == 0 or not view.flags.c_contiguous:
+        return
+    if not isinstance(_mapping_of(view), _Pages):
+        return
+    start = view.ctypes.data
+    lo = start - start % mmap.PAGESIZE
+    _madvise(lo, start + view.nbytes - lo, MADV_POPULATE_WRITE)
 
 
 class small_pages:

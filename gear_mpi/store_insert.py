@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import ring
-from .memory import anonymous_pages, small_pages
+from .memory import anonymous_pages, commit_pages, small_pages
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
 SCRATCH_ENTRIES = 1 << 18  # eviction entries a chunk may need (2 MB): a chunk ends before its bound passes it
@@ -162,7 +162,8 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     # the batch's steps go to the ring's tail, where the table pass will put them: evictions take steps
     # from the head only, so the tail is known now and the copies can run while the table is planned
     first = int(store.state[ring.STEP_HEAD] + store.state[ring.STEPS_USED]) % store.capacity
-    keeps_priorities = isinstance(store.priority, np.ndarray)  # raw priorities, where the table keeps them
+    # raw priorities, where the table keeps them and its row does not stand for them already
+    keeps_priorities = isinstance(store.priority, np.ndarray) and store.keep_priorities(priorities)
 
     def finish_chunk(lo: int, hi: int) -> None:  # after the chunk's plan: touches its slots' rows only
         if keeps_priorities:
@@ -173,7 +174,7 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     fresh = total * store.spec.step_bytes >= OVERLAP_BYTES and reaches_fresh(store, first + total)
     with small_pages(fresh_arrays(store) if fresh else ()):
         evicted_all = _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now,
-                                     finish_chunk)
+                                     finish_chunk, fresh)
     store.ring_touched = store.capacity if first + total >= store.capacity else max(store.ring_touched, first + total)
     return evicted_all
 
@@ -189,16 +190,22 @@ def fresh_arrays(store) -> list[np.ndarray]:
     too, where kept): what :class:`~gear_mpi.memory.small_pages` advises. O(1)."""
     arrays = [] if store.arena is None else [store.arena.buffer]
     arrays += [a for a in store.table if a.strides[0]]
-    if isinstance(store.priority, np.ndarray):
+    if isinstance(store.priority, np.ndarray) and store.priority_constant is None:
         arrays.append(store.priority)
     return arrays
 
 
-def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now, finish_chunk) -> int:
+def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now, finish_chunk,
+                   fresh: bool = False) -> int:
     """:func:`insert_chunked`'s table pass and copies (its arguments, the tail ``first`` and the stamp
-    ``now`` computed). Returns the live trajectories evicted."""
+    ``now`` computed; ``fresh``: it reaches memory never written, committed ahead of the writes: the
+    copies' pieces in the copy thread, each chunk's table rows and slots in this one). Returns the live
+    trajectories evicted."""
     n = len(lengths)
-    copying = _start_copies(store, columns, first, total, slots_out, finish_chunk)
+    copying = _start_copies(store, columns, first, total, slots_out, finish_chunk,
+                            store.ring_touched if fresh else None)
+    rows = [a for a in store.table if a.strides[0] and len(a) == store.max_items and a is not store.order] \
+        if fresh else []
     evicted_all = 0
     try:
         lo = 0
@@ -207,6 +214,8 @@ def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, f
             part = lengths[lo:hi]
             need = eviction_bound(store.state, store.max_items, store.capacity, hi - lo, int(part_steps))
             evicted = store._insert_scratch.take(need)
+            if rows:
+                _commit_chunk_rows(store, rows, slots_out[lo:hi])
             k = ring.plan_insert(store._arrays, store.capacity, part, now, slots_out[lo:hi], evicted[:need])
             evicted_all += k
             if k and on_evicted is not None:
@@ -226,22 +235,42 @@ def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, f
     return evicted_all
 
 
+def _commit_chunk_rows(store, rows: list[np.ndarray], slots: np.ndarray) -> None:
+    """Commit the pages the table pass of a chunk of ``len(slots)`` trajectories is about to write for the
+    first time (:func:`~gear_mpi.memory.commit_pages`: cheaper than faulting them in one by one): its
+    never-used slots' entries of ``rows`` (slots are taken from the free stack first, then from the
+    high-water mark up), its places in the order ring, and ``slots`` (the keys out). O(pages)."""
+    k = len(slots)
+    hwm = int(store.state[ring.NEXT_FRESH])
+    fresh = min(k, store.max_items - hwm)
+    if fresh <= 0:
+        return
+    for row in rows:
+        commit_pages(row[hwm:hwm + fresh])
+    tail = int(store.state[ring.ORDER_HEAD] + store.state[ring.ORDER_COUNT]) % store.max_items
+    commit_pages(store.order[tail:tail + k])
+    commit_pages(slots)
+
+
 OVERLAP_BYTES = 32 << 20  # a batch of at least this many step bytes copies its columns in a thread of its own
 
 
 def _copy_columns(store, columns, first: int, total: int) -> None:
     """Copy ``total`` steps of ``columns`` into ``store``'s ring from step ``first`` (wrapping around),
     piece by piece (:func:`_copy_pieces`) in this thread."""
-    for dst, src in _copy_pieces(store, columns, first, total):
+    for dst, src, _ in _copy_pieces(store, columns, first, total):
         dst[...] = src
 
 
 PIECE_BYTES = 16 << 20  # a large batch's copies go in pieces of about this many bytes, taken by either thread
 
 
-def _copy_pieces(store, columns, first: int, total: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _copy_pieces(store, columns, first: int, total: int,
+                 fresh_from: int | None = None) -> list[tuple[np.ndarray, np.ndarray, bool]]:
     """The copies of ``total`` steps of ``columns`` into ``store``'s ring from step ``first`` (wrapping
-    around), as (destination, source) pairs of about :data:`PIECE_BYTES` each."""
+    around), as (destination, source, commit first) triples of about :data:`PIECE_BYTES` each: a piece
+    reaching ring steps from ``fresh_from`` on (never written; None: none is) has its pages committed
+    before it is copied (:func:`~gear_mpi.memory.commit_pages`)."""
     head = min(total, store.capacity - first)
     pieces = []
     for name, data in columns.items():
@@ -250,23 +279,15 @@ def _copy_pieces(store, columns, first: int, total: int) -> list[tuple[np.ndarra
         for a, b, at in ((0, head, first), (head, total, first - store.capacity)):
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
-                pieces.append((dst[at + lo:at + hi], data[lo:hi]))
+                pieces.append((dst[at + lo:at + hi], data[lo:hi], fresh_from is not None and at + hi > fresh_from))
     return pieces
 
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+ (refused, EINVAL, before)
-
-
 def populate(array: np.ndarray) -> None:
-    """Commit the pages of ``array`` not yet committed, in one ``madvise(MADV_POPULATE_WRITE)``, when it is
-    the whole of an anonymous mapping (:func:`mapped_empty`'s); else, or where the kernel refuses, nothing.
-    The same page work as first writes (about 2 us a 4 KiB page here), done by the calling thread. O(pages)."""
-    base = array.base
-    if isinstance(base, mmap.mmap) and array.nbytes == len(base):
-        try:
-            base.madvise(MADV_POPULATE_WRITE)
-        except (OSError, ValueError):
-            pass
+    """Commit the pages of ``array`` not yet committed (:func:`~gear_mpi.memory.commit_pages`: in one
+    ``madvise(MADV_POPULATE_WRITE)`` where it lies in an anonymous mapping, such as :func:`mapped_empty`'s;
+    else nothing), done by the calling thread. O(pages)."""
+    commit_pages(array)
 
 
 class _Copies(threading.Thread):
@@ -280,9 +301,9 @@ class _Copies(threading.Thread):
     keys; ``finish(lo, hi)``), in order, while that pass plans the next ones."""
 
     def __init__(self, store, columns, first: int, total: int, slots_out: np.ndarray | None = None,
-                 finish: Callable[[int, int], None] | None = None):
+                 finish: Callable[[int, int], None] | None = None, fresh_from: int | None = None):
         super().__init__(name="gear_mpi_insert_copy", daemon=True)
-        self.pieces = _copy_pieces(store, columns, first, total)
+        self.pieces = _copy_pieces(store, columns, first, total, fresh_from)
         self.taken = 0
         self.take = threading.Lock()
         self.slots_out = slots_out
@@ -309,7 +330,9 @@ class _Copies(threading.Thread):
                 self.taken += 1
             if i >= len(self.pieces):
                 return
-            dst, src = self.pieces[i]
+            dst, src, commit = self.pieces[i]
+            if commit:
+                commit_pages(dst)
             dst[...] = src
 
     def run(self) -> None:
@@ -343,12 +366,13 @@ class _Copies(threading.Thread):
 
 
 def _start_copies(store, columns, first: int, total: int, slots_out: np.ndarray | None = None,
-                  finish: Callable[[int, int], None] | None = None) -> _Copies | None:
+                  finish: Callable[[int, int], None] | None = None, fresh_from: int | None = None) -> _Copies | None:
     """The column copies of a large batch started in a thread (then ``slots_out``'s pages committed and
-    the chunks handed to it finished by ``finish``), or None (a small batch: the caller does all)."""
+    the chunks handed to it finished by ``finish``; pieces reaching ring step ``fresh_from`` committed
+    before they are copied), or None (a small batch: the caller does all)."""
     if total * store.spec.step_bytes < OVERLAP_BYTES:
         return None
-    return _Copies(store, columns, first, total, slots_out, finish)
+    return _Copies(store, columns, first, total, slots_out, finish, fresh_from)
 
 
 def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -363,6 +387,15 @@ def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple
     gone: list[np.ndarray] = []
     insert_chunked(store, columns, lengths, priorities, slots, lambda e: gone.append(e.copy()))
     return slots, (np.concatenate(gone) if gone else np.zeros(0, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def all_equal(values, v):
+    """Whether every ``values[i] + 0.0`` equals ``v`` (so -0.0 counts as +0.0). O(n), stops at the first other."""
+    for i in range(values.shape[0]):
+        if values[i] + 0.0 != v:
+            return False
+    return True
 
 
 @njit(cache=True, nogil=True)

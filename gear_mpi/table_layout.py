@@ -231,7 +231,8 @@ def sections(store) -> list[tuple[str, np.ndarray]]:
     status = t.status[:hwm]
     rows = {"start": t.start[:hwm],
             "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
-            "priority": np.ascontiguousarray(store.priority[:hwm], np.float64),
+            "priority": store.raw_priorities(np.arange(hwm)) if store.priority_constant is not None
+            else np.ascontiguousarray(store.priority[:hwm], np.float64),
             "generation": (status & GEN_MASK).astype(np.uint16),
             "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
             "times_sampled": t.times_sampled[:hwm] if t.times_sampled.strides[0]
@@ -309,6 +310,8 @@ def restore(store, state: np.ndarray, given: Mapping[str, np.ndarray]) -> None:
         t.times_sampled[:hwm] = got["times_sampled"]
         t.times_sampled[hwm:old_hwm] = 0
     if isinstance(store.priority, np.ndarray):
+        if store.priority_constant is not None:  # a row that stood for one value holds the values from now on
+            store.priority_constant = None
         store.priority[:hwm] = got["priority"]
         store.priority[hwm:old_hwm] = 0
     t.order[(o_head + np.arange(o_count)) % m] = got["order"]
