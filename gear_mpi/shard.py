@@ -19,7 +19,6 @@ from .shard_state import ShardState
 from .spec import TrajectorySpec, validate_priorities
 from . import table_layout
 from .storage import TrajectoryStore
-from . import store_insert
 from .windows import check_batch_size, check_window, column_addresses
 
 _NO_UNIFORMS = np.zeros(0)
@@ -369,8 +368,8 @@ class Shard(ShardState, ShardInsert):
         n = len(keys)
         slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
         pr = np.ascontiguousarray(priorities, np.float64)
-        if st.priority_constant is not None and not store_insert.all_equal(pr, st.priority_constant):
-            st.materialize_priorities()  # the row stood for one value: keep it from now on
+        if st.priority_constant is not None and not table_layout.all_equal(pr, st.priority_constant):
+            table_layout.materialize_priorities(st)  # the row stood for one value: keep it from now on
         # derived, none, or one value the row stands for: not written
         raw = st.priority if isinstance(st.priority, np.ndarray) and st.priority_constant is None else _NO_UNIFORMS
         applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.status,
@@ -422,7 +421,7 @@ class Shard(ShardState, ShardInsert):
         """
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
-        return np.where(live, self.store.raw_priorities(slots), np.nan)
+        return np.where(live, table_layout.raw_priorities(self.store, slots), np.nan)
 
     def stats(self) -> dict[str, Any]:
         """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the README's table). O(1).

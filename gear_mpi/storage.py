@@ -61,7 +61,7 @@ class TrajectoryStore:
         priority_row: whether to keep raw priorities in a row (False: the shard sets
             ``store.priority`` to read them back from its index).
         lazy_priority: whether the row may stand for one value shared by every slot without being
-            written (:attr:`priority_constant`): for selectors whose draws ignore raw priorities
+            written (``priority_constant``, :func:`~gear_mpi.table_layout.keep_priorities`): for selectors whose draws ignore raw priorities
             (``Uniform``, ``Prioritized(alpha=0)``), so that a batch at one priority writes no row.
 
     Raises:
@@ -136,8 +136,7 @@ class TrajectoryStore:
         self.priority = (carved["priority"] if carved is not None else table_layout.priority_row(max_items)) \
             if priority_row else None
         # None: the row holds every slot's raw priority. A float: every slot below the high-water mark has
-        # this raw priority and the row is not kept up to date (see keep_priorities); read it through
-        # raw_priorities and table sections
+        # this raw priority and the row is not kept up to date (table_layout.keep_priorities, raw_priorities)
         self.priority_constant = 0.0 if lazy_priority and priority_row else None
 
     # ---- sizes ----------------------------------------------------------------------
@@ -207,49 +206,6 @@ class TrajectoryStore:
         slices per column, for the ring's wrap-around).
         """
         return store_insert.insert(self, columns, lengths, priorities)
-
-    # ---- raw priorities kept as one value ---------------------------------------------
-    def keep_priorities(self, priorities: np.ndarray) -> bool:
-        """Whether a batch's raw priorities must be written into the row (called before its table pass).
-
-        While :attr:`priority_constant` is set and the batch's priorities all equal it, nothing is written
-        (a table that has never held a slot takes the batch's value as its constant); a batch of another
-        value or of several values first writes the constant into the row below the high-water mark
-        (:meth:`materialize_priorities`, once) and then writes its own.
-
-        Args:
-            priorities: the batch's validated raw priorities (float64; one shared by all as a stride-0 array).
-        Returns:
-            True: write them into ``self.priority``; False: the row stands for them.
-        Cost: O(1) for a shared priority, else one pass over them; O(high-water mark) once when the row
-        is materialized.
-        """
-        c = self.priority_constant
-        if c is None or len(priorities) == 0:
-            return c is None
-        v = float(priorities[0]) + 0.0
-        if priorities.strides == (0,) or store_insert.all_equal(priorities, v):
-            if v == c:
-                return False
-            if int(self.state[ring.NEXT_FRESH]) == 0:  # no slot ever used: nothing holds the old value
-                self.priority_constant = v
-                return False
-        self.materialize_priorities()
-        return True
-
-    def materialize_priorities(self) -> None:
-        """Write :attr:`priority_constant` into the row below the high-water mark and keep the row up to date
-        from now on. O(high-water mark) once; O(1) after."""
-        c = self.priority_constant
-        if c is not None:
-            self.priority[:int(self.state[ring.NEXT_FRESH])] = c
-            self.priority_constant = None
-
-    def raw_priorities(self, slots: np.ndarray) -> np.ndarray:
-        """The raw priorities of ``slots`` (float64, a new array; any value for a free slot). O(len(slots))."""
-        if self.priority_constant is not None:
-            return np.full(len(slots), self.priority_constant)
-        return np.asarray(self.priority[slots], np.float64)
 
     def prefetch(self, start: np.ndarray, steps: np.ndarray) -> None:
         """Ask the kernel to read the windows about to be copied (``MADV_WILLNEED`` on each window of

@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import ring
+from . import table_layout
 from .memory import anonymous_pages, commit_pages, small_pages
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
@@ -163,7 +164,7 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     # from the head only, so the tail is known now and the copies can run while the table is planned
     first = int(store.state[ring.STEP_HEAD] + store.state[ring.STEPS_USED]) % store.capacity
     # raw priorities, where the table keeps them and its row does not stand for them already
-    keeps_priorities = isinstance(store.priority, np.ndarray) and store.keep_priorities(priorities)
+    keeps_priorities = isinstance(store.priority, np.ndarray) and table_layout.keep_priorities(store, priorities)
 
     def finish_chunk(lo: int, hi: int) -> None:  # after the chunk's plan: touches its slots' rows only
         if keeps_priorities:
@@ -387,15 +388,6 @@ def insert(store, columns, lengths: np.ndarray, priorities: np.ndarray) -> tuple
     gone: list[np.ndarray] = []
     insert_chunked(store, columns, lengths, priorities, slots, lambda e: gone.append(e.copy()))
     return slots, (np.concatenate(gone) if gone else np.zeros(0, np.int64))
-
-
-@njit(cache=True, nogil=True)
-def all_equal(values, v):
-    """Whether every ``values[i] + 0.0`` equals ``v`` (so -0.0 counts as +0.0). O(n), stops at the first other."""
-    for i in range(values.shape[0]):
-        if values[i] + 0.0 != v:
-            return False
-    return True
 
 
 @njit(cache=True, nogil=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import numpy as np
+from numba import njit
 
 from .kernels import ring
 from .keys import GEN_MASK
@@ -134,6 +135,62 @@ def priority_row(max_items: int) -> np.ndarray:
     return _staggered(max_items, np.float64, len(ring.TABLE_FIELDS))
 
 
+# ---- a priority row that stands for one value -----------------------------------------------------
+def keep_priorities(store, priorities: np.ndarray) -> bool:
+    """Whether a batch's raw priorities must be written into ``store.priority`` (asked before its table pass).
+
+    While ``store.priority_constant`` is set (the row stands for that one value, unwritten) and the batch's
+    priorities all equal it, nothing is written (a table that has never held a slot takes the batch's value
+    as its constant); a batch of another value or of several values first writes the constant into the row
+    below the high-water mark (:func:`materialize_priorities`, once) and then writes its own.
+
+    Args:
+        store: a :class:`~gear_mpi.storage.TrajectoryStore` with a row of raw priorities.
+        priorities: the batch's validated raw priorities (float64; one shared by all as a stride-0 array).
+    Returns:
+        True: write them into the row; False: the row stands for them.
+    Cost: O(1) for a shared priority, else one pass over them; O(high-water mark) once when the row is
+    materialized.
+    """
+    c = store.priority_constant
+    if c is None or len(priorities) == 0:
+        return c is None
+    v = float(priorities[0]) + 0.0
+    if priorities.strides == (0,) or all_equal(priorities, v):
+        if v == c:
+            return False
+        if int(store.state[ring.NEXT_FRESH]) == 0:  # no slot ever used: nothing holds the old value
+            store.priority_constant = v
+            return False
+    materialize_priorities(store)
+    return True
+
+
+def materialize_priorities(store) -> None:
+    """Write ``store.priority_constant`` into the row below the high-water mark and keep the row up to date
+    from now on. O(high-water mark) once; O(1) after."""
+    c = store.priority_constant
+    if c is not None:
+        store.priority[:int(store.state[ring.NEXT_FRESH])] = c
+        store.priority_constant = None
+
+
+def raw_priorities(store, slots: np.ndarray) -> np.ndarray:
+    """The raw priorities of ``slots`` (float64, a new array; any value for a free slot). O(len(slots))."""
+    if getattr(store, "priority_constant", None) is not None:
+        return np.full(len(slots), store.priority_constant)
+    return np.asarray(store.priority[slots], np.float64)
+
+
+@njit(cache=True, nogil=True)
+def all_equal(values, v):
+    """Whether every ``values[i] + 0.0`` equals ``v`` (so -0.0 counts as +0.0). O(n), stops at the first other."""
+    for i in range(values.shape[0]):
+        if values[i] + 0.0 != v:
+            return False
+    return True
+
+
 _NEAR = 3  # float64 patterns tried on each side of w ** (1 / alpha)
 
 
@@ -231,7 +288,7 @@ def sections(store) -> list[tuple[str, np.ndarray]]:
     status = t.status[:hwm]
     rows = {"start": t.start[:hwm],
             "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
-            "priority": store.raw_priorities(np.arange(hwm)) if store.priority_constant is not None
+            "priority": raw_priorities(store, np.arange(hwm)) if getattr(store, "priority_constant", None) is not None
             else np.ascontiguousarray(store.priority[:hwm], np.float64),
             "generation": (status & GEN_MASK).astype(np.uint16),
             "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
@@ -310,7 +367,7 @@ def restore(store, state: np.ndarray, given: Mapping[str, np.ndarray]) -> None:
         t.times_sampled[:hwm] = got["times_sampled"]
         t.times_sampled[hwm:old_hwm] = 0
     if isinstance(store.priority, np.ndarray):
-        if store.priority_constant is not None:  # a row that stood for one value holds the values from now on
+        if getattr(store, "priority_constant", None) is not None:  # a row that stood for one value holds the values from now on
             store.priority_constant = None
         store.priority[:hwm] = got["priority"]
         store.priority[hwm:old_hwm] = 0

@@ -313,7 +313,7 @@ def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factor
         def __setitem__(self, where, value):
             raise MemoryError("copy failed")
 
-    monkeypatch.setattr(store_insert, "_copy_pieces", lambda *args: [(Broken(), None)])
+    monkeypatch.setattr(store_insert, "_copy_pieces", lambda *args: [(Broken(), None, False)])
     with pytest.raises(MemoryError, match="copy failed"):
         d.insert_packed({"x": x}, np.ones(64, np.int64))
     assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]

@@ -1,0 +1,133 @@
+"""A fresh shard's first fill (issue 13, item 3): a priority row that stands for one value, fresh pages
+committed ahead of the writes, and huge pages asked again once a large first fill is done."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi import memory, store_insert, table_layout
+
+
+def _spec():
+    return gm.TrajectorySpec({"x": ((3,), np.float32), "r": ((), np.float32)}, max_length=1)
+
+
+def _cols(n, seed):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((n, 3)).astype(np.float32), "r": rng.standard_normal(n).astype(np.float32)}
+
+
+def _priorities(shard, keys):
+    return shard.priorities(keys)
+
+
+@pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.0, 0.4)], ids=repr)
+def test_a_row_of_one_value_reads_as_a_written_row(shard_factory, sampler):
+    """The same inserts and updates into a shard whose row stands for one value and into one whose row is
+    written from the start give the same priorities, checkpoint sections and samples."""
+    lazy = shard_factory(_spec(), 60, sampler, seed=5)
+    eager = shard_factory(_spec(), 60, sampler, seed=5)
+    eager.store.priority_constant = None  # written from the start
+    assert lazy.store.priority_constant == 0.0
+    rng = np.random.default_rng(3)
+    keys = []
+    steps = [("insert", None), ("insert", None), ("update_same", None), ("insert", "array_same"),
+             ("insert", "array_mixed"), ("update", None), ("insert", None)]
+    for i, (what, how) in enumerate(steps):
+        if what == "insert":
+            n = int(rng.integers(5, 25))
+            pr = None if how is None else (np.full(n, 1.0) if how == "array_same" else rng.uniform(0, 2, n))
+            ka = lazy.insert_packed(_cols(n, i), np.ones(n, np.int64), pr)
+            kb = eager.insert_packed(_cols(n, i), np.ones(n, np.int64), pr)
+            np.testing.assert_array_equal(ka, kb)
+            keys.append(ka)
+        else:
+            k = np.concatenate(keys)[:10]
+            p = np.ones(len(k)) if what == "update_same" else rng.uniform(0, 3, len(k))
+            assert lazy.update_priorities(k, p) == eager.update_priorities(k, p)
+        if i < 3:  # one value so far: nothing written
+            assert lazy.store.priority_constant == 1.0 and not lazy.store.priority.any()
+        every = np.concatenate(keys)
+        np.testing.assert_array_equal(_priorities(lazy, every), _priorities(eager, every))
+        sa, sb = dict(table_layout.sections(lazy.store)), dict(table_layout.sections(eager.store))
+        live = sa["alive"] == 1
+        np.testing.assert_array_equal(sa["priority"][live], sb["priority"][live])
+        np.testing.assert_array_equal(lazy.sample(8, 1).keys.numpy(), eager.sample(8, 1).keys.numpy())
+    assert lazy.store.priority_constant is None  # materialized by the mixed batch
+
+
+def test_a_first_batch_sets_the_value_and_a_checkpoint_restores_it(shard_factory):
+    a = shard_factory(_spec(), 40)
+    keys = a.insert_packed(_cols(30, 1), np.ones(30, np.int64), np.full(30, 2.5))
+    assert a.store.priority_constant == 2.5 and not a.store.priority.any()
+    b = shard_factory(_spec(), 40)
+    sections = table_layout.sections(a.store)
+    table_layout.restore(b.store, a.store.state.copy(), dict(sections))
+    assert b.store.priority_constant is None
+    np.testing.assert_array_equal(b.store.priority[:30], np.full(30, 2.5))
+    more = a.insert_packed(_cols(5, 2), np.ones(5, np.int64))  # another value: the row is written now
+    assert a.store.priority_constant is None
+    np.testing.assert_array_equal(a.priorities(np.concatenate([keys[5:], more])), [2.5] * 25 + [1.0] * 5)
+
+
+def test_ordered_selectors_write_their_row(shard_factory):
+    s = shard_factory(_spec(), 40, gm.Fifo())
+    s.insert_packed(_cols(4, 1), np.ones(4, np.int64))
+    assert s.store.priority_constant is None and (s.store.priority[:4] == 1.0).all()
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    current = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = lo <= address < hi
+            elif current and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+def test_a_large_first_fill_asks_for_huge_pages_again(shard_factory, monkeypatch):
+    """The huge-page advice is off during a large first fill and back on after it (the rows and columns
+    keep their contents); pages committed ahead of the writes hold what was written."""
+    if not memory.PrivateArena.huge_pages or not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("huge pages off here")
+    n = 1 << 17  # a 2 MB column arena and table rows of 512 KB and up
+    s = shard_factory(_spec(), n, gm.Uniform())
+    arena = s.store.arena.buffer
+    if "hg" not in _vm_flags(arena.ctypes.data):
+        pytest.skip("this kernel does not take MADV_HUGEPAGE")
+    seen = []
+    real = store_insert._insert_chunks
+
+    def spy(store, *args):
+        seen.append(_vm_flags(store.arena.buffer.ctypes.data))
+        return real(store, *args)
+
+    monkeypatch.setattr(store_insert, "_insert_chunks", spy)
+    monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
+    monkeypatch.setattr(store_insert, "PIECE_BYTES", 1 << 16)
+    cols = _cols(n, 7)
+    keys = s.insert_packed(cols, np.ones(n, np.int64))
+    assert "nh" in seen[0] and "hg" not in seen[0]
+    assert "hg" in _vm_flags(arena.ctypes.data) and "nh" not in _vm_flags(arena.ctypes.data)
+    np.testing.assert_array_equal(s.store.columns["x"], cols["x"])
+    np.testing.assert_array_equal(s.get(int(keys[-1]))["r"], cols["r"][-1:])
+    assert s.store.ring_touched == n
+    s.insert_packed(cols, np.ones(n, np.int64))  # warm: the store is full, no advice changed
+    assert len(seen) == 2 and "hg" in seen[1]
+
+
+def test_commit_pages_keeps_the_contents():
+    pages = memory.anonymous_pages(1 << 20, huge=False)
+    a = np.frombuffer(pages, np.uint8)
+    a[100:200] = 7
+    memory.commit_pages(a[50:70000])
+    memory.commit_pages(np.zeros(4))  # not an anonymous mapping of ours: nothing
+    assert (a[100:200] == 7).all() and a[:100].sum() == 0 and a[200:].sum() == 0
