@@ -213,11 +213,13 @@ class small_pages:
     fresh 4 KiB pages (256 MB: 450-500 ms against 240-300 ms written by one thread). A large first
     fill (:func:`gear_mpi.store_insert.insert_chunked`, a batch of ``OVERLAP_BYTES`` or more reaching
     memory never written) takes the cheaper pages; sampling reads them through 4 KiB TLB entries until
-    khugepaged has merged them. Cost: two ``madvise`` calls per mapping (microseconds: flags only).
+    khugepaged has merged them (1e7 one-step items, ``sample(65536, 1)`` right after the fill: 22.6-26.4 ms
+    against 19.9-20.1 ms on huge pages here). ``$GEAR_MPI_HUGE_PAGES=always`` (:class:`PrivateArena`)
+    makes this a no-op. Cost: two ``madvise`` calls per mapping (microseconds: flags only).
     """
 
     def __init__(self, arrays):
-        maps = (_mapping_of(a) for a in arrays)
+        maps = () if PrivateArena.first_fill_huge else (_mapping_of(a) for a in arrays)
         self.maps = [m for m in maps if m is not None and getattr(m, "huge", False)]
 
     def _advise(self, advice: int) -> None:
@@ -240,11 +242,13 @@ class PrivateArena:
     64-byte column offsets fall on cache lines), zero-filled and faulted in lazily, with
     transparent huge pages requested where the kernel offers them: fewer TLB misses on the random
     window reads of sampling (here W2 B=256 sample+update 0.31 ms against 0.35-0.40 ms without,
-    W3 N=1e7 14.8-15.0 against 17.5-18.2 ms). ``$GEAR_MPI_HUGE_PAGES=0`` (read at import;
-    ``PrivateArena.huge_pages``) asks for none: on a VM whose host backs guest memory lazily (this
-    one), a fresh huge page is slow to commit, and the first fill of a 610 MB ring took 1.4-1.8 s with
-    them against 0.4 s without (the first insert_packed of 1e7 one-step items: 2.3 s against 0.8 s).
-    Cost: one mmap.
+    W3 N=1e7 14.8-15.0 against 17.5-18.2 ms). On a VM whose host backs guest memory lazily (this
+    one), a fresh huge page is slow to commit (the first fill of a 610 MB ring took 1.4-1.8 s with
+    them against 0.4 s without), so a large first fill commits 4 KiB pages and asks for huge pages
+    again after it (:class:`small_pages`): khugepaged merges them in the background. Read at import,
+    ``$GEAR_MPI_HUGE_PAGES``: ``1`` (the default) that policy; ``always`` huge pages for a large first
+    fill too (``PrivateArena.first_fill_huge``: the pages sampling wants at once, a slower first fill);
+    ``0`` none at all (``PrivateArena.huge_pages``). Cost: one mmap.
 
     Args:
         nbytes: the arena's size.
@@ -253,6 +257,7 @@ class PrivateArena:
     kind = "private"
     name = None
     huge_pages = os.environ.get("GEAR_MPI_HUGE_PAGES", "1") != "0"  # transparent huge pages for big arenas
+    first_fill_huge = os.environ.get("GEAR_MPI_HUGE_PAGES", "1") == "always"  # and for a large first fill
 
     def __init__(self, nbytes: int):
         self.nbytes = int(nbytes)

@@ -131,3 +131,12 @@ def test_commit_pages_keeps_the_contents():
     memory.commit_pages(a[50:70000])
     memory.commit_pages(np.zeros(4))  # not an anonymous mapping of ours: nothing
     assert (a[100:200] == 7).all() and a[:100].sum() == 0 and a[200:].sum() == 0
+
+
+def test_huge_pages_always_leaves_the_advice_alone(monkeypatch):
+    """$GEAR_MPI_HUGE_PAGES=always (PrivateArena.first_fill_huge): a large first fill keeps huge pages."""
+    pages = memory.anonymous_pages(4 << 20)
+    view = np.frombuffer(pages, np.uint8)
+    assert len(memory.small_pages([view]).maps) == int(pages.huge)
+    monkeypatch.setattr(memory.PrivateArena, "first_fill_huge", True)
+    assert memory.small_pages([view]).maps == []
