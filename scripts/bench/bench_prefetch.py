@@ -44,7 +44,7 @@ sample + update back to back in either thread: equal, phase by phase); what make
 in this loop is waiting in its collectives: each is a rendezvous of the ranks' threads, and
 with 2 x ranks threads on ranks cores every rank's training thread (0.10-0.15 ms of CPU a
 step, right after its wake-up) and every other process preempt one of them. Fewer
-rendezvous (the thread's updates: two collectives, not four) and a lighter training-thread
+rendezvous (the thread's updates: one allgather, not four collectives) and a lighter training-thread
 side help; with compute ~= replay there is still no slack to absorb the rest.
 
 hidden = 1 - (prefetchP - compute) / replay: the share of the replay's time the step hid

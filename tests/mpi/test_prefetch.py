@@ -62,7 +62,7 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
         for (k1, x1), (k2, x2) in zip(plain, got):
             np.testing.assert_array_equal(k1 & untagged, k2 & untagged)
             np.testing.assert_array_equal(x1, x2)
-        # the thread's updates take two collectives (counts folded into the agreement, no counts sent back):
+        # the thread's updates take one allgather (counts and keys folded into the agreement, no counts back):
         # each rank counts what its own shard applied, so only the totals match the plain updates'
         assert COMM.allreduce(it.applied) == COMM.allreduce(applied) > 0
         assert replay.sample(2).keys.shape == (2,)  # the main thread has the replay back
@@ -92,7 +92,7 @@ def test_updates_of_every_size_route_as_plain_updates_do():
             for j, b in enumerate(it, start=1):
                 np.testing.assert_array_equal(b.keys.numpy() & untagged, plain[j - 1])
                 it.update_priorities(*update_of(j, b.keys.numpy().copy()))
-        assert replay.fold_keys == sizes[-1]  # the last update's keys per rank: the next one's allgather carries as many
+        assert replay.fold_keys == sizes[-1]  # the last update's keys per rank: the next allgather carries as many
 
 
 def test_auto_recycling_refills_only_batches_nobody_holds():
