@@ -31,8 +31,10 @@ raised by the ``next()`` that would have returned that batch.
 MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
 library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
 Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication; less, in
-fact: up to 64 ranks the thread's updates take two collectives instead of four (the per-owner
-counts ride on the agreement, and each owner counts what it applied: ``iterator.applied``).
+fact: up to 64 ranks the thread's updates take one collective instead of four (an allgather carries
+the agreement, the per-owner counts and, when each rank gives no more keys than in the previous update,
+the keys themselves: :func:`gear_mpi.routing.route_deferred`; each owner counts what it applied:
+``iterator.applied``).
 Every collective is a rendezvous of the ranks' threads, and each waits there for any other whose
 training thread or another process took its core (on 2 ranks x 1 core this, not the thread's own
 work, made its sample + update 10-25 % slower than the same work in the training thread).

@@ -55,7 +55,7 @@ from .transport import WindowTransport
 from .warmup import warm_kernels
 from .windows import check_batch_size, check_window
 
-FOLD_RANKS = 64  # a deferred update folds its counts into the allgather up to this many ranks (O(ranks^2) bytes)
+FOLD_RANKS = 64  # a deferred update folds its counts (and keys) into one allgather up to this many ranks (O(ranks^2))
 
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
@@ -158,6 +158,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
         self._iterator: BatchIterator | None = None  # an active batches() iterator owns the replay
+        self.fold_keys = 0  # keys per rank the next deferred update's allgather carries (routing.route_deferred)
         self._init_activity()
 
     # ---- local operations -----------------------------------------------------------------
@@ -354,25 +355,26 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
     @metered_update
     def _update(self, keys: Any, priorities: Any, deferred: bool = False) -> int:
         """:meth:`update_priorities`; ``deferred`` (every rank's batches() thread): up to ``FOLD_RANKS``
-        ranks, the per-owner counts ride on the allgather (no alltoall of counts), and the result is
-        how many keys this rank's shard applied (no alltoall back): two collectives instead of four."""
+        ranks, :func:`routing.route_deferred`: one allgather carries the counts, and the keys too once
+        their count is known (``fold_keys``); the result is how many keys this rank's shard applied."""
         self._check_open()
         err, own, fold = None, 1.0, deferred and self.ranks <= FOLD_RANKS
-        counts = np.zeros(self.ranks if fold else 0)
         try:
             self._feed()
             keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
             own = float(bool((owner == self.rank).all()))
-            counts = np.bincount(owner, minlength=self.ranks) if fold else counts
         except Exception as e:
             err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
-        table = self.comm.agree(err, "update_priorities", [own, *counts])
+        if fold:
+            applied, self.fold_keys = routing.route_deferred(self.comm, self.shard, err, keys, owner, pr,
+                                                             self.fold_keys, self.settle)
+            return applied
+        table = self.comm.agree(err, "update_priorities", [own])
         self.settle()
         if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
             return int(self.shard.apply_priorities(keys, pr).sum())
-        return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred,
-                                        recv_counts=table[:, 1 + self.rank] if fold else None)
+        return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred)
 
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ A key names its owner rank (:mod:`gear_mpi.keys`), so any rank may hold keys of
 any shard. Two collectives of ``Replay`` route them:
 
 - :func:`route_priorities` -- new priorities to their owners (``update_priorities``);
+  :func:`route_deferred` -- the same for ``batches()``'s thread, in one allgather when the keys fit;
 - :func:`fetch` -- whole trajectories from their owners back to the ranks that
   asked (``get_many``), over plain MPI for every rank, node peers included.
 
@@ -87,6 +88,61 @@ def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.nd
     per_source = np.bincount(source, weights=applied, minlength=comm.size).astype(np.int64)
     back = comm.alltoall(per_source, "update_priorities (applied)")
     return int(back.sum())
+
+
+FOLD_KEYS = 16384  # keys a deferred update's allgather may carry in all (ranks x keys per rank): 256 KiB
+
+
+def route_deferred(comm: MpiComm, shard: Shard, error: BaseException | None, keys: np.ndarray, owner: np.ndarray,
+                   priorities: np.ndarray, width: int, settle) -> tuple[int, int]:
+    """Collective: a deferred update (``batches()``'s thread) in one allgather when its keys fit in it.
+
+    Each rank's row carries its status, whether it holds only its own keys, its per-owner counts and,
+    when it has at most ``width`` keys, the keys and priorities themselves (``width`` keys per rank,
+    padded): when every rank's fit, each owner takes its own keys from the table (in rank order, as an
+    alltoallv would deliver them) and nothing more is sent; else one alltoallv of 16 bytes per key
+    follows (the counts are known). ``width`` must be the same on every rank: it is the largest count
+    of keys a rank gave in the previous deferred update (returned, agreed through the table), 0 at first.
+
+    Args:
+        comm, shard: the replay's; error: this rank's exception (agreed: every rank raises the lowest
+            failing rank's, as :meth:`MpiComm.agree`); keys, owner, priorities: as for
+            :func:`route_priorities` (empty on error); width: keys per rank the row carries;
+        settle: the node fence, called before the shard is written.
+    Returns:
+        ``(applied, width)``: how many keys this rank's shard applied (any rank's), and the width of the
+        next deferred update.
+    Raises:
+        the agreed error; CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one allgather of ``8 (2 + ranks + 2 width)`` bytes a rank, plus one alltoallv when some rank's
+    keys did not fit; O(ranks width) to pick this rank's keys.
+    """
+    size, rank, n = comm.size, comm.rank, len(keys)
+    row = np.zeros(2 + size + 2 * width, np.int64)
+    row[0] = -1 if error is None else 0
+    if error is None:
+        row[1] = bool((owner == rank).all())
+        row[2:2 + size] = np.bincount(owner, minlength=size)
+        if n <= width:
+            row[2 + size:2 + size + n] = keys
+            row[2 + size + width:2 + size + width + n] = np.ascontiguousarray(priorities, np.float64).view(np.int64)
+    table = comm.allgather(row, "update_priorities")
+    if table[:, 0].max() >= 0:  # somebody failed: the same error on every rank
+        comm.agree(error, "update_priorities")
+    counts = table[:, 2:2 + size]  # [sender, owner]
+    sent = counts.sum(1)
+    most = int(sent.max())
+    following = most if most * size <= FOLD_KEYS else 0
+    settle()
+    if table[:, 1].all():  # every rank holds only its own keys: nothing to route
+        return int(shard.apply_priorities(keys, priorities).sum()), following
+    if most > width:  # some rank's keys did not ride on the allgather
+        return route_priorities(comm, shard, keys, owner, priorities, counts[:, rank], count_back=False), following
+    rows = np.arange(width) < sent[:, None]  # [sender, width]: the keys each rank carried, in rank order
+    got = table[:, 2 + size:2 + size + width][rows]
+    values = table[:, 2 + size + width:][rows]
+    mine = keyspace.decode(got)[1] == rank
+    return int(shard.apply_priorities(got[mine], values[mine].view(np.float64)).sum()), following
 
 
 def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> list[dict[str, np.ndarray] | None]:

@@ -29,6 +29,7 @@ def test_bench_prefetch_prints_every_case_and_the_hidden_share():
         assert med["sample"] > 0 and med["compute"] > 0 and med["plain"] > med["compute"], r
         assert set(r["hidden"]) == {f"prefetch{p}{s}" for p in "12" for s in ("", "r", "a")}, r
         assert all(h <= 1 for h in r["hidden"].values()), r
+        assert set(r["hidden_per_rep"]) == set(r["hidden"]) and all(len(v) == 2 for v in r["hidden_per_rep"].values())
         # the loop drops its batches: "auto" refills them as True does (how many fall inside the timed
         # steps depends on how far ahead the thread is), new batches none
         assert med["recycled2a"] > 0 and med["recycled2r"] > 0 and med["recycled1"] == 0, r

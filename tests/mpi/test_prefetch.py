@@ -62,10 +62,37 @@ def test_prefetched_batches_are_the_plain_samples_with_updates_at_the_documented
         for (k1, x1), (k2, x2) in zip(plain, got):
             np.testing.assert_array_equal(k1 & untagged, k2 & untagged)
             np.testing.assert_array_equal(x1, x2)
-        # the thread's updates take two collectives (counts folded into the agreement, no counts sent back):
+        # the thread's updates take one allgather (counts and keys folded into the agreement, no counts back):
         # each rank counts what its own shard applied, so only the totals match the plain updates'
         assert COMM.allreduce(it.applied) == COMM.allreduce(applied) > 0
         assert replay.sample(2).keys.shape == (2,)  # the main thread has the replay back
+
+
+def test_updates_of_every_size_route_as_plain_updates_do():
+    """The thread's updates ride on one allgather once their size is known, else an alltoallv follows:
+    updates of changing sizes (smaller, larger than the last), any rank's keys, duplicates within a rank
+    (the last wins) and between ranks (the highest rank wins) give exactly the plain updates' batches."""
+    prefetch, n = 1, 10
+    sizes = [6, 3, 12, 12, 0, 9, 12, 5, 12, 1]  # 12: the batch's keys twice, other priorities the second time
+
+    def update_of(j, keys):
+        k = np.concatenate([keys, keys])[:sizes[j - 1]]
+        return k, 1.0 + (np.arange(len(k)) % 5) + 3 * COMM.rank + j
+    untagged = (1 << (SLOT_BITS + GEN_BITS + RANK_BITS)) - 1
+    with build(seed=9) as replay:
+        plain, pending = [], {}
+        for j in range(1, n + 1):
+            if j - prefetch - 1 in pending:
+                replay.update_priorities(*pending.pop(j - prefetch - 1))
+            b = replay.sample(6, window=3)
+            plain.append(b.keys.numpy() & untagged)
+            pending[j] = update_of(j, b.keys.numpy().copy())
+    with build(seed=9) as replay:
+        with replay.batches(6, window=3, prefetch=prefetch, limit=n) as it:
+            for j, b in enumerate(it, start=1):
+                np.testing.assert_array_equal(b.keys.numpy() & untagged, plain[j - 1])
+                it.update_priorities(*update_of(j, b.keys.numpy().copy()))
+        assert replay.fold_keys == sizes[-1]  # the last update's keys per rank: the next allgather carries as many
 
 
 def test_auto_recycling_refills_only_batches_nobody_holds():
