@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
@@ -97,6 +98,36 @@ def test_draw_at_exact_block_boundaries(batch):
     got = kernel_draw(index, u)
     np.testing.assert_array_equal(got, reference_draw(w, index.total, u))
     assert (w[got] > 0).all()
+
+
+@njit
+def _both_scans(sums, lo, hi, rs, out):
+    for i in range(rs.shape[0]):
+        a, ra = priority_draw._scan(sums, lo, hi, rs[i])
+        b, rb = priority_draw._scan_line(sums, lo, hi, rs[i])
+        out[i, 0], out[i, 1], out[i, 2], out[i, 3] = a, b, ra, rb
+
+
+def test_branch_free_line_scan_is_the_plain_scan():
+    """The draw's line scans (no data-dependent exit) stop at the same entry with the same remainder as
+    ``_scan``: lines with zeros, values too small to move the running sum, all-zero and short lines,
+    ``r`` on every running sum exactly, just below and above it, and past the end."""
+    rng = np.random.default_rng(11)
+    for case in range(300):
+        width = tree.LINE if case % 3 else int(rng.integers(1, tree.LINE + 1))
+        sums = rng.integers(0, 5, width).astype(np.float64) * rng.choice([1.0, 0.1, 1e-17], width)
+        if case % 7 == 0:
+            sums[:] = 0.0
+        if case % 11 == 0:
+            sums[0] = 1e20  # later entries vanish into the running sum
+        cum = np.cumsum(sums)
+        rs = np.concatenate([[0.0], cum, np.nextafter(cum, 0.0), np.nextafter(cum, np.inf), cum[-1:] * 2,
+                             rng.random(8) * max(cum[-1], 1e-300)])
+        rs = np.abs(rs)
+        out = np.zeros((len(rs), 4))
+        _both_scans(sums, 0, width, rs, out)
+        np.testing.assert_array_equal(out[:, 0], out[:, 1])
+        np.testing.assert_array_equal(out[:, 2], out[:, 3])
 
 
 def test_draw_order_of_uniforms_does_not_matter():

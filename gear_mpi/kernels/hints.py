@@ -23,12 +23,21 @@ def _emit_prefetch(builder, ptr):
 
 @intrinsic
 def prefetch(typingctx, arr, idx):
-    """Hint the CPU to load the cache line of ``arr[idx]`` (``llvm.prefetch``: no fault, no effect on results)."""
+    """Hint the CPU to load the cache line of ``arr[idx]`` (``llvm.prefetch``: no fault, no effect on results).
+
+    The address follows the array's stride (a broadcast row, stride 0, asks for its one line), so a
+    non-contiguous 1-D array never sends the hint to memory outside it."""
     sig = types.void(arr, types.intp)
 
     def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        _emit_prefetch(builder, builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t))
+        aty = signature.args[0]
+        a = context.make_array(aty)(context, builder, args[0])
+        if aty.layout in "CF" or aty.ndim != 1:
+            ptr = builder.gep(a.data, [args[1]])
+        else:
+            strides = cgutils.unpack_tuple(builder, a.strides, 1)
+            ptr = cgutils.pointer_add(builder, a.data, builder.mul(args[1], strides[0]))
+        _emit_prefetch(builder, builder.bitcast(ptr, cgutils.voidptr_t))
         return context.get_dummy_value()
 
     return sig, codegen

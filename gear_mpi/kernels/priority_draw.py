@@ -53,6 +53,38 @@ def _scan(sums, lo, hi, r):
 
 
 @njit(cache=True, inline="always")
+def _scan_line(sums, lo, hi, r):
+    """:func:`_scan` of a line (``hi - lo <= LINE``) without a data-dependent branch: the same result.
+
+    The running sums ``S[i + 1] = S[i] + sums[lo + i]`` are added in index order as in :func:`_scan`
+    (adding an empty entry, 0, leaves a sum unchanged) and never decrease (rounding is monotone), so
+    the entries with ``S[i + 1] <= r`` are a prefix; their count is the entry :func:`_scan` stops at
+    (it passes ``r`` first, and is positive, as ``S`` grows there), the last of them the mass before it.
+    Counted with selects, not a loop exit: a draw's exit point is random, so the branch that ends
+    :func:`_scan` mispredicts about once a scan. ``r >= 0`` (as every caller's is). Past the end
+    (rounding) it is :func:`_scan`'s fallback.
+    """
+    acc = 0.0
+    before = 0.0
+    cnt = 0
+    if hi - lo == LINE:
+        for i in range(LINE):  # a constant trip count: unrolled
+            acc += sums[lo + i]
+            le = acc <= r
+            cnt += le
+            before = acc if le else before
+    else:
+        for i in range(lo, hi):
+            acc += sums[i]
+            le = acc <= r
+            cnt += le
+            before = acc if le else before
+    if cnt < hi - lo:
+        return lo + cnt, r - before
+    return _scan(sums, lo, hi, r)
+
+
+@njit(cache=True, inline="always")
 def _top_block(l2_sum, prefix, target, n2, lo):
     """The level-2 block of ``target`` (as in :func:`draw_one`); ``lo`` is a guess.
 
@@ -228,14 +260,14 @@ def _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
         # ---- level 0: scan the 8 line sums of block b
         for k in range(k0, k1):
             b = stage_i[k - k0]
-            g, r = _scan(l0_sum, b * LINE, min(b * LINE + LINE, n0), stage_r[k - k0])
+            g, r = _scan_line(l0_sum, b * LINE, min(b * LINE + LINE, n0), stage_r[k - k0])
             stage_i[k - k0] = g
             stage_r[k - k0] = r
             _prefetch(leaves, g * LINE)
         # ---- leaves: scan the 8 leaves of line g
         for k in range(k0, k1):
             g = stage_i[k - k0]
-            leaf, r = _scan(leaves, g * LINE, min(g * LINE + LINE, n), stage_r[k - k0])
+            leaf, r = _scan_line(leaves, g * LINE, min(g * LINE + LINE, n), stage_r[k - k0])
             out[order[k]] = leaf
 
 
