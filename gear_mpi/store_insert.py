@@ -20,7 +20,6 @@ no communication. The code reads the table's arrays whatever their dtypes.
 """
 from __future__ import annotations
 
-import mmap
 import threading
 import time
 from typing import Callable
@@ -284,13 +283,6 @@ def _copy_pieces(store, columns, first: int, total: int,
     return pieces
 
 
-def populate(array: np.ndarray) -> None:
-    """Commit the pages of ``array`` not yet committed (:func:`~gear_mpi.memory.commit_pages`: in one
-    ``madvise(MADV_POPULATE_WRITE)`` where it lies in an anonymous mapping, such as :func:`mapped_empty`'s;
-    else nothing), done by the calling thread. O(pages)."""
-    commit_pages(array)
-
-
 class _Copies(threading.Thread):
     """The column copies of one large batch, in pieces, in a thread of their own (the inserting thread
     takes the pieces left once it has planned the table: :meth:`copy_pieces`; started here, joined by
@@ -340,7 +332,7 @@ class _Copies(threading.Thread):
         try:
             self.copy_pieces()
             if self.slots_out is not None:
-                populate(self.slots_out)
+                commit_pages(self.slots_out)
             done = 0
             while True:
                 with self.more:

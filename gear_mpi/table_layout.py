@@ -177,7 +177,7 @@ def materialize_priorities(store) -> None:
 
 def raw_priorities(store, slots: np.ndarray) -> np.ndarray:
     """The raw priorities of ``slots`` (float64, a new array; any value for a free slot). O(len(slots))."""
-    if getattr(store, "priority_constant", None) is not None:
+    if store.priority_constant is not None:
         return np.full(len(slots), store.priority_constant)
     return np.asarray(store.priority[slots], np.float64)
 
@@ -288,7 +288,7 @@ def sections(store) -> list[tuple[str, np.ndarray]]:
     status = t.status[:hwm]
     rows = {"start": t.start[:hwm],
             "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
-            "priority": raw_priorities(store, np.arange(hwm)) if getattr(store, "priority_constant", None) is not None
+            "priority": raw_priorities(store, np.arange(hwm)) if store.priority_constant is not None
             else np.ascontiguousarray(store.priority[:hwm], np.float64),
             "generation": (status & GEN_MASK).astype(np.uint16),
             "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
@@ -367,7 +367,7 @@ def restore(store, state: np.ndarray, given: Mapping[str, np.ndarray]) -> None:
         t.times_sampled[:hwm] = got["times_sampled"]
         t.times_sampled[hwm:old_hwm] = 0
     if isinstance(store.priority, np.ndarray):
-        if getattr(store, "priority_constant", None) is not None:  # a row that stood for one value holds the values from now on
+        if store.priority_constant is not None:  # a row that stood for one value holds the values from now on
             store.priority_constant = None
         store.priority[:hwm] = got["priority"]
         store.priority[hwm:old_hwm] = 0

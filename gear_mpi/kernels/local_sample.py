@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
-from .gather import SERIAL_BYTES, _gather_run, _mask_row
+from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement
 from .hints import prefetch as _prefetch
 from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _sort_order_into, draw_one
 
@@ -51,7 +51,7 @@ def _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_
     """Items ``lo:hi`` in draw-sorted order (slot ``sslots[k]``, batch row ``order[k]``): key, leaf weight and
     window placement into the scratch arrays, at ``k`` (sequential writes; table rows read in slot order).
 
-    The placement is ``gather._placement``'s, wrapped into the ring, with two shortcuts that give the same
+    The placement is ``gather._placement``, wrapped into the ring, with two shortcuts that give the same
     values: ``place_u[order[k]]`` (a random read) only where the trajectory holds more than one window (a
     single window has offset 0 whatever the uniform), and the wrap by one subtraction (a live slot's start
     lies in the ring and its offset is below its length, so the sum is below twice the capacity; a 64-bit
@@ -65,21 +65,11 @@ def _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_
         s = sslots[k]
         sw[k] = leaves[s]
         skey[k] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
-        a = np.int64(start[s])
-        ln = np.int64(length[s])
-        if ln >= window:
-            if align_code == 0:
-                span = ln - window + 1
-                if span > 1:
-                    a += min(int(place_u[order[k]] * span), span - 1)
-            elif align_code == 2:
-                a += ln - window
-            nv[k] = window
-            pf[k] = 0
-        else:
-            nv[k] = ln
-            pf[k] = window - ln if align_code == 2 else 0
+        u = place_u[order[k]] if align_code == 0 and length[s] > window else 0.0
+        a, b, c = _placement(start[s], length[s], window, align_code, u)
         ws[k] = a - capacity if a >= capacity else a
+        nv[k] = b
+        pf[k] = c
 
 
 @njit(cache=True, inline="always")
