@@ -1,7 +1,7 @@
 """Offline decision transformer on CartPole-v1: a mixed-quality dataset in gear_mpi, DDP over MPI ranks.
 
     mpiexec -n 2 python -m mpi4py examples/offline_dt.py            # the full run (a few minutes), and its plot
-    mpiexec -n 2 python -m mpi4py examples/offline_dt.py --quick    # about a minute (the CI test runs it)
+    mpiexec -n 2 python -m mpi4py examples/offline_dt.py --quick    # about 40 s (the CI test runs it)
 
 The dataset goes through the dataset tools: rank 0 writes a D4RL-layout HDF5 file with
 ``scripts/data/make_dataset.py`` (``--set dataset_steps=N`` steps of CartPole-v1 under a scripted
@@ -94,7 +94,7 @@ def parse_config(argv=None) -> Config:
     """The run's :class:`Config` from the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="the CI version: 2 layers, 240 steps, 4 evaluation episodes, no plot unless --plot")
+                   help="the CI version: 2 layers, 100 steps, 4 evaluation episodes, no plot unless --plot")
     p.add_argument("--sampler", choices=("length", "uniform"), help="how episodes are drawn (default length)")
     p.add_argument("--steps", type=int, help="training steps (default 2000)")
     p.add_argument("--seed", type=int, help="seed of the dataset, the model and the replay (default 0)")
@@ -107,7 +107,7 @@ def parse_config(argv=None) -> Config:
     args = p.parse_args(argv)
     cfg = Config()
     if args.quick:
-        cfg.quick, cfg.layers, cfg.steps, cfg.warmup, cfg.plot = True, 2, 240, 30, None
+        cfg.quick, cfg.layers, cfg.steps, cfg.warmup, cfg.plot = True, 2, 100, 20, None
         cfg.eval_every, cfg.eval_episodes, cfg.max_seconds = 0, 4, 150.0
     for name in ("sampler", "steps", "seed", "plot", "dataset"):
         if getattr(args, name) is not None:
