@@ -386,6 +386,19 @@ def test_gather_from_owners_matches_numpy_and_checks_windows():
         gather.gather_from_owners(addrs, np.array(cols, np.int64), capacity, direct, row_of_owner, bad, fresh, window,
                                   mask, keys, lengths, probs)
     assert all((o == 0xAB).all() for o in fresh)
+    # outputs by address: a short, a non-contiguous or a missing column is refused before any copy
+    for outs_bad, what in (((fresh[0], fresh[1][:-1]), "at least"), ((fresh[0], np.zeros(2 * len(fresh[1]),
+                                                                      np.uint8)[::2]), "contiguous"),
+                           ((fresh[0],), "2 columns")):
+        with pytest.raises(ValueError, match=what):
+            gather.gather_from_owners(addrs, np.array(cols, np.int64), capacity, direct, row_of_owner, meta, outs_bad,
+                                      window, mask, keys, lengths, probs)
+    assert all((o == 0xAB).all() for o in fresh)
+    # one compiled kernel for any number of columns (a tuple argument would compile once per length)
+    one = (np.zeros(nb * window * 5, np.uint8),)
+    gather.gather_from_owners(addrs[:, :1].copy(), np.array([5], np.int64), capacity, direct, row_of_owner, meta, one,
+                              window, mask, keys, lengths, probs)
+    assert len(gather.gather_rows_from_owners.signatures) == 1, gather.gather_rows_from_owners.signatures
 
 
 # ---- ring and table (through a Shard) ------------------------------------------------------------

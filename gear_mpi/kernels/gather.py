@@ -38,15 +38,21 @@ PAGE_AHEAD = 16
 PAGE_PREFETCH_BYTES = 256
 
 
+def _destination(context, builder, dst_type, dst, offset):
+    """``(void *) dst + offset``, ``dst`` a 1-d byte array or an integer address."""
+    if isinstance(dst_type, types.Integer):
+        return builder.gep(builder.inttoptr(dst, cgutils.voidptr_t), [offset])
+    d = context.make_array(dst_type)(context, builder, dst)
+    return builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [offset])
+
+
 @intrinsic
 def _memzero(typingctx, dst, dst_off, nbytes):
-    """``dst[dst_off:dst_off + nbytes] = 0`` for a 1-d byte array, as one ``memset``."""
+    """``dst[dst_off:dst_off + nbytes] = 0`` for a 1-d byte array or an address (int64), as one ``memset``."""
     sig = types.void(dst, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        d = context.make_array(signature.args[0])(context, builder, args[0])
-        dp = builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [args[1]])
-        cgutils.memset(builder, dp, args[2], 0)
+        cgutils.memset(builder, _destination(context, builder, signature.args[0], args[0], args[1]), args[2], 0)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -275,12 +281,12 @@ def _bits_float(typingctx, x):
 def _memmove_from(typingctx, dst, dst_off, src_addr, nbytes):
     """``memmove(dst + dst_off, (void *) src_addr, nbytes)``: a copy from a mapping given by address, as
     one libc ``memmove`` (numba's slice assignment checks for overlap and copies through a temporary
-    outside ``prange``: about 10x slower). No bounds check: the callers check every window first."""
+    outside ``prange``: about 10x slower); ``dst`` a 1-d byte array or an address (int64). No bounds
+    check: the callers check every window (and, for addresses, every output's size) first."""
     sig = types.void(dst, types.intp, types.int64, types.intp)
 
     def codegen(context, builder, signature, args):
-        d = context.make_array(signature.args[0])(context, builder, args[0])
-        dp = builder.gep(builder.bitcast(d.data, cgutils.voidptr_t), [args[1]])
+        dp = _destination(context, builder, signature.args[0], args[0], args[1])
         sp = builder.inttoptr(args[2], cgutils.voidptr_t)
         cgutils.raw_memmove(builder, dp, sp, args[3], 1)
         return context.get_dummy_value()
@@ -311,10 +317,40 @@ def _copy_window_from(base, capacity, step_bytes, start, nv, front_steps, out, r
         _memzero(out, o, end - o)
 
 
-@njit(cache=True, parallel=True, nogil=True)
+def out_addresses(outs, rows: int, window: int, step_bytes: np.ndarray) -> np.ndarray:
+    """The addresses (int64) of the batch columns ``outs`` (flat byte arrays, C-contiguous), for kernels
+    that take them instead of a tuple of arrays: one compiled kernel then serves every column count
+    (numba compiles a kernel again for each length of a tuple argument, 20 s each for the one-call
+    sampler here). Checks that output ``c`` holds ``rows`` windows of ``window * step_bytes[c]`` bytes.
+    The caller keeps ``outs`` alive during the kernel call. O(columns).
+
+    Raises:
+        ValueError: a column count that is not ``len(step_bytes)``, a non-contiguous or short output.
+    """
+    if len(outs) != len(step_bytes):
+        raise ValueError(f"gather: {len(outs)} outputs for {len(step_bytes)} columns")
+    addresses = np.empty(len(outs), np.int64)
+    for c, out in enumerate(outs):
+        if not out.flags.c_contiguous or out.nbytes < rows * window * int(step_bytes[c]):
+            raise ValueError(f"gather: output {c} is not a contiguous buffer of at least {rows} windows")
+        addresses[c] = out.ctypes.data
+    return addresses
+
+
 def gather_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, choices, outs, window, mask, keys,
-                       lengths, probabilities):
-    """Requester side: the rows of a batch from the choices its owners sent (``choices``,
+                       lengths, probabilities) -> None:
+    """:func:`gather_rows_from_owners` into the batch columns ``outs`` (a tuple of flat byte arrays, checked
+    and passed by address: :func:`out_addresses`)."""
+    gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, choices,
+                            out_addresses(outs, choices.shape[0], window, step_bytes), window, mask, keys, lengths,
+                            probabilities)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, choices, outs, window, mask, keys,
+                            lengths, probabilities):
+    """Requester side (``outs``: the addresses of the batch's columns, int64, each holding the batch's
+    rows): the rows of a batch from the choices its owners sent (``choices``,
     ``[B, CHOICE_WIDTH]`` int64, in owner order:
     owner ``o`` has rows ``row_of_owner[o]:row_of_owner[o + 1]``). Keys, lengths, probabilities and the
     mask of every row; the data of the rows whose owner's columns this process maps (``direct[o]``),

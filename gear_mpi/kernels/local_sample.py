@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
-from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement
+from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
 from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _sort_order_into, draw_one
 
@@ -118,8 +118,10 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     ms a call at B=65536 on this VM).
     """
     iscr, fscr = _scratch(uniforms.shape[0])
+    # the columns by address: one compiled kernel for every column count (gather.out_addresses)
+    out_addrs = out_addresses(outs, uniforms.shape[0], window, step_bytes)
     _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
-                   window, align_code, wmin, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
+                   window, align_code, wmin, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
                    probabilities, weights, iscr, fscr)
 
 
@@ -150,7 +152,8 @@ def _scratch(nb: int) -> tuple[tuple, tuple]:
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, wmin, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
                    probabilities, weights, iscr, fscr):
-    """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64)."""
+    """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64),
+    with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
