@@ -37,7 +37,8 @@ def test_default_keeps_todays_commands(tmp_path):
                     ".venv/bin/python -m pip install -q --upgrade pip",
                     ".venv/bin/python -m pip install -q torch==2.13.0",
                     ".venv/bin/python -m pip install -q torch",
-                    ".venv/bin/python -m pip install -q -e .[mpi,test]"], cmds
+                    ".venv/bin/python -m pip install -q -e .[mpi,test]",
+                    ".venv/bin/python -m scripts.checks.warm_kernels --quiet"], cmds
 
 
 def test_variables_are_honoured(tmp_path):
@@ -48,7 +49,7 @@ def test_variables_are_honoured(tmp_path):
     assert torch_cmds == [".venv/bin/python -m pip install -q --index-url https://torch.example/whl/cpu torch==2.9.1",
                           ".venv/bin/python -m pip install -q --index-url https://torch.example/whl/cpu torch"], cmds
     # the index is for torch alone: gear_mpi and its other dependencies come from pip's usual sources
-    assert cmds[-1] == ".venv/bin/python -m pip install -q -e .[mpi,test]"
+    assert cmds[-2] == ".venv/bin/python -m pip install -q -e .[mpi,test]"
 
 
 def test_every_variable_is_documented():
@@ -74,3 +75,12 @@ def test_help_names_the_variables(flag):
     assert r.returncode == 0
     for name in VARIABLES:
         assert name in r.stdout
+
+
+def test_kernel_warm_up_runs_and_reports():
+    """scripts/checks/warm_kernels.py (dev_env.sh's last step): exits 0 and says how many kernels it compiled
+    (seconds when dev_env.sh has run it already, about two minutes on a cold cache)."""
+    r = subprocess.run([sys.executable, "-m", "scripts.checks.warm_kernels", "--quiet"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert re.fullmatch(r"warm_kernels: \d+ kernels compiled into numba's cache, [0-9.]+ s", r.stdout.strip()), r.stdout
