@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported at the first batch: a process that only writes never imports it
+    import torch
 
 from .spec import TrajectorySpec
 
@@ -32,6 +34,7 @@ class Batch:
 
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
                  probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray):
+        import torch
         self._np = data
         self._fits = None
         self._bytes = None
@@ -176,6 +179,7 @@ class Batch:
         """
         if self._np is None:
             return None
+        import torch
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         if use_count is None:  # pragma: no cover - every supported torch has it
             return None

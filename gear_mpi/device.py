@@ -11,8 +11,13 @@ their memory. That is how CI exercises the GPU path.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where used: importing gear_mpi does not import torch
+    import torch
 
 from .cuda_support import check_versions, cuda_module, simulated_device_array, simulator_enabled
 
@@ -78,6 +83,7 @@ class DeviceContext:
     """
 
     def __init__(self, device: str = "cuda", local_rank: int = 0):
+        import torch
         kind, index = parse_device(device)
         if kind != "cuda":
             raise ValueError("DeviceContext is for CUDA devices; use device='cpu' for the host path")
@@ -111,6 +117,7 @@ class DeviceContext:
         Raises:
             TypeError: torch has no such dtype.
         """
+        import torch
         return torch.empty(shape, dtype=_torch_dtype(dtype), device=self.torch_device)
 
     def numba_view(self, tensor: torch.Tensor):
@@ -129,18 +136,22 @@ class DeviceContext:
     def synchronize(self) -> None:
         """Wait for the work queued on this GPU (nothing to wait for under the simulator)."""
         if not self.simulator:
+            import torch
             torch.cuda.synchronize(self.torch_device)
 
 
-_TORCH = {np.dtype(k): v for k, v in [
-    ("bool", torch.bool), ("uint8", torch.uint8), ("int8", torch.int8), ("int16", torch.int16),
-    ("int32", torch.int32), ("int64", torch.int64), ("float16", torch.float16), ("float32", torch.float32),
-    ("float64", torch.float64), ("complex64", torch.complex64), ("complex128", torch.complex128),
-    ("uint16", torch.uint16), ("uint32", torch.uint32), ("uint64", torch.uint64)]}
+@lru_cache(maxsize=None)
+def _torch_dtypes() -> dict:
+    import torch
+    return {np.dtype(k): v for k, v in [
+        ("bool", torch.bool), ("uint8", torch.uint8), ("int8", torch.int8), ("int16", torch.int16),
+        ("int32", torch.int32), ("int64", torch.int64), ("float16", torch.float16), ("float32", torch.float32),
+        ("float64", torch.float64), ("complex64", torch.complex64), ("complex128", torch.complex128),
+        ("uint16", torch.uint16), ("uint32", torch.uint32), ("uint64", torch.uint64)]}
 
 
 def _torch_dtype(dtype) -> torch.dtype:
     try:
-        return _TORCH[np.dtype(dtype)]
+        return _torch_dtypes()[np.dtype(dtype)]
     except KeyError:
         raise TypeError(f"no torch dtype for {np.dtype(dtype)}") from None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from .batch import Batch
 from .comm import MpiComm, displacements
@@ -138,6 +137,7 @@ class WindowTransport:
             if hi > lo and node.direct[o]:
                 self._device_gather(node.device_views[o], (g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi],
                                                            rows[lo:hi]), data, mask)
+        import torch
         from .kernels import cuda_gather
         cuda_gather.fill_mask(g_valid, g_pad, rows, self.device.numba_view(mask), self.device.threads)
         dev = self.device.torch_device
@@ -170,6 +170,7 @@ class WindowTransport:
         """Windows for requesters on other nodes, over torch.distributed (NCCL) between device buffers:
         packed on the GPU straight from mapped host memory, received into a device scratch buffer,
         then copied into the batch rows of their owners."""
+        import torch
         from .kernels import cuda_gather
         ctx, cap, direct = self.device, self.shard.capacity_steps, self.node.direct
         recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)

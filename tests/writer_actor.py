@@ -56,6 +56,7 @@ def main() -> int:
                     w.end_episode(p)
             w.flush()
             print("DONE", flush=True)
+            print(f"TORCH {'imported' if 'torch' in sys.modules else 'not imported'}", file=sys.stderr, flush=True)
             if a.then_open:
                 cols, _ = episode(a.seed, a.episodes)
                 for i in range(min(a.then_open, len(cols["r"]))):
