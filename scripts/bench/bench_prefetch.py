@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much sampling time ``replay.batches(prefetch=...)`` hides behind a training step.
 
-    mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch                 # 2 ranks, ~1.5 min
+    mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch                 # 2 ranks, ~2 min
     mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch --quick         # ~30 s
     mpiexec -n 2 python -m mpi4py -m scripts.bench.bench_prefetch --compute wait,matmul --json
 
@@ -19,9 +19,11 @@ machine, and a step calibrated once could end up shorter than the replay's work)
   2 x ranks free cores the step and the sampling thread time-share a core, and the
   hidden share can only be what the spare cores allow: the run says so.
 
-Cases, measured over ``--steps`` steps after ``--warmup`` untimed ones, in every one of
-``--reps`` repetitions (cases alternate within a repetition; medians and min-max over
-repetitions; the time of a step is the slowest rank's):
+Cases, measured over ``--steps`` steps in every one of ``--reps`` repetitions, each
+repetition in ``--chunks`` chunks (of at least 20 steps; 1 if ``--steps`` < 40) in which
+every case runs once, in turn, after ``--warmup`` untimed steps (a new iterator each chunk);
+a case's time in a repetition is its mean over the chunks; medians and min-max over
+repetitions; the time of a step is the slowest rank's:
 
 - ``sample``   ``replay.sample`` alone (for reference);
 - ``replay``   ``replay.sample`` and ``replay.update_priorities`` of the batch's keys: the replay's
@@ -47,6 +49,20 @@ step, right after its wake-up) and every other process preempt one of them. Fewe
 rendezvous (the thread's updates: one allgather, not four collectives) and a lighter training-thread
 side help; with compute ~= replay there is still no slack to absorb the rest.
 
+Why chunks (2026-12-02, h14d): this VM's speed drifts by 10-40 % from one fraction of a
+second to the next, with no other process running and under 2 % steal (the training thread's
+own sample + update, timed 100 steps at a time, took 1.62-2.39 ms in one launch and 1.79-3.03
+in another). With each case timed in one stretch (``--chunks 1``, the earlier scheme), a
+repetition whose replay was timed in a fast stretch and its prefetch case in a slow one hid
+59-78 %: the same replay work timed right after the prefetch case was as slow as the
+prefetch thread (1.80 ms before, 2.24 after, thread 2.22; 1.79 before, 2.50 after; over 20
+repetitions hidden and after/before correlate at -0.78), while the sleep step does not slow
+down with the machine. The thread itself was not the cause: no garbage collection ran in it
+(0 collections in the timed steps), numba ran its kernels on one thread (threading layer omp,
+no pool threads), page faults were 0-2 a step, and its CPU time was 85-95 % of its wall time
+(waiting by sleeping instead of sched_yield in the collectives changed nothing). Chunks make
+every case share the machine's slow and fast stretches.
+
 hidden = 1 - (prefetchP - compute) / replay: the share of the replay's time the step hid
 (target >= 0.8, i.e. step with prefetch <= compute + 20 % of the sampling time), from the medians
 over repetitions; "per rep" computes it in each repetition from that repetition's own times (the
@@ -64,6 +80,7 @@ hosts) or are read from node shared memory (``--transport shm``).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -95,22 +112,42 @@ def _overslept(seconds: float) -> float:
     return time.perf_counter() - t - seconds
 
 
-def make_compute(kind: str, seconds: float, comm, torch_threads: int):
-    """A step of about ``seconds``: ``wait`` sleeps (GIL and core free), ``matmul`` multiplies on the host."""
-    if kind == "wait":  # time.sleep oversleeps by tens of microseconds: ask for that much less
-        over = float(np.median([_overslept(seconds) for _ in range(50)]))
-        s = max(0.0, seconds - over)
-        return lambda: time.sleep(s), f"sleep {s * 1e3:.2f} ms for {seconds * 1e3:.2f} ms (an accelerator step)"
-    import torch
-    torch.set_num_threads(torch_threads)
-    a = torch.randn(256, 256)
-    t_mm = timed(comm, lambda: a @ a, 200)
-    n = max(1, int(round(seconds / t_mm)))
+class Compute:
+    """A step of about ``seconds`` (:meth:`set`): ``wait`` sleeps (GIL and core free), ``matmul`` multiplies
+    on the host. Calibrated once (the sleep's overshoot, a matmul's time); :meth:`set` is then free."""
 
-    def matmul():
-        for _ in range(n):
-            a @ a
-    return matmul, f"{n} torch matmuls 256x256 on {torch_threads} thread(s)"
+    def __init__(self, kind: str, seconds: float, comm, torch_threads: int):
+        self.kind = kind
+        if kind == "wait":  # time.sleep oversleeps by tens of microseconds: ask for that much less
+            self.over = float(np.median([_overslept(seconds) for _ in range(50)]))
+        else:
+            import torch
+            torch.set_num_threads(torch_threads)
+            self.a, self.threads = torch.randn(256, 256), torch_threads
+            self.t_mm = timed(comm, lambda: self.a @ self.a, 200)
+        self.set(seconds)
+
+    def set(self, seconds: float) -> None:
+        """Make the step last about ``seconds``."""
+        if self.kind == "wait":
+            self.s = max(0.0, seconds - self.over)
+            self.what = f"sleep {self.s * 1e3:.2f} ms for {seconds * 1e3:.2f} ms (an accelerator step)"
+        else:
+            self.n = max(1, int(round(seconds / self.t_mm)))
+            self.what = f"{self.n} torch matmuls 256x256 on {self.threads} thread(s)"
+
+    def __call__(self) -> None:
+        if self.kind == "wait":
+            time.sleep(self.s)
+        else:
+            for _ in range(self.n):
+                self.a @ self.a
+
+
+def make_compute(kind: str, seconds: float, comm, torch_threads: int):
+    """A step of about ``seconds`` and what it is (see :class:`Compute`)."""
+    c = Compute(kind, seconds, comm, torch_threads)
+    return c, c.what
 
 
 RECYCLE_SUFFIX = {False: "", True: "r", "auto": "a"}  # batches(recycle=...) -> case name suffix
@@ -130,34 +167,53 @@ def run_kind(comm, replay, sample, kind, args, prefetches, recycles, B, W) -> di
         compute()
         replay.update_priorities(b.keys, np.ones(B))
 
+    # each repetition's steps run in chunks, every case once per chunk, so that every case sees the same
+    # stretches of the machine: its speed drifts by 10-40 % within a second, and a case timed alone in a
+    # slow stretch (or the replay in a fast one) skews that repetition (see the module docstring)
+    chunks = max(1, min(args.chunks, args.steps // 20))
+    per = [args.steps // chunks + (c < args.steps % chunks) for c in range(chunks)]
     rows = []
     for rep in range(args.reps):
-        res = {"sample": timed(comm, sample, args.steps), "replay": timed(comm, replay_work, args.steps)}
-        # the step costs --compute-ratio x this repetition's replay time: the replay's speed drifts between
-        # repetitions on a shared machine, and a step shorter than the replay's work could not hide it all
-        compute, what = make_compute(kind, args.compute_ratio * res["replay"], comm, threads)
-        res["compute"] = timed(comm, compute, args.steps)
-        for _ in range(args.warmup):
-            plain_step()
-        res["plain"] = timed(comm, plain_step, args.steps)
-        for pf, r in ((pf, r) for pf in prefetches for r in recycles):
-            name = f"{pf}{RECYCLE_SUFFIX[r]}"
-            with replay.batches(B, W, "head", prefetch=pf, recycle=r) as it:
-                def step():
-                    b = next(it)
-                    compute()
-                    it.update_priorities(b.keys, np.ones(B))
-                for _ in range(args.warmup):
-                    step()
-                s0, w0, r0 = it.sample_seconds, it.wait_seconds, it.recycled
-                res[f"prefetch{name}"] = timed(comm, step, args.steps)
-                res[f"recycled{name}"] = comm.allreduce((it.recycled - r0) / args.steps, op=MPI.MIN)
-                res[f"thread{name}"] = comm.allreduce((it.sample_seconds - s0) / args.steps, op=MPI.MAX)
-                res[f"blocked{name}"] = comm.allreduce((it.wait_seconds - w0) / args.steps, op=MPI.MAX)
+        acc: dict = collections.defaultdict(float)
+        replay_chunks = []
+        # the step costs --compute-ratio x the replay's time, measured at the start of each repetition (a
+        # step calibrated once per launch could end up shorter than the replay's work), and stays the same
+        # through the repetition, as an accelerator's step would: calibrated per chunk, on fewer steps, its
+        # noise would cost every case (a step the thread outlasts shows; one it outlasts is not credited).
+        # The median of chunk-sized timings: a slow stretch during the calibration would make the step
+        # of that repetition several times the replay's work
+        cal = float(np.median([timed(comm, replay_work, n) for n in per]))
+        compute = Compute(kind, args.compute_ratio * cal, comm, threads)
+        for n in per:
+            t_sample, t_replay = timed(comm, sample, n), timed(comm, replay_work, n)
+            replay_chunks.append(t_replay)
+            acc["sample"] += t_sample * n
+            acc["replay"] += t_replay * n
+            acc["compute"] += timed(comm, compute, n) * n
+            for _ in range(args.warmup):
+                plain_step()
+            acc["plain"] += timed(comm, plain_step, n) * n
+            for pf, r in ((pf, r) for pf in prefetches for r in recycles):
+                name = f"{pf}{RECYCLE_SUFFIX[r]}"
+                with replay.batches(B, W, "head", prefetch=pf, recycle=r) as it:
+                    def step():
+                        b = next(it)
+                        compute()
+                        it.update_priorities(b.keys, np.ones(B))
+                    for _ in range(args.warmup):
+                        step()
+                    s0, w0, r0 = it.sample_seconds, it.wait_seconds, it.recycled
+                    acc[f"prefetch{name}"] += timed(comm, step, n) * n
+                    acc[f"recycled{name}"] += comm.allreduce(it.recycled - r0, op=MPI.MIN)
+                    acc[f"thread{name}"] += comm.allreduce(it.sample_seconds - s0, op=MPI.MAX)
+                    acc[f"blocked{name}"] += comm.allreduce(it.wait_seconds - w0, op=MPI.MAX)
+        res = {k: v / args.steps for k, v in acc.items()}
         rows.append(res)
-        log(comm, f"#   {kind} rep {rep + 1}/{args.reps}: " +
+        drift = f" (replay by chunk {min(replay_chunks) * 1e3:.2f}-{max(replay_chunks) * 1e3:.2f} ms)" if chunks > 1 else ""
+        log(comm, f"#   {kind} rep {rep + 1}/{args.reps}{drift}: " +
             ", ".join(f"{k} {v:.2f}" if k.startswith("recycled") else f"{k} {v * 1e3:.2f} ms"
                       for k, v in res.items()))
+    what = compute.what
     med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
     spread = {k: (min(r[k] for r in rows), max(r[k] for r in rows)) for k in rows[0]}
     out = {"compute_kind": kind, "step": what, "median_s": med, "spread_s": spread, "hidden": {}, "hidden_per_rep": {}}
@@ -193,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--chunks", type=int, default=5,
+                   help="run each repetition's steps in this many chunks (at least 20 steps each), every case "
+                        "once per chunk, so that the cases share the machine's slow and fast stretches "
+                        "(1: each case's steps in one run, as before)")
     p.add_argument("--prefetch", default="1,2")
     p.add_argument("--recycle", default="all", choices=["no", "yes", "auto", "both", "all"],
                    help="batches(recycle=...): False, new batches (prefetchP); True, a ring refilled "
