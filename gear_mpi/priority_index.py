@@ -19,6 +19,7 @@ import numpy as np
 
 from .cuda_support import as_device, cuda_module, is_device_array, simulator_enabled
 from .kernels import priority_draw
+from .kernels.hints import staggered_rows
 from .kernels import priority_tree as tree_kernels
 from .kernels.priority_tree import TREE_FIELDS, Tree
 
@@ -34,6 +35,13 @@ def _aligned_zeros(n: int, fill: float = 0.0) -> np.ndarray:
     out = raw[skip:skip + n]
     out.fill(fill)
     return out
+
+
+def _set_rows(nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`PriorityIndex.set`'s scratch: ``[2, nb]`` int64 and ``nb`` float64, staggered in one allocation
+    (the kernel walks the three rows side by side; see ``hints.staggered_rows``). O(1)."""
+    rows = staggered_rows(3, nb)
+    return rows[:2], rows[2].view(np.float64)
 
 
 def _leaves_section(sections: Mapping[str, np.ndarray], count: int) -> np.ndarray:
@@ -121,9 +129,9 @@ class PriorityIndex:
         if nb <= tree_kernels.SET_SERIAL_MAX:
             return _NO_INTS, _NO_FLOATS
         if nb > SET_SCRATCH_KEEP:
-            return np.empty((2, nb), np.int64), np.empty(nb, np.float64)
+            return _set_rows(nb)
         if nb > self._scratch_f.shape[0]:
-            self._scratch_i, self._scratch_f = np.empty((2, nb), np.int64), np.empty(nb, np.float64)
+            self._scratch_i, self._scratch_f = _set_rows(nb)
         return self._scratch_i[:, :nb], self._scratch_f[:nb]
 
     def draw(self, uniforms: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -95,6 +95,13 @@ def test_scratch_is_kept_per_thread_and_updates_reuse_theirs():
         kept.set(slots, values)
         priority_tree.set_leaves(fresh._arrays, fresh._flags1, fresh._flags2, slots, values)
     assert kept._scratch_f.shape[0] == 4000
+    # staggered rows: entry k of each row in a different cache set (rows of 2**16 entries, as W3's B)
+    big = local_sample._scratch(1 << 16)
+    offsets = {int(r.ctypes.data) % 4096 // 64 for r in big[0] + big[1]}
+    assert len(offsets) == 10 and all(r.flags.c_contiguous and len(r) == 1 << 16 for r in big[0] + big[1])
+    ints, floats = PriorityIndex(10)._set_scratch(1 << 16)
+    assert len({int(a.ctypes.data) % 4096 // 64 for a in (ints[0], ints[1], floats)}) == 3
+    assert floats.dtype == np.float64 and ints.dtype == np.int64 and ints[1].flags.c_contiguous
     for a, b in zip(kept.tree, fresh.tree):
         np.testing.assert_array_equal(a, b)
     priority_tree.rebuild(fresh._arrays)

@@ -4,9 +4,12 @@ processes read.
 Batched draws, updates and window copies touch memory at random: cache misses
 that, issued one after another, cost a DRAM latency each. Asking for the next
 ones while the current one is served lets the memory system overlap them.
+Scratch rows that a kernel walks side by side are staggered (:func:`staggered_rows`) so
+that entry ``k`` of each row falls in a different cache set.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -79,3 +82,19 @@ def publish(flag, value):
 def fence():
     """A full memory fence: nothing after it is done before everything before it."""
     _fence()
+
+
+#: entries (8 bytes each) between staggered rows: 9 cache lines, so rows of a power-of-two length do not start at
+#: one offset modulo 4 KiB (entry ``k`` of 8 such rows would share one L1 set, and one L2 set)
+ROW_GAP = 72
+
+
+def staggered_rows(rows: int, size: int, dtype=np.int64) -> np.ndarray:
+    """``rows`` rows of ``size`` entries of an 8-byte ``dtype`` in one allocation, row ``r`` starting
+    ``r * (size + ROW_GAP)`` entries in, so that entry ``k`` of different rows lies in different cache sets
+    (a kernel that walks several rows at once keeps them all in cache). Returns a ``[rows, size]`` view,
+    C-contiguous rows, uninitialised. O(1) (pages are committed when first written)."""
+    if np.dtype(dtype).itemsize != 8:
+        raise ValueError(f"staggered rows take an 8-byte dtype, got {np.dtype(dtype)}")
+    raw = np.empty(rows * (size + ROW_GAP), dtype)
+    return np.lib.stride_tricks.as_strided(raw, (rows, size), ((size + ROW_GAP) * 8, 8), writeable=True)

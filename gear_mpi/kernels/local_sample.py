@@ -28,6 +28,7 @@ from numba import njit, prange
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
+from .hints import staggered_rows
 from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _sort_order_into, draw_one
 
 AHEAD = 16  # table rows requested this many items ahead
@@ -127,19 +128,22 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
 
 _I_ROWS, _F_ROWS = 8, 2  # int64 rows: sslots skey ws nv pf order inv ident; float64 rows: sw, sorted uniforms
 _SCRATCH_KEEP = 1 << 20  # batches up to this many items keep their scratch (80 bytes an item) for the next call
+# (staggered: the kernel walks up to 8 rows at once, and rows a power of two apart put entry k of each in one
+# cache set)
 _local = threading.local()
 
 
 def _scratch(nb: int) -> tuple[tuple, tuple]:
     """This thread's scratch for a batch of ``nb`` items: ``_I_ROWS`` int64 and ``_F_ROWS`` float64 contiguous
-    rows of ``nb`` entries, kept for the next call (grown when a larger batch comes; batches larger than
-    ``_SCRATCH_KEEP`` get fresh ones). Per thread, so concurrent samplers (a prefetch thread) never share
-    it. O(1) for the batch size of the last call."""
+    rows of ``nb`` entries, staggered in one allocation (:func:`staggered_rows`), kept for the next call
+    (grown when a larger batch comes; batches larger than ``_SCRATCH_KEEP`` get fresh ones). Per thread, so
+    concurrent samplers (a prefetch thread) never share it. O(1) for the batch size of the last call."""
     if getattr(_local, "nb", -1) == nb:
         return _local.rows
     if nb > getattr(_local, "size", 0):
         size = max(nb, DRAW_PIPE)
-        iscr, fscr = np.empty((_I_ROWS, size), np.int64), np.empty((_F_ROWS, size), np.float64)
+        both = staggered_rows(_I_ROWS + _F_ROWS, size)
+        iscr, fscr = both[:_I_ROWS], both[_I_ROWS:].view(np.float64)
         if size > _SCRATCH_KEEP:
             return tuple(iscr[:, :nb]), tuple(fscr[:, :nb])
         _local.iscr, _local.fscr, _local.size = iscr, fscr, size
