@@ -185,6 +185,16 @@ except (OSError, AttributeError):  # no C library to call: commit_pages does not
     _madvise = None
 
 
+def advise_range(address: int, nbytes: int, advice: int) -> bool | None:
+    """``madvise(address, nbytes, advice)``, the GIL released: True when done, False when refused, None when
+    the kernel does not know ``advice`` (EINVAL) or there is no C library to call. O(pages) for some advice."""
+    if _madvise is None:
+        return None
+    if _madvise(address, nbytes, advice) == 0:
+        return True
+    return None if ctypes.get_errno() == 22 else False
+
+
 def commit_pages(view: np.ndarray) -> None:
     """Commit the pages under ``view`` (C-contiguous, in an anonymous mapping of :func:`anonymous_pages`) in
     one ``madvise(MADV_POPULATE_WRITE)``, the GIL released; the contents are unchanged. Anything else (other
@@ -203,8 +213,9 @@ def commit_pages(view: np.ndarray) -> None:
 class small_pages:
     """A context in which pages first written in the huge-page mappings under ``arrays`` are committed as
     4 KiB pages: ``MADV_NOHUGEPAGE`` on each such mapping (:func:`anonymous_pages` with huge pages asked)
-    on entry, ``MADV_HUGEPAGE`` again on exit, so that khugepaged merges them into huge pages in the
-    background later (at its own pace: 16 MB per 10 s with the kernel's defaults, here), and memory
+    on entry, ``MADV_HUGEPAGE`` again on exit, so that they can be merged into huge pages later (the
+    insert has a background thread collapse what it wrote at once, :mod:`gear_mpi.page_collapse`;
+    khugepaged alone goes at 16 MB per 10 s with the kernel's defaults, here), and memory
     first touched after the exit gets huge pages at once, as before. Pages already committed keep what
     they have (the advice only changes what a fault allocates). Arrays on other memory are left alone.
 

@@ -28,6 +28,7 @@ from .errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from .kernels import ring
 from . import file_memory, store_insert, table_layout
 from .memory import SharedArena, check_header, column_layout, make_arena, memory_kind, write_header
+from .page_collapse import Collapser
 from .spec import TrajectorySpec
 
 _NONE_REMOVED = np.zeros(0, np.int64)
@@ -120,6 +121,7 @@ class TrajectoryStore:
         self._byte_views: dict[str, np.ndarray] | None = None
         self._insert_scratch = store_insert.InsertScratch()  # insert's slots and evictions, reused
         self.ring_touched = 0  # ring steps from 0 ever written by an insert (see store_insert.reaches_fresh)
+        self._collapser = None  # page_collapse.Collapser of the last large first fill
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
@@ -408,8 +410,18 @@ class TrajectoryStore:
         head, used = int(self.state[ring.STEP_HEAD]), int(self.state[ring.STEPS_USED])
         return [view[a * sb:b * sb] for a, b in ring.ring_segments(head, used, self.capacity)]
 
+    def collapse_written(self) -> None:
+        """Merge the pages inserts have written into huge pages, in the background (:mod:`gear_mpi.page_collapse`;
+        after a large first fill on 4 KiB pages). Local; returns at once."""
+        if self._collapser is not None:
+            self._collapser.stop()
+        self._collapser = Collapser(store_insert.written_ranges(self))
+
     def close(self) -> None:
         """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
+        if getattr(self, "_collapser", None) is not None:  # before the mappings go
+            self._collapser.stop()
+            self._collapser = None
         self.columns = {}
         self._byte_views = None
         self._insert_scratch.drop()

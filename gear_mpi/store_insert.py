@@ -172,11 +172,22 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
             after_chunk(lo, hi)
 
     fresh = total * store.spec.step_bytes >= OVERLAP_BYTES and reaches_fresh(store, first + total)
-    with small_pages(fresh_arrays(store) if fresh else ()):
+    with small_pages(fresh_arrays(store) if fresh else ()) as pages:
         evicted_all = _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now,
                                      finish_chunk, fresh)
     store.ring_touched = store.capacity if first + total >= store.capacity else max(store.ring_touched, first + total)
+    if pages.maps:  # 4 KiB pages were committed: merged into huge pages now, in the background
+        store.collapse_written()
     return evicted_all
+
+
+def written_ranges(store) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of what inserts have written so far: each column's ring steps from 0 to
+    ``ring_touched`` and each table row's slots below the first never used (``ring.NEXT_FRESH``). O(columns)."""
+    steps, slots = min(store.ring_touched, store.capacity), int(store.state[ring.NEXT_FRESH])
+    out = [(c.ctypes.data, steps * c.strides[0]) for c in store.columns.values()]
+    out += [(a.ctypes.data, slots * a.strides[0]) for a in fresh_arrays(store)[1 if store.arena is not None else 0:]]
+    return out
 
 
 def reaches_fresh(store, end: int) -> bool:

@@ -124,6 +124,46 @@ def test_a_large_first_fill_asks_for_huge_pages_again(shard_factory, monkeypatch
     assert len(seen) == 2 and "hg" in seen[1]
 
 
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping holding ``address`` (/proc/self/smaps)."""
+    current = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = lo <= address < hi
+            elif current and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_factory, monkeypatch):
+    """After a large first fill on 4 KiB pages, the written ranges (and only those) are collapsed into huge
+    pages by a background thread (MADV_COLLAPSE); the contents do not change."""
+    if not memory.PrivateArena.huge_pages or memory.PrivateArena.first_fill_huge:
+        pytest.skip("huge pages off, or kept for a first fill, here")
+    n = 1 << 19  # 4 MB of x in a ring of 8 MB: half of it written
+    s = shard_factory(_spec(), 2 * n, gm.Uniform())
+    monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
+    cols = _cols(n, 9)
+    keys = s.insert_packed(cols, np.ones(n, np.int64))
+    collapser = s.store._collapser
+    assert collapser is not None
+    x = s.store.columns["x"]
+    ranges = store_insert.written_ranges(s.store)
+    assert (x.ctypes.data, n * x.strides[0]) in ranges  # the written steps, not the whole ring
+    assert all(size <= n * 12 for _, size in ranges), ranges  # 12 B: the widest step or table entry here
+    collapser.thread.join(60)
+    if collapser.collapsed == 0 and collapser.failed == 0:
+        pytest.skip("this kernel does not know MADV_COLLAPSE")
+    assert collapser.collapsed > 0 and _anon_huge_kb(x.ctypes.data) >= 2048, (collapser.collapsed, collapser.failed)
+    np.testing.assert_array_equal(x[:n], cols["x"])
+    np.testing.assert_array_equal(s.get(int(keys[-1]))["r"], cols["r"][-1:])
+    s.store.close()  # stops the (finished) thread; idempotent with the fixture's close
+    assert collapser.done()
+
+
 def test_commit_pages_keeps_the_contents():
     pages = memory.anonymous_pages(1 << 20, huge=False)
     a = np.frombuffer(pages, np.uint8)

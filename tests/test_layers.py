@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gear_mpi"
 FLOORS = {
     "errors": 0, "spec": 0, "keys": 0, "cuda_support": 0, "stats": 0, "deadline": 0, "progress": 0,
     "rate_limit": 0,
-    "kernels": 1, "memory": 1, "file_memory": 1, "batch": 1, "comm": 1, "comm_torch": 1, "device": 1, "pinned": 1, "staging": 1,
+    "kernels": 1, "memory": 1, "page_collapse": 1, "file_memory": 1, "batch": 1, "comm": 1, "comm_torch": 1, "device": 1, "pinned": 1, "staging": 1,
     "budget": 2,
     "priority_index": 2, "selectors": 2, "storage": 2, "store_insert": 2, "table_layout": 2, "windows": 2,
     "writer": 2, "ingest": 2, "remote": 3,
