@@ -79,8 +79,8 @@ def test_ordered_selectors_write_their_row(shard_factory):
     assert s.store.priority_constant is None and (s.store.priority[:4] == 1.0).all()
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (e.g. ``VmFlags:``) of the mapping holding ``address`` (/proc/self/smaps)."""
     current = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -88,9 +88,14 @@ def _vm_flags(address: int) -> list[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 current = lo <= address < hi
-            elif current and head == "VmFlags:":
+            elif current and head == field:
                 return line.split()[1:]
     return []
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address``."""
+    return _smaps_field(address, "VmFlags:")
 
 
 def test_a_large_first_fill_asks_for_huge_pages_again(shard_factory, monkeypatch):
@@ -125,17 +130,8 @@ def test_a_large_first_fill_asks_for_huge_pages_again(shard_factory, monkeypatch
 
 
 def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of the mapping holding ``address`` (/proc/self/smaps)."""
-    current = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                current = lo <= address < hi
-            elif current and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
+    """AnonHugePages (kB) of the mapping holding ``address``."""
+    return int((_smaps_field(address, "AnonHugePages:") or ["0"])[0])
 
 
 def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_factory, monkeypatch):
