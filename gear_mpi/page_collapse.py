@@ -10,11 +10,14 @@ merge the ranges an insert wrote (``madvise(MADV_COLLAPSE)``, Linux 6.1+, 64 MB 
 daemon thread, so the insert returns at once and sampling soon reads huge pages. The contents
 never change (the kernel copies the pages into a huge page and swaps the mapping); only ranges
 written already are given (a collapse would commit memory under never-written pages), rounded
-inwards to 2 MB. A kernel without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the
+inwards to 2 MB. Off unless ``$GEAR_MPI_COLLAPSE=1`` (:data:`ENABLED`): it pays for sampling that starts
+right after a bulk load and runs long (W3 below), and costs inserts that follow at once. A kernel
+without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the
 time of copying the ranges once (about 0.5 s per 256 MB here), in the background.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 from .memory import advise_range
@@ -22,6 +25,10 @@ from .memory import advise_range
 MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20  # per madvise call: how long stop() may wait
+# opt-in ($GEAR_MPI_COLLAPSE=1): the thread competes with what follows the insert for memory bandwidth and a core
+# (bench_offline part a, 16:33-16:38 UTC: warm inserts right after a cold one took 0.37-0.43 s against
+# 0.24-0.25 s for 1e7 one-step items, T=1000 hopper 53-57 % of memcpy against 78-86 %)
+ENABLED = os.environ.get("GEAR_MPI_COLLAPSE", "0") == "1"
 
 
 class Collapser:
@@ -41,7 +48,7 @@ class Collapser:
         self.failed = 0  # bytes it refused (busy, out of huge pages, not supported)
         self._stop = threading.Event()
         self.thread = None
-        if self.ranges:
+        if self.ranges and ENABLED:
             self.thread = threading.Thread(target=self._run, name="gear_mpi-collapse", daemon=True)
             self.thread.start()
 

@@ -176,7 +176,7 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
         evicted_all = _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now,
                                      finish_chunk, fresh)
     store.ring_touched = store.capacity if first + total >= store.capacity else max(store.ring_touched, first + total)
-    if pages.maps:  # 4 KiB pages were committed: merged into huge pages now, in the background
+    if pages.maps:  # 4 KiB pages were committed: merged into huge pages now, in the background (opt-in)
         store.collapse_written()
     return evicted_all
 

@@ -135,13 +135,15 @@ def _anon_huge_kb(address: int) -> int:
 
 
 def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_factory, monkeypatch):
-    """After a large first fill on 4 KiB pages, the written ranges (and only those) are collapsed into huge
-    pages by a background thread (MADV_COLLAPSE); the contents do not change."""
+    """With $GEAR_MPI_COLLAPSE=1, after a large first fill on 4 KiB pages, the written ranges (and only those)
+    are collapsed into huge pages by a background thread (MADV_COLLAPSE); the contents do not change."""
     if not memory.PrivateArena.huge_pages or memory.PrivateArena.first_fill_huge:
         pytest.skip("huge pages off, or kept for a first fill, here")
+    from gear_mpi import page_collapse
     n = 1 << 19  # 4 MB of x in a ring of 8 MB: half of it written
     s = shard_factory(_spec(), 2 * n, gm.Uniform())
     monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
+    monkeypatch.setattr(page_collapse, "ENABLED", True)  # $GEAR_MPI_COLLAPSE=1 (off by default)
     cols = _cols(n, 9)
     keys = s.insert_packed(cols, np.ones(n, np.int64))
     collapser = s.store._collapser
@@ -176,3 +178,15 @@ def test_huge_pages_always_leaves_the_advice_alone(monkeypatch):
     assert len(memory.small_pages([view]).maps) == int(pages.huge)
     monkeypatch.setattr(memory.PrivateArena, "first_fill_huge", True)
     assert memory.small_pages([view]).maps == []
+
+
+def test_collapse_is_off_unless_asked(monkeypatch):
+    """$GEAR_MPI_COLLAPSE unset or 0 (page_collapse.ENABLED False): no thread, nothing advised."""
+    from gear_mpi import page_collapse
+    monkeypatch.setattr(page_collapse, "ENABLED", False)
+    pages = memory.anonymous_pages(8 << 20)
+    view = np.frombuffer(pages, np.uint8)
+    view[:] = 1
+    c = page_collapse.Collapser([(view.ctypes.data, view.nbytes)])
+    assert c.thread is None and c.done() and c.collapsed == 0 and len(c.ranges) >= 1
+    c.stop()
