@@ -213,9 +213,9 @@ def commit_pages(view: np.ndarray) -> None:
 class small_pages:
     """A context in which pages first written in the huge-page mappings under ``arrays`` are committed as
     4 KiB pages: ``MADV_NOHUGEPAGE`` on each such mapping (:func:`anonymous_pages` with huge pages asked)
-    on entry, ``MADV_HUGEPAGE`` again on exit, so that they can be merged into huge pages later (the
-    insert has a background thread collapse what it wrote at once, :mod:`gear_mpi.page_collapse`;
-    khugepaged alone goes at 16 MB per 10 s with the kernel's defaults, here), and memory
+    on entry, ``MADV_HUGEPAGE`` again on exit, so that they can be merged into huge pages later
+    (khugepaged goes at 16 MB per 10 s with the kernel's defaults, here; with ``$GEAR_MPI_COLLAPSE=1`` the
+    insert has a background thread collapse what it wrote at once, :mod:`gear_mpi.page_collapse`), and memory
     first touched after the exit gets huge pages at once, as before. Pages already committed keep what
     they have (the advice only changes what a fault allocates). Arrays on other memory are left alone.
 

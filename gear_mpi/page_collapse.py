@@ -11,7 +11,7 @@ daemon thread, so the insert returns at once and sampling soon reads huge pages.
 never change (the kernel copies the pages into a huge page and swaps the mapping); only ranges
 written already are given (a collapse would commit memory under never-written pages), rounded
 inwards to 2 MB. Off unless ``$GEAR_MPI_COLLAPSE=1`` (:data:`ENABLED`): it pays for sampling that starts
-right after a bulk load and runs long (W3 below), and costs inserts that follow at once. A kernel
+right after a bulk load and runs long (W3 above), and costs inserts that follow at once. A kernel
 without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the
 time of copying the ranges once (about 0.5 s per 256 MB here), in the background.
 """

@@ -186,7 +186,7 @@ def written_ranges(store) -> list[tuple[int, int]]:
     ``ring_touched`` and each table row's slots below the first never used (``ring.NEXT_FRESH``). O(columns)."""
     steps, slots = min(store.ring_touched, store.capacity), int(store.state[ring.NEXT_FRESH])
     out = [(c.ctypes.data, steps * c.strides[0]) for c in store.columns.values()]
-    out += [(a.ctypes.data, slots * a.strides[0]) for a in fresh_arrays(store)[1 if store.arena is not None else 0:]]
+    out += [(a.ctypes.data, slots * a.strides[0]) for a in _slot_rows(store)]
     return out
 
 
@@ -199,11 +199,16 @@ def reaches_fresh(store, end: int) -> bool:
 def fresh_arrays(store) -> list[np.ndarray]:
     """The arrays a large first fill commits: the column arena and the table's rows (the raw priorities'
     too, where kept): what :class:`~gear_mpi.memory.small_pages` advises. O(1)."""
-    arrays = [] if store.arena is None else [store.arena.buffer]
-    arrays += [a for a in store.table if a.strides[0]]
+    return ([] if store.arena is None else [store.arena.buffer]) + _slot_rows(store)
+
+
+def _slot_rows(store) -> list[np.ndarray]:
+    """The table's per-slot rows that inserts write (a row standing for one value left out), and the raw
+    priorities' where kept. O(1)."""
+    rows = [a for a in store.table if a.strides[0]]
     if isinstance(store.priority, np.ndarray) and store.priority_constant is None:
-        arrays.append(store.priority)
-    return arrays
+        rows.append(store.priority)
+    return rows
 
 
 def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now, finish_chunk,

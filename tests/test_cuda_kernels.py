@@ -588,7 +588,7 @@ FIRST_PROCESS = frozenset({"updates_match_cpu", "draws_match_cpu", "draw_roundin
                          "mask_matches_cpu"})
 @pytest.fixture(scope="module")
 def runs():
-    """The three subprocesses, started together (they are independent): the simulator checks,
+    """The four subprocesses, started together (they are independent): the simulator checks (two halves),
     ``gpu_check.py --sim --json`` and the plain (no simulator) import + PTX check."""
     # the simulator checks in two processes (about 30 s of CPU each here), beside the other two: 2 cores kept busy
     first, second = [n for n in CHECKS if n in FIRST_PROCESS], [n for n in CHECKS if n not in FIRST_PROCESS]
@@ -616,7 +616,7 @@ def sim_results(runs):
         for line in runs[key].stdout.splitlines():
             if line.startswith("CHECK "):
                 r = json.loads(line[6:])
-                results[r["check"]] = (r, runs[key])
+                results[r["check"]] = r
     return results, runs
 
 
@@ -627,8 +627,7 @@ def test_cuda_kernel_on_simulator(sim_results, name):
         proc = runs["sim" if name in FIRST_PROCESS else "sim2"]
         raise AssertionError(f"check {name} did not report (rc={proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    r, _ = results[name]
-    assert r["ok"], r["detail"]
+    assert results[name]["ok"], results[name]["detail"]
 
 
 def test_importing_gear_mpi_does_not_import_numba_cuda(runs):

@@ -128,8 +128,6 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
 
 _I_ROWS, _F_ROWS = 8, 2  # int64 rows: sslots skey ws nv pf order inv ident; float64 rows: sw, sorted uniforms
 _SCRATCH_KEEP = 1 << 20  # batches up to this many items keep their scratch (80 bytes an item) for the next call
-# (staggered: the kernel walks up to 8 rows at once, and rows a power of two apart put entry k of each in one
-# cache set)
 _local = threading.local()
 
 

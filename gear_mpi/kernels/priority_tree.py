@@ -30,8 +30,9 @@ Batches (the sizes of replay: 1e4 to 1e6 updates over 1e7 to 1e9 items) go throu
 the structure in address order instead of at random: :func:`set_leaves` groups the
 slots by level-2 block (O(B) counting sort, stable, so the last of duplicates still
 wins) and gives each group to one thread: one 32 KiB span of leaves, no shared
-flags, the next group's lines (leaves, line sums, level-1 sums and minima) prefetched. Results are bit-identical to :func:`rebuild`
-(and to the CUDA twins in ``cuda_priority``).
+flags, the next group's lines (leaves, line sums, level-1 sums and minima)
+prefetched. Results are bit-identical to :func:`rebuild` (and to the CUDA twins
+in ``cuda_priority``).
 
 Memory: ``8 n (1 + 1/8 + 2/64 + 2/4096) + n/64 + n/4096`` bytes, about 9.27 bytes per leaf.
 """

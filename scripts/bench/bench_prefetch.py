@@ -144,12 +144,6 @@ class Compute:
                 self.a @ self.a
 
 
-def make_compute(kind: str, seconds: float, comm, torch_threads: int):
-    """A step of about ``seconds`` and what it is (see :class:`Compute`)."""
-    c = Compute(kind, seconds, comm, torch_threads)
-    return c, c.what
-
-
 RECYCLE_SUFFIX = {False: "", True: "r", "auto": "a"}  # batches(recycle=...) -> case name suffix
 
 

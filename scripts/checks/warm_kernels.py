@@ -71,8 +71,7 @@ def _exercise_replay(spec, selector: str, mode: str, rng, folder: str) -> None:
         replay.insert(_trajectory(spec, length, rng), 1.0)
         replay.insert_many([_trajectory(spec, n, rng) for n in (1, max(1, length // 2), length)], [1.0, 2.0, 0.5])
         lengths = np.array([1, min(3, length), length], np.int64)
-        packed = {c.name: (rng.random((int(lengths.sum()),) + c.shape) * 100).astype(c.dtype) for c in spec.columns}
-        replay.insert_packed(packed, lengths, np.array([1.0, 0.25, 3.0]))
+        replay.insert_packed(_trajectory(spec, int(lengths.sum()), rng), lengths, np.array([1.0, 0.25, 3.0]))
         for window in sorted({1, min(2, length), length}):
             for align in ("random", "head", "tail"):
                 batch = replay.sample(8, window, align)
