@@ -363,7 +363,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
             self._feed()
             keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
-            own = float(bool((owner == self.rank).all()))
+            own = 1.0 if fold else float(bool((owner == self.rank).all()))  # a fold counts per owner itself
         except Exception as e:
             err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
         if fold:

@@ -40,11 +40,20 @@ def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndar
         InvalidKeyError: a key of another replay, or naming a rank or slot the replay does not have.
     """
     keys = as_key_array(keys)
-    k_tag, owner, _, slot = keyspace.decode(keys)
-    bad = (keys < 0) | (k_tag != tag) | (owner >= ranks) | (slot >= max_items)
+    owner = owner_of(keys)  # the fields tested directly (no generation): a negative key's top bits are not a tag
+    bad = ((keys >> _TAG_SHIFT) != tag) | (owner >= ranks) | ((keys & keyspace.SLOT_MASK) >= max_items)
     if bad.any():
         raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
-    return keys, owner.astype(np.int64, copy=False)
+    return keys, owner
+
+
+_RANK_SHIFT = keyspace.SLOT_BITS + keyspace.GEN_BITS
+_TAG_SHIFT = _RANK_SHIFT + keyspace.RANK_BITS
+
+
+def owner_of(keys: np.ndarray) -> np.ndarray:
+    """The owner rank of each int64 key (as ``keys.decode(keys)[1]``, without the other fields). O(n), local."""
+    return (keys >> _RANK_SHIFT) & keyspace.RANK_MASK
 
 
 def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str, recv_counts=None):
@@ -118,31 +127,34 @@ def route_deferred(comm: MpiComm, shard: Shard, error: BaseException | None, key
     keys did not fit; O(ranks width) to pick this rank's keys.
     """
     size, rank, n = comm.size, comm.rank, len(keys)
-    row = np.zeros(2 + size + 2 * width, np.int64)
+    k0, v0 = 2 + size, 2 + size + width  # where the keys and the priority bits start in a row
+    row = np.zeros(v0 + width, np.int64)
+    row[k0:v0] = -1  # padding: owner_of(-1) is no rank of a fold (<= 64 ranks), so no mask of valid entries
     row[0] = -1 if error is None else 0
     if error is None:
-        row[1] = bool((owner == rank).all())
-        row[2:2 + size] = np.bincount(owner, minlength=size)
+        counts = np.bincount(owner, minlength=size)
+        row[1] = counts[rank] == n  # only its own keys
+        row[2:k0] = counts
         if n <= width:
-            row[2 + size:2 + size + n] = keys
-            row[2 + size + width:2 + size + width + n] = np.ascontiguousarray(priorities, np.float64).view(np.int64)
+            row[k0:k0 + n] = keys
+            row[v0:v0 + n] = np.ascontiguousarray(priorities, np.float64).view(np.int64)
     table = comm.allgather(row, "update_priorities")
-    if table[:, 0].max() >= 0:  # somebody failed: the same error on every rank
+    # the few per-rank flags as Python numbers: numpy's per-call overhead dominates at this size
+    status, own = table[:, 0].tolist(), table[:, 1].tolist()
+    if max(status) >= 0:  # somebody failed: the same error on every rank
         comm.agree(error, "update_priorities")
-    counts = table[:, 2:2 + size]  # [sender, owner]
-    sent = counts.sum(1)
-    most = int(sent.max())
+    counts = table[:, 2:k0]  # [sender, owner]
+    most = int(counts.sum(1).max())
     following = most if most * size <= FOLD_KEYS else 0
     settle()
-    if table[:, 1].all():  # every rank holds only its own keys: nothing to route
-        return int(shard.apply_priorities(keys, priorities).sum()), following
+    if all(own):  # every rank holds only its own keys: nothing to route
+        return int(np.count_nonzero(shard.apply_priorities(keys, priorities))), following
     if most > width:  # some rank's keys did not ride on the allgather
         return route_priorities(comm, shard, keys, owner, priorities, counts[:, rank], count_back=False), following
-    rows = np.arange(width) < sent[:, None]  # [sender, width]: the keys each rank carried, in rank order
-    got = table[:, 2 + size:2 + size + width][rows]
-    values = table[:, 2 + size + width:][rows]
-    mine = keyspace.decode(got)[1] == rank
-    return int(shard.apply_priorities(got[mine], values[mine].view(np.float64)).sum()), following
+    carried = table[:, k0:v0]  # [sender, width]: the keys each rank carried (rank order), padded with -1
+    mine = owner_of(carried) == rank
+    values = table[:, v0:][mine].view(np.float64)
+    return int(np.count_nonzero(shard.apply_priorities(carried[mine], values))), following
 
 
 def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> list[dict[str, np.ndarray] | None]:
