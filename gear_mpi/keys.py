@@ -64,6 +64,19 @@ def key_head(tag: int, rank: int) -> int:
     return (int(tag) << _TAG_SHIFT) | (int(rank) << _RANK_SHIFT)
 
 
+def owner_of(keys: np.ndarray) -> np.ndarray:
+    """The owner rank of each int64 key: ``decode(keys)[1]`` without the other fields (what a router needs
+    per call). A negative key gives ``RANK_MASK``, above any rank a fold of deferred updates has. O(n) vectorised.
+
+    Args:
+        keys: int64 keys (an int64 array: no conversion here).
+
+    Returns:
+        The int64 owner ranks.
+    """
+    return (keys >> _RANK_SHIFT) & RANK_MASK
+
+
 def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Split keys into their fields. Cost: O(n) vectorised.
 

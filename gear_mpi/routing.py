@@ -40,20 +40,11 @@ def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndar
         InvalidKeyError: a key of another replay, or naming a rank or slot the replay does not have.
     """
     keys = as_key_array(keys)
-    owner = owner_of(keys)  # the fields tested directly (no generation): a negative key's top bits are not a tag
-    bad = ((keys >> _TAG_SHIFT) != tag) | (owner >= ranks) | ((keys & keyspace.SLOT_MASK) >= max_items)
+    owner = keyspace.owner_of(keys)  # the fields tested directly (no generation): a negative key's top bits are not a tag
+    bad = ((keys >> keyspace._TAG_SHIFT) != tag) | (owner >= ranks) | ((keys & keyspace.SLOT_MASK) >= max_items)
     if bad.any():
         raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
     return keys, owner
-
-
-_RANK_SHIFT = keyspace.SLOT_BITS + keyspace.GEN_BITS
-_TAG_SHIFT = _RANK_SHIFT + keyspace.RANK_BITS
-
-
-def owner_of(keys: np.ndarray) -> np.ndarray:
-    """The owner rank of each int64 key (as ``keys.decode(keys)[1]``, without the other fields). O(n), local."""
-    return (keys >> _RANK_SHIFT) & keyspace.RANK_MASK
 
 
 def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str, recv_counts=None):
@@ -129,7 +120,7 @@ def route_deferred(comm: MpiComm, shard: Shard, error: BaseException | None, key
     size, rank, n = comm.size, comm.rank, len(keys)
     k0, v0 = 2 + size, 2 + size + width  # where the keys and the priority bits start in a row
     row = np.zeros(v0 + width, np.int64)
-    row[k0:v0] = -1  # padding: owner_of(-1) is no rank of a fold (<= 64 ranks), so no mask of valid entries
+    row[k0:v0] = -1  # padding: owner_of(-1) is RANK_MASK, no rank of a fold, so no mask of valid entries
     row[0] = -1 if error is None else 0
     if error is None:
         counts = np.bincount(owner, minlength=size)
@@ -152,7 +143,7 @@ def route_deferred(comm: MpiComm, shard: Shard, error: BaseException | None, key
     if most > width:  # some rank's keys did not ride on the allgather
         return route_priorities(comm, shard, keys, owner, priorities, counts[:, rank], count_back=False), following
     carried = table[:, k0:v0]  # [sender, width]: the keys each rank carried (rank order), padded with -1
-    mine = owner_of(carried) == rank
+    mine = keyspace.owner_of(carried) == rank
     values = table[:, v0:][mine].view(np.float64)
     return int(np.count_nonzero(shard.apply_priorities(carried[mine], values))), following
 
