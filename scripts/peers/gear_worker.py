@@ -22,6 +22,7 @@ as scripts/bench/bench_shard.py does.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 
@@ -139,7 +140,41 @@ def w2(cfg: dict) -> None:
               "sampler": "prioritized", "threads": cfg.get("threads"), "clients": 1, "B": b, "N": n,
               "step_bytes": step_bytes(TRANSITION), **r,
               "bytes_per_call": b * step_bytes(TRANSITION), "fill_s": fill_s, "version": version()})
+        w2_copy_floor(shard, batch, b, n, cfg)
     shard.close()
+
+
+W2_FLOOR = "bare gather of B rows (floor)"
+
+
+def w2_copy_floor(shard, batch, b: int, n: int, cfg: dict) -> None:
+    """Information row: the shard's ring rows of B uniformly random items copied into the batch by the
+    gather kernel alone (no draw, no keys, no weights, no Python layer between calls): the memory traffic
+    that every system returning these rows pays, whatever its sampler. A peer's W2 step can be at most
+    (its own step time / this) times slower than any gear_mpi step."""
+    from gear_mpi.kernels import gather
+
+    cap = shard.store.capacity
+    addrs = shard.column_addresses()[0]
+    sizes = shard.spec.step_bytes_array
+    rows = np.arange(b, dtype=np.int64)
+    one, zero = np.ones(b, np.int64), np.zeros(b, np.int64)
+    outs = batch.byte_views()
+    # one ring view per column, over the shard's own memory (addresses valid while the shard is open)
+    rings = tuple(np.frombuffer((ctypes.c_uint8 * int(cap * sz)).from_address(int(a)), np.uint8)
+                  for a, sz in zip(addrs, sizes))
+    pool = np.random.default_rng(4).integers(0, n, (400, b))  # 400 x B rows: far more than any last-level cache
+    turn = [0]
+    no_mask = np.zeros((0, 1), np.bool_)
+
+    def step():
+        turn[0] = (turn[0] + 1) % len(pool)
+        gather.gather_columns(rings, sizes, cap, pool[turn[0]], one, zero, rows, outs, 1, no_mask)
+
+    r = steady_loop(step, cfg["seconds"], warmup_s=cfg.get("warmup_s", 0.5))
+    emit({"workload": "W2", "peer": PEER, "variant": W2_FLOOR, "sampler": "uniform", "threads": cfg.get("threads"),
+          "clients": 1, "B": b, "N": n, "step_bytes": step_bytes(TRANSITION), **r,
+          "bytes_per_call": b * step_bytes(TRANSITION), "version": version()})
 
 
 W3_SHARD = "Shard(Prioritized) sample+update"
