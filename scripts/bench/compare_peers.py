@@ -384,6 +384,34 @@ def targets(rows: list[dict], setup: dict, args) -> list[dict]:
     return out
 
 
+W2_FLOOR = "bare gather of B rows (floor)"  # gear_worker's information row
+
+
+def bounds(rows: list[dict]) -> list[dict]:
+    """The highest W2 ratio any gear_mpi step could reach against each peer row on this machine: the peer's
+    step time over gear_mpi's bare gather of the same number of random rows with the same thread count
+    (``gear_worker.w2_copy_floor``: the copy alone, which every system returning those rows pays). A target
+    above this bound needs a faster memory system, not a faster sampler."""
+    out = []
+    for r in rows:
+        if r["workload"] != "W2" or r["peer"] == GEAR or r.get("status") != "ok":
+            continue
+        threads = r.get("threads") or 1
+        floor = [g for g in rows if g["peer"] == GEAR and g.get("status") == "ok" and g["workload"] == "W2"
+                 and g["variant"] == W2_FLOOR and (g.get("threads") or 1) == threads and g["B"] == r["B"]
+                 and g["N"] == r["N"]]
+        fastest = min((g for g in rows if g["peer"] == GEAR and g.get("status") == "ok" and g["workload"] == "W2"
+                       and g["variant"] == W2_FLOOR and g["B"] == r["B"] and g["N"] == r["N"]),
+                      key=lambda g: g["ms_per_call"], default=None)
+        if floor:
+            out.append({"kind": "bound", "B": r["B"], "peer": r["peer"], "variant": r["variant"], "threads": threads,
+                        "peer_ms": r["ms_per_call"], "floor_ms": floor[0]["ms_per_call"],
+                        "bound": r["ms_per_call"] / floor[0]["ms_per_call"],
+                        "fastest_floor_threads": fastest["threads"], "fastest_floor_ms": fastest["ms_per_call"],
+                        "bound_fastest": r["ms_per_call"] / fastest["ms_per_call"]})
+    return out
+
+
 def _why_missing(setup: dict, peer: str, rs: list, ran: bool = True) -> str:
     if rs:
         return ""
@@ -543,7 +571,8 @@ def main(argv=None) -> int:
     tg = targets(rows, setup, args)
     meta.update(memcpy_gbps=float(np.median(memcpy)), memcpy_runs=memcpy, load_average_end=os.getloadavg(),
                 finished=time.strftime("%Y-%m-%d %H:%M:%S"))
-    lines = [json.dumps(meta)] + [json.dumps({"kind": "result", **r}) for r in rows] + [json.dumps(t) for t in tg]
+    lines = ([json.dumps(meta)] + [json.dumps({"kind": "result", **r}) for r in rows] + [json.dumps(t) for t in tg]
+             + [json.dumps(b) for b in bounds(rows)])
     if args.raw:
         lines += [json.dumps({"kind": "run", **r}) for r in runs]
     if args.save:
@@ -568,6 +597,15 @@ def main(argv=None) -> int:
         state = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         val = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
         print(f"#   {t['target']}: {val} -> {state}" + (f" ({t['basis']})" if t["basis"] else ""))
+    bs = bounds(rows)
+    if bs:
+        print("#\n# W2 bounds: the highest gear_mpi/peer ratio reachable here = the peer's step / gear_mpi's bare "
+              "gather of as many random rows (same threads; the copy alone)")
+        for b in bs:
+            print(f"#   B={b['B']}, {b['peer']} {b['variant']}, {b['threads']} thr: {b['peer_ms']:.3f} ms / "
+                  f"{b['floor_ms']:.3f} ms -> at most {b['bound']:.2f}x at equal threads; against gear_mpi's "
+                  f"fastest copy ({b['fastest_floor_threads']} thr, {b['fastest_floor_ms']:.3f} ms) at most "
+                  f"{b['bound_fastest']:.2f}x")
     return 0
 
 
