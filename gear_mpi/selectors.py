@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels.weights import power_weights
+
 
 def __getattr__(name: str):
     # PriorityIndex moved to gear_mpi.priority_index; the old import path keeps working, with a warning
@@ -109,15 +111,18 @@ class Prioritized(Selector):
         self.beta = float(beta)
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
-        """Weights ``p ** alpha``. O(n).
+        """Weights ``p ** alpha``, bit for bit ``np.power(priorities, alpha)``. O(n), one kernel call, shared
+        among the threads from ``kernels.weights.PARALLEL_MIN`` priorities (:func:`~gear_mpi.kernels.weights.power_weights`).
 
         Args:
             priorities: validated raw priorities (float64, >= 0).
 
         Returns:
-            float64 weights, one per priority.
+            float64 weights, one per priority (a new array).
         """
-        return np.power(priorities, self.alpha) if self.alpha != 1.0 else priorities.astype(np.float64)
+        if self.alpha == 1.0:
+            return priorities.astype(np.float64)
+        return power_weights(priorities, self.alpha)
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
         """Importance-sampling weights ``(min_weight / w) ** beta`` (1 for the lightest item). O(B).

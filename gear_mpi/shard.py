@@ -284,8 +284,8 @@ class Shard(ShardState, ShardInsert):
         prioritized = type(sel) is Prioritized
         local_sample.sample_proportional(
             self.index._arrays, uniforms, place_u, st.start, st.length, st.status,
-            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
-            self.index.min_positive if prioritized else 1.0, prioritized, self.column_addresses()[0],
+            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
+            self.column_addresses()[0],
             self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
         if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
             np.power(weights, np.float32(sel.beta), out=weights)

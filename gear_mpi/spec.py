@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 from .errors import InvalidPriorityError, InvalidTrajectoryError
+from .keys import tensor_numpy
 
 ShapeLike = Sequence[int] | int
 
@@ -203,7 +204,7 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
         InvalidPriorityError: not numbers, not ``count`` of them, or one NaN, infinite or negative.
     """
     if hasattr(priorities, "detach") and hasattr(priorities, "cpu"):
-        priorities = priorities.detach().cpu().numpy()
+        priorities = tensor_numpy(priorities)
     try:
         arr = np.asarray(priorities, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError):

@@ -13,6 +13,7 @@ import copy
 
 import numpy as np
 
+from .kernels.weights import PARALLEL_MIN, power_weights
 from .shard import Shard
 from .spec import TrajectorySpec
 
@@ -39,6 +40,8 @@ def warm_kernels(spec: TrajectorySpec, sampler) -> None:
             batch = scratch.sample(2, 1, align)
         scratch.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
         scratch.insert_many([zeros, zeros], [1.0, 2.0])
+        if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel power of large inserts and updates
+            power_weights(np.ones(PARALLEL_MIN), sampler.alpha)
     finally:
         scratch.close()
     _WARM.add(key)

@@ -323,3 +323,19 @@ def test_random_window_start_is_uniform(shard_factory, make_spec, make_traj, len
         assert chi_square_p(counts, np.full(positions, 1 / positions)) > SIGNIFICANCE
     else:
         assert counts.tolist() == [draws]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 2.0, 0.6, 0.7, 0.25, 1 / 0.6, 3.0])
+def test_power_weights_are_numpys_bit_for_bit(alpha):
+    """kernels.weights.power_weights (Prioritized.weights, serial and shared among threads) gives
+    np.power's very values, its special-cased exponents included."""
+    from gear_mpi.kernels.weights import PARALLEL_MIN, power_weights
+    rng = np.random.default_rng(7)
+    p = np.concatenate([rng.uniform(0.0, 10.0, PARALLEL_MIN + 5), [0.0, 1.0, 1e-300, 5e-324, 1e-12, 123456.789]])
+    for values in (p, p[:100]):
+        with np.errstate(over="ignore"):
+            want = np.power(values, alpha)
+        assert np.array_equal(power_weights(values, alpha), want)
+        assert np.array_equal(gm.Prioritized(alpha, 0.4).weights(values), want)
+        out = np.empty_like(values)
+        assert power_weights(values, alpha, out) is out and np.array_equal(out, want)

@@ -11,6 +11,8 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage`,
 - :mod:`~gear_mpi.kernels.priority_draw` -- batched proportional draws from it.
 - :mod:`~gear_mpi.kernels.gather` -- window placement and the copy of sampled windows
   into a batch (from this process's ring or, by address, from node peers' rings).
+- :mod:`~gear_mpi.kernels.weights` -- index weights ``p ** alpha`` from raw priorities (numpy's
+  values, shared among the threads).
 - :mod:`~gear_mpi.kernels.hints` -- software prefetch and ordered stores used by the above.
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
   twins of the priority and gather kernels, same results (imported only for ``device="cuda"``

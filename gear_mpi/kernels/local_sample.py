@@ -97,14 +97,15 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
 
 
 def sample_proportional(tree, uniforms, place_u, start, length, generation, key_head, gen_shift,
-                        gen_mask, capacity, window, align_code, wmin, prioritized, addrs, step_bytes, outs,
+                        gen_mask, capacity, window, align_code, prioritized, addrs, step_bytes, outs,
                         mask, keys, lengths, probabilities, weights):
     """Draw ``len(uniforms)`` slots from ``tree`` and fill a batch with them, in one call.
 
     Row ``i`` of the batch is the slot ``uniforms[i]`` selects (as :func:`priority_draw.draw`): its key
     (``key_head | generation << gen_shift | slot``), window (placed by ``align_code``, ``place_u[i]`` for
     random alignment, as ``gather.fill_choices``), real steps, probability ``w / total``, importance weight
-    (``prioritized``: the ratio ``wmin / w`` as float32, for the caller to raise to ``beta``; else 1) and
+    (``prioritized``: the ratio ``wmin / w`` as float32, for the caller to raise to ``beta``, with ``wmin`` the
+    smallest positive weight, read from the tree's level-2 minima; else 1) and
     mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
     step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
     columns). Uses are not counted (the caller takes this path only without ``max_times_sampled``, where the
@@ -122,7 +123,7 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     # the columns by address: one compiled kernel for every column count (gather.out_addresses)
     out_addrs = out_addresses(outs, uniforms.shape[0], window, step_bytes)
     _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
-                   window, align_code, wmin, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
+                   window, align_code, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
                    probabilities, weights, iscr, fscr)
 
 
@@ -152,13 +153,18 @@ def _scratch(nb: int) -> tuple[tuple, tuple]:
 
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
-                   window, align_code, wmin, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
+                   window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
                    probabilities, weights, iscr, fscr):
     """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64),
     with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
+    wmin = 1.0
+    if prioritized:  # the smallest positive weight (PriorityIndex.min_positive): the least level-2 minimum
+        wmin = np.inf
+        for j in range(l2_min.shape[0]):
+            wmin = min(wmin, l2_min[j])
     sslots, skey, ws, nv, pf, order, inv, ident = iscr
     sw, skeys = fscr  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
     for k in range(nb):

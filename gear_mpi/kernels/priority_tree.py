@@ -191,14 +191,33 @@ def _finish_blocks(leaves, l0_sum, l1_sum, l1_min, flags1, slots, lo, hi, blocks
         flags1[b] = 0
 
 
+SET_AHEAD = 8  # slots ahead whose lines _set_serial requests
+
+
+@njit(cache=True, inline="always")
+def _prefetch_slot(leaves, l0_sum, l1_sum, l1_min, flags1, s):
+    _prefetch(leaves, s)
+    _prefetch(l0_sum, s // LINE)
+    _prefetch(l1_sum, s // FANOUT)
+    _prefetch(l1_min, s // FANOUT)
+    _prefetch(flags1, s // FANOUT)
+
+
 @njit(cache=True, nogil=True)
 def _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values):
-    """Small batches: write leaves in order, recount each touched line and block. O(B)."""
+    """Small batches: write leaves in order, recount each touched line and block. O(B).
+
+    The lines of the slot ``SET_AHEAD`` places later (its leaf, line sum, level-1 sum, minimum and flag) are
+    requested while a slot is written: a replay's slots are random, so each one is a few cache misses."""
     n1 = l1_sum.shape[0]
     nb = slots.shape[0]
     blocks = np.empty(nb, np.int64)
     cnt = 0
+    for i in range(min(SET_AHEAD, nb)):
+        _prefetch_slot(leaves, l0_sum, l1_sum, l1_min, flags1, slots[i])
     for i in range(nb):
+        if i + SET_AHEAD < nb:
+            _prefetch_slot(leaves, l0_sum, l1_sum, l1_min, flags1, slots[i + SET_AHEAD])
         if _write_leaf(leaves, l1_min, flags1, slots[i], values[i]):
             blocks[cnt] = slots[i] // FANOUT
             cnt += 1
