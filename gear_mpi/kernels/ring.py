@@ -24,7 +24,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from ..keys import GEN_BITS, GEN_MASK, SLOT_BITS, SLOT_MASK, RANK_BITS, TAG_BITS, TAG_MASK, RANK_MASK
+from ..keys import GEN_BITS, GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 
 STEP_HEAD = 0
 STEPS_USED = 1
@@ -48,10 +48,6 @@ REMOVED = 2
 
 ALIVE_SHIFT = GEN_BITS  # status = alive << ALIVE_SHIFT | generation
 assert GEN_BITS + 2 <= 16
-
-_GEN_SHIFT = SLOT_BITS
-_RANK_SHIFT = SLOT_BITS + GEN_BITS
-_TAG_SHIFT = SLOT_BITS + GEN_BITS + RANK_BITS
 
 # The rows a checkpoint stores per slot, in this order (see storage.TrajectoryStore.table_sections).
 TABLE_ROWS = ("start", "length", "priority", "generation", "seq", "stamp", "times_sampled", "alive")
