@@ -217,6 +217,8 @@ class Batch:
             counts.append(sys.getrefcount(t))
             counts.append(use_count(t.untyped_storage()._cdata))
         counts.extend(sys.getrefcount(a) for a in arrays)
+        # a numpy view of an aligned buffer refers to the memory's owner (aligned_empty's byte buffer), not to it
+        counts.extend(sys.getrefcount(a.base) for a in arrays if a.base is not None)
         return tuple(counts)
 
     def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
