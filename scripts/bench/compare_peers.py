@@ -63,6 +63,7 @@ import numpy as np
 
 from scripts.bench.bench_replay import memcpy_gbps  # the same-run memcpy ceiling, one definition
 from scripts.bench.json_lines import json_rows
+from scripts.peers._common import W2_FLOOR
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository: workers run as modules from there
 WORKER_PACKAGE = "scripts.peers"  # the workers run as modules of this package
@@ -384,29 +385,24 @@ def targets(rows: list[dict], setup: dict, args) -> list[dict]:
     return out
 
 
-W2_FLOOR = "bare gather of B rows (floor)"  # gear_worker's information row
-
-
 def bounds(rows: list[dict]) -> list[dict]:
     """The highest W2 ratio any gear_mpi step could reach against each peer row on this machine: the peer's
     step time over gear_mpi's bare gather of the same number of random rows with the same thread count
-    (``gear_worker.w2_copy_floor``: the copy alone, which every system returning those rows pays). A target
-    above this bound needs a faster memory system, not a faster sampler."""
+    (``gear_worker.w2_copy_floor``: the copy alone, which every system returning those rows pays), and over
+    the fastest such gather. A target above this bound needs a faster memory system, not a faster sampler."""
     out = []
     for r in rows:
         if r["workload"] != "W2" or r["peer"] == GEAR or r.get("status") != "ok":
             continue
         threads = r.get("threads") or 1
-        floor = [g for g in rows if g["peer"] == GEAR and g.get("status") == "ok" and g["workload"] == "W2"
-                 and g["variant"] == W2_FLOOR and (g.get("threads") or 1) == threads and g["B"] == r["B"]
-                 and g["N"] == r["N"]]
-        fastest = min((g for g in rows if g["peer"] == GEAR and g.get("status") == "ok" and g["workload"] == "W2"
-                       and g["variant"] == W2_FLOOR and g["B"] == r["B"] and g["N"] == r["N"]),
-                      key=lambda g: g["ms_per_call"], default=None)
-        if floor:
+        floors = [g for g in rows if g["peer"] == GEAR and g.get("status") == "ok" and g["workload"] == "W2"
+                  and g["variant"] == W2_FLOOR and g["B"] == r["B"] and g["N"] == r["N"]]
+        same = [g for g in floors if (g.get("threads") or 1) == threads]
+        if same:
+            fastest = min(floors, key=lambda g: g["ms_per_call"])
             out.append({"kind": "bound", "B": r["B"], "peer": r["peer"], "variant": r["variant"], "threads": threads,
-                        "peer_ms": r["ms_per_call"], "floor_ms": floor[0]["ms_per_call"],
-                        "bound": r["ms_per_call"] / floor[0]["ms_per_call"],
+                        "peer_ms": r["ms_per_call"], "floor_ms": same[0]["ms_per_call"],
+                        "bound": r["ms_per_call"] / same[0]["ms_per_call"],
                         "fastest_floor_threads": fastest["threads"], "fastest_floor_ms": fastest["ms_per_call"],
                         "bound_fastest": r["ms_per_call"] / fastest["ms_per_call"]})
     return out
@@ -569,10 +565,11 @@ def main(argv=None) -> int:
                     rows.append({"workload": wl, "peer": p, "variant": "-", "sampler": None, "clients": None,
                                  "B": None, "N": None, "status": "unavailable", "reason": s["reason"]})
     tg = targets(rows, setup, args)
+    bs = bounds(rows)
     meta.update(memcpy_gbps=float(np.median(memcpy)), memcpy_runs=memcpy, load_average_end=os.getloadavg(),
                 finished=time.strftime("%Y-%m-%d %H:%M:%S"))
     lines = ([json.dumps(meta)] + [json.dumps({"kind": "result", **r}) for r in rows] + [json.dumps(t) for t in tg]
-             + [json.dumps(b) for b in bounds(rows)])
+             + [json.dumps(b) for b in bs])
     if args.raw:
         lines += [json.dumps({"kind": "run", **r}) for r in runs]
     if args.save:
@@ -597,7 +594,6 @@ def main(argv=None) -> int:
         state = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         val = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
         print(f"#   {t['target']}: {val} -> {state}" + (f" ({t['basis']})" if t["basis"] else ""))
-    bs = bounds(rows)
     if bs:
         print("#\n# W2 bounds: the highest gear_mpi/peer ratio reachable here = the peer's step / gear_mpi's bare "
               "gather of as many random rows (same threads; the copy alone)")

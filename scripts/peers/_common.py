@@ -33,6 +33,8 @@ HOPPER_T = 1000
 W1_BATCH = 32
 
 TRANSITION = {"obs": ((4096,), "uint8"), "action": ((), "float32"), "reward": ((), "float32")}
+# gear_worker's W2 information row (the gather alone) and the name compare_peers finds it by
+W2_FLOOR = "bare gather of B rows (floor)"
 
 
 def step_bytes(columns: dict) -> int:

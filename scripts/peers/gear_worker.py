@@ -30,7 +30,7 @@ import numpy as np
 
 import gear_mpi as gm
 from scripts.peers._common import (
-    ALPHA, BETA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, available_bytes, emit, fail, hopper_priorities,
+    ALPHA, BETA, HOPPER, HOPPER_T, TRANSITION, W1_BATCH, W2_FLOOR, available_bytes, emit, fail, hopper_priorities,
     hopper_trajectory, initial_priorities, parse_config, step_bytes, steady_loop, transitions)
 
 PEER = "gear_mpi"
@@ -142,9 +142,6 @@ def w2(cfg: dict) -> None:
               "bytes_per_call": b * step_bytes(TRANSITION), "fill_s": fill_s, "version": version()})
         w2_copy_floor(shard, batch, b, n, cfg)
     shard.close()
-
-
-W2_FLOOR = "bare gather of B rows (floor)"
 
 
 def w2_copy_floor(shard, batch, b: int, n: int, cfg: dict) -> None:
