@@ -1,19 +1,16 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
 from .batch import Batch
-from .errors import (CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError,
-                     InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError,
-                     RateLimitTimeoutError, StaleKeyError, StorageError, WriterError,
-                     WriterTimeoutError)
-from .rate_limit import MinSize, RateLimiter, SampleToInsertRatio
-from .selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
+from .errors import CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError, RateLimitTimeoutError, StaleKeyError, StorageError, WriterError, WriterTimeoutError
+from .feeds.rate_limit import MinSize, RateLimiter, SampleToInsertRatio
+from .selection.selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
 from .shard import Shard
 from .spec import TrajectorySpec
-from .windows import attach_columns
-from .writer import EpisodeWriter, Writer
-from .remote import MpiWriter
-from .parallel import ParallelGroups, ReplicaSampler, parallel_groups
-from .activity import RateMeter, log_every, rates
+from .storage.columns import attach_columns
+from .feeds.writer import EpisodeWriter, Writer
+from .feeds.remote import MpiWriter
+from .distributed.parallel import ParallelGroups, ReplicaSampler, parallel_groups
+from .stats import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
 from . import datasets
 
@@ -26,7 +23,7 @@ def __getattr__(name: str):
     """``init_torch_process_group`` (comm_torch.init_process_group) is imported on first use: torch loads only
     for jobs that ask for it."""
     if name == "init_torch_process_group":
-        from .comm_torch import init_process_group
+        from .distributed.torch_comm import init_process_group
         return init_process_group
     raise AttributeError(f"module 'gear_mpi' has no attribute {name!r}")
 

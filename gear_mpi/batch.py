@@ -244,3 +244,46 @@ class Batch:
     def __repr__(self) -> str:
         cols = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.data.items())
         return f"Batch(B={self.batch_size}, W={self.window}, {cols})"
+
+
+ALIGNS = {"random": 0, "head": 1, "tail": 2}
+
+
+def check_window(spec: TrajectorySpec, window: int | None, align: str) -> tuple[int, int]:
+    """Validate a sample's ``window`` and ``align``. O(1).
+
+    Args:
+        spec: the replay's spec (its ``max_length`` is the default window).
+        window: steps per window, a positive integer, or None for ``spec.max_length``.
+        align: a key of :data:`ALIGNS` (``"random"``, ``"head"`` or ``"tail"``).
+
+    Returns:
+        ``(window, align code)`` as ints.
+
+    Raises:
+        ValueError: ``window`` is not a positive integer or None, or ``align`` is not in :data:`ALIGNS`.
+    """
+    if window is None:
+        window = spec.max_length
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {sorted(ALIGNS)}, got {align!r}")
+    return int(window), ALIGNS[align]
+
+
+def check_batch_size(batch_size: int) -> int:
+    """Validate a batch size. O(1).
+
+    Args:
+        batch_size: a non-negative integer (not a bool).
+
+    Returns:
+        It, as an int.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+        raise ValueError(f"batch_size must be a non-negative integer, got {batch_size!r}")
+    return int(batch_size)

@@ -10,12 +10,12 @@ picks another for one call (the plans of every mode work over the same shards).
 
 A sample reads as its protocol: the ranks agree on the arguments (one allgather
 of a 12-value header: a status, the call's arguments, the shard's mass, and the rate
-limiter's counts); the mode's plan (:mod:`gear_mpi.plans`) turns the header
+limiter's counts); the mode's plan (:mod:`gear_mpi.distributed.plans`) turns the header
 into the items each owner serves each requester; the window transport
-(:mod:`gear_mpi.transport`) delivers a 48-byte *choice* per item and the
+(:mod:`gear_mpi.distributed.transport`) delivers a 48-byte *choice* per item and the
 windows, copied straight out of a node peer's shared memory or sent by MPI
 (``force_alltoallv=True``: every window owned by another rank); the owners count
-the uses. The node fence (:mod:`gear_mpi.node`) keeps an owner from overwriting
+the uses. The node fence (:mod:`gear_mpi.distributed.node`) keeps an owner from overwriting
 a window a node peer still reads. Decentralized and proportional: P(item) =
 weight / (total weight of all shards), exactly.
 
@@ -33,27 +33,26 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import budget, routing
-from .routing import ReplayLookups
+from .storage import budget
+from .distributed import routing
+from .distributed.routing import ReplayLookups
 from . import keys as keyspace
 from . import stats as stats_schema
-from .batch import Batch
-from .comm import MpiComm
-from .device import DeviceContext, parse_device
-from .feeds import ReplayFeeds
-from .memory import memory_kind
-from .node import NodeView
-from .rate_limit import RateLimiter
-from .prefetch import BatchIterator, ReplayPrefetch
-from .activity import ReplayActivity, combine_activity, metered_sample, metered_update
-from .plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
-from .replay_state import ReplayState
-from .selectors import Selector, Uniform
-from .shard import Shard
+from .batch import Batch, check_batch_size, check_window
+from .distributed.comm import MpiComm
+from .storage.device import DeviceContext, parse_device
+from .feeds.replay_feeds import ReplayFeeds
+from .storage.arenas import memory_kind
+from .distributed.node import NodeView
+from .feeds.rate_limit import RateLimiter
+from .distributed.prefetch import BatchIterator, ReplayPrefetch
+from .stats import ReplayActivity, combine_activity, metered_sample, metered_update
+from .distributed.plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
+from .checkpoint.replay_state import ReplayState
+from .selection.selectors import Selector, Uniform
+from .shard import Shard, warm_kernels
 from .spec import TrajectorySpec, validate_priorities
-from .transport import WindowTransport
-from .warmup import warm_kernels
-from .windows import check_batch_size, check_window
+from .distributed.transport import WindowTransport
 
 FOLD_RANKS = 64  # a deferred update folds its counts (and keys) into one allgather up to this many ranks (O(ranks^2))
 
@@ -73,15 +72,15 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         max_items, max_times_sampled: see :class:`~gear_mpi.shard.Shard`.
         memory: ``"shm"`` (POSIX shared memory), ``"private"`` (an anonymous private mapping; ``"numpy"`` is
             its deprecated name) or ``"file"`` (memory-mapped files under ``path``: a shard may exceed RAM;
-            :mod:`gear_mpi.file_memory`); None: shared memory when several ranks share a node, else private.
+            :mod:`gear_mpi.storage.file_arenas`); None: shared memory when several ranks share a node, else private.
         path: ``memory="file"``: an existing directory (may differ per rank) for this rank's ``rank-NNNNN/``.
         force_alltoallv: send every window owned by another rank through MPI.
         device: ``"cpu"``, ``"cuda"`` (the GPU of this rank's local rank) or ``"cuda:i"``.
         process_group, window_transport: for device replays, an existing torch.distributed group,
             and ``"nccl"`` or ``"mpi"`` (a CUDA-aware MPI) for windows between nodes.
-        rate_limiter: a :mod:`gear_mpi.rate_limit` limiter over the whole replay (None: none);
-            rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds`).
-        lazy: only warn when the node cannot hold every rank's shard (:mod:`gear_mpi.budget`); default: refuse.
+        rate_limiter: a :mod:`gear_mpi.feeds.rate_limit` limiter over the whole replay (None: none);
+            rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds.replay_feeds`).
+        lazy: only warn when the node cannot hold every rank's shard (:mod:`gear_mpi.storage.budget`); default: refuse.
 
     Collective: agrees on the arguments, a key tag and the node layout, and maps the node's
     shared memory; every step has the deadline ``timeout``.
@@ -147,7 +146,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
                 self.shard.close()
             raise
         self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
-        if self.device is None:  # the first sample then costs what later ones do (gear_mpi.warmup)
+        if self.device is None:  # the first sample then costs what later ones do (gear_mpi.shard.warm_kernels)
             warm_kernels(spec, sampler)
             none = np.zeros(size, np.int64)
             self.transport.exchange(self.shard.make_choices(none[:0], 1, 0, 1.0, 1.0), none, none, 1, local=True)
@@ -262,7 +261,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 96 bytes
         per rank, then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per
         column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI call, both
-        rounds through shared memory, :class:`~gear_mpi.node.NodeBoard`). A counter published at the end (read by an
+        rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter published at the end (read by an
         owner before it next writes its shard; see the module docstring) keeps owners
         from overwriting windows that node peers still copy.
         Selection on the owner: O(items log n); copies: each delivered byte once
@@ -387,7 +386,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
             of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
             evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi, ingested,
             writers, staged), plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"``
-            (counters for :func:`gear_mpi.activity.rates`: ``{"per_rank": ..., "total": ...}``).
+            (counters for :func:`gear_mpi.stats.rates`: ``{"per_rank": ..., "total": ...}``).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         Cost: drains this rank's writers (within the insert budget), then one allgather of 31 float64 per

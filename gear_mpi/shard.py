@@ -1,25 +1,27 @@
 """Shard: one rank's replay -- storage, selection and window collection."""
 from __future__ import annotations
 
+import copy
 import secrets
 from typing import Any
 
 import numpy as np
 
-from .batch import Batch
+from .batch import Batch, check_batch_size, check_window
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import local_sample, ring
+from .kernels.weights import PARALLEL_MIN, power_weights
 from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
-from .memory import memory_kind
-from .priority_index import DevicePriorityIndex, PriorityIndex
-from .selectors import Prioritized, Selector, Uniform, rank_by_priority
-from .shard_insert import ShardInsert
-from .shard_state import ShardState
+from .storage.arenas import memory_kind
+from .selection.priority_index import DevicePriorityIndex, PriorityIndex
+from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
+from .storage.shard_insert import ShardInsert
+from .checkpoint.shard_state import ShardState
 from .spec import TrajectorySpec, validate_priorities
-from . import table_layout
-from .storage import TrajectoryStore
-from .windows import check_batch_size, check_window, column_addresses
+from .storage import table as table_layout
+from .storage.store import TrajectoryStore
+from .storage.columns import column_addresses
 
 _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
@@ -34,11 +36,11 @@ class Shard(ShardState, ShardInsert):
     Args:
         spec: the columns and the longest trajectory.
         capacity_steps: steps the ring holds (at least ``spec.max_length``).
-        sampler: any :mod:`gear_mpi.selectors` selector (default :class:`Uniform`).
+        sampler: any :mod:`gear_mpi.selection.selectors` selector (default :class:`Uniform`).
         max_items: trajectory slots (default ``capacity_steps``).
         max_times_sampled: remove an item once it has been sampled that many times (None: never).
         memory: ``"private"`` (anonymous mapping), ``"shm"`` (POSIX shared memory) or ``"file"`` (memory-mapped
-            files under ``path``, see :mod:`gear_mpi.file_memory`); ``"numpy"``: deprecated.
+            files under ``path``, see :mod:`gear_mpi.storage.file_arenas`); ``"numpy"``: deprecated.
         path: ``memory="file"``: an existing directory; this shard's files go in ``path/rank-NNNNN/``.
         seed: the seed of this shard's random stream (None: fresh entropy).
         rank: the owner rank written into the keys.
@@ -206,7 +208,7 @@ class Shard(ShardState, ShardInsert):
         Args:
             slots: the chosen slots (int64).
             window: steps per window.
-            align_code: the align code (see :func:`~gear_mpi.windows.check_window`).
+            align_code: the align code (see :func:`~gear_mpi.batch.check_window`).
         Returns:
             ``(start step, real steps, leading padding)``, int64 each, one entry per slot.
         """
@@ -298,7 +300,7 @@ class Shard(ShardState, ShardInsert):
         Args:
             slots: the chosen slots (int64).
             window: steps per window.
-            code: the align code (see :func:`~gear_mpi.windows.check_window`).
+            code: the align code (see :func:`~gear_mpi.batch.check_window`).
             total: the selection mass the draw was made over (the whole replay's, for a Replay).
             wmin: the smallest positive weight the draw was made over (likewise).
         Returns:
@@ -458,3 +460,35 @@ class Shard(ShardState, ShardInsert):
     def __repr__(self) -> str:
         return (f"Shard(items={len(self)}, steps={self.store.steps_used}/{self.capacity_steps}, "
                 f"sampler={self.selector!r}, memory={self.store.arena.kind if self.store.arena else 'closed'})")
+
+
+# warm-up at construction: numba loads even a cached kernel lazily, at its first call, and the first kernel
+# of a process also builds numba's target context (about 1-2 s here); a replay pays that at construction
+_WARM: set = set()
+
+
+def warm_kernels(spec: TrajectorySpec, sampler) -> None:
+    """Run each hot kernel once for ``spec`` and ``sampler``'s kind (local; once per process and kind).
+
+    Args:
+        spec: the replay's spec.
+        sampler: its selector (a copy is used).
+    Cost: the first time, numba's start-up and cache loads (or compiles); then nothing. Memory: a scratch
+    shard of ``2 * max_length`` steps, freed at once.
+    """
+    key = (repr(spec.to_dict()), type(sampler).__name__)
+    if key in _WARM:
+        return
+    scratch = Shard(spec, 2 * spec.max_length, copy.copy(sampler), max_items=4)  # room for the 2-item insert_many
+    try:
+        zeros = {c.name: np.zeros((1,) + c.shape, c.dtype) for c in spec.columns}
+        scratch.insert(zeros, 1.0)
+        for align in ("random", "head", "tail"):
+            batch = scratch.sample(2, 1, align)
+        scratch.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
+        scratch.insert_many([zeros, zeros], [1.0, 2.0])
+        if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel power of large inserts and updates
+            power_weights(np.ones(PARALLEL_MIN), sampler.alpha)
+    finally:
+        scratch.close()
+    _WARM.add(key)

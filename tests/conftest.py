@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi import memory
+from gear_mpi.storage import arenas as memory
 
 SHM_DIR = memory.SHM_DIR
 MPI_TESTS = Path(__file__).resolve().parent / "mpi"

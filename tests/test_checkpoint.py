@@ -148,7 +148,7 @@ def test_assumed_rate_and_sizes(monkeypatch):
 
 
 def test_a_timed_out_communicator_is_remembered():
-    from gear_mpi import deadline
+    from gear_mpi.distributed import deadline
 
     class Comm:
         def __init__(self, handle):

@@ -10,7 +10,7 @@ from numba import njit
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
 from gear_mpi.kernels import gather, priority_draw, priority_tree as tree, ring
-from gear_mpi.priority_index import PriorityIndex
+from gear_mpi.selection import PriorityIndex
 
 
 # ---- priority tree ------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def _weights(rng, n):
 
 def _index_pair(w, threads=64):
     import numpy as np
-    from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
+    from gear_mpi.selection import DevicePriorityIndex, PriorityIndex
     idx = PriorityIndex(len(w))
     idx.set(np.arange(len(w)), w)
     return idx, DevicePriorityIndex.from_host(idx, threads=threads)
@@ -88,7 +88,7 @@ def _edge_uniforms(idx):
 
 def _assert_same_arrays(host: dict, idx, what=""):
     import numpy as np
-    from gear_mpi.kernels.priority_tree import TREE_FIELDS
+    from gear_mpi.kernels import TREE_FIELDS
     for name in TREE_FIELDS:
         a, b = host[name], getattr(idx, name)
         if not np.array_equal(a, b):
@@ -140,7 +140,7 @@ def draw_rounding_fallbacks():
     from gear_mpi.kernels import cuda_priority as cp
     from gear_mpi.kernels import priority_draw
     from gear_mpi.kernels import priority_tree as tree
-    from gear_mpi.kernels.priority_tree import Tree
+    from gear_mpi.kernels import Tree
     rng = _rng(3)
     w = _weights(rng, N_TREE)
     u = np.concatenate([np.linspace(0.0, np.nextafter(1.0, 0.0), 700), [np.nextafter(1.0, 0.0)]])
@@ -187,7 +187,7 @@ def draw_rounding_fallbacks():
 @check
 def updates_match_cpu():
     import numpy as np
-    from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
+    from gear_mpi.selection import DevicePriorityIndex, PriorityIndex
     rng = _rng(4)
     n = N_TREE
     idx = PriorityIndex(n)
@@ -254,7 +254,7 @@ def updates_match_cpu():
 def device_index_state_round_trip():
     """sections/restore of the device index: from leaves only, and from a CPU index's level arrays."""
     import numpy as np
-    from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
+    from gear_mpi.selection import DevicePriorityIndex, PriorityIndex
     rng = _rng(5)
     w = rng.random(4096 + 700) * (rng.random(4096 + 700) > 0.3)  # two level-2 blocks, small for the simulator
     count = len(w) - 100
@@ -274,7 +274,7 @@ def device_index_state_round_trip():
 @check
 def index_argument_checks():
     import numpy as np
-    from gear_mpi.priority_index import DevicePriorityIndex
+    from gear_mpi.selection import DevicePriorityIndex
     dev = DevicePriorityIndex(100, threads=32)
     for bad in (lambda: dev.set([1, 2], [1.0]), lambda: dev.set([100], [1.0]), lambda: dev.set([-1], [1.0]),
                 lambda: DevicePriorityIndex(0), lambda: DevicePriorityIndex(10, threads=2048),
@@ -391,10 +391,10 @@ def shard_gather_into_matches_cpu():
     import numpy as np
     from numba import cuda
     import gear_mpi as gm
-    from gear_mpi import pinned
+    from gear_mpi.storage import pinned
     from gear_mpi.batch import Batch
     from gear_mpi.kernels import cuda_gather as cg
-    from gear_mpi.windows import gather_into
+    from gear_mpi.storage import gather_into
     spec = gm.TrajectorySpec({"t": ((), "int64"), "obs": ((3, 2), "float32"), "act": ((2,), "int16"),
                               "done": ((), "bool"), "img": ((5,), "uint8")}, max_length=12)
     rng = _rng(7)
@@ -445,8 +445,8 @@ def _bump_kernel():
 @check
 def pinned_is_a_plain_view_under_the_simulator():
     import numpy as np
-    from gear_mpi import pinned
-    from gear_mpi.memory import SharedArena
+    from gear_mpi.storage import pinned
+    from gear_mpi.storage import SharedArena
     bump = _bump_kernel()
     assert pinned.is_simulator()
     buf = np.zeros(256, np.uint8)
@@ -539,12 +539,12 @@ def _main_plain():
     """Without the simulator: ``import gear_mpi`` must not import numba.cuda; then compile every
     kernel to PTX for sm_90 without a GPU. Needs libnvvm/libnvrtc: prints ``PTX SKIP`` when one is
     missing, and fails (traceback, exit status 1) on any other error -- numba-cuda refusing this
-    numpy, first of all, as :func:`gear_mpi.cuda_support.check_versions` says."""
+    numpy, first of all, as :func:`gear_mpi.kernels.cuda_support.check_versions` says."""
     import types
     import gear_mpi  # noqa: F401
     print("IMPORT " + ("numba.cuda imported" if "numba.cuda" in sys.modules else "OK"), flush=True)
-    from gear_mpi.cuda_support import check_versions
-    check_versions()
+    from gear_mpi.kernels import cuda_support
+    cuda_support.check_versions()
     from numba import cuda, float64, int64
     import numba.cuda.dispatcher as dispatcher
 
@@ -675,18 +675,18 @@ def test_only_a_missing_library_skips_the_ptx_check():
 def test_installed_numba_cuda_and_numpy_compile_kernels():
     """The environment the tests run in (the newest numpy the extras' pins allow, in CI's fresh
     install) is one whose kernels compile, whether or not the PTX check above can run here."""
-    from gear_mpi.cuda_support import check_versions, installed_versions
-    numpy_version, numba_cuda_version = installed_versions()
+    from gear_mpi.kernels import cuda_support
+    numpy_version, numba_cuda_version = cuda_support.installed_versions()
     assert numba_cuda_version is not None, "the test extra installs numba-cuda"
-    check_versions()
+    cuda_support.check_versions()
 
 
 @pytest.mark.parametrize("numpy_version, numba_cuda_version, fails", [
     ("2.5.5", "0.30.4", True), ("2.5.0", "0.21.1", True), ("2.5.0rc1", "0.28.2", True), ("3.0.0", "0.30.0", True),
     ("2.4.6", "0.30.4", False), ("1.26.4", "0.22.0", False), ("2.5.5", "0.20.1", False)])
 def test_version_guard_names_the_versions_and_the_fix(monkeypatch, numpy_version, numba_cuda_version, fails):
-    from gear_mpi import cuda_support
-    monkeypatch.setattr(cuda_support, "installed_versions", lambda: (numpy_version, numba_cuda_version))
+    from gear_mpi.kernels import cuda_support
+    monkeypatch.setattr(cuda_support, "cuda_support.installed_versions", lambda: (numpy_version, numba_cuda_version))
     monkeypatch.setattr(cuda_support, "_registers_row_stack", lambda: pytest.fail("only newer releases are probed"))
     if not fails:
         cuda_support.check_versions()
@@ -699,7 +699,7 @@ def test_version_guard_names_the_versions_and_the_fix(monkeypatch, numpy_version
 
 
 def test_version_guard_probes_releases_it_has_not_read(monkeypatch):
-    from gear_mpi import cuda_support
+    from gear_mpi.kernels import cuda_support
     probes = []
     for still_broken in (True, False):
         monkeypatch.setattr(cuda_support, "_registers_row_stack", lambda b=still_broken: probes.append(b) or b)
@@ -710,14 +710,14 @@ def test_version_guard_probes_releases_it_has_not_read(monkeypatch):
             cuda_support.check_versions("2.5.5", "0.31.0")
     cuda_support.check_versions("2.4.6", "0.31.0")   # numpy still has row_stack: nothing to probe
     assert probes == [True, False]
-    monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.5.5", None))
+    monkeypatch.setattr(cuda_support, "cuda_support.installed_versions", lambda: ("2.5.5", None))
     cuda_support.check_versions()                     # no numba-cuda: nothing to judge
 
 
 def test_cuda_module_checks_versions_off_the_simulator_only(monkeypatch):
-    from gear_mpi import cuda_support
+    from gear_mpi.kernels import cuda_support
     monkeypatch.setattr(cuda_support, "_CUDA", [])
-    monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.5.5", "0.30.4"))
+    monkeypatch.setattr(cuda_support, "cuda_support.installed_versions", lambda: ("2.5.5", "0.30.4"))
     monkeypatch.setattr(cuda_support, "simulator_enabled", lambda: False)
     with pytest.raises(RuntimeError, match="numpy 2.5.5"):
         cuda_support.cuda_module()
@@ -726,7 +726,7 @@ def test_cuda_module_checks_versions_off_the_simulator_only(monkeypatch):
     import types
     import numba
     monkeypatch.setattr(cuda_support, "simulator_enabled", lambda: True)
-    monkeypatch.setattr(cuda_support, "check_versions", lambda: pytest.fail("checked under the simulator"))
+    monkeypatch.setattr(cuda_support, "cuda_support.check_versions", lambda: pytest.fail("checked under the simulator"))
     fake = types.ModuleType("numba.cuda")
     monkeypatch.setitem(sys.modules, "numba.cuda", fake)
     monkeypatch.delattr(numba, "cuda", raising=False)

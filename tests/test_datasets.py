@@ -2,7 +2,7 @@
 on 1, 2 and 3 ranks (tests/mpi/test_dataset_ingest.py, over the files of tests/mpi/dataset_files.py).
 
 - split_episodes ends episodes at terminals or timeouts and keeps an open last one;
-  balanced_shares cuts contiguous runs within one episode of the mean; chunk_bounds
+  balanced_shares cuts contiguous runs within one episode of the mean; dataset_load.chunk_bounds
   groups whole episodes.
 - The sources read the files' metadata only when opened and name the fault of a damaged
   file (in-process, no MPI).
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from gear_mpi.datasets import balanced_shares, split_episodes
-from gear_mpi.datasets.d4rl import D4RLSource
-from gear_mpi.datasets.ingest import chunk_bounds
-from gear_mpi.datasets.npz import NpzSource, npz_header
+from gear_mpi.datasets import d4rl
+from gear_mpi.datasets import load as dataset_load
+from gear_mpi.datasets import npz
 from mpi_util import MPI_TESTS, run_pytest_mpi
 
 _spec = importlib.util.spec_from_file_location("dataset_files", MPI_TESTS / "dataset_files.py")
@@ -58,15 +58,15 @@ def test_balanced_shares(ranks):
 
 def test_chunk_bounds():
     lengths = np.array([5, 5, 5, 20, 1, 1, 1])
-    b = chunk_bounds(lengths, step_bytes=10, chunk_bytes=100)  # chunks start every 10 steps
+    b = dataset_load.chunk_bounds(lengths, step_bytes=10, chunk_bytes=100)  # chunks start every 10 steps
     assert b[0] == 0 and b[-1] == len(lengths) and np.all(np.diff(b) >= 1)
     assert b.tolist() == [0, 2, 4, 7]  # a chunk starts where a new 100 bytes begin; its last episode may run over
-    assert chunk_bounds(np.zeros(0, np.int64), 10, 100).tolist() == [0]
+    assert dataset_load.chunk_bounds(np.zeros(0, np.int64), 10, 100).tolist() == [0]
 
 
 def test_sources_read_metadata_and_name_faults(files):
     lengths, open_last = dataset_files.episodes()
-    s = D4RLSource(files / "good.hdf5")
+    s = d4rl.D4RLSource(files / "good.hdf5")
     try:
         np.testing.assert_array_equal(s.lengths, lengths)
         assert s.open_last == open_last and s.columns["observations"] == ((3,), np.dtype(np.float32))
@@ -76,19 +76,19 @@ def test_sources_read_metadata_and_name_faults(files):
         np.testing.assert_array_equal(got["infos/step"], np.arange(a, a + lengths[2:4].sum()))
     finally:
         s.close()
-    s = D4RLSource(files / "text.hdf5", columns=["observations", "infos/step"])  # pick around a bad one
+    s = d4rl.D4RLSource(files / "text.hdf5", columns=["observations", "infos/step"])  # pick around a bad one
     assert list(s.columns) == ["observations", "infos/step"]
     s.close()
     with pytest.raises(ValueError, match=r"no dataset\(s\) \['nope'\]"):
-        D4RLSource(files / "good.hdf5", columns=["nope"])
-    n = NpzSource(files / "good_npz")
+        d4rl.D4RLSource(files / "good.hdf5", columns=["nope"])
+    n = npz.NpzSource(files / "good_npz")
     np.testing.assert_array_equal(n.lengths, lengths)
     assert not n.open_last
-    assert npz_header(n.files[0])["observations"] == ((lengths[0], 3), np.dtype(np.float32))
+    assert npz.npz_header(n.files[0])["observations"] == ((lengths[0], 3), np.dtype(np.float32))
     with pytest.raises(ValueError, match="not a directory"):
-        NpzSource(files / "good.hdf5")
+        npz.NpzSource(files / "good.hdf5")
     with pytest.raises(ValueError, match="not a readable .npz file"):
-        npz_header(files / "good.hdf5")
+        npz.npz_header(files / "good.hdf5")
 
 
 def test_make_dataset_writes_what_the_loader_reads(tmp_path):
@@ -99,7 +99,7 @@ def test_make_dataset_writes_what_the_loader_reads(tmp_path):
     out = tmp_path / "cp.hdf5"
     summary = make_dataset(out, "CartPole-v1", steps=3000, noise=(0.0, 1.0), seed=3, max_episode_steps=200,
                            npz_dir=tmp_path / "npz")
-    s = D4RLSource(out)
+    s = d4rl.D4RLSource(out)
     try:
         assert len(s.lengths) == summary["episodes"] and s.lengths.sum() == 3000
         assert summary["timeouts"] > 0 and summary["terminals"] > 0  # expert episodes time out, random ones fall
@@ -109,7 +109,7 @@ def test_make_dataset_writes_what_the_loader_reads(tmp_path):
             assert f["metadata"].attrs["env"] == "CartPole-v1"
     finally:
         s.close()
-    n = NpzSource(tmp_path / "npz")
+    n = npz.NpzSource(tmp_path / "npz")
     assert n.lengths.sum() == 3000 and len(n.lengths) == summary["episodes"]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gear_mpi.device import gpu_for, parse_device
+from gear_mpi.storage import gpu_for, parse_device
 from mpi_util import run_pytest_mpi
 
 
@@ -34,7 +34,8 @@ def test_gpu_follows_the_local_rank():
 
 def test_device_cuda_names_incompatible_versions(monkeypatch):
     """device="cuda" with a numba-cuda that cannot compile for this numpy: a clear error first."""
-    from gear_mpi import cuda_support, device
+    from gear_mpi.kernels import cuda_support
+    from gear_mpi.storage import device
     monkeypatch.setattr(device, "simulator_enabled", lambda: False)
     monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.5.5", "0.30.4"))
     with pytest.raises(RuntimeError, match=r"numba-cuda 0\.30\.4 cannot compile CUDA kernels with numpy 2\.5\.5"):

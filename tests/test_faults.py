@@ -219,7 +219,7 @@ def test_survivors_of_a_killed_rank_raise_a_clear_error(jobs):
 
 def test_ulfm_survivors_of_a_one_node_sample_raise_at_the_deadline(openmpi_faults):
     """Open MPI with ULFM (``mpiexec --with-ft ulfm``), all ranks on one node: the sample that a rank dies in
-    agrees on the node board in shared memory (gear_mpi.node.NodeBoard), so no MPI call is pending for ULFM
+    agrees on the node board in shared memory (gear_mpi.distributed.node.NodeBoard), so no MPI call is pending for ULFM
     to fail; every survivor raises CollectiveTimeoutError at the deadline with the same message as without
     ULFM, finds the replay unusable afterwards (check_faults.survive), and the job exits 0."""
     job = openmpi_faults.kill("ulfm")

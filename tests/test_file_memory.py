@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi import file_memory
+from gear_mpi.storage import file_arenas as file_memory
 from gear_mpi.errors import StorageError
-from gear_mpi.windows import attach_columns
+from gear_mpi.storage import attach_columns
 
 from mpi_util import run_pytest_mpi
 
@@ -217,7 +217,7 @@ def test_device_replay_on_file_memory_on_the_simulator():
 
 def test_memory_budget_counts_what_stays_in_ram():
     """A file-backed shard reserves RAM for its priority index only; a mapped one for its table and index."""
-    from gear_mpi import budget
+    from gear_mpi.storage import budget
     big = gm.TrajectorySpec({"img": ((84, 84, 4), "uint8")}, max_length=100)
     cap = 40_000_000  # 1.1 TB of steps: no node's RAM
     ram = budget.shard_bytes(big, cap, 100_000, True, "private")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi import memory, store_insert, table_layout
+from gear_mpi.storage import arenas as memory, store_insert, table as table_layout
 
 
 def _spec():
@@ -139,7 +139,7 @@ def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_fa
     are collapsed into huge pages by a background thread (MADV_COLLAPSE); the contents do not change."""
     if not memory.PrivateArena.huge_pages or memory.PrivateArena.first_fill_huge:
         pytest.skip("huge pages off, or kept for a first fill, here")
-    from gear_mpi import page_collapse
+    from gear_mpi.storage import huge_pages as page_collapse
     n = 1 << 19  # 4 MB of x in a ring of 8 MB: half of it written
     s = shard_factory(_spec(), 2 * n, gm.Uniform())
     monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
@@ -182,7 +182,7 @@ def test_huge_pages_always_leaves_the_advice_alone(monkeypatch):
 
 def test_collapse_is_off_unless_asked(monkeypatch):
     """$GEAR_MPI_COLLAPSE unset or 0 (page_collapse.ENABLED False): no thread, nothing advised."""
-    from gear_mpi import page_collapse
+    from gear_mpi.storage import huge_pages as page_collapse
     monkeypatch.setattr(page_collapse, "ENABLED", False)
     pages = memory.anonymous_pages(8 << 20)
     view = np.frombuffer(pages, np.uint8)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi import store_insert
+from gear_mpi.storage import store_insert
 from gear_mpi.kernels import ring
 from test_insert_packed import same_state
 
@@ -69,7 +69,7 @@ _CHILD = textwrap.dedent("""
     import gc, json, sys
     import numpy as np
     import gear_mpi as gm
-    from gear_mpi import store_insert
+    from gear_mpi.storage import store_insert
 
     from scripts.bench.bench_memory import rss_bytes as rss
 

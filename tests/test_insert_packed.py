@@ -18,8 +18,8 @@ import torch
 
 import gear_mpi as gm
 from gear_mpi.kernels import ring
-from gear_mpi.priority_index import PriorityIndex
-from gear_mpi.shard_insert import REBUILD_FRACTION
+from gear_mpi.selection import PriorityIndex
+from gear_mpi.storage import shard_insert
 
 
 def pack(trajs):
@@ -105,7 +105,7 @@ def test_one_step_items_and_full_replacement(shard_factory):
 
 @pytest.mark.parametrize("batch", [3, 40, 200])  # per-slot updates, then leaves + rebuild (1/8 of 256 slots = 32)
 def test_index_matches_leaves_set_one_by_one(make_spec, make_traj, shard_factory, batch):
-    assert REBUILD_FRACTION == 8
+    assert shard_insert.REBUILD_FRACTION == 8
     spec = make_spec(4)
     s = shard_factory(spec, 600, gm.Prioritized(0.7, 0.4), max_items=256)
     rng = np.random.default_rng(2)
@@ -284,7 +284,7 @@ def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factor
     ring wrap-arounds and a full ring of one-step items; no thread is left; a copy's error reaches
     the caller."""
     import threading
-    from gear_mpi import store_insert
+    from gear_mpi.storage import store_insert
     rng = np.random.default_rng(11)
     monkeypatch.setattr(store_insert, "PIECE_BYTES", 40)  # copies in pieces of a few steps, taken by both threads
     a = shard_factory(spec, 120, gm.Uniform(), max_items=20)
@@ -326,7 +326,7 @@ def test_copy_thread_finishes_chunks_as_the_plain_path(spec, make_traj, shard_fa
     paths and removals, the keys, tables, raw priorities and index are those of one plain pass; an
     error in that work reaches the caller and no thread is left."""
     import threading
-    from gear_mpi import store_insert
+    from gear_mpi.storage import store_insert
     rng = np.random.default_rng(17)
     a = shard_factory(spec, 150, sampler, max_items=40, max_times_sampled=2, seed=3)
     b = shard_factory(spec, 150, sampler, max_items=40, max_times_sampled=2, seed=3)

@@ -77,7 +77,7 @@ def test_scratch_is_kept_per_thread_and_updates_reuse_theirs():
     import threading
 
     from gear_mpi.kernels import priority_tree
-    from gear_mpi.priority_index import PriorityIndex
+    from gear_mpi.selection import PriorityIndex
 
     rows = local_sample._scratch(600)
     assert local_sample._scratch(600) is rows

@@ -9,7 +9,7 @@ from gear_mpi import keys as keyspace
 from gear_mpi.errors import InvalidKeyError
 from gear_mpi.keys import owner_of
 from gear_mpi.replay import FOLD_RANKS
-from gear_mpi.routing import check_keys
+from gear_mpi.distributed import routing
 
 
 def test_check_keys_reads_the_fields_as_decode_does():
@@ -17,7 +17,7 @@ def test_check_keys_reads_the_fields_as_decode_does():
     tag, ranks, max_items = 77, 6, 1000
     ok = np.concatenate([keyspace.encode(tag, r, rng.integers(0, max_items, 20), rng.integers(0, 1 << 14, 20))
                          for r in range(ranks)])
-    got, owner = check_keys(ok, tag, ranks, max_items)
+    got, owner = routing.check_keys(ok, tag, ranks, max_items)
     assert got.dtype == np.int64 and owner.dtype == np.int64
     np.testing.assert_array_equal(owner, keyspace.decode(ok)[1])
     np.testing.assert_array_equal(owner_of(ok), keyspace.decode(ok)[1])
@@ -27,5 +27,5 @@ def test_check_keys_reads_the_fields_as_decode_does():
            int(keyspace.encode(tag, 0, [max_items], [0])[0])]  # a slot beyond the table
     for k in bad:
         with pytest.raises(InvalidKeyError, match=str(k)):
-            check_keys(np.append(ok, k), tag, ranks, max_items)
+            routing.check_keys(np.append(ok, k), tag, ranks, max_items)
     assert owner_of(np.array([-1], np.int64))[0] >= FOLD_RANKS  # the fold's padding belongs to no rank of a fold

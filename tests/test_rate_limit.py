@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.feeds import split_budget
+from gear_mpi.feeds import replay_feeds
 
 
 def test_sample_to_insert_ratio_band_follows_reverb():
@@ -49,15 +49,15 @@ def test_bad_arguments_are_named(args, text):
 
 
 def test_split_budget_is_fair_then_follows_backlog():
-    np.testing.assert_array_equal(split_budget(10, np.array([0, 0])), [5, 5])
-    np.testing.assert_array_equal(split_budget(10, np.array([100, 0])), [10, 0])
-    np.testing.assert_array_equal(split_budget(10, np.array([3, 100, 1])), [3, 6, 1])
-    np.testing.assert_array_equal(split_budget(7, np.array([1, 1, 1])), [3, 2, 2])
+    np.testing.assert_array_equal(replay_feeds.split_budget(10, np.array([0, 0])), [5, 5])
+    np.testing.assert_array_equal(replay_feeds.split_budget(10, np.array([100, 0])), [10, 0])
+    np.testing.assert_array_equal(replay_feeds.split_budget(10, np.array([3, 100, 1])), [3, 6, 1])
+    np.testing.assert_array_equal(replay_feeds.split_budget(7, np.array([1, 1, 1])), [3, 2, 2])
     rng = np.random.default_rng(0)
     for _ in range(200):
         total, backlog = int(rng.integers(0, 50)), rng.integers(0, 20, int(rng.integers(1, 6)))
-        shares = split_budget(total, backlog)
+        shares = replay_feeds.split_budget(total, backlog)
         assert shares.sum() == total and (shares >= 0).all()
         assert (shares >= np.minimum(backlog, total // len(backlog))).all()
-    assert np.isinf(split_budget(math.inf, np.array([1, 2]))).all()
+    assert np.isinf(replay_feeds.split_budget(math.inf, np.array([1, 2]))).all()
 

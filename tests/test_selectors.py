@@ -119,7 +119,7 @@ def test_prioritized_after_update_priorities(shard_factory, spec, make_traj):
     new = rng.uniform(0.0, 8.0, len(changed))
     new[0] = 0.0
     assert shard.update_priorities(changed, new) == len(changed)
-    # read back from the index (p ** alpha): within an ulp or two (gear_mpi.table_layout.DerivedPriority)
+    # read back from the index (p ** alpha): within an ulp or two (gear_mpi.storage.table.DerivedPriority)
     np.testing.assert_allclose(shard.priorities(changed), new, rtol=1e-15, atol=0)
     check_prioritized(shard, keys, alpha, beta, 60_000)
     # priorities sampled by a batch can be fed straight back (torch tensors)
@@ -329,7 +329,7 @@ def test_random_window_start_is_uniform(shard_factory, make_spec, make_traj, len
 def test_power_weights_are_numpys_bit_for_bit(alpha):
     """kernels.weights.power_weights (Prioritized.weights, serial and shared among threads) gives
     np.power's very values, its special-cased exponents included."""
-    from gear_mpi.kernels.weights import PARALLEL_MIN, power_weights
+    from gear_mpi.kernels import PARALLEL_MIN, power_weights
     rng = np.random.default_rng(7)
     p = np.concatenate([rng.uniform(0.0, 10.0, PARALLEL_MIN + 5), [0.0, 1.0, 1e-300, 5e-324, 1e-12, 123456.789]])
     for values in (p, p[:100]):

@@ -646,7 +646,7 @@ def _copy_state(src: gm.Shard, dst: gm.Shard, with_levels: bool = True) -> None:
 @pytest.mark.parametrize("with_levels", [True, False])
 def test_table_and_index_state_round_trip(shard_factory, spec, make_traj, with_levels):
     from gear_mpi.kernels import ring
-    from gear_mpi.kernels.priority_tree import TREE_FIELDS
+    from gear_mpi.kernels import TREE_FIELDS
     a = shard_factory(spec, 97, gm.Prioritized(0.7, 0.5), max_items=23, max_times_sampled=3, seed=5, tag=7)
     for i in range(60):  # wraps the ring, fills the table, evicts
         a.insert(make_traj(int(1 + i % 9)), priority=0.5 + i % 4)
@@ -709,14 +709,14 @@ def test_restore_table_refuses_bad_sections_and_changes_nothing(shard_factory, s
 
 
 def test_ring_segments():
-    from gear_mpi.kernels.ring import ring_segments
+    from gear_mpi.kernels import ring_segments
     assert ring_segments(8, 5, 10) == [(8, 10), (0, 3)]
     assert ring_segments(0, 10, 10) == [(0, 10)]
     assert ring_segments(4, 0, 10) == []
 
 
 def test_index_kinds_and_sections():
-    from gear_mpi.priority_index import DevicePriorityIndex, LEVEL_FIELDS, PriorityIndex
+    from gear_mpi.selection import DevicePriorityIndex, LEVEL_FIELDS, PriorityIndex
     assert PriorityIndex.KIND == "blocked" and DevicePriorityIndex.KIND == "generic"
     idx = PriorityIndex(300)
     idx.set(np.arange(10), np.arange(10, dtype=np.float64))
@@ -732,7 +732,7 @@ def test_index_kinds_and_sections():
 # ---- memory="private" and the deprecated "numpy" ----------------------------------------------
 
 def test_memory_numpy_is_a_deprecated_name_of_private(spec):
-    from gear_mpi.memory import PrivateArena, make_arena
+    from gear_mpi.storage import PrivateArena, make_arena
     from gear_mpi.storage import TrajectoryStore
     with pytest.warns(DeprecationWarning, match='memory="numpy" is deprecated'):
         shard = gm.Shard(spec, 20, memory="numpy")
@@ -751,9 +751,9 @@ def test_memory_numpy_is_a_deprecated_name_of_private(spec):
 
 
 def test_priority_index_old_import_path_warns():
-    import gear_mpi.selectors as selectors
-    from gear_mpi.priority_index import PriorityIndex
-    with pytest.warns(DeprecationWarning, match="gear_mpi.priority_index"):
+    from gear_mpi.selection import selectors
+    from gear_mpi.selection import PriorityIndex
+    with pytest.warns(DeprecationWarning, match="gear_mpi.selection.priority_index"):
         assert selectors.PriorityIndex is PriorityIndex
     with pytest.raises(AttributeError):
         selectors.NoSuchThing  # noqa: B018

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi import memory
-from gear_mpi.memory import column_layout
+from gear_mpi.storage import arenas as memory
+from gear_mpi.storage import column_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

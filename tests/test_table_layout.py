@@ -1,11 +1,11 @@
-"""The trajectory table's narrow layout (gear_mpi.table_layout): bytes per item, ranges, casts."""
+"""The trajectory table's narrow layout (gear_mpi.storage.table): bytes per item, ranges, casts."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi import table_layout
+from gear_mpi.storage import table as table_layout
 from gear_mpi.kernels import ring
 from gear_mpi.keys import GEN_MASK
 

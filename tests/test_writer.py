@@ -1,6 +1,6 @@
 """Writers and the owner's ingest point, with real processes and real shared memory (no MPI here).
 
-The owner side is a Shard with an IngestPoint (what a Replay rank holds); the actors are
+The owner side is a Shard with a WriterIntake (what a Replay rank holds); the actors are
 ``tests/writer_actor.py`` processes. Multi-rank behaviour (rate limiter, collectives,
 actor ranks over MPI) is in tests/mpi/test_feeds.py.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.ingest import IngestPoint
+from gear_mpi.feeds import intake
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -36,7 +36,7 @@ def actor(address: str, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def drain_until(point: IngestPoint, test, seconds: float = 120.0) -> None:
+def drain_until(point: intake.WriterIntake, test, seconds: float = 120.0) -> None:
     deadline = time.monotonic() + seconds
     while not test():
         point.drain(np.inf)
@@ -58,7 +58,7 @@ def stored(shard: gm.Shard) -> dict[tuple[int, int], dict]:
 @pytest.fixture
 def owner():
     shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
-    point = IngestPoint(shard)
+    point = intake.WriterIntake(shard)
     yield shard, point
     point.close()
     shard.close()
@@ -182,9 +182,9 @@ def test_a_dead_owner_gives_its_writers_an_error_within_their_timeout(tmp_path):
     code = ("import sys, time, gear_mpi as gm\n"
             "sys.path.insert(0, %r)\n"
             "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
-            "from gear_mpi.ingest import IngestPoint\n"
+            "from gear_mpi.feeds.intake import WriterIntake\n"
             "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
-            "point = IngestPoint(gm.Shard(spec, 1000))\n"
+            "point = intake.WriterIntake(gm.Shard(spec, 1000))\n"
             "print(point.address, flush=True)\n"
             "time.sleep(600)\n") % str(HERE)
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -208,7 +208,7 @@ def test_writer_arguments():
     with pytest.raises(gm.WriterError, match="no ingest point"):
         gm.Writer("gear_mpi_in_0000000000000000")
     shard = gm.Shard(SPEC, 100)
-    point = IngestPoint(shard)
+    point = intake.WriterIntake(shard)
     try:
         with pytest.raises(ValueError, match="staging_steps must be an integer >= max_length"):
             gm.Writer(point.address, staging_steps=3)

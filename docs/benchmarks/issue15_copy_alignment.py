@@ -10,14 +10,14 @@ import time
 import numpy as np
 from numba import njit
 
-from gear_mpi.kernels.gather import _memmove_from
-from gear_mpi.memory import anonymous_pages
+from gear_mpi.kernels import gather as gather_kernels
+from gear_mpi.storage import anonymous_pages
 
 
 @njit(nogil=True)
 def copy_rows(base, idx, out, rb):
     for i in range(idx.shape[0]):
-        _memmove_from(out, i * rb, base + idx[i] * rb, rb)
+        gather_kernels._memmove_from(out, i * rb, base + idx[i] * rb, rb)
 
 
 def median_us(f, reps=800):

@@ -1,11 +1,11 @@
 """A version-3 checkpoint's ``columns.bin``: one rank's step columns laid out exactly as its arena.
 
-The file is the arena of :func:`gear_mpi.memory.column_layout`: a 128-byte header (the
+The file is the arena of :func:`gear_mpi.storage.arenas.column_layout`: a 128-byte header (the
 fingerprint of spec and capacity; the node fence's counter zero) and each column's whole
 ring at its 64-byte aligned offset, each step at its ring position. Only the ring steps in
 use are written; the rest of the file is a hole (no blocks where the file system allows
 sparse files; it reads as zeros). So ``Replay.load(path, mmap=True)`` maps the file as the
-shard's arena (copy-on-write, :class:`~gear_mpi.file_memory.FileArena`) with no read at all.
+shard's arena (copy-on-write, :class:`~gear_mpi.storage.file_arenas.FileArena`) with no read at all.
 
 The checksum covers the *pieces* in this order: the header, then each column's steps in use,
 oldest first, in the spec's column order (``data`` bytes in all; the manifest's ``bytes`` is
@@ -23,7 +23,7 @@ import numpy as np
 from .. import progress
 from ..errors import CheckpointError
 from ..kernels import ring
-from ..memory import HEADER_BYTES, check_header, column_layout, write_header
+from ..storage.arenas import HEADER_BYTES, check_header, column_layout, write_header
 from ..spec import TrajectorySpec
 from . import files
 from .files import CHUNK_BYTES, CheckedFile, slices

@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from .. import deadline
-from ..comm import MpiComm
+from ..distributed import deadline
+from ..distributed.comm import MpiComm
 from ..errors import CollectiveTimeoutError
 from ..progress import log
 

@@ -22,11 +22,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import selectors as selector_module
-from ..comm import MpiComm, displacements
+from ..selection import selectors as selector_module
+from ..distributed.comm import MpiComm, displacements
 from ..errors import CheckpointError
 from ..progress import Meter, log, wanted
-from ..selectors import Selector
+from ..selection.selectors import Selector
 from ..spec import TrajectorySpec
 from . import arena_file, files, reshard, shard_files
 from .arrival import Channel, CheckpointComm, human

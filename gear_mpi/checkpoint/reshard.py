@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import keys as keyspace
 from .. import progress
-from ..comm import MpiComm
+from ..distributed.comm import MpiComm
 from ..kernels import ring
 from ..progress import Meter
 from . import shard_files

@@ -7,7 +7,7 @@ Both are collective and return a filled :class:`~gear_mpi.replay.Replay` (one tr
 per episode, columns named after the datasets or arrays). The episodes are cut into one
 contiguous run per rank, balanced by steps; each rank reads only its run, in chunks, each
 inserted with one ``insert_packed``. ``replay.dataset_info`` tells what was read (see
-:func:`gear_mpi.datasets.ingest.ingest`). Modules: :mod:`.episodes` (episode split, shares),
+:func:`gear_mpi.datasets.load.ingest`). Modules: :mod:`.episodes` (episode split, shares),
 :mod:`.ingest` (the collective load), :mod:`.d4rl` and :mod:`.npz` (the two sources).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Sequence
 from ..replay import Replay
 from .d4rl import D4RLSource
 from .episodes import balanced_shares, split_episodes
-from .ingest import CHUNK_BYTES, ingest
+from .load import CHUNK_BYTES, ingest
 from .npz import NpzSource
 
 __all__ = ["from_d4rl", "from_npz_dir", "split_episodes", "balanced_shares"]
@@ -33,7 +33,7 @@ def from_d4rl(path: str | Path, comm=None, *, columns: Sequence[str] | None = No
     end form one more episode, kept and flagged (``replay.dataset_info["open_last_episode"]`` and
     ``["open_episode_key"]``). Columns are named after the datasets (``"observations"``, ...,
     ``"infos/qpos"``) with their dtypes. Collective: every rank opens the file and reads the
-    steps of its own episodes only (see :func:`gear_mpi.datasets.ingest.ingest`).
+    steps of its own episodes only (see :func:`gear_mpi.datasets.load.ingest`).
 
     Args:
         path: the file (the same file on every rank, e.g. on a shared file system).

@@ -1,7 +1,7 @@
 """Pure numba kernels over arrays: no classes, no MPI, no allocation of state.
 
-The classes that own the arrays live a floor up (:mod:`gear_mpi.storage`,
-:mod:`gear_mpi.priority_index`) and pass them in as one named tuple each
+The classes that own the arrays live a floor up (:mod:`gear_mpi.storage.store`,
+:mod:`gear_mpi.selection.priority_index`) and pass them in as one named tuple each
 (:class:`ring.Table`, :class:`priority_tree.Tree`), built once. One module per job:
 
 - :mod:`~gear_mpi.kernels.ring` -- the step ring and trajectory table bookkeeping
@@ -16,5 +16,10 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage`,
 - :mod:`~gear_mpi.kernels.hints` -- software prefetch and ordered stores used by the above.
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
   twins of the priority and gather kernels, same results (imported only for ``device="cuda"``
-  and by the tests; they need numba-cuda, see :mod:`gear_mpi.cuda_support`).
+  and by the tests; they need numba-cuda, see :mod:`gear_mpi.kernels.cuda_support`).
 """
+from .priority_tree import TREE_FIELDS, Tree
+from .ring import ring_segments
+from .weights import PARALLEL_MIN, power_weights
+
+__all__ = ["TREE_FIELDS", "Tree", "ring_segments", "PARALLEL_MIN", "power_weights"]

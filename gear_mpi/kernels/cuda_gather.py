@@ -2,7 +2,7 @@
 
 The source is a shard column as bytes, ``src[capacity * step_bytes]``, normally
 host memory that is page-locked and mapped into the device's address space
-(:mod:`gear_mpi.pinned`), so the kernel reads the ring straight from host memory
+(:mod:`gear_mpi.storage.pinned`), so the kernel reads the ring straight from host memory
 (zero copy); it may as well be device memory. The destination is a device batch
 buffer viewed as bytes, ``out[B * window * step_bytes]``. Semantics are exactly
 those of :func:`gather.gather_windows` / :func:`gather.fill_mask`: window ``i`` is
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cuda_support import as_device, cuda_module, device_address, is_device_array, simulator_enabled
+from .cuda_support import as_device, cuda_module, device_address, is_device_array, simulator_enabled
 
 cuda = cuda_module()  # ImportError with the install hint when numba-cuda is missing
 
@@ -200,10 +200,10 @@ def fill_mask(n_valid, pad_front, out_rows, mask, threads: int = 128) -> None:
 
 def gather_into(byte_views, spec, capacity, win_start, n_valid, pad_front, out_rows, columns, mask,
                 threads: int = 128, vec: int = 16) -> None:
-    """Device twin of :func:`gear_mpi.windows.gather_into`.
+    """Device twin of :func:`gear_mpi.storage.columns.gather_into`.
 
     ``byte_views``: column name -> device uint8 array of the shard's ring (e.g. from
-    :func:`gear_mpi.pinned.map_byte_views`, zero copy); ``columns``: name -> device
+    :func:`gear_mpi.storage.pinned.map_byte_views`, zero copy); ``columns``: name -> device
     array or CUDA tensor ``[rows, window, *shape]``; ``mask``: device bool ``[rows, window]``.
     Index arrays may be host (copied once) or device arrays; host ``win_start`` is
     reduced modulo ``capacity`` here, device ones must already be.

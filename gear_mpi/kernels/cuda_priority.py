@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from ..cuda_support import blocks_for, cuda_module, simulator_enabled
+from .cuda_support import blocks_for, cuda_module, simulator_enabled
 from .priority_tree import FANOUT, FANOUT2, LINE
 
 cuda = cuda_module()  # ImportError with the install hint when numba-cuda is missing

@@ -59,7 +59,7 @@ ring steps), ``length`` (the narrowest unsigned type holding ``max_length``), ``
 and alive code), ``stamp`` (int64 insertion time, ns) and ``times_sampled`` (uint32 uses); ``order``
 (int32 ring of slots); ``state`` (int64[STATE_LEN]). A row whose every value is known (``length`` when
 every trajectory is one step, ``times_sampled`` when uses are not counted) is one element seen through a
-zero stride. Built once by its store (:mod:`gear_mpi.table_layout`).
+zero stride. Built once by its store (:mod:`gear_mpi.storage.table`).
 
 The kernels take it whole, as a ``Table`` or as the plain tuple of its arrays in
 ``TABLE_FIELDS`` order (``tuple(table)``, which the store passes: numba types a plain

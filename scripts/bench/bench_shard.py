@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 import gear_mpi as gm
-from gear_mpi.priority_index import PriorityIndex
+from gear_mpi.selection import PriorityIndex
 
 GB = 1e9
 MIB = 1 << 20

@@ -7,7 +7,7 @@ Prints one table (``--json``: one JSON object instead), one row per case:
                  with duplicates, full rebuild, window gather at every vector width, mask):
                  ``yes`` only when the results are identical, bit for bit;
 - ``bandwidth``  the zero-copy window gather reading pinned, mapped host memory
-                 (``gear_mpi.pinned``), beside a host-to-device copy of the same number of
+                 (``gear_mpi.storage.pinned``), beside a host-to-device copy of the same number of
                  bytes (from pinned and from pageable memory), a gather from device memory
                  and the CPU gather -- all measured in this run;
 - ``selection``  B=1e6 prioritized draws over N=1e8 and N=1e9 leaves (N=1e9 when device
@@ -191,7 +191,7 @@ class Checker:
 
     # ---- match: each kernel against the CPU kernel ---------------------------------------------
     def match_priority(self):
-        from gear_mpi.priority_index import DevicePriorityIndex, PriorityIndex
+        from gear_mpi.selection import DevicePriorityIndex, PriorityIndex
         z, cp, rep = self.z, self.cp, self.report
         n, b = z.parity_n, z.parity_b
         size = f"N={human(n)} B={human(b)}"
@@ -238,7 +238,7 @@ class Checker:
         return all(np.array_equal(h[k], getattr(idx, k)) for k in h)
 
     def match_gather(self):
-        from gear_mpi import pinned
+        from gear_mpi.storage import pinned
         from gear_mpi.kernels import gather as g
         z, cg, cuda, rep = self.z, self.cg, self.cuda, self.report
         window, b = z.gw, z.gb
@@ -278,7 +278,7 @@ class Checker:
 
     # ---- bandwidth -------------------------------------------------------------------------------
     def bandwidth(self):
-        from gear_mpi import pinned
+        from gear_mpi.storage import pinned
         from gear_mpi.kernels import gather as g
         z, cg, cuda, rep = self.z, self.cg, self.cuda, self.report
         window, b, sb, cap = z.gw, z.gb, z.sb, z.cap
@@ -376,7 +376,7 @@ class Checker:
             self.release()
 
     def random_index(self, n):
-        from gear_mpi.priority_index import DevicePriorityIndex
+        from gear_mpi.selection import DevicePriorityIndex
         dev = DevicePriorityIndex(n, threads=self.z.threads, _fill=False)
         grid = min(self.cp.blocks_for(n, self.z.threads), 2 if self.z.sim else 65535)
         self.random_weights[grid, self.z.threads](dev.leaves, float(self.args.seed + 1), 0.1)
@@ -463,9 +463,9 @@ class Checker:
         return True
 
     def shard_sample(self, gm, spec):
-        from gear_mpi import pinned
+        from gear_mpi.storage import pinned
         from gear_mpi.batch import Batch
-        from gear_mpi.windows import gather_into
+        from gear_mpi.storage import gather_into
         z, cg, cuda, rep = self.z, self.cg, self.cuda, self.report
         b, w = z.sample_b, z.sample_w
         size = f"B={b} W={w}"

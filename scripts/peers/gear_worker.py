@@ -16,7 +16,7 @@ update_priorities(batch.keys, new priorities).
 W3: through the public API, as W2 with one float32 per item: gm.Shard(Prioritized) holding N
 length-1 items, one step = sample(B, 1, out=batch) + update_priorities(batch.keys, new priorities)
 ("Shard(Prioritized) sample+update", the row compare_peers' ratios use); and, for information,
-the shard's internal priority index alone (gear_mpi.priority_index.PriorityIndex): draw B + set B
+the shard's internal priority index alone (gear_mpi.selection.priority_index.PriorityIndex): draw B + set B
 per step ("draw+set"), and the same plus probabilities and importance weights ("+IS weights"),
 as scripts/bench/bench_shard.py does.
 """
@@ -204,7 +204,7 @@ def w3_shard(n: int, b: int, cfg: dict) -> None:
 
 
 def w3(cfg: dict) -> None:
-    from gear_mpi.priority_index import PriorityIndex
+    from gear_mpi.selection import PriorityIndex
 
     b = int(cfg["B"])
     sel = gm.Prioritized(ALPHA, BETA)

@@ -1,4 +1,4 @@
-"""Activity counters, rates and the RateMeter (gear_mpi.activity) on K ranks.
+"""Activity counters, rates and the RateMeter (gear_mpi.stats) on K ranks.
 
 - ``stats()["activity"]`` counts inserted items and bytes (insert and insert_many), windows and
   bytes received, windows served, calls; the time split is consistent (waiting and copying are parts

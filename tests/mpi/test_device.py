@@ -6,7 +6,7 @@
   torch.distributed -- gloo here, NCCL on GPUs -- or over MPI with device buffers)
   returns exactly the batches of a ``device="cpu"`` replay with the same seed, in every
   mode and on both window paths.
-- ``test_torch_comm_alltoallv_over_gloo``: TorchComm.alltoallv over gloo with uneven
+- ``test_torch_comm_alltoallv_over_gloo``: torch_comm.TorchComm.alltoallv over gloo with uneven
   counts, zeros included.
 """
 from __future__ import annotations
@@ -76,8 +76,8 @@ def test_gpu_replay_matches_cpu_replay(mode, force, selector):
 
 
 def test_torch_comm_alltoallv_over_gloo():
-    from gear_mpi.comm_torch import TorchComm
-    tc = TorchComm(COMM, "gloo", timeout=30)
+    from gear_mpi.distributed import torch_comm
+    tc = torch_comm.TorchComm(COMM, "gloo", timeout=30)
     # rank r sends (r + d) % 3 elements to rank d: zeros included
     send_counts = np.array([(RANK + d) % 3 for d in range(SIZE)])
     recv_counts = np.array([(s + RANK) % 3 for s in range(SIZE)])

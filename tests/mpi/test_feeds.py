@@ -164,7 +164,7 @@ def test_actor_ranks_send_episodes_over_mpi():
 
 
 def test_a_replay_larger_than_the_node_is_refused_on_every_rank():
-    from gear_mpi import budget
+    from gear_mpi.storage import budget
     have, where = budget.mem_available()
     if have is None:
         pytest.skip("this machine reports no available memory")

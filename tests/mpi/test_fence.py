@@ -3,7 +3,7 @@ that it finished reading that sample's windows, and raises CollectiveTimeoutErro
 
 Needs 2+ ranks on one node (skipped on one); run by tests/test_replay_mpi.py on 3.
 Rank 1 plays the slow reader by writing its own reads-done counter in the node's
-shared memory (library internals: ``gear_mpi.memory.reads_done_counter`` and the
+shared memory (library internals: ``gear_mpi.storage.arenas.reads_done_counter`` and the
 replay's sample epoch).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(SIZE < 2, reason="the fence is between node peer
 
 
 def test_insert_waits_for_node_peers_to_finish_reading():
-    from gear_mpi.memory import reads_done_counter
+    from gear_mpi.storage import reads_done_counter
     replay = gm.Replay(SPEC, 400, gm.Uniform(), seed=2, timeout=3.0)
     ref = fill(replay, 8, seed=9)
     mine = reads_done_counter(replay.shard.store.arena.buffer)

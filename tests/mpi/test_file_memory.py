@@ -204,7 +204,7 @@ def test_mmap_of_a_version_2_checkpoint_warns_and_reads():
 @pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="run with NUMBA_ENABLE_CUDASIM=1")
 def test_device_replay_on_file_memory_on_the_simulator(shared_dir):
     """device="cuda" registers the file-backed (and the mapped) arena: on the CUDA simulator it matches
-    a CPU replay (on a GPU the registration may be refused; see gear_mpi.file_memory)."""
+    a CPU replay (on a GPU the registration may be refused; see gear_mpi.storage.file_arenas)."""
     kw = dict(mode="decentralized", seed=11, timeout=TIMEOUT)
     gpu = gm.Replay(SPEC, 60, gm.Prioritized(0.7, 0.5), device="cuda", memory="file", path=rank_path(shared_dir), **kw)
     cpu = gm.Replay(SPEC, 60, gm.Prioritized(0.7, 0.5), **kw)

@@ -85,7 +85,7 @@ def test_each_host_has_its_own_dev_shm():
 
 
 def test_replay_node_view_follows_the_hosts():
-    """The replay's node (gear_mpi.node) is this rank's host: its shard is in shared memory, node
+    """The replay's node (gear_mpi.distributed.node) is this rank's host: its shard is in shared memory, node
     peers are read directly, the other host's ranks through the transport."""
     replay = make_replay(gm.Uniform())
     try:

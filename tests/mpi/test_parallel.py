@@ -1,4 +1,4 @@
-"""Model-parallel groups and one batch per replica (gear_mpi.parallel), on 4 ranks.
+"""Model-parallel groups and one batch per replica (gear_mpi.distributed.parallel), on 4 ranks.
 
 - the groups of 2 DP x 2 TP, 2 DP x 2 PP and 1 DP x 4 PP follow Megatron's order (and another
   order when asked); a world that T P does not divide, or ranks passing different sizes, fail

@@ -1,7 +1,7 @@
 """replay.batches(): batches sampled ahead on a background thread, on K ranks.
 
 The iterator must give exactly the batches that plain samples give (same seed, same
-schedule of updates as documented in gear_mpi.prefetch), stop cleanly on every path,
+schedule of updates as documented in gear_mpi.distributed.prefetch), stop cleanly on every path,
 and keep other threads off the replay while it runs. Run by tests/test_prefetch_mpi.py.
 """
 from __future__ import annotations

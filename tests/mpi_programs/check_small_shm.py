@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 import gear_mpi as gm
-from gear_mpi.ingest import IngestPoint
+from gear_mpi.feeds import intake
 
 comm = MPI.COMM_WORLD
 spec = gm.TrajectorySpec({"obs": ((1024,), np.uint8)}, max_length=10)
@@ -27,7 +27,7 @@ except gm.MemoryBudgetError as e:
 with gm.Replay(spec, 1000, memory="shm", timeout=30) as replay:
     replay.insert({"obs": np.ones((5, 1024), np.uint8)})
     assert replay.sample(2, 3).keys.shape == (2,)
-    point = IngestPoint(replay.shard)
+    point = intake.WriterIntake(replay.shard)
     try:
         gm.Writer(point.address, staging_steps=100 * 1024)  # 100 MB of staging
         raise SystemExit("FAIL: the writer was built")

@@ -1,0 +1,17 @@
+"""The collectives: how the ranks of a replay agree, plan and exchange.
+
+Lowest first:
+
+- :mod:`.deadline` -- the polling wait every collective uses, and the communicators a timeout left unusable;
+- :mod:`.comm` -- ``MpiComm``: collectives with a deadline and errors agreed on every rank;
+- :mod:`.torch_comm` -- the NCCL/gloo exchange of device windows (torch.distributed);
+- :mod:`.node` -- the node's ranks, node peers' shared memory mapped, the node fence;
+- :mod:`.plans` -- selection plans: which owner serves which requester in each mode;
+- :mod:`.transport` -- the choices and windows from owners to requesters;
+- :mod:`.routing` -- key-routed collectives: priority updates and whole-trajectory fetches;
+- :mod:`.prefetch` -- ``replay.batches()``: samples on a background thread, same order on every rank;
+- :mod:`.parallel` -- tensor/pipeline/data-parallel groups and one batch per model replica.
+
+The package's ``__init__`` imports none of them: a process that never communicates
+(an actor's writer) does not load mpi4py.
+"""

@@ -1,0 +1,441 @@
+"""The node: the ranks that share this rank's memory, their mapped shard columns, and the node fence.
+
+A requester copies windows owned by ranks on its own node straight out of their
+shared memory (POSIX segments of ``memory="shm"`` shards, or the files of
+``memory="file"`` shards, mapped at construction); windows owned by any other
+rank travel through the window transport (so do a node peer's windows when its
+arena is private or copy-on-write: ``memory="private"``, ``Replay.load(mmap=True)``). :class:`NodeView` holds what that needs: which owners this rank reads
+directly (``direct``), the address of every directly readable column ring (for
+the gather kernel), the same memory mapped into the GPU (``device="cuda"``).
+
+The node fence keeps an owner from overwriting a window a node peer still reads:
+after a sample each rank publishes, in its own segment's header, that it has
+finished reading its peers' windows of that sample; an owner about to write its
+shard waits (:meth:`NodeView.settle`) until every node peer that reads it
+directly has published the last sample. No message is sent: when another
+collective has been passed since, the wait is free.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+
+import numpy as np
+
+from . import deadline
+from .. import errors
+from .comm import MpiComm
+from ..errors import CollectiveTimeoutError
+from ..kernels import hints
+from ..storage.arenas import SHARED_KINDS, SharedArena, reads_done_counter
+from ..shard import Shard
+from ..storage.columns import attach_columns, column_addresses
+
+NAME_BYTES = 4096  # room for a shared-memory segment's name or an arena file's path in the construction allgather
+
+
+class NodeView:
+    """This rank's view of its node (see the module docstring). Build it with :meth:`join`,
+    then :meth:`attach` once this rank's shard exists.
+
+    Args:
+        comm: the replay's communicator.
+        node_comm: the communicator of this node's ranks (this object frees it in :meth:`close`).
+        ranks: the node's ranks, as ranks of ``comm``, in node-rank order.
+    Attributes (after :meth:`attach`; arrays indexed by rank of the whole communicator):
+        direct: bool, whether this rank copies owner o's windows from memory (always itself;
+            its node peers unless ``force_alltoallv``). Symmetric on a node.
+        any_remote: whether any rank of the communicator reads some owner through the transport.
+        column_addrs: ``[ranks, columns]`` int64, the address of each directly readable column ring.
+        peer_direct, remote: int64 0/1, owners read directly other than this rank / read through
+            the transport (for the window counters).
+        device_views: owner -> column -> the owner's columns mapped into the GPU (device replays).
+    """
+
+    def __init__(self, comm: MpiComm, node_comm: MpiComm, ranks: list[int]):
+        self.comm = comm
+        self.node_comm = node_comm
+        self.ranks = ranks
+        self.epoch = 0    # samples this rank has entered (the same count on every rank: sample is collective)
+        self.settled = 0  # the last sample whose node-peer reads are known to be over
+        self.closing = comm  # join() replaces it by a duplicate of comm, for the replay's closing barrier
+        self.node_peers = False
+        self.board: NodeBoard | None = None
+        self._arenas: dict = {}
+        self.peer_views: dict[int, dict[str, np.ndarray]] = {}
+        self.device_views: dict[int, dict] = {}
+        self._mapped: list = []
+
+    @classmethod
+    def join(cls, comm: MpiComm, what: str = "Replay construction") -> "NodeView":
+        """Collective: split ``comm`` by node and learn the node's ranks (an Ibarrier, ``Split_type``
+        and one allgather of 8 bytes per node rank, each with the deadline), and duplicate ``comm`` for
+        the closing barrier (one ``Idup``): a rank's close must never be matched with a collective its
+        peers still run (a sample of ranks that went on after this one stopped), which Open MPI would
+        do, handing them this rank's barrier as their data.
+
+        Args:
+            comm: the replay's communicator.
+            what: names the call in errors.
+        Returns:
+            A new NodeView (not yet attached).
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+        """
+        node_comm = comm.split_node(f"{what} (node split)")
+        try:
+            ranks = node_comm.allgather(np.array([comm.rank], np.int64), f"{what} (node ranks)")[:, 0]
+            closing = comm.dup(f"{what} (close communicator)")
+        except BaseException:
+            node_comm.free()
+            raise
+        view = cls(comm, node_comm, [int(r) for r in ranks])
+        view.closing = closing
+        return view
+
+    @property
+    def size(self) -> int:
+        """Ranks on this node. O(1)."""
+        return len(self.ranks)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's rank within its node. O(1)."""
+        return self.node_comm.rank
+
+    def attach(self, shard: Shard, memory: str, force_alltoallv: bool, device=None,
+               what: str = "Replay construction") -> None:
+        """Collective: map the node peers' columns (``memory`` ``"shm"`` or ``"file"``), decide which owners
+        are read directly, and (``device``, a DeviceContext) map the node's arenas into the GPU.
+
+        Cost: one allgather of 4 KiB per node rank, a node barrier, one allgather of 8 bytes
+        per rank, one mmap per node peer; each with the deadline.
+        Args:
+            shard: this rank's shard.
+            memory: the replay's memory kind (``"shm"``, ``"file"``: map the node peers' columns).
+            force_alltoallv: read node peers' windows through the transport, not from their memory.
+            device: the replay's ``DeviceContext`` (None: no GPU mapping).
+            what: names the call in errors.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+            FileNotFoundError, ValueError: a node peer's segment is gone, or not of this spec and capacity;
+                a file-backed arena the GPU cannot register (see :mod:`gear_mpi.storage.file_arenas`).
+        """
+        rank, size, spec, cap = self.comm.rank, self.comm.size, shard.spec, shard.capacity_steps
+        self._arenas = {rank: shard.store.arena}
+        self.peer_views = {rank: shard.store.byte_views()}
+        name = (shard.shm_name or "").encode()  # a file's path fits: PATH_MAX is 4096 with its NUL
+        names = self.node_comm.allgather_bytes(name, NAME_BYTES, f"{what} (shared-memory names)")
+        if memory in SHARED_KINDS:
+            for peer, peer_name in zip(self.ranks, names):
+                if peer != rank and peer_name:
+                    self._arenas[peer], self.peer_views[peer] = attach_columns(peer_name.decode(), spec, cap)
+            self.node_comm.barrier(f"{what} (shared memory mapped)")  # every peer has mapped the segments:
+            shard.store.arena.unlink()  # drop their names, so that no crash can leave them behind in /dev/shm
+        self.direct = np.array([r in self.peer_views and (r == rank or not force_alltoallv) for r in range(size)])
+        anyone = self.comm.allgather(np.array([not bool(self.direct.all())], np.int64), f"{what} (transport)")
+        self.any_remote = bool(anyone.any())
+        # the node fence's counters: this rank's own (peers read it) and every peer's that reads this rank
+        self._reads_done = reads_done_counter(shard.store.arena.buffer)
+        self._peer_done = [reads_done_counter(self._arenas[r].buffer) for r in range(size)
+                           if r != rank and self.direct[r]]
+        self.column_addrs = np.zeros((size, len(spec.columns)), np.int64)
+        for r, views in self.peer_views.items():
+            if self.direct[r]:
+                self.column_addrs[r] = column_addresses(views, spec, cap)
+        self.peer_direct = (self.direct & (np.arange(size) != rank)).astype(np.int64)
+        self.remote = (~self.direct).astype(np.int64)
+        self.node_peers = bool(self.peer_direct.any())
+        if device is None and size > 1 and not self.any_remote:  # one node, every rank read directly
+            self.board = NodeBoard(self.comm, self.node_comm, self.ranks, what)
+        if device is not None:
+            # page-lock the node's arenas and map them into this GPU's address space (zero copy)
+            from ..storage.pinned import map_byte_views
+            for r, arena in self._arenas.items():
+                try:
+                    mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
+                except Exception as e:
+                    if arena.kind not in ("file", "mapped"):
+                        raise
+                    raise ValueError(f"device replays page-lock the arena, and the GPU could not register "
+                                     f"rank {r}'s file-backed one ({type(e).__name__}: {e}); use memory='shm' "
+                                     f"or 'private' with device='cuda'") from e
+                self._mapped.append(mapped)
+                self.device_views[r] = views
+
+    def share_cores(self) -> None:
+        """Give this rank's numba kernels its share of the node's cores (unless NUMBA_NUM_THREADS is
+        set): ranks that each start as many threads as the node has cores oversubscribe it. Local, O(1)."""
+        if "NUMBA_NUM_THREADS" in os.environ:
+            return
+        import numba
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, cores // max(1, self.size))))
+
+    # ---- the node fence -----------------------------------------------------------------
+    def begin_sample(self) -> None:
+        """Every rank has entered a new sample, so every node peer is done reading the last one's windows.
+
+        Local, O(1): no message (the sample's first collective is the proof).
+        """
+        self.epoch += 1
+        self.settled = self.epoch - 1
+
+    def publish(self) -> None:
+        """This rank's reads of its node peers' memory for the current sample are over.
+
+        Local, O(1): a fence and one store into this rank's own segment header (when it has node peers).
+        """
+        if self.node_peers:
+            hints.publish(self._reads_done, self.epoch)
+
+    def settle(self) -> None:
+        """Before this rank writes its shard again, wait until every node peer has finished reading
+        its windows of the last sample. Free when a collective has been passed since; otherwise a
+        poll of a few shared counters (gear_mpi.distributed.deadline.poll), with the communicator's deadline.
+
+        Raises:
+            CollectiveTimeoutError: a node peer did not publish within the deadline.
+        """
+        if not self.node_peers or self.settled == self.epoch:
+            return
+        epoch = self.epoch
+        timeout = self.comm.timeout
+        if not deadline.poll(lambda: all(int(d[0]) >= epoch for d in self._peer_done), timeout):
+            raise CollectiveTimeoutError(f"node fence: a node peer did not finish reading this rank's windows "
+                                         f"of sample {epoch} within timeout={timeout:g} s")
+        hints.fence()  # no write of ours before the peers' reads that the counters vouch for
+        self.settled = epoch
+
+    def closing_barrier(self) -> None:
+        """Collective: the replay's closing barrier, on the closing communicator (one Ibarrier, with the deadline).
+
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline; the replay's communicator is then
+                marked unusable too (its ranks are out of step), as when the barrier ran on it.
+        """
+        try:
+            self.closing.barrier("close")
+        except CollectiveTimeoutError:
+            self.comm.broken = self.closing.broken
+            deadline.mark_pending(self.comm.comm, self.closing.broken)
+            raise
+
+    def close(self) -> None:
+        """Unmap the GPU mappings and the node peers' columns, free the node and closing communicators (local).
+        Idempotent; this rank's own arena is its shard's to close."""
+        for mapped in self._mapped:  # unregister the pinned mappings before unmapping the arenas
+            mapped.close()
+        self._mapped, self.device_views = [], {}
+        self.peer_views = {}
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+        rank = self.comm.rank
+        for r, arena in self._arenas.items():
+            if r != rank:
+                arena.close()
+        self._arenas = {}
+        self.node_comm.free()
+        if self.closing is not self.comm:
+            self.closing.free()
+            self.closing = self.comm
+
+
+# ---- the node board: a sample's header and choices through shared memory -------------------------------
+_SLOT = 512  # bytes a rank's board starts with: header counter (0), choices counter (64), two header rows (128)
+_ROW = 16    # float64 a header row holds (a status and up to 15 values)
+CHOICE_CAPACITY = 8192  # choices an owner posts on its board per sample; more: that sample's choices travel by MPI
+
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if os.name == "posix" else None
+_LIBC = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex(word: np.ndarray, op: int, value: int, seconds: float = 0.0) -> None:
+    """FUTEX_WAIT (sleep while ``word[0] == value``, at most ``seconds``) or FUTEX_WAKE (every sleeper)."""
+    ts = ctypes.byref(_Timespec(int(seconds), int((seconds % 1.0) * 1e9))) if op == _FUTEX_WAIT else None
+    _LIBC.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(word.ctypes.data), ctypes.c_int(op),
+                  ctypes.c_int(value), ts, None, ctypes.c_int(0))
+
+
+def _reached(word: np.ndarray, target: int) -> bool:
+    """Whether a 32-bit counter has reached ``target`` (modulo 2**32, so wrapping is harmless)."""
+    return (int(word[0]) - target) & 0xFFFFFFFF < 0x80000000
+
+
+class NodeBoard:
+    """Samples of a replay whose ranks all share one node, synchronised through shared memory, no MPI.
+
+    Each rank owns a small shared segment (its *board*): a header counter and two header rows
+    (alternating: a rank can be at most one sample ahead of another), a choices counter, and room for
+    :data:`CHOICE_CAPACITY` choices (48 bytes each) that the rank serves per sample. :meth:`agree`
+    replaces the header's allgather, :meth:`post` / :meth:`collect` the choices' alltoallv: no MPI
+    call. A rank waiting for a peer polls the peer's counter, yielding its core between polls
+    (``sched_yield``: on an oversubscribed node the core goes to a rank that works) for 20 ms
+    (as :func:`gear_mpi.distributed.deadline.poll`), then sleeps on it (a futex the publisher wakes; where
+    there is none, sleeps of up to 1 ms).
+    Construction is collective over the node: one allgather of names, a barrier.
+
+    Args:
+        comm: the replay's communicator (every rank on this node); node_comm: the node's communicator.
+        ranks: the node's ranks as ranks of ``comm``, in node-rank order; what: names the calls in errors.
+    Raises:
+        CollectiveTimeoutError: a rank did not arrive within the deadline.
+        MemoryBudgetError: no room in /dev/shm for the board (about 400 KiB a rank).
+    """
+
+    def __init__(self, comm: MpiComm, node_comm: MpiComm, ranks: list[int], what: str):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.arena = SharedArena(_SLOT + CHOICE_CAPACITY * 48)
+        self._arenas = {}
+        try:
+            names = node_comm.allgather_bytes(self.arena.name.encode(), NAME_BYTES, f"{what} (node board names)")
+            for r, name in zip(ranks, names):
+                self._arenas[r] = self.arena if r == self.rank else SharedArena.attach(name.decode())
+            node_comm.barrier(f"{what} (node board mapped)")
+        except BaseException:
+            self.close()
+            raise
+        self.arena.unlink()
+        bufs = [self._arenas[r].buffer for r in range(self.size)]
+        self.head_count = [b[0:4].view(np.uint32) for b in bufs]
+        self.choice_count = [b[64:68].view(np.uint32) for b in bufs]
+        self.sleeping = [b[96:100].view(np.uint32) for b in bufs]  # 1 + the rank whose counter it sleeps on
+        self.rows = [b[128:128 + 2 * _ROW * 8].view(np.float64).reshape(2, _ROW) for b in bufs]
+        self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, 6) for b in bufs]
+        self.rounds = 0  # header rounds agreed (the same on every rank)
+        # seconds of polling (yielding the core) before sleeping on a futex; a futex from the start, or
+        # after 50 us, measured slower on W1 with 4 ranks on 2 cores (1.53 / 1.22 against 1.12 ms a call)
+        self.spin = 0.02
+        hints.publish(self.head_count[self.rank], 0)  # compile (cache) the ordered store now
+
+    def agree(self, error: BaseException | None, what: str, values) -> np.ndarray:
+        """:meth:`MpiComm.agree` over the board: every rank's ``values``, or the same error on every rank.
+
+        Collective over the replay (every rank calls it, in the same order as its other collectives).
+        Cost: one row written, a counter published, a wait for every peer's counter; an error
+        anywhere: then :meth:`MpiComm.agree` (its allgathers) raises it on every rank.
+        Args:
+            error: this rank's exception, or None; what: names the call in errors.
+            values: up to 15 numbers to share (the same count on every rank).
+        Returns:
+            float64 ``[ranks, len(values)]``, row r from rank r.
+        Raises:
+            the lowest failing rank's error class (see :meth:`MpiComm.agree`); CollectiveTimeoutError: a rank
+            did not arrive within the deadline (the replay is then unusable).
+        """
+        self.comm.check_usable()
+        self.rounds += 1
+        n, width = self.rounds, len(values)
+        row = self.rows[self.rank][n & 1]
+        row[0] = -1.0 if error is None else 1.0
+        row[1:1 + width] = values
+        self._publish(self.head_count, n)
+        self.wait(self.head_count, range(self.size), n, what)
+        table = np.empty((self.size, width + 1), np.float64)
+        for r in range(self.size):
+            table[r] = self.rows[r][n & 1, :width + 1]
+        if table[:, 0].max() >= 0:  # somebody failed: every rank sees it, and all agree over MPI
+            return self.comm.agree(error, what, values)
+        return table[:, 1:]
+
+    def post(self, choices: np.ndarray, epoch: int) -> None:
+        """Owner: publish this sample's served choices (in requester order) on this rank's board. Local.
+
+        Args:
+            choices: ``[n, 6]`` int64, ``n <= CHOICE_CAPACITY``; epoch: the sample's number (NodeView.epoch).
+        """
+        self.choices[self.rank][:len(choices)] = choices
+        self._publish(self.choice_count, epoch)
+
+    def collect(self, counts: np.ndarray, epoch: int, own: np.ndarray, got: np.ndarray, what: str) -> None:
+        """Requester: this rank's choices of every owner, in owner order, into ``got``.
+
+        Local waits on the owners' counters (with the deadline). Args: counts: ``[ranks, ranks]``, items
+        owner o serves requester r at ``[r, o]``; epoch: as :meth:`post`; own: this rank's served choices;
+        got: ``[sum(counts[rank]), 6]`` int64. Raises: CollectiveTimeoutError: an owner never posted.
+        """
+        me = self.rank
+        mine = counts[me]
+        owners = [o for o in range(self.size) if mine[o] and o != me]
+        self.wait(self.choice_count, owners, epoch, what)
+        first = counts[:me].sum(0)
+        row = 0
+        for o in range(self.size):
+            k = int(mine[o])
+            if k:
+                src = own if o == me else self.choices[o]
+                got[row:row + k] = src[int(first[o]):int(first[o]) + k]
+                row += k
+
+    def _publish(self, counters: list, value: int) -> None:
+        word = counters[self.rank]
+        hints.publish(word, value & 0xFFFFFFFF)
+        if _LIBC is None:
+            return
+        hints.fence()  # the counter is stored before the sleepers are read (see wait)
+        me = self.rank + 1
+        for flag in self.sleeping:
+            if int(flag[0]) == me:
+                _futex(word, _FUTEX_WAKE, 0x7FFFFFFF)
+                return
+
+    def wait(self, counters: list, ranks, target: int, what: str) -> None:
+        """Wait until ``counters[r]`` reached ``target`` for every ``r`` in ``ranks`` (local, with the deadline).
+
+        Polls, yielding the core between polls, for ``spin`` seconds, then sleeps on the counter (a futex)
+        with this rank's ``sleeping`` word set, so that the publisher wakes it.
+        Raises:
+            CollectiveTimeoutError: one did not within the communicator's timeout (the replay is then unusable).
+        """
+        start = None
+        mine = self.sleeping[self.rank]
+        for r in ranks:
+            word = counters[r]
+            while not _reached(word, target):
+                now = time.monotonic()
+                if start is None:
+                    start = now
+                elif now - start > self.comm.timeout:
+                    self._timed_out(what)
+                elif now - start < self.spin:
+                    os.sched_yield()
+                elif _LIBC is None:
+                    time.sleep(min(1e-3, (now - start) * 0.01))
+                else:
+                    seen = int(word[0])
+                    hints.publish(mine, r + 1)
+                    hints.fence()  # the flag is stored before the counter is read again (see _publish)
+                    if not _reached(word, target):
+                        # naps of 50 ms at most, never past the deadline: a timeout is raised on time
+                        nap = min(0.05, max(1e-3, start + self.comm.timeout - now))
+                        _futex(word, _FUTEX_WAIT, ctypes.c_int32(seen).value, nap)
+                    mine[0] = 0
+        hints.fence()  # nothing read of the peers' boards before their counters said it is there
+        if start is not None:
+            self.comm.waited += time.monotonic() - start
+
+    def _timed_out(self, what: str) -> None:
+        comm = self.comm
+        comm.broken = (f"{what}: not every rank of {comm.size} arrived within timeout={comm.timeout:g} s (this is "
+                       f"rank {comm.rank}); the replay can no longer communicate{errors.ABORT_HINT}")
+        raise CollectiveTimeoutError(comm.broken)
+
+    def close(self) -> None:
+        """Unmap the boards (local; this rank's own segment is removed). Idempotent."""
+        self.head_count = self.choice_count = self.rows = self.choices = self.sleeping = []
+        for r, arena in self._arenas.items():
+            if arena is not self.arena:
+                arena.close()
+        self._arenas = {}
+        if self.arena is not None:
+            self.arena.close()  # also removes its name
+            self.arena = None

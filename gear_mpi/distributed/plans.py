@@ -1,0 +1,311 @@
+"""Selection plans: which items each owner serves to each requester in one ``Replay.sample``.
+
+A plan turns the *header* of a sample -- a row per rank, agreed by
+``MpiComm.agree``: (batch size, window, align code, selection mass, live items,
+smallest weight, mode code, and for the rate limiter of :mod:`gear_mpi.feeds.replay_feeds`: items ever
+inserted, windows ever served, episodes waiting in writers, seconds this call has waited) -- into an :class:`Assignment`: the slots this rank serves, in
+requester order, with how many go to each requester and how many this rank
+receives from each owner. Every plan handles both kinds of selector:
+proportional (Uniform, Prioritized: draws over the weights) and ordered (Fifo,
+Lifo, Max/MinPriority: the globally best items).
+
+- :class:`DecentralizedPlan` -- no further message for proportional selectors
+  (the count matrix is drawn from a stream every rank holds); one allgatherv of
+  candidates for ordered ones.
+- :class:`CentralizedPlan` -- rank 0 gathers the selection state, selects for
+  everybody and scatters the choices; one alltoall of counts.
+- :class:`LocalPlan` -- each rank serves itself from its own shard; no message.
+
+Every mode's plan is built once over the same shard (:func:`build_plans`); a sample
+picks one per call, and the mode code in the header makes every rank agree on it
+(:func:`check_mode`). Costs are in each class's docstring (``P`` ranks, ``Btot``
+items asked in all).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import numpy as np
+
+from .comm import MpiComm, displacements
+from ..errors import EmptyReplayError
+from ..shard import Shard
+
+# the columns of a sample's header (one row per rank); MODE: the index of the call's mode in MODES;
+# INSERTED, SAMPLED, BACKLOG, WAITED: the rate limiter's counts (see gear_mpi.feeds.replay_feeds)
+BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE, INSERTED, SAMPLED, BACKLOG, WAITED = range(11)
+HEADER_WIDTH = 11
+MODES = ("decentralized", "centralized", "local")
+
+
+def mode_code(mode: str) -> int:
+    """The header code of a sampling mode (its index in :data:`MODES`). O(1), local.
+
+    Args:
+        mode: one of :data:`MODES`.
+    Returns:
+        Its index in :data:`MODES`.
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return MODES.index(mode)
+
+
+def check_mode(head: np.ndarray) -> str:
+    """The mode every rank asked for in the agreed header. O(ranks), local; the same on every rank.
+
+    Args:
+        head: the agreed header (``[ranks, HEADER_WIDTH]`` float64).
+    Returns:
+        The mode's name.
+    Raises:
+        ValueError: the ranks asked for different modes (the same message on every rank).
+    """
+    codes = [int(c) for c in head[:, MODE].tolist()]
+    if len(set(codes)) > 1:
+        raise ValueError(f"sample: mode must be the same on every rank; got {[MODES[c] for c in codes]} "
+                         f"(rank r's mode at position r)")
+    return MODES[codes[0]]
+
+
+class Assignment(NamedTuple):
+    """What one rank does in the exchange of a sample.
+
+    ``slots``: the items this rank serves, in requester order (``send_counts[r]`` for requester r);
+    ``recv_counts[o]``: how many items owner o serves this rank; ``mass`` and ``min_weight``: the
+    selection mass and smallest weight the draw was made over (for probabilities and importance weights);
+    ``counts[r, o]``: items owner o serves requester r, when every rank knows them all (decentralized
+    plans; None otherwise): the node board then carries the choices (:class:`~gear_mpi.distributed.node.NodeBoard`).
+    """
+    slots: np.ndarray
+    send_counts: np.ndarray
+    recv_counts: np.ndarray
+    mass: float
+    min_weight: float
+    counts: np.ndarray | None = None
+
+
+def check_header(head: np.ndarray, proportional: bool) -> None:
+    """Raise the same error on every rank when the agreed header cannot be served. O(ranks), local.
+
+    Args:
+        head: the agreed header (``[ranks, HEADER_WIDTH]`` float64, a row per rank; see the module docstring).
+        proportional: whether the selector draws by weight (then a zero total mass cannot be served).
+    Raises:
+        ValueError: window or align differ between ranks.
+        EmptyReplayError: items are asked and no rank holds one (or, for proportional selectors,
+            every live item has priority 0).
+    """
+    windows, codes = head[:, WINDOW].tolist(), head[:, ALIGN].tolist()
+    if len(set(windows)) > 1 or len(set(codes)) > 1:
+        raise ValueError(f"sample: window and align must be the same on every rank; got windows "
+                         f"{[int(w) for w in windows]} and align codes {[int(c) for c in codes]}")
+    wanted = sum(head[:, BATCH].tolist()) > 0
+    if wanted and sum(head[:, ITEMS].tolist()) == 0:
+        raise EmptyReplayError("sample: the replay is empty on every rank")
+    if wanted and proportional and sum(head[:, MASS].tolist()) <= 0.0:
+        raise EmptyReplayError("sample: every live item of the replay has priority 0")
+
+
+class Plan(ABC):
+    """Selection for one mode of ``Replay.sample`` (see the module docstring).
+
+    Args:
+        comm: the replay's communicator.
+        shard: this rank's shard.
+        rng: this rank's own stream (rank 0 draws with it in the centralized mode).
+        shared_rng: a stream every rank holds and advances identically.
+    """
+
+    def __init__(self, comm: MpiComm, shard: Shard, rng: np.random.Generator, shared_rng: np.random.Generator):
+        self.comm = comm
+        self.shard = shard
+        self.rng = rng
+        self.shared_rng = shared_rng
+        self.proportional = shard.selector.proportional
+        self.rank, self.size = comm.rank, comm.size
+
+    @abstractmethod
+    def assign(self, head: np.ndarray) -> Assignment:
+        """Turn the agreed header into this rank's assignment.
+
+        Collective for the decentralized (ordered selectors) and centralized plans; see each class for its cost.
+        Args:
+            head: ``[ranks, HEADER_WIDTH]`` float64, a row per rank (this rank's row only for :class:`LocalPlan`).
+        Returns:
+            This rank's :class:`Assignment`.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+        """
+
+    def _finish(self, head: np.ndarray, assign: list[np.ndarray], recv_counts: np.ndarray) -> Assignment:
+        """An assignment from per-requester slot lists."""
+        send_counts = np.array([len(a) for a in assign], np.int64)
+        slots = np.concatenate(assign).astype(np.int64, copy=False)
+        return Assignment(slots, send_counts, recv_counts, *_mass(head))
+
+
+def _mass(head: np.ndarray) -> tuple[float, float]:
+    """Total selection mass (summed in rank order) and smallest weight over the header's ranks."""
+    return sum(head[:, MASS].tolist()), min(head[:, MIN_WEIGHT].tolist())
+
+
+class DecentralizedPlan(Plan):
+    """Every rank computes the whole selection's shape; each owner selects its own items.
+
+    Proportional: counts[r, o] ~ Multinomial(B_r, mass_o / total), independently per requester
+    r, drawn from the shared stream, so the whole count matrix is known everywhere without a
+    message; each owner then draws that many items from its shard: P(item) = w / total exactly.
+    Ordered: one allgatherv of each shard's ``min(Btot, size)`` best sort keys (8 bytes each);
+    every rank computes the same global merge (O(C log C) for C candidates).
+    """
+
+    def assign(self, head: np.ndarray) -> Assignment:
+        """Turn the agreed header into this rank's assignment (see the class docstring for the cost).
+
+        Args:
+            head: the agreed header, ``[ranks, HEADER_WIDTH]`` float64.
+        Returns:
+            This rank's :class:`Assignment`.
+        Raises:
+            CollectiveTimeoutError: (ordered selectors) a rank did not arrive within the deadline.
+        """
+        sizes = head[:, BATCH].astype(np.int64)
+        if self.proportional:
+            mass, wmin = _mass(head)
+            counts = self.shared_rng.multinomial(sizes, head[:, MASS] / mass)
+            serve = np.ascontiguousarray(counts[:, self.rank])
+            return Assignment(self.shard.select(int(serve.sum())), serve, counts[self.rank], mass, wmin, counts)
+        btot = int(sizes.sum())
+        slots, keys = self.shard.ordered_candidates(btot)
+        ncand = np.minimum(head[:, ITEMS].astype(np.int64), btot)
+        all_keys = self.comm.allgatherv(keys, ncand, "sample (candidates)")
+        owner, index, requester = global_order(all_keys, ncand, sizes)
+        me = owner == self.rank
+        serve_req, serve_idx = requester[me], index[me]
+        assign = [slots[serve_idx[serve_req == r]] for r in range(self.size)]
+        recv = np.bincount(owner[requester == self.rank], minlength=self.size)
+        counts = np.bincount(requester * self.size + owner, minlength=self.size * self.size)
+        return self._finish(head, assign, recv)._replace(counts=counts.reshape(self.size, self.size))
+
+
+class CentralizedPlan(Plan):
+    """Rank 0 gathers the selection state of every shard, selects for every rank and scatters the
+    (requester, slot) pairs to the owners; then one alltoall of counts.
+
+    Proportional: the state is every live weight (16 bytes per item); ordered: each shard's
+    ``min(Btot, size)`` best candidates (16 bytes each). O(items) at rank 0.
+    """
+
+    def assign(self, head: np.ndarray) -> Assignment:
+        """Turn the agreed header into this rank's assignment (see the class docstring for the cost).
+
+        Collective: a gatherv to rank 0, a scatterv of the choices, an alltoall of counts.
+        Args:
+            head: the agreed header, ``[ranks, HEADER_WIDTH]`` float64.
+        Returns:
+            This rank's :class:`Assignment`.
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+        """
+        sizes = head[:, BATCH].astype(np.int64)
+        chunks = None
+        if self.proportional:
+            slots, weights = self.shard.live_weights()
+            packed = np.stack([slots, weights.view(np.int64)], 1).reshape(-1)
+            gathered, counts = self.comm.gatherv(packed, 0, "sample (gather state)")
+            if self.rank == 0:
+                table = gathered.reshape(-1, 2)
+                owner = np.repeat(np.arange(self.size), counts // 2)
+                cum = np.cumsum(table[:, 1].view(np.float64))
+                picks = np.searchsorted(cum, self.rng.random(int(sizes.sum())) * cum[-1], side="right")
+                picks = np.minimum(picks, len(cum) - 1)
+                requester = np.repeat(np.arange(self.size), sizes)
+                chunks = []
+                for o in range(self.size):
+                    mine = owner[picks] == o
+                    # (requester, slot) pairs, already in requester order
+                    chunks.append(np.stack([requester[mine], table[picks[mine], 0]], 1).reshape(-1))
+        else:
+            btot = int(sizes.sum())
+            slots, keys = self.shard.ordered_candidates(btot)
+            gathered, _ = self.comm.gatherv(np.stack([slots, keys], 1).reshape(-1), 0, "sample (gather state)")
+            if self.rank == 0:
+                table = gathered.reshape(-1, 2)
+                ncand = np.minimum(head[:, ITEMS].astype(np.int64), btot)
+                owner, index, requester = global_order(table[:, 1], ncand, sizes)
+                offsets = displacements(ncand)
+                chunks = []
+                for o in range(self.size):
+                    mine = owner == o
+                    chunks.append(np.stack([requester[mine], table[offsets[o] + index[mine], 0]], 1).reshape(-1))
+        pairs = self.comm.scatterv(chunks, np.int64, 0, "sample (scatter choices)").reshape(-1, 2)
+        assign = [pairs[pairs[:, 0] == r, 1] for r in range(self.size)]
+        recv = self.comm.alltoall(np.array([len(a) for a in assign], np.int64), "sample (counts)")
+        return self._finish(head, assign, recv)
+
+
+class LocalPlan(Plan):
+    """Each rank serves itself from its own shard; no message. The header holds this rank's row
+    only (nothing is agreed); probabilities and weights are those of the local shard.
+
+    Raises:
+        EmptyReplayError: items are asked of an empty shard.
+    """
+
+    def assign(self, head: np.ndarray) -> Assignment:
+        """This rank's assignment: ``head[0, BATCH]`` of its own items. Local; selection as :meth:`Shard.select`.
+
+        Args:
+            head: this rank's header row, ``[1, HEADER_WIDTH]`` float64.
+        Returns:
+            An :class:`Assignment` that serves this rank only.
+        Raises:
+            EmptyReplayError: items are asked of an empty shard (or one whose weights are all 0).
+        """
+        batch_size = int(head[0, BATCH])
+        if batch_size:
+            self.shard.check_can_sample()
+        counts = np.zeros(self.size, np.int64)
+        counts[self.rank] = batch_size
+        return Assignment(self.shard.select(batch_size), counts, counts, *_mass(head))
+
+
+PLANS: dict[str, type[Plan]] = {"decentralized": DecentralizedPlan, "centralized": CentralizedPlan,
+                                "local": LocalPlan}
+
+
+def build_plans(comm: MpiComm, shard: Shard, rng: np.random.Generator,
+                shared_rng: np.random.Generator) -> dict[str, Plan]:
+    """One plan per mode of :data:`MODES`, all over the same shard and streams (local, O(modes)).
+
+    Args:
+        comm, shard, rng, shared_rng: as :class:`Plan` takes them.
+    Returns:
+        Mode name -> its plan; a sample picks one per call.
+    """
+    return {mode: PLANS[mode](comm, shard, rng, shared_rng) for mode in MODES}
+
+
+def global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge candidate lists (concatenated by owner, each best first) into the global order.
+
+    Picks are dealt to requesters in rank order, cycling through the candidates when fewer exist than
+    asked. Ties: lower owner rank, then the owner's own order. Cost: O(C log C) for C candidates; local.
+    Args:
+        keys: every owner's candidate sort keys (int64, smaller is better), owner by owner.
+        ncand: candidates of each owner.
+        sizes: items each requester asks for.
+    Returns:
+        ``(owner, index in the owner's list, requester)``, int64, one entry per pick (``sum(sizes)``).
+    """
+    owner_all = np.repeat(np.arange(len(ncand)), ncand)
+    index_all = np.arange(len(keys)) - np.repeat(displacements(ncand), ncand)
+    order = np.lexsort((index_all, owner_all, keys))
+    btot = int(sizes.sum())
+    picks = np.resize(order, btot) if len(order) else np.zeros(0, np.int64)
+    requester = np.repeat(np.arange(len(sizes)), sizes)
+    return owner_all[picks], index_all[picks], requester

@@ -1,0 +1,352 @@
+"""Prefetching batches: the next samples' selection and exchange run while the training step runs.
+
+``replay.batches(batch_size, ...)`` returns a :class:`BatchIterator`. A background
+thread of each rank runs the replay's samples (a collective: every rank's thread calls
+them in the same order) and hands the batches over through a queue; the training loop
+takes them with ``next()``. While it iterates, the replay belongs to that thread: the
+training loop gives priority updates through the iterator
+(:meth:`BatchIterator.update_priorities`), and any other call of the replay from another
+thread (a sample, an update, an insert, stats...) raises RuntimeError.
+
+The schedule is the same on every rank, whatever the timing, so the collectives match:
+
+- sample ``j`` (1-based) starts only once the loop has taken batch ``j - prefetch``:
+  at most ``prefetch`` batches wait ready;
+- an update given after the loop took batch ``k`` is applied (a collective) after sample
+  ``k + prefetch`` and before sample ``k + prefetch + 1``, the first one that cannot have
+  started yet: as soon as the thread is free, so while the step runs rather than in front
+  of that sample. So at most ``prefetch`` batches are sampled before an update is applied
+  (the *staleness*); ``prefetch=0`` samples each batch when asked for it, after every
+  earlier update;
+- :meth:`BatchIterator.close` (also on leaving a ``with`` block, on an exception in the
+  loop, and at ``replay.close()``) lets the thread finish the samples that are already
+  allowed -- up to ``prefetch`` more, the same count on every rank -- applies the updates
+  still pending, and joins it. Nothing is left behind: no thread, request or segment.
+
+If one rank stops iterating while the others go on, the others' next collective fails
+with CollectiveTimeoutError after the replay's ``timeout`` (raised by their ``next()``),
+never hangs. An error of a sample (e.g. EmptyReplayError, agreed on every rank) is
+raised by the ``next()`` that would have returned that batch.
+
+MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
+library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
+Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication; less, in
+fact: up to 64 ranks the thread's updates take one collective instead of four (an allgather carries
+the agreement, the per-owner counts and, when each rank gives no more keys than in the previous update,
+the keys themselves: :func:`gear_mpi.distributed.routing.route_deferred`; each owner counts what it applied:
+``iterator.applied``).
+Every collective is a rendezvous of the ranks' threads, and each waits there for any other whose
+training thread or another process took its core (on 2 ranks x 1 core this, not the thread's own
+work, made its sample + update 10-25 % slower than the same work in the training thread).
+The thread refills a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of
+allocating new ones: fresh batches cost the thread page faults (tens per 2 MB batch, as freed
+memory goes back to the system): on 2 ranks x 1 core, prefetch=2, a step costing one sample
+hid 86-92 % of the replay's time with a ring and 69 % without (scripts/bench/bench_prefetch.py).
+``recycle`` says when a batch of the ring is refilled, once the loop has taken two more:
+
+- ``"auto"`` (the default): only when nothing outside the iterator still references it or
+  any of its tensors, buffers or views (:meth:`~gear_mpi.batch.Batch.references`); a batch the
+  loop kept (a list of batches, a tensor saved in an autograd graph still alive, a view) is
+  left alone and a new one takes its place in the ring. Safe, and as fast as ``True`` in a
+  loop that drops its batches;
+- ``True``: always, even if the loop kept it (the loop must copy what it keeps);
+- ``False``: never: a new batch every step.
+``iterator.sample_seconds`` (the thread's time in samples and updates) and
+``iterator.wait_seconds`` (the loop's time blocked in ``next()``) show how much was hidden.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+_STOP = object()
+
+
+def check_thread_level() -> None:
+    """Raise unless MPI was initialised with ``MPI_THREAD_MULTIPLE``.
+
+    Raises:
+        RuntimeError: a lower thread level, naming it and the fix.
+    """
+    from mpi4py import MPI
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+        raise RuntimeError(f"replay.batches() samples on a background thread and needs MPI_THREAD_MULTIPLE; MPI "
+                           f"was initialised with {names.get(level, level)}: leave mpi4py.rc.thread_level at its "
+                           f"default 'multiple' (set before `from mpi4py import MPI`), or use an MPI library that "
+                           f"provides it")
+
+
+def _numba_threads(n: int | None = None) -> int | None:
+    """The calling thread's numba thread count (None without numba), after setting it to ``n`` if given."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return None
+    if n is not None:
+        numba.set_num_threads(n)
+    return numba.get_num_threads()
+
+
+class BatchIterator:
+    """Batches sampled ahead by a background thread (see the module docstring).
+
+    Args:
+        replay: the :class:`~gear_mpi.replay.Replay`.
+        batch_size, window, align, mode: as :meth:`Replay.sample` (the same for every batch).
+        prefetch: batches sampled ahead (>= 0).
+        limit: stop after this many batches (None: never; ``next()`` then raises StopIteration on every rank).
+        recycle: ``"auto"``, True or False: when to refill the batches of a ring of ``prefetch + 2`` instead of
+            allocating new ones (host replays; see the module docstring).
+    Raises:
+        ValueError: a bad ``prefetch``, ``limit`` or ``recycle``, ``recycle=True`` on a device replay; RuntimeError: MPI without THREAD_MULTIPLE, or another
+            iterator of this replay is active.
+    """
+
+    def __init__(self, replay, batch_size: int, window: int | None, align: str, mode: str | None,
+                 prefetch: int, limit: int | None, recycle: bool | str = "auto"):
+        if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
+            raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
+        if recycle not in (True, False, "auto") or not isinstance(recycle, (bool, str)):
+            raise ValueError(f"recycle must be 'auto', True or False, got {recycle!r}")
+        if recycle is True and getattr(replay, "device", None) is not None:
+            raise ValueError("recycle=True refills host batches (sample's out=): a device replay returns new ones")
+        if recycle == "auto" and getattr(replay, "device", None) is not None:
+            recycle = False  # device batches are new ones
+        if replay.comm.size > 1:
+            check_thread_level()
+        self.replay, self.prefetch, self.limit = replay, int(prefetch), limit
+        self._args = (batch_size, window, align, mode)
+        self._ring: list | None = [None] * (self.prefetch + 2) if recycle else None
+        self._checked = recycle == "auto"  # refill only batches nobody else references
+        self._ring_refs: list = [None] * (self.prefetch + 2)  # each ring batch's references() when handed over
+        self.recycled = 0  # batches refilled from the ring (this rank)
+        self._cv = threading.Condition()
+        self._ready: collections.deque = collections.deque()  # (j, batch or exception)
+        self._updates: dict[int, list] = collections.defaultdict(list)  # before sample j: [(keys, priorities)]
+        self._taken = 0  # batches the loop has taken
+        self._given = None  # the host batch next() returned last
+        self._closing = False
+        self._error: BaseException | None = None
+        self.applied = 0  # priorities this rank's shard applied for the deferred updates (any rank's keys)
+        self.sample_seconds = 0.0  # the thread's time in samples and updates (this rank)
+        self.wait_seconds = 0.0  # the training loop's time blocked in next() (this rank)
+        self._numba_threads = _numba_threads()
+        self._thread = threading.Thread(target=self._run, name="gear_mpi-prefetch", daemon=True)
+        replay._claim(self)
+        self._thread.start()
+
+    # ---- the background thread ----------------------------------------------------------
+    def _last_allowed(self) -> int:
+        """The last sample that may start now (the same rule on every rank)."""
+        last = self._taken + self.prefetch
+        if self.limit is not None:
+            last = min(last, self.limit)
+        return last
+
+    def _run(self) -> None:
+        replay, j = self.replay, 0
+        _numba_threads(self._numba_threads)  # numba's thread count is per thread: the caller's share
+        try:
+            while True:
+                with self._cv:  # wait until sample j + 1 may start, or an update due before it arrives
+                    while j + 1 > self._last_allowed() and not self._updates.get(j + 1) and not self._closing:
+                        self._cv.wait()
+                    updates = self._updates.pop(j + 1, [])
+                    sample = j + 1 <= self._last_allowed()
+                    if not sample and not updates:  # closing, and every allowed sample is done
+                        break
+                t0 = time.perf_counter()
+                # updates due before sample j + 1 go now, while the step runs: same order on every rank
+                # (after sample j, before sample j + 1), and the sample no longer waits for them
+                for keys, priorities in updates:
+                    self.applied += replay._update(keys, priorities, deferred=True)
+                if sample:
+                    j += 1
+                    try:
+                        item = replay.sample(*self._args[:3], mode=self._args[3], out=self._out(j))
+                    except BaseException as e:  # raised by the next() that would have returned this batch
+                        item = e
+                self.sample_seconds += time.perf_counter() - t0
+                if not sample:
+                    continue
+                if self._ring is not None and not isinstance(item, BaseException):
+                    self._ring[j % len(self._ring)] = item
+                    if self._checked:  # the same holders as in _out: the ring and one local name
+                        self._ring_refs[j % len(self._ring)] = item.references()
+                with self._cv:
+                    self._ready.append((j, item))
+                    self._cv.notify_all()
+                if isinstance(item, BaseException):
+                    return
+            # updates given after the last sample was allowed: applied now, in order, on every rank
+            with self._cv:
+                rest = [u for k in sorted(self._updates) for u in self._updates[k]]
+                self._updates.clear()
+            for keys, priorities in rest:
+                self.applied += replay._update(keys, priorities, deferred=True)
+        except BaseException as e:
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _out(self, j: int):
+        """The batch sample ``j`` refills (``recycle``): sample ``j - prefetch - 2``'s, which the loop has
+        left two next() calls ago; None while the ring fills, without ``recycle``, or (``"auto"``) when
+        something outside still references that batch (it then leaves the ring)."""
+        if self._ring is None:
+            return None
+        i = j % len(self._ring)
+        batch = self._ring[i]
+        if batch is None:
+            return None
+        if self._checked:
+            refs = batch.references()
+            if refs is None or refs != self._ring_refs[i]:
+                self._ring[i] = None
+                return None
+        self.recycled += 1
+        return batch
+
+    # ---- the training loop's side ---------------------------------------------------------
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self):
+        """The next batch (waits while it is being sampled).
+
+        Raises:
+            StopIteration: ``limit`` batches were taken, or the iterator is closed.
+            The sample's error (EmptyReplayError, CollectiveTimeoutError, ...) at the batch it would have been.
+        """
+        with self._cv:
+            if self._closing or (self.limit is not None and self._taken >= self.limit):
+                raise StopIteration
+            self._taken += 1  # sample taken + prefetch may start now
+            self._cv.notify_all()
+            if not self._ready and self._error is None:
+                t0 = time.perf_counter()
+                while not self._ready and self._error is None:
+                    self._cv.wait()
+                self.wait_seconds += time.perf_counter() - t0
+            if not self._ready:
+                raise self._error
+            j, item = self._ready.popleft()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self._given = item if item._np is not None else None  # a host batch: update_priorities reads its keys
+        return item
+
+    def update_priorities(self, keys: Any, priorities: Any) -> None:
+        """Collective (deferred): set priorities, applied by the thread before sample ``taken + prefetch + 1``.
+
+        Every rank must call it the same number of times between the same batches (as ``Replay.update_priorities``).
+        Args:
+            keys, priorities: as :meth:`Replay.update_priorities` (copied now).
+        Raises:
+            RuntimeError: the iterator is closed.
+        """
+        import numpy as np
+        # copied before taking the lock, and the keys of the batch just given from its numpy buffer: torch
+        # calls right after the step cost the training thread tens of microseconds of cold code each
+        last = self._given
+        if last is not None and keys is last.keys:
+            k = last._meta_np[0].copy()
+        else:
+            k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
+        if type(priorities) is np.ndarray:
+            p = priorities.copy()
+        else:
+            p = np.array(priorities.detach().cpu().numpy() if hasattr(priorities, "detach") else priorities, copy=True)
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("update_priorities: this batches() iterator is closed")
+            self._updates[self._taken + self.prefetch + 1].append((k, p))
+
+    def close(self) -> None:
+        """Finish the samples already allowed and the pending updates, then join the thread (collective in
+        effect: every rank's thread runs the same remaining collectives). Idempotent.
+
+        Raises:
+            The thread's error, if it failed outside a sample (e.g. a timed-out update).
+        """
+        with self._cv:
+            first = not self._closing
+            self._closing = True
+            self._cv.notify_all()
+        if first:
+            self._thread.join()
+            self._ready.clear()
+            self._ring = self._given = None
+            self.replay._release(self)
+            if self._error is not None:
+                raise self._error
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closing
+
+    def __enter__(self) -> "BatchIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closing", True) and getattr(self, "_thread", None) is not None:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+class ReplayPrefetch:
+    """The prefetching side of a Replay (mixed into :class:`~gear_mpi.replay.Replay`; it reads its
+    ``_iterator`` and ``_check_open``)."""
+
+    def batches(self, batch_size: int, window: int | None = None, align: str = "random", *,
+                mode: str | None = None, prefetch: int = 2, limit: int | None = None,
+                recycle: bool | str = "auto") -> BatchIterator:
+        """Collective in effect: an iterator of batches sampled ``prefetch`` ahead by a background thread
+        (:mod:`gear_mpi.distributed.prefetch`: the schedule, staleness of updates, and shutdown). Every rank iterates in
+        step; give priority updates with ``iterator.update_priorities``; use it as a context manager.
+
+        Args:
+            batch_size, window, align, mode: as :meth:`sample`, for every batch.
+            prefetch: batches sampled ahead (0: each when asked for). limit: batches to give (None: no end).
+            recycle: refill a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of allocating a
+                new one per step (host replays): the background thread then takes no page faults on fresh
+                memory. A batch is refilled once the loop has taken two more: with ``"auto"`` (default) only
+                if nothing outside the iterator references it or any of its tensors (else a new one takes
+                its place); with True always (copy what the loop keeps); with False never.
+        Returns:
+            The :class:`~gear_mpi.distributed.prefetch.BatchIterator`.
+        Raises:
+            ValueError: a bad ``prefetch``/``limit``/``recycle``, ``recycle=True`` on a device replay. RuntimeError: the replay is closed or already iterated,
+                or MPI lacks THREAD_MULTIPLE.
+        Cost: one thread; each batch costs what :meth:`sample` does, hidden behind the training step.
+        """
+        self._check_open()
+        if self._iterator is not None:
+            raise RuntimeError("this replay already has an active batches() iterator: close it first")
+        return BatchIterator(self, batch_size, window, align, mode, prefetch, limit, recycle)
+
+    def _claim(self, iterator: BatchIterator) -> None:
+        self._iterator = iterator
+
+    def _release(self, iterator: BatchIterator) -> None:
+        if self._iterator is iterator:
+            self._iterator = None
+
+    def _check_owner(self) -> None:
+        if threading.current_thread() is not self._iterator._thread:
+            raise RuntimeError("a batches() iterator owns this replay while it runs: give priority updates "
+                               "with iterator.update_priorities(), and close the iterator before other calls")

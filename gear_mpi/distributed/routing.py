@@ -1,0 +1,240 @@
+"""Key-routed collectives: requests by key, sent to the rank that owns each key, answered there.
+
+A key names its owner rank (:mod:`gear_mpi.keys`), so any rank may hold keys of
+any shard. Two collectives of ``Replay`` route them:
+
+- :func:`route_priorities` -- new priorities to their owners (``update_priorities``);
+  :func:`route_deferred` -- the same for ``batches()``'s thread, in one allgather when the keys fit;
+- :func:`fetch` -- whole trajectories from their owners back to the ranks that
+  asked (``get_many``), over plain MPI for every rank, node peers included.
+
+Both take keys already checked by :func:`check_keys` and agreed (``MpiComm.agree``),
+so an owner never meets a key it cannot resolve in the middle of an exchange.
+Every function here is collective except :func:`check_keys`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import keys as keyspace
+from .comm import MpiComm, displacements
+from ..errors import InvalidKeyError
+from ..keys import as_key_array
+from ..shard import Shard
+
+
+def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check that every key was issued by this replay, and name its owner. O(n), local.
+
+    Args:
+        keys: keys of any rank (int, sequence, numpy array or tensor).
+        tag: the replay's key tag.
+        ranks: ranks of the replay.
+        max_items: trajectory slots of every shard (the same on every rank).
+    Returns:
+        ``(keys, owner)``: int64 arrays, one entry per key.
+    Raises:
+        TypeError: the keys are not integers.
+        InvalidKeyError: a key of another replay, or naming a rank or slot the replay does not have.
+    """
+    keys = as_key_array(keys)
+    owner = keyspace.owner_of(keys)  # the fields tested directly (no generation): a negative key's top bits are not a tag
+    bad = ((keys >> keyspace._TAG_SHIFT) != tag) | (owner >= ranks) | ((keys & keyspace.SLOT_MASK) >= max_items)
+    if bad.any():
+        raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
+    return keys, owner
+
+
+def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str, recv_counts=None):
+    """Sort the keys by owner and tell each owner how many it gets: one alltoall of 8 bytes a pair,
+    unless ``recv_counts`` (what every rank sends this one) is already known."""
+    order = np.argsort(owner, kind="stable")
+    send_counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
+    if recv_counts is None:
+        recv_counts = comm.alltoall(send_counts, f"{what} (counts)")
+    return order, send_counts, np.asarray(recv_counts, np.int64)
+
+
+def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray,
+                     priorities: np.ndarray, recv_counts: np.ndarray | None = None, count_back: bool = True) -> int:
+    """Collective: each key's new priority goes to its owner, which applies it.
+
+    Args:
+        comm: the replay's communicator; shard: this rank's shard.
+        keys, owner: as :func:`check_keys` returns them; priorities: validated, one per key.
+        recv_counts: keys each rank sends this one, when every rank already knows them (then no alltoall
+            of counts); None: exchanged here.
+        count_back: tell each rank how many of its keys were applied (one alltoall); False: return how
+            many keys this rank's shard applied, whoever sent them.
+    Returns:
+        How many of this rank's keys were applied (stale keys are dropped and counted by their owner);
+        with ``count_back=False``, how many this rank's shard applied.
+    Raises:
+        CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one alltoall of counts (none with ``recv_counts``), one alltoallv of 16 bytes per key, one
+    alltoall of applied counts (none without ``count_back``); O(n) on the owner plus one batched
+    index update. Duplicates: the highest rank's value wins, and within a rank the last one.
+    """
+    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "update_priorities", recv_counts)
+    packed = np.stack([keys[order], priorities[order].view(np.int64)], 1).reshape(-1)
+    got = np.empty((int(recv_counts.sum()), 2), np.int64)
+    comm.alltoallv(packed, send_counts * 2, got.reshape(-1), recv_counts * 2, "update_priorities (keys)")
+    applied = shard.apply_priorities(got[:, 0], got[:, 1].view(np.float64).copy())
+    if not count_back:
+        return int(applied.sum())
+    source = np.repeat(np.arange(comm.size), recv_counts)
+    per_source = np.bincount(source, weights=applied, minlength=comm.size).astype(np.int64)
+    back = comm.alltoall(per_source, "update_priorities (applied)")
+    return int(back.sum())
+
+
+FOLD_KEYS = 16384  # keys a deferred update's allgather may carry in all (ranks x keys per rank): 256 KiB
+
+
+def route_deferred(comm: MpiComm, shard: Shard, error: BaseException | None, keys: np.ndarray, owner: np.ndarray,
+                   priorities: np.ndarray, width: int, settle) -> tuple[int, int]:
+    """Collective: a deferred update (``batches()``'s thread) in one allgather when its keys fit in it.
+
+    Each rank's row carries its status, whether it holds only its own keys, its per-owner counts and,
+    when it has at most ``width`` keys, the keys and priorities themselves (``width`` keys per rank,
+    padded): when every rank's fit, each owner takes its own keys from the table (in rank order, as an
+    alltoallv would deliver them) and nothing more is sent; else one alltoallv of 16 bytes per key
+    follows (the counts are known). ``width`` must be the same on every rank: it is the largest count
+    of keys a rank gave in the previous deferred update (returned, agreed through the table), 0 at first.
+
+    Args:
+        comm, shard: the replay's; error: this rank's exception (agreed: every rank raises the lowest
+            failing rank's, as :meth:`MpiComm.agree`); keys, owner, priorities: as for
+            :func:`route_priorities` (empty on error); width: keys per rank the row carries;
+        settle: the node fence, called before the shard is written.
+    Returns:
+        ``(applied, width)``: how many keys this rank's shard applied (any rank's), and the width of the
+        next deferred update.
+    Raises:
+        the agreed error; CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one allgather of ``8 (2 + ranks + 2 width)`` bytes a rank, plus one alltoallv when some rank's
+    keys did not fit; O(ranks width) to pick this rank's keys.
+    """
+    size, rank, n = comm.size, comm.rank, len(keys)
+    k0, v0 = 2 + size, 2 + size + width  # where the keys and the priority bits start in a row
+    row = np.zeros(v0 + width, np.int64)
+    row[k0:v0] = -1  # padding: owner_of(-1) is RANK_MASK, no rank of a fold, so no mask of valid entries
+    row[0] = -1 if error is None else 0
+    if error is None:
+        counts = np.bincount(owner, minlength=size)
+        row[1] = counts[rank] == n  # only its own keys
+        row[2:k0] = counts
+        if n <= width:
+            row[k0:k0 + n] = keys
+            row[v0:v0 + n] = np.ascontiguousarray(priorities, np.float64).view(np.int64)
+    table = comm.allgather(row, "update_priorities")
+    # the few per-rank flags as Python numbers: numpy's per-call overhead dominates at this size
+    status, own = table[:, 0].tolist(), table[:, 1].tolist()
+    if max(status) >= 0:  # somebody failed: the same error on every rank
+        comm.agree(error, "update_priorities")
+    counts = table[:, 2:k0]  # [sender, owner]
+    most = int(counts.sum(1).max())
+    following = most if most * size <= FOLD_KEYS else 0
+    settle()
+    if all(own):  # every rank holds only its own keys: nothing to route
+        return int(np.count_nonzero(shard.apply_priorities(keys, priorities))), following
+    if most > width:  # some rank's keys did not ride on the allgather
+        return route_priorities(comm, shard, keys, owner, priorities, counts[:, rank], count_back=False), following
+    carried = table[:, k0:v0]  # [sender, width]: the keys each rank carried (rank order), padded with -1
+    mine = keyspace.owner_of(carried) == rank
+    values = table[:, v0:][mine].view(np.float64)
+    return int(np.count_nonzero(shard.apply_priorities(carried[mine], values))), following
+
+
+def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> list[dict[str, np.ndarray] | None]:
+    """Collective: the whole trajectory behind each key, read by its owner and sent back.
+
+    Args:
+        comm: the replay's communicator; shard: this rank's shard.
+        keys, owner: as :func:`check_keys` returns them (any rank's keys; none is fine).
+    Returns:
+        One entry per key, in the order of ``keys``: column name -> ``[L, *shape]`` array (the
+        arrays of one call share a buffer per column), or None for a stale key (evicted or removed).
+    Raises:
+        CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one alltoall of counts, one alltoallv of 8 bytes per key each way (keys, then lengths),
+    then one alltoallv per column, posted together, of ``L * step_bytes`` bytes per live trajectory.
+    Every step is copied twice (the owner packs it, MPI delivers it), node peers and this rank's
+    own keys included; O(total steps) on the owner.
+    """
+    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "get_many")
+    asked = np.empty(int(recv_counts.sum()), np.int64)
+    comm.alltoallv(keys[order], send_counts, asked, recv_counts, "get_many (keys)")
+    # the owner: lengths back (-1: stale), then the steps of the live ones, requester by requester
+    store = shard.store
+    slots, live = store.resolve(asked)
+    lengths = np.where(live, store.length[slots].astype(np.int64), -1)
+    got_lengths = np.empty(len(keys), np.int64)
+    comm.alltoallv(lengths, recv_counts, got_lengths, send_counts, "get_many (lengths)")
+    n_out, n_in = np.maximum(lengths, 0), np.maximum(got_lengths, 0)
+    requester = np.repeat(np.arange(comm.size), recv_counts)
+    steps_out = np.bincount(requester, weights=n_out, minlength=comm.size).astype(np.int64)
+    steps_in = np.bincount(owner[order], weights=n_in, minlength=comm.size).astype(np.int64)
+    step = np.arange(int(n_out.sum()), dtype=np.int64) - np.repeat(displacements(n_out), n_out)
+    ring_steps = (np.repeat(np.where(live, store.start[slots].astype(np.int64), 0), n_out) + step) % store.capacity
+    received, send_buffers, requests = {}, [], []
+    for c in shard.spec.columns:
+        send = np.ascontiguousarray(store.columns[c.name][ring_steps])
+        recv = np.empty((int(n_in.sum()),) + c.shape, c.dtype)
+        requests.append(comm.ialltoallv(send.reshape(-1).view(np.uint8), steps_out * c.step_bytes,
+                                        recv.reshape(-1).view(np.uint8), steps_in * c.step_bytes))
+        send_buffers.append(send)  # must outlive the requests
+        received[c.name] = recv
+    comm.wait_all(requests, "get_many (steps)")
+    del send_buffers
+    out: list[dict[str, np.ndarray] | None] = [None] * len(keys)
+    first = displacements(n_in)
+    for j, i in enumerate(order.tolist()):
+        if got_lengths[j] >= 0:
+            a, b = int(first[j]), int(first[j] + n_in[j])
+            out[i] = {name: col[a:b] for name, col in received.items()}
+    return out
+
+
+class ReplayLookups:
+    """Whole trajectories by key, for :class:`~gear_mpi.replay.Replay` (mixed in; it reads the replay's
+    ``shard``, ``comm``, ``ranks`` and ``_check_open``)."""
+
+    def get(self, key: int) -> dict[str, np.ndarray]:
+        """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
+
+        Args:
+            key: a key this rank's shard issued.
+        Returns:
+            Column name -> array of its steps.
+        Raises:
+            StaleKeyError: the trajectory was evicted or removed; InvalidKeyError: not this shard's key.
+        """
+        return self.shard.get(key)
+
+    def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
+        """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
+        its own keys; an empty list is fine).
+
+        Args:
+            keys: keys issued by this replay, of any rank (e.g. ``batch.keys``).
+        Returns:
+            One entry per key, in the given order: column name -> ``[L, *shape]`` array on the host, or
+            None where the key is stale (its trajectory evicted or removed).
+        Raises:
+            TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        Cost: one allgather (status), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
+        alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
+        between node peers (each step is packed by its owner, then sent).
+        """
+        self._check_open()
+        err, owner = None, None
+        try:
+            keys, owner = check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
+        except Exception as e:
+            err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self.comm.agree(err, "get_many")
+        return fetch(self.comm, self.shard, keys, owner)

@@ -1,0 +1,227 @@
+"""Window transport: choices and windows from their owners into the requesters' batches.
+
+After a plan has assigned items, every owner sends each requester one 48-byte
+*choice* per item (``kernels.gather.CHOICE``: key, window placement,
+probability, weight) in one alltoallv. The windows themselves travel one of
+three ways, decided per owner by the :class:`~gear_mpi.distributed.node.NodeView`:
+
+- **direct**: the requester maps the owner's memory (itself, or a node peer's
+  shared memory) and copies the window out of it -- on the CPU with
+  ``gather_from_owners`` (one kernel for the whole batch), on the GPU with
+  ``cuda_gather.gather_into`` from the memory mapped into the device;
+- **host MPI**: one alltoallv per column, posted together with the choices'
+  and received straight into the batch rows (``B W S`` bytes in all);
+- **device exchange** (``device="cuda"``): windows packed on the GPU, one
+  ``all_to_all_single`` per column over NCCL (``window_transport="nccl"``) or a
+  CUDA-aware MPI (``"mpi"``), then copied into the batch rows.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..batch import Batch
+from .comm import MpiComm, displacements
+from ..kernels import gather as gather_kernels
+from .node import CHOICE_CAPACITY, NodeView
+from ..shard import Shard
+
+_WIDTH = gather_kernels.CHOICE_WIDTH
+
+
+class WindowTransport:
+    """Moves choices and windows for one replay (see the module docstring).
+
+    Construction is collective (a torch.distributed bootstrap) when a device replay has windows to
+    send through NCCL; otherwise local.
+    Args:
+        comm: the replay's communicator.
+        node: this rank's :class:`~gear_mpi.distributed.node.NodeView`, attached.
+        shard: this rank's shard.
+        device: the replay's ``DeviceContext`` (None: a host replay).
+        kind: ``"nccl"`` or ``"mpi"``, how a device replay's windows travel between nodes.
+        process_group: an existing torch.distributed group for the NCCL path (None: bootstrap one).
+    Raises:
+        ValueError, CollectiveTimeoutError: as :class:`~gear_mpi.distributed.torch_comm.TorchComm` (NCCL path only).
+    """
+
+    def __init__(self, comm: MpiComm, node: NodeView, shard: Shard, device=None, kind: str = "nccl",
+                 process_group=None):
+        self.comm, self.node, self.shard, self.device = comm, node, shard, device
+        self.spec = shard.spec
+        self.torch_comm = None
+        self.copy_seconds = 0.0  # time in exchange() outside MpiComm waits (gear_mpi.stats)
+        if device is not None and node.any_remote and kind == "nccl":
+            from .torch_comm import TorchComm
+            backend = "gloo" if device.simulator else "nccl"
+            self.torch_comm = TorchComm(comm, backend, comm.timeout, process_group=process_group)
+
+    def exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
+                 local: bool = False, out: Batch | None = None, counts: np.ndarray | None = None) -> Batch:
+        """Deliver the choices and windows of one sample into a batch, in owner order.
+
+        Collective unless ``local``. Cost: one alltoallv of 48 bytes per item, in flight together with
+        one alltoallv per column for windows sent through the transport; each delivered byte copied once on a node.
+        Args:
+            choices: this rank's served choices, ``[n, CHOICE_WIDTH]`` int64, in requester order.
+            send_counts: choices (and windows) for each requester r, ``send_counts[r]``.
+            recv_counts: items each owner o serves this rank, ``recv_counts[o]``.
+            window: steps per window.
+            local: this rank serves only itself (mode "local" on a GPU): no communication.
+            out: a host batch of exactly these windows to fill (checked by the caller), or None: a new one.
+            counts: ``[ranks, ranks]``, items owner o serves requester r at ``[r, o]``, when every rank knows
+                them (None: unknown). With a node board and no owner serving more than it holds, the choices
+                travel through the board (no MPI message; :class:`~gear_mpi.distributed.node.NodeBoard`).
+        Returns:
+            The :class:`~gear_mpi.batch.Batch` of ``sum(recv_counts)`` windows (on the device for a device replay).
+        Raises:
+            CollectiveTimeoutError: a rank did not arrive within the deadline.
+            CollectiveError: (NCCL path) the torch communicator broke in an earlier call.
+        """
+        start, waited = time.perf_counter(), self.comm.waited
+        try:
+            return self._exchange(choices, send_counts, recv_counts, window, local, out, counts)
+        finally:  # packing, the batch's pages and the window copies: everything but the collectives' waits
+            self.copy_seconds += time.perf_counter() - start - (self.comm.waited - waited)
+
+    def _exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
+                  local: bool, out: Batch | None, counts: np.ndarray | None = None) -> Batch:
+        node, size = self.node, self.comm.size
+        row_of_owner = np.zeros(size + 1, np.int64)
+        np.cumsum(recv_counts, out=row_of_owner[1:])
+        nb = int(row_of_owner[-1])
+        if self.device is None:
+            batch = out if out is not None else Batch.empty(self.spec, nb, window)
+            data, mask = batch.numpy(), batch._mask_np
+        else:
+            data = {c.name: self.device.empty((nb, window) + c.shape, c.dtype) for c in self.spec.columns}
+            mask = self.device.empty((nb, window), np.bool_)
+        board = node.board if counts is not None and self.device is None else None
+        if local:
+            got = choices
+        elif board is not None and int(counts.sum(0).max()) <= CHOICE_CAPACITY:  # every owner's fit
+            board.post(choices, node.epoch)
+            got = np.empty((nb, _WIDTH), np.int64)
+            board.collect(counts, node.epoch, choices, got, "sample (choices)")
+        else:
+            # choices and (for requesters that cannot read this rank's memory) windows, in flight at once
+            fields = gather_kernels.choice_records(choices)
+            win_start, n_valid, pad_front = fields["start"], fields["valid"], fields["pad_front"]
+            got = np.empty((nb, _WIDTH), np.int64)
+            requests = [self.comm.ialltoallv(choices.reshape(-1), send_counts * _WIDTH, got.reshape(-1),
+                                             recv_counts * _WIDTH)]
+            send_buffers = []  # must outlive the requests
+            if node.any_remote and self.device is None:
+                send_buffers = self._post_host(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
+                                               row_of_owner, batch, window)
+            elif node.any_remote:
+                self._device_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
+                                     data, window)
+            self.comm.wait_all(requests, "sample (choices and windows)")
+            del send_buffers
+        if self.device is None:
+            # windows read directly (this rank's own and, on the shared-memory path, the node's), keys,
+            # lengths, probabilities and mask of every row: one kernel
+            keys, probabilities, weights, lengths = batch.meta_numpy()
+            gather_kernels.gather_from_owners(node.column_addrs, self.spec.step_bytes_array,
+                                              self.shard.capacity_steps, node.direct, row_of_owner, got,
+                                              batch.byte_views(), window, mask, keys, lengths, probabilities)
+            weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
+            return batch
+        got_fields = gather_kernels.choice_records(got)
+        g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
+        rows = np.arange(nb, dtype=np.int64)
+        for o in range(size):
+            lo, hi = row_of_owner[o], row_of_owner[o + 1]
+            if hi > lo and node.direct[o]:
+                self._device_gather(node.device_views[o], (g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi],
+                                                           rows[lo:hi]), data, mask)
+        import torch
+        from ..kernels import cuda_gather
+        cuda_gather.fill_mask(g_valid, g_pad, rows, self.device.numba_view(mask), self.device.threads)
+        dev = self.device.torch_device
+        batch = Batch.from_tensors(data, mask, torch.from_numpy(got_fields["key"].copy()).to(dev),
+                                   torch.from_numpy(got_fields["probability"].copy()).to(dev),
+                                   torch.from_numpy(got_fields["weight"].astype(np.float32)).to(dev),
+                                   torch.from_numpy(g_valid).to(dev))
+        self.device.synchronize()
+        return batch
+
+    def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
+        """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""
+        from ..kernels import cuda_gather
+        ctx = self.device
+        cuda_gather.gather_into(views, self.spec, self.shard.capacity_steps, *part,
+                                {n: ctx.numba_view(t) for n, t in data.items()}, ctx.numba_view(mask), ctx.threads)
+
+    def _remote_plan(self, send_counts, recv_counts):
+        """Counts through the transport, and which of this rank's served items travel (send order)."""
+        direct = self.node.direct
+        recv_from = np.where(direct, 0, recv_counts)
+        send_to = np.where(direct, 0, send_counts)
+        send_first = displacements(send_counts)
+        pick = np.concatenate([np.arange(send_first[r], send_first[r] + send_to[r]) for r in range(self.comm.size)]
+                              ).astype(np.int64) if send_to.sum() else np.zeros(0, np.int64)
+        return recv_from, send_to, pick
+
+    def _device_windows(self, send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
+                        data: dict, window: int) -> None:
+        """Windows for requesters on other nodes, over torch.distributed (NCCL) between device buffers:
+        packed on the GPU straight from mapped host memory, received into a device scratch buffer,
+        then copied into the batch rows of their owners."""
+        import torch
+        from ..kernels import cuda_gather
+        ctx, cap, direct = self.device, self.shard.capacity_steps, self.node.direct
+        recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
+        n_out, n_in = len(pick), int(recv_from.sum())
+        remote_rows = torch.from_numpy(np.concatenate(
+            [np.arange(row_of_owner[o], row_of_owner[o + 1]) for o in range(self.comm.size) if not direct[o]]
+            + [np.zeros(0, np.int64)]).astype(np.int64)).to(ctx.torch_device)
+        nb = int(recv_counts.sum())
+        own_views = self.node.device_views[self.comm.rank]
+        for c in self.spec.columns:
+            row_bytes = window * c.step_bytes
+            send = ctx.empty((n_out * row_bytes,), np.uint8)
+            if n_out:
+                cuda_gather.gather_windows(own_views[c.name], cap, c.step_bytes, win_start[pick] % cap,
+                                           n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
+                                           ctx.numba_view(send), window, ctx.threads)
+            recv = ctx.empty((n_in * row_bytes,), np.uint8)
+            ctx.synchronize()
+            what = f"sample (windows of {c.name!r})"
+            if self.torch_comm is not None:
+                self.torch_comm.alltoallv(send, send_to * row_bytes, recv, recv_from * row_bytes, what)
+            else:  # a CUDA-aware MPI reads and writes the device buffers itself
+                self.comm.alltoallv_bytes(send, send_to * row_bytes, recv, recv_from * row_bytes, what)
+            if n_in:
+                rows_view = data[c.name].view(-1).view(torch.uint8).view(nb, row_bytes)
+                rows_view.index_copy_(0, remote_rows, recv.view(n_in, row_bytes))
+
+    def _post_host(self, requests: list, send_counts, win_start, n_valid, pad_front, recv_counts,
+                   row_of_owner, batch: Batch, window: int) -> list:
+        """Post one alltoallv per column: windows for requesters that cannot read this rank's
+        memory, received straight into the batch rows. Returns the send buffers (keep them alive)."""
+        recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
+        n_out = len(pick)
+        views = self.shard.store.byte_views()
+        cap = self.shard.capacity_steps
+        buffers = []
+        for c in self.spec.columns:
+            row_bytes = window * c.step_bytes
+            sendbuf = np.empty(n_out * row_bytes, np.uint8)
+            if n_out:
+                gather_kernels.gather_windows(views[c.name], cap, c.step_bytes, win_start[pick] % cap,
+                                              n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
+                                              sendbuf, window)
+            dst = batch.numpy()[c.name].reshape(-1).view(np.uint8)
+            requests.append(self.comm.ialltoallv(sendbuf, send_to * row_bytes, dst, recv_from * row_bytes,
+                                                 recv_displs=row_of_owner[:-1] * row_bytes))
+            buffers.append(sendbuf)
+        return buffers
+
+    def close(self) -> None:
+        """Destroy the torch process group this transport created (if any). Idempotent."""
+        if self.torch_comm is not None:
+            self.torch_comm.close()
+            self.torch_comm = None

@@ -1,0 +1,188 @@
+"""The owner's side of the writers: finding them, draining their ended episodes into the shard.
+
+An :class:`WriterIntake` is made by a rank on the first ``replay.writer_address()``;
+it owns the registry segment (:mod:`gear_mpi.feeds.staging`). :meth:`WriterIntake.drain`
+attaches newly announced writers, reads each one's published episode records,
+checks them (a writer is another process: its records are not trusted), and moves
+up to ``budget`` episodes into the shard with one
+:meth:`~gear_mpi.storage.shard_insert.ShardInsert.store_packed` call per writer -- a copy
+of at most two slices per column (the staging ring's wrap), no Python per step or
+per episode. Writers that closed or died are removed once their published episodes
+are in. Local: no communication.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import time
+import weakref
+
+import numpy as np
+
+from ..kernels.hints import publish
+from ..storage.arenas import SHM_DIR
+from .staging import R_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, Registry, Staging
+
+log = logging.getLogger("gear_mpi")
+_REAP_SECONDS = 0.2  # how often to look for writers that closed or died
+
+
+class WriterIntake:
+    """A rank's ingest point for :class:`~gear_mpi.feeds.writer.Writer` processes on its node.
+
+    Args:
+        shard: the :class:`~gear_mpi.shard.Shard` the episodes enter.
+    Raises:
+        ValueError: the spec is too large to describe in the registry.
+    Cost: one 64 KiB shared-memory segment; each writer adds its own staging segment.
+    """
+
+    def __init__(self, shard):
+        self.shard = shard
+        self.registry = Registry.create(secrets.token_hex(8), shard.spec)
+        self._address = self.registry.name
+        # an owner that exits without close() still removes its writers' segments (SIGKILL: memory.cleanup())
+        self._finalizer = weakref.finalize(self, _remove_segments, self._address + "_w")
+        atexit.register(self._finalizer)
+        self.writers: dict[int, Staging] = {}
+        self.ingested = 0
+        self._reap_at = 0.0
+        self._last = -1  # the slot of the writer served last: the next drain starts after it
+
+    @property
+    def address(self) -> str:
+        """The writer address: the registry segment's name (still readable after close)."""
+        return self._address
+
+    def _discover(self) -> None:
+        announced = np.flatnonzero(self.registry.announce.copy())  # writers announce while we look: a snapshot
+        if len(announced) == len(self.writers):
+            return
+        for slot in announced.tolist():
+            if slot in self.writers:
+                continue
+            staging = Staging.attach(self.registry, self.shard.spec, slot)
+            if staging is None:  # announced, then gone or not valid: free the slot
+                log.warning("writer slot %d of %s has no valid staging area; freeing it", slot, self.address)
+                self._free(slot, None)
+            else:
+                self.writers[slot] = staging
+
+    def backlog(self) -> int:
+        """Episodes ended by the writers and not yet ingested (attaches new writers first). O(writers)."""
+        self._discover()
+        return sum(st.published() - int(st.header[S_CONSUMED]) for st in self.writers.values())
+
+    def drain(self, budget: float) -> int:
+        """Move up to ``budget`` ended episodes into the shard (oldest first per writer; the writers round-robin,
+        from the one after the writer served last, so a budget smaller than one writer's backlog starves none).
+
+        The caller has passed the node fence (nothing may read the shard's old steps). Local.
+        Args:
+            budget: the most episodes to take (``inf``: all).
+        Returns:
+            How many entered.
+        Cost: O(writers) counter reads; per writer with episodes, one record check and one store_packed.
+        """
+        self._discover()
+        total = 0
+        slots = sorted(self.writers)
+        first = next((i for i, slot in enumerate(slots) if slot > self._last), 0)
+        for slot in slots[first:] + slots[:first]:
+            if total >= budget:
+                break
+            st = self.writers[slot]
+            try:
+                n = self._drain_one(st, budget - total)
+                if n:
+                    total, self._last = total + n, slot
+            except _BrokenStaging as e:
+                log.error("writer slot %d of %s: %s; dropping that writer", slot, self.address, e)
+                self._free(slot, st)
+        now = time.monotonic()
+        if now >= self._reap_at:
+            self._reap_at = now + _REAP_SECONDS
+            for slot, st in list(self.writers.items()):
+                if st.published() == int(st.header[S_CONSUMED]) and st.writer_gone():
+                    self._free(slot, st)
+        self.ingested += total
+        return total
+
+    def _drain_one(self, st: Staging, budget: float) -> int:
+        done = int(st.header[S_CONSUMED])
+        n = int(min(st.published() - done, budget))
+        if n <= 0:
+            return 0
+        spec, store = self.shard.spec, self.shard.store
+        recs = st.records[np.arange(done, done + n) % st.episodes]
+        starts, lengths = recs[:, 0].copy(), recs[:, 1].copy()
+        priorities = recs[:, 2].copy().view(np.float64)
+        first = int(st.header[S_CONSUMED_STEPS])
+        if lengths.min() < 1 or lengths.max() > spec.max_length:
+            raise _BrokenStaging(f"an episode length outside [1, {spec.max_length}]")
+        if starts[0] != first or (n > 1 and not np.array_equal(starts[1:], starts[:-1] + lengths[:-1])):
+            raise _BrokenStaging("episode records that are not back to back")
+        if not (np.isfinite(priorities).all() and (priorities >= 0).all()):
+            raise _BrokenStaging("a priority that is negative or not finite")
+        # no batch above the shard's capacity or slots (store_packed would refuse it)
+        ends = np.cumsum(lengths)
+        n = min(n, int(np.searchsorted(ends, store.capacity, side="right")), store.max_items)
+        lengths, priorities, stop = lengths[:n], priorities[:n] + 0.0, first + int(ends[n - 1])
+        if stop - first > st.steps:
+            raise _BrokenStaging("more published steps than its ring holds")
+        a = first % st.steps
+        b = a + (stop - first)
+        if b <= st.steps:
+            columns = {name: ring[a:b] for name, ring in st.columns.items()}
+        else:
+            columns = {name: np.concatenate([ring[a:], ring[:b - st.steps]]) for name, ring in st.columns.items()}
+        self.shard.store_packed(columns, lengths, priorities)
+        st.mark_consumed(done + n, stop)
+        return n
+
+    def _free(self, slot: int, st: Staging | None) -> None:
+        """Forget a writer: clear its announce word first, then remove its segment (see :mod:`gear_mpi.feeds.staging`)."""
+        publish(self.registry.announce[slot:slot + 1], 0)
+        if st is not None:
+            st.close(unlink=True)
+        else:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.registry.staging_name(slot)))
+            except FileNotFoundError:
+                pass
+        self.writers.pop(slot, None)
+
+    def close(self) -> None:
+        """Tell the writers the replay is closed, remove every staging area and the registry. Idempotent."""
+        if self.registry is None:
+            return
+        publish(self.registry.words[R_CLOSED:R_CLOSED + 1], 1)  # writers raise WriterError from now on
+        for slot in np.flatnonzero(self.registry.announce.copy()).tolist():
+            self._free(slot, self.writers.get(slot))
+        for slot, st in list(self.writers.items()):
+            self._free(slot, st)
+        self.registry.close()
+        self.registry = None
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"WriterIntake({self.address!r}, writers={len(self.writers)}, ingested={self.ingested})"
+
+
+def _remove_segments(prefix: str) -> None:
+    """Unlink every segment whose name starts with ``prefix`` (a closed ingest point's staging areas)."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+
+
+class _BrokenStaging(Exception):
+    """A writer's staging area holds records no correct writer writes."""

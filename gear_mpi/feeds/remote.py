@@ -1,0 +1,244 @@
+"""Actors on other nodes: episodes sent to a learner rank over MPI point-to-point.
+
+On a cluster, actors often run on other nodes than the learners. They are ranks of
+the same job (e.g. ``COMM_WORLD`` split into actors and learners): an actor rank
+opens ``MpiWriter(comm, learner)`` -- the interface of :class:`~gear_mpi.feeds.writer.Writer`
+-- and the learner rank calls ``replay.accept_remote(comm)`` once; the learner then
+takes the actors' episodes at its collectives (or ``replay.ingest()``), within its
+rate limiter's insert budget, like a local writer's. No server, no extra thread.
+
+The protocol (tags :data:`TAGS` on ``comm``; give the replay a ``comm.Dup()`` made on
+every rank if the job uses those tags or ``MPI.ANY_TAG`` receives on ``comm``):
+
+- HELLO (actor -> learner, empty); the learner answers SPEC (the spec as JSON) at its
+  next drain; the actor's constructor waits for it (``timeout``).
+- EPISODE: one message per ended episode: ``int64 length``, ``float64 priority``, then
+  each column's ``length`` steps, back to back. Non-blocking sends, at most
+  ``max_in_flight`` episodes not yet acknowledged; the learner sends ACK (the count it
+  has stored) per drain, so an actor blocks (backpressure) when the learner does not
+  keep up, and raises WriterTimeoutError after ``timeout``.
+- BYE (actor -> learner) on close; CLOSED (learner -> actors) when the replay closes:
+  an actor then raises WriterError.
+
+Costs: an actor copies each episode once into its send buffer; the learner receives
+it into one buffer per episode and copies it once into its shard (one
+``store_packed`` per drain).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..distributed.deadline import poll
+from ..errors import WriterError, WriterTimeoutError
+from ..spec import TrajectorySpec
+from .writer import EpisodeWriter
+
+TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE, TAG_CLOSED = range(31000, 31006)
+TAGS = (TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE, TAG_CLOSED)
+_HEAD = 16  # bytes before an episode's columns: length (int64), priority (float64)
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+class MpiWriter(EpisodeWriter):
+    """A writer on an actor rank, sending episodes to rank ``learner`` of ``comm`` (see the module docstring).
+
+    Args:
+        comm: an mpi4py communicator holding this rank and the learner (e.g. ``MPI.COMM_WORLD``).
+        learner: the learner's rank in ``comm``; it must call ``replay.accept_remote(comm)``.
+        timeout: seconds to wait for the learner's answer, and for room when ``max_in_flight`` episodes
+            are unacknowledged.
+        max_in_flight: episodes sent and not yet stored by the learner before ``end_episode`` blocks.
+    Raises:
+        ValueError: a bad argument. WriterTimeoutError: the learner did not answer within ``timeout``.
+    Cost: ``max_length * step_bytes`` for the open episode, up to ``max_in_flight`` episode buffers in flight.
+    """
+
+    def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8):
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(max_in_flight, bool) or int(max_in_flight) != max_in_flight or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        if not (0 <= int(learner) < comm.Get_size()) or int(learner) == comm.Get_rank():
+            raise ValueError(f"learner must be another rank of comm (0..{comm.Get_size() - 1}), got {learner!r}")
+        self.comm, self.learner, self.timeout = comm, int(learner), float(timeout)
+        self.max_in_flight = int(max_in_flight)
+        self._MPI = _mpi()
+        self._sends: list = []  # (request, buffer) of episodes and control messages in flight
+        self._acked = 0
+        self._send(np.zeros(1, np.uint8), TAG_HELLO)
+        status = self._MPI.Status()
+        if not poll(lambda: comm.Iprobe(source=self.learner, tag=TAG_SPEC, status=status), self.timeout):
+            raise WriterTimeoutError(f"MpiWriter: learner rank {learner} did not answer within {timeout:g} s "
+                                     f"(did it call replay.accept_remote(comm) and reach a collective?)")
+        buf = np.empty(status.Get_count(self._MPI.BYTE), np.uint8)
+        comm.Recv(buf, source=self.learner, tag=TAG_SPEC)
+        spec = TrajectorySpec.from_dict(json.loads(bytes(buf)))
+        self._buffer = {c.name: np.empty((spec.max_length,) + c.shape, c.dtype) for c in spec.columns}
+        self._setup(spec, self._buffer)
+
+    def _send(self, buf: np.ndarray, tag: int) -> None:
+        self._sends.append((self.comm.Isend(buf, dest=self.learner, tag=tag), buf))
+
+    def _listen(self) -> None:
+        """Take the learner's ACK and CLOSED messages; drop completed sends."""
+        comm, status = self.comm, self._MPI.Status()
+        while comm.Iprobe(source=self.learner, tag=TAG_ACK, status=status):
+            ack = np.empty(1, np.int64)
+            comm.Recv(ack, source=self.learner, tag=TAG_ACK)
+            self._acked = max(self._acked, int(ack[0]))
+        if comm.Iprobe(source=self.learner, tag=TAG_CLOSED):
+            comm.Recv(np.empty(1, np.uint8), source=self.learner, tag=TAG_CLOSED)
+            self._closed, self._max_length = True, 0
+            raise WriterError(f"MpiWriter: the replay of learner rank {self.learner} was closed")
+        if self._sends:
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def _room(self, steps: int) -> None:
+        if self._closed:
+            raise WriterError("MpiWriter: this writer is closed")
+        self._fits = self.spec.max_length
+
+    def _rows(self, count: int):
+        return [(self._buffer, slice(0, count))]
+
+    def _publish(self, length: int, priority: float) -> None:
+        self._listen()
+        if self._episodes - self._acked >= self.max_in_flight:
+            def room() -> bool:
+                self._listen()
+                return self._episodes - self._acked < self.max_in_flight
+            if not poll(room, self.timeout):
+                raise WriterTimeoutError(f"MpiWriter: learner rank {self.learner} stored none of {self.max_in_flight} "
+                                         f"episodes in flight within {self.timeout:g} s (it is not reaching its "
+                                         f"collectives, or its rate limiter holds inserts back)")
+        parts = [np.array([length], np.int64).view(np.uint8), np.array([priority], np.float64).view(np.uint8)]
+        parts += [self._buffer[c.name][:length].reshape(-1).view(np.uint8) for c in self.spec.columns]
+        self._send(np.concatenate(parts), TAG_EPISODE)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the learner has stored every ended episode.
+
+        Raises:
+            WriterTimeoutError: not in time; WriterError: the replay was closed.
+        """
+        def done() -> bool:
+            self._listen()
+            return self._acked >= self._episodes
+        if not poll(done, self.timeout if timeout is None else timeout):
+            raise WriterTimeoutError(f"flush: learner rank {self.learner} stored {self._acked} of {self._episodes} "
+                                     f"episodes in time")
+
+    def close(self) -> None:
+        """Say goodbye to the learner and complete the sends in flight (an open episode is dropped). Idempotent.
+
+        Raises:
+            WriterTimeoutError: the sends did not complete within ``timeout``.
+        """
+        if self._closed and not self._sends:
+            return
+        if not self._closed:
+            super().close()
+            self._send(np.zeros(1, np.uint8), TAG_BYE)
+        requests = [r for r, _ in self._sends]
+        ok = poll(lambda: self._MPI.Request.Testall(requests), self.timeout)
+        self._sends = []
+        if not ok:
+            raise WriterTimeoutError(f"MpiWriter.close: sends to learner rank {self.learner} did not complete "
+                                     f"within {self.timeout:g} s")
+
+
+class RemoteInbox:
+    """The learner's side: answers actors, receives their episodes into the shard (see the module docstring).
+
+    Args:
+        comm: the communicator the actors' :class:`MpiWriter` use.
+        shard: the shard the episodes enter.
+    """
+
+    def __init__(self, comm, shard):
+        self.comm, self.shard, self._MPI = comm, shard, _mpi()
+        self.actors: dict[int, list[int]] = {}  # rank -> [episodes received, episodes stored]
+        self._sends: list = []
+        self._spec = np.frombuffer(json.dumps(shard.spec.to_dict()).encode(), np.uint8).copy()
+        self._sizes = [(c.name, c.dtype, c.shape, c.step_bytes) for c in shard.spec.columns]
+        self.ingested = 0
+
+    def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
+        self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag), buf))
+
+    def _control(self) -> None:
+        comm, MPI, status = self.comm, self._MPI, self._MPI.Status()
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status):
+            src = status.Get_source()
+            comm.Recv(np.empty(1, np.uint8), source=src, tag=TAG_HELLO)
+            self.actors[src] = [0, 0]
+            self._send(self._spec, src, TAG_SPEC)
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_BYE, status=status):
+            src = status.Get_source()
+            comm.Recv(np.empty(1, np.uint8), source=src, tag=TAG_BYE)
+            self.actors.pop(src, None)
+        if self._sends:
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def backlog(self) -> int:
+        """1 when an episode is waiting to be received, else 0 (MPI shows one message at a time). O(1)."""
+        self._control()
+        return int(bool(self.comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_EPISODE)))
+
+    def drain(self, budget: float) -> int:
+        """Receive up to ``budget`` episodes into the shard (one store_packed), then acknowledge them. Local.
+
+        Returns:
+            How many entered.
+        Raises:
+            WriterError: a message that is not a well-formed episode of this spec (names the actor rank).
+        """
+        self._control()
+        comm, MPI, status = self.comm, self._MPI, self._MPI.Status()
+        spec, store = self.shard.spec, self.shard.store
+        got, lengths, priorities, senders, steps = [], [], [], [], 0
+        while len(got) < budget and len(got) < store.max_items and \
+                comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_EPISODE, status=status):
+            src, nbytes = status.Get_source(), status.Get_count(MPI.BYTE)
+            head = (nbytes - _HEAD) // max(spec.step_bytes, 1)
+            if steps + head > store.capacity:
+                break  # the next drain takes it
+            buf = np.empty(nbytes, np.uint8)
+            comm.Recv(buf, source=src, tag=TAG_EPISODE)
+            length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
+            if not (1 <= length <= spec.max_length) or nbytes != _HEAD + length * spec.step_bytes or \
+                    not (priority >= 0 and np.isfinite(priority)):
+                raise WriterError(f"accept_remote: rank {src} sent a message that is not an episode of this spec")
+            got.append(buf)
+            lengths.append(length)
+            priorities.append(priority)
+            senders.append(src)
+            steps += length
+        if not got:
+            return 0
+        columns, offsets = {}, np.full(len(got), _HEAD)
+        for name, dtype, shape, nb in self._sizes:
+            parts = [b[o:o + n * nb] for b, o, n in zip(got, offsets, lengths)]
+            columns[name] = np.concatenate(parts).view(dtype).reshape((-1,) + shape)
+            offsets += np.array(lengths) * nb
+        self.shard.store_packed(columns, np.array(lengths, np.int64), np.array(priorities, np.float64))
+        for src in senders:
+            self.actors.setdefault(src, [0, 0])[1] += 1
+        for src in set(senders):
+            self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
+        self.ingested += len(got)
+        return len(got)
+
+    def close(self) -> None:
+        """Tell every known actor the replay is closed (it then raises WriterError). Local, best effort."""
+        for src in list(self.actors):
+            self._send(np.zeros(1, np.uint8), src, TAG_CLOSED)
+        poll(lambda: self._MPI.Request.Testall([r for r, _ in self._sends]), 5.0)
+        self._sends = []
+        self.actors = {}

@@ -1,0 +1,418 @@
+"""The priority indexes that proportional selectors draw from: one weight per slot.
+
+- :class:`PriorityIndex` -- host memory, CPU kernels (:mod:`~gear_mpi.kernels.priority_tree`
+  for updates, :mod:`~gear_mpi.kernels.priority_draw` for draws).
+- :class:`DevicePriorityIndex` -- the same structure in GPU memory, numba-cuda kernels
+  (:mod:`~gear_mpi.kernels.cuda_priority`), the same results bit for bit.
+
+Both hold the structure as one :class:`~gear_mpi.kernels.priority_tree.Tree` (built
+once, passed whole to every kernel call) and offer the same methods: ``set``,
+``draw``, ``rebuild``, ``weights_of``, ``host_leaves``, ``total``, ``min_positive``,
+and, for checkpoints, ``KIND``, ``sections`` and ``restore``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..kernels.cuda_support import as_device, cuda_module, is_device_array, simulator_enabled
+from ..kernels import priority_draw
+from ..kernels.hints import staggered_rows
+from ..kernels import priority_tree as tree_kernels
+from ..kernels.priority_tree import TREE_FIELDS, Tree
+
+SET_SCRATCH_KEEP = 1 << 20  # set: batches up to this many slots keep their scratch (24 bytes a slot)
+_NO_INTS, _NO_FLOATS = np.empty((2, 0), np.int64), np.empty(0, np.float64)
+LEVEL_FIELDS = TREE_FIELDS[1:]  # everything but the leaves: what a checkpoint may carry to skip a rebuild
+
+
+def _aligned_zeros(n: int, fill: float = 0.0) -> np.ndarray:
+    """A float64 array of ``n`` entries starting on a 64-byte (cache-line) boundary."""
+    raw = np.empty(n + 8, np.float64)
+    skip = (-raw.ctypes.data % 64) // 8
+    out = raw[skip:skip + n]
+    out.fill(fill)
+    return out
+
+
+def _set_rows(nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`PriorityIndex.set`'s scratch: ``[2, nb]`` int64 and ``nb`` float64, staggered in one allocation
+    (the kernel walks the three rows side by side; see ``hints.staggered_rows``). O(1)."""
+    rows = staggered_rows(3, nb)
+    return rows[:2], rows[2].view(np.float64)
+
+
+def _leaves_section(sections: Mapping[str, np.ndarray], count: int) -> np.ndarray:
+    leaves = sections.get("leaves")
+    if leaves is None:
+        raise ValueError("section 'leaves' is missing")
+    leaves = np.asarray(leaves)
+    if leaves.shape != (count,) or leaves.dtype != np.float64:
+        raise ValueError(f"section 'leaves' has {leaves.shape} x {leaves.dtype}, expected ({count},) x float64")
+    return leaves
+
+
+def _levels_fit(sections: Mapping[str, np.ndarray], tree: Tree) -> bool:
+    """Whether ``sections`` holds every level array, each of this structure's length and dtype."""
+    for name in LEVEL_FIELDS:
+        got = sections.get(name)
+        if got is None or np.asarray(got).dtype != np.float64 or len(got) != getattr(tree, name).shape[0]:
+            return False
+    return True
+
+
+class PriorityIndex:
+    """Per-slot weights in the blocked sum/min structure of :mod:`gear_mpi.kernels.priority_tree`.
+
+    Memory: about 9.3 bytes per slot. ``set``: O(B + n / 4096) (each update recounts
+    one cache line of leaves and one of line sums). ``draw``: O(B (log(n / 4096) + 80)),
+    two cache misses per draw, parallel.
+
+    Args:
+        n: the number of slots (weights start at 0).
+    """
+
+    KIND = "blocked"  # checkpoints store the level arrays of this structure too
+
+    def __init__(self, n: int):
+        n1, n2 = tree_kernels.level_sizes(n)
+        self.tree = Tree(leaves=_aligned_zeros(n), l0_sum=_aligned_zeros(tree_kernels.line_count(n)),
+                         l1_sum=_aligned_zeros(n1), l1_min=np.full(n1, np.inf), l2_sum=np.zeros(n2, np.float64),
+                         l2_min=np.full(n2, np.inf), prefix=np.zeros(n2 + 1, np.float64))
+        self._arrays = tuple(self.tree)  # what the kernels get: a plain tuple dispatches faster (see Tree)
+        self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
+        self._flags1 = np.zeros(n1, np.uint8)
+        self._flags2 = np.zeros(n2, np.uint8)
+        self._bounds = np.empty(n2 + 1, np.int64)  # set's scratch (see _set_scratch)
+        self._scratch_i, self._scratch_f = _NO_INTS, _NO_FLOATS
+
+    @property
+    def total(self) -> float:
+        """Sum of all weights. O(1)."""
+        return float(self.tree.prefix[-1])
+
+    @property
+    def min_positive(self) -> float:
+        """Smallest positive weight (inf if none). O(n / 4096)."""
+        return float(self.tree.l2_min.min())
+
+    def __len__(self) -> int:
+        return self.tree.leaves.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the structure's arrays (about 9.3 a slot). O(1)."""
+        return sum(int(a.nbytes) for a in self.tree) + int(getattr(self, "_flags1", np.zeros(0)).nbytes) \
+            + int(getattr(self, "_flags2", np.zeros(0)).nbytes)
+
+    def set(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins).
+
+        Args:
+            slots: int slots in ``[0, n)`` (not checked: the kernel trusts them).
+            values: the new weights, non-negative and not NaN.
+
+        Cost: O(B + n / 4096), one kernel call (parallel from 513 slots).
+        """
+        nb = len(slots)
+        if nb:
+            ints, floats = self._set_scratch(nb)
+            tree_kernels.set_leaves_into(self._arrays, self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
+                                         np.ascontiguousarray(values, np.float64), self._bounds, ints[0], floats,
+                                         ints[1])
+
+    def _set_scratch(self, nb: int) -> tuple[np.ndarray, np.ndarray]:
+        """Scratch rows for :meth:`set` of ``nb`` slots (``[2, nb]`` int64, ``nb`` float64), kept up to
+        ``SET_SCRATCH_KEEP`` slots so that repeated large updates fault in no fresh pages. O(1) when kept."""
+        if nb <= tree_kernels.SET_SERIAL_MAX:
+            return _NO_INTS, _NO_FLOATS
+        if nb > SET_SCRATCH_KEEP:
+            return _set_rows(nb)
+        if nb > self._scratch_f.shape[0]:
+            self._scratch_i, self._scratch_f = _set_rows(nb)
+        return self._scratch_i[:, :nb], self._scratch_f[:nb]
+
+    def draw(self, uniforms: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Draw one slot per uniform, with replacement: P(slot) = weight / total.
+
+        Args:
+            uniforms: float64 numbers in [0, 1).
+            out: an int64 array of ``len(uniforms)`` to fill, or None for a new one.
+
+        Returns:
+            The drawn slots (``out`` when given). The caller guarantees a positive total.
+
+        Cost: O(B (log(n / 4096) + 80)), one kernel call.
+        """
+        out = np.empty(len(uniforms), np.int64) if out is None else out
+        priority_draw.draw(self._arrays, uniforms, out)
+        return out
+
+    def rebuild(self) -> None:
+        """Recompute every level from the leaves. O(n), parallel."""
+        tree_kernels.rebuild(self._arrays)
+
+    def weights_of(self, slots: np.ndarray) -> np.ndarray:
+        """The weights of ``slots``. O(B).
+
+        Args:
+            slots: int slots in ``[0, n)``.
+
+        Returns:
+            A new host float64 array, one weight per slot.
+
+        Raises:
+            IndexError: a slot out of range.
+        """
+        return self.tree.leaves[slots]
+
+    def host_leaves(self, count: int) -> np.ndarray:
+        """The first ``count`` weights as a host array. O(1).
+
+        Args:
+            count: how many (at most ``n``).
+
+        Returns:
+            A view of the leaves (no copy).
+        """
+        return self.tree.leaves[:count]
+
+    # ---- checkpoint state -----------------------------------------------------------------
+    def sections(self, count: int) -> list[tuple[str, np.ndarray]]:
+        """The arrays a checkpoint stores, as (name, view) pairs, in the checkpoint's order. O(1).
+
+        Args:
+            count: the slots in use (the store's high-water mark): only ``leaves[:count]`` is given.
+
+        Returns:
+            ``("leaves", leaves[:count])`` then every level array whole (``LEVEL_FIELDS``).
+            Views, no copy: write them out before the index changes.
+        """
+        return [("leaves", self.tree.leaves[:count])] + [(name, getattr(self.tree, name)) for name in LEVEL_FIELDS]
+
+    def restore(self, sections: Mapping[str, np.ndarray], count: int) -> None:
+        """Load the state :meth:`sections` described, into this new (all-zero) index.
+
+        Uses the level arrays when every one is given with this index's length and
+        dtype (a copy, O(n / 8)); otherwise sets the ``count`` leaves, which recomputes
+        the levels (O(count)). Leaves past ``count`` are left as they are (zero in a new index).
+
+        Args:
+            sections: ``"leaves"`` (float64, ``count`` entries) and optionally the level arrays.
+            count: the slots in use.
+
+        Raises:
+            ValueError: ``"leaves"`` is missing or not ``count`` float64 values (nothing changed).
+        """
+        leaves = _leaves_section(sections, count)
+        if _levels_fit(sections, self.tree):
+            self.tree.leaves[:count] = leaves
+            for name in LEVEL_FIELDS:
+                getattr(self.tree, name)[:] = sections[name]
+        else:
+            self.set(np.arange(count, dtype=np.int64), leaves)
+
+    def __repr__(self) -> str:
+        return f"PriorityIndex(n={len(self)}, total={self.total})"
+
+
+_CP: list = []
+
+
+def _cuda_kernels():
+    """The CUDA priority kernels (numba-cuda imported on first use)."""
+    if not _CP:
+        from ..kernels import cuda_priority
+        _CP.append(cuda_priority)
+    return _CP[0]
+
+
+class DevicePriorityIndex:
+    """:class:`PriorityIndex` on the GPU: same layout, same results.
+
+    ``set``/``draw`` take host arrays (copied to the device) or device arrays /
+    CUDA tensors (used in place); ``draw`` returns a device int64 array (call
+    ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory, no
+    scratch. ``set``: six launches, O(B * 64 + n / 4096). ``draw``: one thread per
+    draw, O(log(n / 4096) + 128) reads each.
+
+    Args:
+        n: the number of slots (weights start at 0).
+        threads: the CUDA block size, in [1, 1024].
+
+    Raises:
+        ValueError: ``n < 1`` or ``threads`` out of range.
+        ImportError: numba-cuda is not installed.
+    """
+
+    KIND = "generic"  # checkpoints store its leaves only; a load rebuilds the levels from them
+
+    def __init__(self, n: int, threads: int = 256, *, _fill: bool = True):
+        cp = _cuda_kernels()
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"a priority index needs at least one slot, got {n}")
+        if not 1 <= threads <= cp.MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {cp.MAX_THREADS}], got {threads}")
+        cuda = cuda_module()
+        self.n = n
+        self.threads = int(threads)
+        n1, n2 = tree_kernels.level_sizes(n)
+        sizes = dict(leaves=n, l0_sum=tree_kernels.line_count(n), l1_sum=n1, l1_min=n1, l2_sum=n2, l2_min=n2,
+                     prefix=n2 + 1)
+        self.tree = Tree(**{name: cuda.device_array(sizes[name], np.float64) for name in TREE_FIELDS})
+        self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
+        self._scalar = cuda.device_array(1, np.float64)
+        if _fill:  # an empty index: weights 0, minima inf
+            for name, array in zip(TREE_FIELDS, self.tree):
+                cp.fill(array, math.inf if name.endswith("_min") else 0.0, self.threads)
+
+    @classmethod
+    def from_host(cls, index: Any, threads: int = 256) -> "DevicePriorityIndex":
+        """A device copy of a CPU :class:`PriorityIndex` (or anything with its seven arrays).
+
+        Args:
+            index: an object with the arrays named in ``TREE_FIELDS``.
+            threads: the CUDA block size.
+
+        Returns:
+            A new device index holding the same structure. O(n) over the bus.
+        """
+        self = cls(len(index.leaves), threads, _fill=False)
+        for name in TREE_FIELDS:
+            getattr(self.tree, name).copy_to_device(np.ascontiguousarray(getattr(index, name), np.float64))
+        return self
+
+    def to_host(self) -> dict[str, np.ndarray]:
+        """The seven arrays, copied to host numpy arrays (for checks). O(n) over the bus."""
+        return {name: array.copy_to_host() for name, array in zip(TREE_FIELDS, self.tree)}
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the structure's device arrays (about 9.3 a slot). O(1)."""
+        return sum(int(a.nbytes) for a in self.tree)
+
+    @property
+    def total(self) -> float:
+        """Sum of all weights (one 8-byte device-to-host copy)."""
+        return float(self.tree.prefix[self.tree.prefix.shape[0] - 1])
+
+    @property
+    def min_positive(self) -> float:
+        """Smallest positive weight (inf if none): one single-block reduction over ``n / 4096`` entries."""
+        _cuda_kernels().smallest(self.tree.l2_min, self._scalar, self.threads)
+        return float(self._scalar.copy_to_host()[0])
+
+    def set(self, slots: Any, values: Any) -> None:
+        """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins).
+
+        Args:
+            slots: int64 slots in ``[0, n)``, host (checked) or device (not checked).
+            values: float64 weights, non-negative and not NaN, host or device.
+
+        Raises:
+            ValueError: ``slots`` and ``values`` differ in length.
+            IndexError: a host slot is outside ``[0, n)``.
+
+        Cost: six launches, O(B * 64 + n / 4096).
+        """
+        if len(slots) != len(values):
+            raise ValueError(f"{len(slots)} slots but {len(values)} values")
+        if len(slots) == 0:
+            return
+        if not is_device_array(slots):
+            s = np.asarray(slots, np.int64)
+            if s.min() < 0 or s.max() >= self.n:
+                raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
+        _cuda_kernels().set_leaves(self.tree, as_device(slots, np.int64), as_device(values, np.float64), self.threads)
+
+    def draw(self, uniforms: Any, out: Any = None):
+        """Draw one slot per uniform, with replacement: P(slot) = weight / total.
+
+        Args:
+            uniforms: float64 numbers in [0, 1), host or device.
+            out: a device int64 array of ``len(uniforms)``, or None for a new one.
+
+        Returns:
+            A device int64 array of the drawn slots (``out`` when given). The caller
+            guarantees a positive total.
+
+        Cost: one launch, one thread per draw, O(log(n / 4096) + 128) reads each.
+        """
+        u = as_device(uniforms, np.float64)
+        out = cuda_module().device_array(u.shape[0], np.int64) if out is None else out
+        _cuda_kernels().draw(self.tree, u, out, self.threads)
+        return out
+
+    def rebuild(self) -> None:
+        """Recompute every level from the leaves, on the device. O(n)."""
+        _cuda_kernels().rebuild(self.tree, self.threads)
+
+    def weights_of(self, slots: Any) -> np.ndarray:
+        """The weights of ``slots``, gathered on the device and copied to the host. O(B).
+
+        Args:
+            slots: int64 slots in ``[0, n)``, host or device (not checked).
+
+        Returns:
+            A host float64 array, one weight per slot.
+        """
+        b = len(slots)
+        if b == 0:
+            return np.zeros(0, np.float64)
+        out = cuda_module().device_array(b, np.float64)
+        _cuda_kernels().take(self.tree.leaves, as_device(slots, np.int64), out, self.threads)
+        return out.copy_to_host()
+
+    def host_leaves(self, count: int) -> np.ndarray:
+        """The first ``count`` weights copied to the host. O(count) over the bus.
+
+        Args:
+            count: how many (at most ``n``).
+
+        Returns:
+            A new host float64 array.
+        """
+        return self.tree.leaves[:count].copy_to_host() if count else np.zeros(0, np.float64)
+
+    # ---- checkpoint state -----------------------------------------------------------------
+    def sections(self, count: int) -> list[tuple[str, np.ndarray]]:
+        """The arrays a checkpoint stores: ``[("leaves", the first count weights)]``, copied to the host.
+
+        Args:
+            count: the slots in use (the store's high-water mark).
+
+        Returns:
+            One (name, host float64 array) pair. O(count) over the bus.
+        """
+        return [("leaves", np.ascontiguousarray(self.host_leaves(count), np.float64))]
+
+    def restore(self, sections: Mapping[str, np.ndarray], count: int) -> None:
+        """Load a checkpoint's index state into this new (all-zero) index.
+
+        Copies the level arrays to the device when every one is given with this
+        index's lengths (O(n / 8) over the bus), else sets the ``count`` leaves (O(count)).
+
+        Args:
+            sections: ``"leaves"`` (float64, ``count`` entries) and optionally the level arrays.
+            count: the slots in use.
+
+        Raises:
+            ValueError: ``"leaves"`` is missing or not ``count`` float64 values (nothing changed).
+        """
+        leaves = _leaves_section(sections, count)
+        if _levels_fit(sections, self.tree) and count:
+            self.tree.leaves[:count].copy_to_device(np.ascontiguousarray(leaves))
+            for name in LEVEL_FIELDS:
+                getattr(self.tree, name).copy_to_device(np.ascontiguousarray(sections[name], np.float64))
+        else:
+            self.set(np.arange(count, dtype=np.int64), leaves)
+
+    def __repr__(self) -> str:
+        return f"DevicePriorityIndex(n={self.n}, simulator={simulator_enabled()})"
+

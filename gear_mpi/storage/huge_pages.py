@@ -1,0 +1,77 @@
+"""Merging a large first fill's pages into transparent huge pages now, in the background (``MADV_COLLAPSE``).
+
+A large first fill commits 4 KiB pages (:class:`gear_mpi.storage.arenas.small_pages`: on a VM whose host
+backs guest memory lazily, this one, a fresh huge page costs about twice as much per byte), and
+sampling then reads them through 4 KiB TLB entries until khugepaged merges them, about 16 MB per
+10 s at the kernel's default pace: minutes for a ring of gigabytes. On 4 KiB pages the table rows
+alone made W3 (N=1e7, B=65536, sample + update) slower: 30.3 / 21.9 ms a cycle on 1 / 2 threads
+against 28.1 / 18.9 ms with huge pages (h15d, 2026-12-02). :class:`Collapser` asks the kernel to
+merge the ranges an insert wrote (``madvise(MADV_COLLAPSE)``, Linux 6.1+, 64 MB a call) from a
+daemon thread, so the insert returns at once and sampling soon reads huge pages. The contents
+never change (the kernel copies the pages into a huge page and swaps the mapping); only ranges
+written already are given (a collapse would commit memory under never-written pages), rounded
+inwards to 2 MB. Off unless ``$GEAR_MPI_COLLAPSE=1`` (:data:`ENABLED`): it pays for sampling that starts
+right after a bulk load and runs long (W3 above), and costs inserts that follow at once. A kernel
+without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the
+time of copying the ranges once (about 0.5 s per 256 MB here), in the background.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .arenas import advise_range
+
+MADV_COLLAPSE = 25
+HUGE_PAGE = 2 << 20
+CHUNK_BYTES = 64 << 20  # per madvise call: how long stop() may wait
+# opt-in ($GEAR_MPI_COLLAPSE=1): the thread competes with what follows the insert for memory bandwidth and a core
+# (bench_offline part a, 16:33-16:38 UTC: warm inserts right after a cold one took 0.37-0.43 s against
+# 0.24-0.25 s for 1e7 one-step items, T=1000 hopper 53-57 % of memcpy against 78-86 %)
+ENABLED = os.environ.get("GEAR_MPI_COLLAPSE", "0") == "1"
+
+
+class Collapser:
+    """Collapses ``ranges`` (``(address, nbytes)`` of memory already written, in anonymous private
+    mappings advised ``MADV_HUGEPAGE``) into huge pages from a daemon thread, one chunk a call.
+
+    The owner calls :meth:`stop` before it unmaps any of that memory. Local; no collective.
+
+    Args:
+        ranges: the written ranges; each is rounded inwards to whole 2 MB pages (smaller ones dropped).
+    """
+
+    def __init__(self, ranges):
+        self.ranges = [(lo, hi) for lo, hi in ((-(-a // HUGE_PAGE) * HUGE_PAGE, (a + n) // HUGE_PAGE * HUGE_PAGE)
+                                               for a, n in ranges) if hi > lo]
+        self.collapsed = 0  # bytes the kernel merged
+        self.failed = 0  # bytes it refused (busy, out of huge pages, not supported)
+        self._stop = threading.Event()
+        self.thread = None
+        if self.ranges and ENABLED:
+            self.thread = threading.Thread(target=self._run, name="gear_mpi-collapse", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        for lo, hi in self.ranges:
+            for a in range(lo, hi, CHUNK_BYTES):
+                if self._stop.is_set():
+                    return
+                n = min(CHUNK_BYTES, hi - a)
+                ok = advise_range(a, n, MADV_COLLAPSE)
+                if ok is None:  # the kernel does not know MADV_COLLAPSE
+                    return
+                if ok:
+                    self.collapsed += n
+                else:
+                    self.failed += n
+
+    def done(self) -> bool:
+        """Whether the thread has finished (or never started). O(1)."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop after the call in progress and wait for it (at most one ``CHUNK_BYTES`` collapse). Idempotent."""
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join()

@@ -1,0 +1,287 @@
+"""How trajectories enter a shard: :class:`ShardInsert`, mixed into :class:`~gear_mpi.shard.Shard`.
+
+Every path -- one trajectory, a list of them, packed columns, a writer's staged
+episodes (:mod:`gear_mpi.feeds.intake`) -- validates first and then ends in
+:meth:`ShardInsert.store_packed`, so a bad trajectory stores nothing. Local: no communication.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from numba import njit
+
+from .. import keys as keyspace
+from ..errors import InvalidTrajectoryError
+from ..kernels import ring
+from ..selection.priority_index import PriorityIndex
+from . import store_insert
+from .store_insert import set_inserted_leaves
+from ..spec import TrajectorySpec, validate_priorities
+
+
+# a host index update of at least 1/REBUILD_FRACTION of its slots writes the leaves and rebuilds the levels
+# (O(n), parallel) instead of updating them per slot (O(B), much slower per slot): 1e7 of 1e7, 200 ms -> 60 ms
+REBUILD_FRACTION = 8
+
+
+class ShardInsert:
+    """Insertion into a shard (mixed into :class:`~gear_mpi.shard.Shard`; reads its ``spec``, ``store``,
+    ``index`` and ``selector``)."""
+
+    bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
+
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
+        """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
+        O(1 + evictions) table work, one index update.
+
+        Args:
+            trajectory: column name -> ``[L, *shape]`` array (numpy, torch or nested lists).
+            priority: its priority (finite, >= 0).
+        Returns:
+            Its key (int).
+        Raises:
+            InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
+        """
+        return int(self.insert_many([trajectory], [priority])[0])
+
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+        """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
+        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
+
+        Args:
+            trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
+            priorities: one priority per trajectory (None: all 1).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many.
+            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+        """
+        self._check_open()
+        if isinstance(trajectories, Mapping):
+            raise InvalidTrajectoryError("insert_many takes a sequence of trajectories; use insert() for one")
+        trajectories = list(trajectories)
+        n = len(trajectories)
+        if n == 0:
+            return np.zeros(0, np.int64)
+        pr = validate_priorities(np.ones(n) if priorities is None else priorities, n)
+        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory")
+                   for i, t in enumerate(trajectories)]
+        lengths = np.array([length for _, length in checked], np.int64)
+        if n == 1:
+            columns = checked[0][0]
+        else:
+            columns = {c.name: np.concatenate([cols[c.name] for cols, _ in checked]) for c in self.spec.columns}
+        return self.store_packed(columns, lengths, pr)
+
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+        """Add many trajectories laid end to end: one array per column holding all their steps, and their
+        lengths. Checked as :meth:`insert_many` checks a list (the same error classes; one bad input stores
+        none), but in whole-array operations: no Python loop over the trajectories.
+        Cost: O(n) vectorized checks, then as :meth:`store_packed` -- one ring copy per column (a dtype
+        cast happens inside that copy), O(n + evictions) table work in a kernel, one batched index update.
+
+        A batch of more steps than ``capacity_steps`` or more trajectories than ``max_items`` is refused
+        whole (it would evict its own head); split it and call again.
+
+        Args:
+            columns: column name -> ``[sum(lengths), *shape]`` array (numpy, torch or anything
+                ``np.asarray`` takes), any dtype that casts safely to the column's (any number into a float).
+            lengths: the steps of each trajectory, in order (integers, each in ``[1, max_length]``).
+            priorities: one priority per trajectory (None: all 1).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: a column missing or unknown, of a non-numeric, uncastable dtype or of the
+                wrong shape; columns of different step counts; lengths that are not integers, one out of
+                ``[1, max_length]``, or a sum other than the columns' steps; too many steps or trajectories.
+            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+        """
+        self._check_open()
+        lengths, total = checked_lengths(lengths, self.spec.max_length)
+        arrays = check_packed_columns(self.spec, columns, total)
+        n = len(lengths)
+        # None: one shared 1.0 read n times (no n-element array to allocate)
+        pr = np.broadcast_to(np.float64(1.0), (n,)) if priorities is None else checked_priorities(priorities, n)
+        if n == 0:
+            return np.zeros(0, np.int64)
+        if total > self.store.capacity or n > self.store.max_items:
+            raise InvalidTrajectoryError(
+                f"insert_packed: {n} trajectories of {total} steps; one call takes at most capacity_steps="
+                f"{self.store.capacity} steps and max_items={self.store.max_items} trajectories: split the batch")
+        return self.store_packed(arrays, lengths, pr, steps=total)
+
+    def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
+                     steps: int | None = None) -> np.ndarray:
+        """Store already-validated trajectories laid end to end (the common tail of every insert path).
+        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update,
+        all in chunks of ``store_insert.CHUNK_ITEMS`` trajectories: besides the keys returned, the
+        temporaries are bounded (about 3 MB), whatever the batch.
+
+        Args:
+            columns: column name -> all their steps back to back, ``[rows, *shape]``, of a dtype that casts
+                to the column's (the ring copy casts: no copy is made before it).
+            lengths: int64 steps of each trajectory (each in ``[1, max_length]``, summing to the rows).
+            priorities: float64 priorities, validated (finite, >= 0), one per trajectory (or one shared,
+                as a stride-0 array).
+            steps: ``lengths.sum()`` where the caller knows it (None: summed here), so that a large batch
+                reads its lengths once more, not once per use of the sum (each pass over 1e7 lengths: ~8 ms).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: more steps than ``capacity_steps`` or more trajectories than ``max_items``
+                (nothing is stored).
+        """
+        self._check_open()
+        store = self.store
+        steps = int(lengths.sum()) if steps is None else int(steps)
+        store.check_batch(lengths, steps)
+        n = len(lengths)
+        out = store_insert.mapped_empty(n)  # the slots, then (in place) the keys returned
+        index = self.index
+        shared = priorities.strides == (0,)
+        host = isinstance(index, PriorityIndex)
+        # a large batch writes the leaves and rebuilds the levels; evicted slots the batch reused get
+        # their new weight anyway: zero only the others. The tree depends on its leaves only, so this
+        # gives the very tree that zeroing them all and then setting the new ones would
+        bound = store_insert.eviction_bound(store.state, store.max_items, store.capacity, n, steps)
+        rebuild = host and (n + bound) * REBUILD_FRACTION >= len(index)
+        changed = [0, 0]  # leaves changed by on_evicted (this thread) and by after_chunk (maybe the copy thread)
+
+        def on_evicted(evicted: np.ndarray) -> None:  # per chunk; touches the index only, never the columns
+            if rebuild:
+                changed[0] += store_insert.zero_evicted_leaves(index.leaves, evicted, store.status,
+                                                               ring.ALIVE_SHIFT, ring.DEAD)
+            else:
+                gone = evicted[(store.status[evicted] >> ring.ALIVE_SHIFT) == ring.DEAD]
+                if len(gone):
+                    index.set(gone, np.zeros(len(gone)))
+
+        weights = self.selector.weights(priorities[:1]) if index is not None and shared else None  # one shared
+
+        def chunk_weights(lo: int, hi: int) -> np.ndarray:
+            return weights if shared else np.ascontiguousarray(self.selector.weights(priorities[lo:hi] + 0.0),
+                                                               np.float64)  # -0.0 read as +0.0
+
+        per_slot = index is not None and not rebuild  # index updates slot by slot, after every eviction
+
+        def after_chunk(lo: int, hi: int) -> None:  # maybe in the copy thread: these slots' leaves and keys only
+            if rebuild:  # leaves only, the levels rebuilt at the end: the order of the writes does not matter
+                changed[1] += set_inserted_leaves(index.leaves, out[lo:hi], chunk_weights(lo, hi), out[:0],
+                                                  store.status, ring.ALIVE_SHIFT, ring.DEAD)
+            if not per_slot:  # slots -> keys in place (later chunks leave these slots' generations alone)
+                keyspace.encode_slots(store.tag, store.rank, out[lo:hi], store.status, out[lo:hi])
+
+        store_insert.insert_chunked(store, columns, lengths, priorities, out,
+                                    None if index is None else on_evicted, steps=steps, after_chunk=after_chunk)
+        self.bytes_inserted += steps * self.spec.step_bytes
+        if per_slot:
+            for lo in range(0, n, store_insert.CHUNK_ITEMS):
+                hi = min(n, lo + store_insert.CHUNK_ITEMS)
+                w = chunk_weights(lo, hi)
+                index.set(out[lo:hi], np.ascontiguousarray(np.broadcast_to(w[0], (hi - lo,)) if shared else w))
+            store.keys_of(out, out=out)
+        elif rebuild and (changed[0] or changed[1]):
+            index.rebuild()  # the levels follow from the leaves: unchanged leaves, unchanged tree
+        return out
+
+
+def checked_priorities(priorities: Any, count: int) -> np.ndarray:
+    """:func:`~gear_mpi.spec.validate_priorities` without its copy where none is needed. Local, O(count).
+
+    Args:
+        priorities: as ``validate_priorities`` takes them.
+        count: how many there must be.
+    Returns:
+        ``priorities`` itself when it is a 1-D float64 numpy array of ``count`` finite values >= 0
+        (a -0.0 stays: the store reads each as ``p + 0.0``), else ``validate_priorities``' new array.
+    Raises:
+        InvalidPriorityError: as ``validate_priorities`` (the same messages).
+    """
+    if (isinstance(priorities, np.ndarray) and priorities.dtype == np.float64 and priorities.ndim == 1
+            and len(priorities) == count and _first_bad_priority(priorities) < 0):
+        return priorities  # an n-element copy less: it would stay in the C heap (see store_insert)
+    return validate_priorities(priorities, count)
+
+
+@njit(cache=True, nogil=True)
+def _first_bad_priority(priorities):
+    """The index of the first NaN, infinite or negative priority, or -1 (one pass, no temporary)."""
+    for i in range(priorities.shape[0]):
+        v = priorities[i]
+        if not (v >= 0.0 and v < np.inf):
+            return i
+    return -1
+
+
+def check_lengths(lengths: Any, max_length: int) -> np.ndarray:
+    """The trajectory lengths of a packed insert, checked as a whole. Local; O(n), no Python loop.
+
+    Args:
+        lengths: a 1-D sequence, array or tensor of integers.
+        max_length: the spec's longest trajectory.
+    Returns:
+        A C-contiguous int64 array.
+    Raises:
+        InvalidTrajectoryError: not a 1-D array of integers, or (naming the first) a length of 0 or less,
+            or over ``max_length``.
+    """
+    return checked_lengths(lengths, max_length)[0]
+
+
+def checked_lengths(lengths: Any, max_length: int) -> tuple[np.ndarray, int]:
+    """:func:`check_lengths` and the lengths' sum, from one pass over them. Local; O(n).
+
+    Args:
+        lengths, max_length: as :func:`check_lengths` takes them.
+    Returns:
+        (the C-contiguous int64 lengths, their sum).
+    Raises:
+        InvalidTrajectoryError: as :func:`check_lengths`.
+    """
+    if hasattr(lengths, "detach") and hasattr(lengths, "cpu"):
+        lengths = lengths.detach().cpu().numpy()
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
+        raise InvalidTrajectoryError(
+            f"lengths must be a 1-D array of integers, got shape {arr.shape} and dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, np.int64)
+    i, total = _first_bad_length(arr, max_length)
+    if i >= 0:
+        too_long = f", longer than max_length={max_length}" if arr[i] > max_length else ""
+        raise InvalidTrajectoryError(f"trajectory {i}: trajectory has length {int(arr[i])}{too_long}")
+    return arr, int(total)
+
+
+@njit(cache=True, nogil=True)
+def _first_bad_length(lengths, max_length):
+    """(the index of the first length outside ``[1, max_length]`` or -1, the sum of the lengths before it):
+    one pass, no temporaries. Lengths within bounds cannot overflow the int64 sum."""
+    total = 0
+    for i in range(lengths.shape[0]):
+        v = lengths[i]
+        if v < 1 or v > max_length:
+            return i, total
+        total += v
+    return -1, total
+
+
+def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps: int) -> dict[str, np.ndarray]:
+    """The columns of a packed insert, checked against ``spec`` (dtype, shape, ``steps`` rows). Local, O(columns):
+    nothing is copied or cast here (the ring copy casts).
+
+    Args:
+        spec: the trajectory layout.
+        columns: column name -> ``[steps, *shape]`` array-like.
+        steps: the sum of the trajectory lengths.
+    Returns:
+        Column name -> numpy array (a view where the input was one; tensors via ``.cpu().numpy()``).
+    Raises:
+        InvalidTrajectoryError: not a mapping, a column missing or unknown, non-numeric or uncastable, of the
+            wrong shape or of another step count than the others or than ``steps``.
+    """
+    out, rows = spec.column_arrays(columns, "packed columns", rows="steps")
+    if rows != steps:
+        raise InvalidTrajectoryError(f"packed columns: the lengths sum to {steps} steps but the columns have {rows}")
+    return out

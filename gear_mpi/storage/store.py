@@ -1,0 +1,439 @@
+"""TrajectoryStore: a shard's columnar step ring and its trajectory table.
+
+Columns are packed back to back in a ring of ``capacity_steps`` steps (no padding
+is stored); the table holds, per slot, start step, length, status (generation and
+alive code), insertion stamp and (with a use limit) times sampled, one
+:class:`~gear_mpi.kernels.ring.Table` in the narrowest types the sizes allow
+(:mod:`gear_mpi.storage.table`), and the raw priorities where the index cannot give them
+back. The oldest trajectories are evicted (FIFO) when the ring or the table is full.
+
+For checkpoints the store exports and restores its own state: :meth:`TrajectoryStore.table_sections`
+/ :meth:`TrajectoryStore.restore_table` for the table, :meth:`TrajectoryStore.step_segments` for
+the steps in use.
+
+With ``memory="file"`` the columns (:mod:`gear_mpi.storage.file_arenas`, ``path/rank-NNNNN/columns.bin``)
+and the table (``slots.bin``) are memory-mapped files, both reserved on disk when the store is
+built; with ``memory="mapped"`` the columns are an existing ``columns.bin`` (a checkpoint's)
+mapped copy-on-write and the table is in memory.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Mapping
+
+import numpy as np
+
+from .. import keys as keyspace
+from ..errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
+from ..kernels import ring
+from . import file_arenas as file_memory, store_insert, table as table_layout
+from .arenas import SharedArena, check_header, column_layout, make_arena, memory_kind, write_header
+from .huge_pages import Collapser
+from ..spec import TrajectorySpec
+
+_NONE_REMOVED = np.zeros(0, np.int64)
+
+TABLE_BYTES_PER_SLOT = 8 * 8 + 1  # the widest table a slot can take (see table_layout.bytes_per_slot)
+
+
+class TrajectoryStore:
+    """Step ring + trajectory table of one shard.
+
+    Memory: ``capacity_steps * spec.step_bytes`` for the columns (in the chosen
+    arena) plus :attr:`table_bytes` of table (``table_layout.bytes_per_slot``: 12 to 41 bytes a
+    slot), committed lazily as slots are first used (``memory="file"``: both on disk, reserved at
+    once, cached by the page cache). The table's arrays are ``store.table`` (a :class:`ring.Table`)
+    and, by name, ``store.start``, ``store.status``, ... ``store.state``; ``store.alive`` and
+    ``store.generation`` name ``status`` too (pass it to the kernels; the alive code is
+    ``status >> ring.ALIVE_SHIFT``, the generation ``status & keys.GEN_MASK``), ``store.priority``
+    the raw priorities (a row, or a :class:`~gear_mpi.storage.table.DerivedPriority` the shard sets).
+
+    Args:
+        spec: the trajectory layout.
+        capacity_steps: steps the ring holds (at least ``spec.max_length``).
+        max_items: table slots (default ``capacity_steps``), at most ``keys.MAX_SLOTS``.
+        memory: ``"private"``, ``"shm"``, ``"file"`` or ``"mapped"`` (``"numpy"``: deprecated name of
+            ``"private"``); see :func:`~gear_mpi.storage.arenas.make_arena`.
+        rank: the shard's rank, written into its keys.
+        tag: the replay's key tag (its low 8 bits are kept).
+        arena: an arena to use instead of a new one of ``memory``.
+        path: ``memory="file"``/``"mapped"``: the directory holding ``rank-NNNNN/`` (None otherwise).
+        max_times_sampled: the shard's use limit (0: uses are not counted, no row is kept for them).
+        priority_row: whether to keep raw priorities in a row (False: the shard sets
+            ``store.priority`` to read them back from its index).
+        lazy_priority: whether the row may stand for one value shared by every slot without being
+            written (``priority_constant``, :func:`~gear_mpi.storage.table.keep_priorities`): for selectors whose draws ignore raw priorities
+            (``Uniform``, ``Prioritized(alpha=0)``), so that a batch at one priority writes no row.
+
+    Raises:
+        ValueError: a size or rank out of range, an unknown ``memory``, a ``path`` it does not take,
+            or (``"mapped"``) a file laid out for another spec or capacity.
+        StorageError: ``memory="file"``: ``path`` missing or not writable, or not enough disk.
+    """
+
+    def __init__(self, spec: TrajectorySpec, capacity_steps: int, max_items: int | None = None,
+                 memory: str = "private", rank: int = 0, tag: int = 0, arena=None, path=None,
+                 max_times_sampled: int = 0, priority_row: bool = True, lazy_priority: bool = False):
+        if isinstance(capacity_steps, bool) or not isinstance(capacity_steps, (int, np.integer)) or capacity_steps < 1:
+            raise ValueError(f"capacity_steps must be a positive integer, got {capacity_steps!r}")
+        if capacity_steps < spec.max_length:
+            raise ValueError(f"capacity_steps={capacity_steps} is smaller than max_length={spec.max_length}")
+        max_items = int(capacity_steps if max_items is None else max_items)
+        if not 1 <= max_items <= keyspace.MAX_SLOTS:
+            raise ValueError(f"max_items must be in [1, {keyspace.MAX_SLOTS}], got {max_items}")
+        if not 0 <= rank < keyspace.MAX_RANKS:
+            raise ValueError(f"rank must be in [0, {keyspace.MAX_RANKS}), got {rank}")
+        self.spec = spec
+        self.capacity = int(capacity_steps)
+        self.max_items = max_items
+        self.rank = int(rank)
+        self.tag = int(tag) & keyspace.TAG_MASK
+        self.offsets, nbytes = column_layout(spec, self.capacity)
+        memory = memory_kind(memory, stacklevel=3)
+        rows = table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled))
+        fields = {name: (count, dtype) for name, (count, dtype, _) in rows.items()}
+        if priority_row:
+            fields["priority"] = (max_items, np.dtype(np.float64))
+        self.table_bytes = sum(c * np.dtype(d).itemsize for c, d in fields.values())
+        self._table_arena = None
+        self.prefetch_windows = True  # file-backed columns: see prefetch()
+        if arena is None and memory == "file":  # both files reserved at once: a full disk fails here
+            directory = file_memory.rank_directory(path, rank)
+            try:
+                file_memory.require_space(directory, nbytes + file_memory.carved_bytes(fields))
+            except file_memory.StorageError:
+                file_memory.remove_if_empty(directory)
+                raise
+        self.arena = arena if arena is not None else make_arena(memory, nbytes, path, rank)
+        try:
+            if self.arena.kind == "mapped":  # an existing arena (a checkpoint's): it must be laid out for this
+                check_header(self.arena.buffer, spec, self.capacity, self.arena.filename)
+            else:
+                write_header(self.arena.buffer, spec, self.capacity)
+            if memory == "file" and arena is None:
+                self._table_arena = file_memory.FileArena.create(directory, file_memory.TABLE_FILE,
+                                                                 file_memory.carved_bytes(fields), random=False)
+                self._table_arena.unlink()  # only this process maps it: no name needed
+        except BaseException:
+            self.arena.close()
+            raise
+        self.columns: dict[str, np.ndarray] = {}
+        self._byte_views: dict[str, np.ndarray] | None = None
+        self._insert_scratch = store_insert.InsertScratch()  # insert's slots and evictions, reused
+        self.ring_touched = 0  # ring steps from 0 ever written by an insert (see store_insert.reaches_fresh)
+        self._collapser = None  # page_collapse.Collapser of the last large first fill
+        for c in spec.columns:
+            raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
+            self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
+        # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: pages are
+        # committed as slots are first used
+        carved = file_memory.carve(self._table_arena.buffer, fields) if self._table_arena is not None else None
+        self.table = table_layout.build(rows, max_items, carved)
+        self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
+        self.counts_uses = bool(max_times_sampled)
+        # each array by name too (store.start, store.status, ..., store.state): plain attributes, the same
+        # arrays as in the table (they are only ever written in place, never rebound)
+        self.__dict__.update(self.table._asdict())
+        self.alive = self.generation = self.status
+        self.priority = (carved["priority"] if carved is not None else table_layout.priority_row(max_items)) \
+            if priority_row else None
+        # None: the row holds every slot's raw priority. A float: every slot below the high-water mark has
+        # this raw priority and the row is not kept up to date (table_layout.keep_priorities, raw_priorities)
+        self.priority_constant = 0.0 if lazy_priority and priority_row else None
+
+    # ---- sizes ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Live trajectories. O(1)."""
+        return int(self.state[ring.LIVE_COUNT])
+
+    @property
+    def live_steps(self) -> int:
+        """Steps of the live trajectories. O(1)."""
+        return int(self.state[ring.LIVE_STEPS])
+
+    @property
+    def steps_used(self) -> int:
+        """Ring steps in use: live trajectories and removed ones not yet released. O(1)."""
+        return int(self.state[ring.STEPS_USED])
+
+    def byte_views(self) -> dict[str, np.ndarray]:
+        """Each column as a flat uint8 array over the whole ring (for the gather kernels).
+
+        Returns:
+            Column name -> uint8 view of ``capacity * step_bytes`` bytes of the arena; built
+            once, then the same dict.
+        """
+        if self._byte_views is None:
+            self._byte_views = {
+                c.name: self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
+                for c in self.spec.columns}
+        return self._byte_views
+
+    # ---- insertion ------------------------------------------------------------------
+    def check_batch(self, lengths: np.ndarray, steps: int | None = None) -> None:
+        """Check that a batch of trajectories can be stored at once (before anything changes).
+
+        Args:
+            lengths: the steps of each trajectory.
+            steps: their sum, where the caller has it (None: summed here, O(n)).
+
+        Raises:
+            InvalidTrajectoryError: more steps than ``capacity_steps``, or more trajectories than
+                ``max_items``.
+        """
+        total = int(lengths.sum()) if steps is None else int(steps)
+        if total > self.capacity:
+            raise InvalidTrajectoryError(
+                f"insert_many: {len(lengths)} trajectories hold {total} steps, more than capacity_steps={self.capacity}")
+        if len(lengths) > self.max_items:
+            raise InvalidTrajectoryError(
+                f"insert_many: {len(lengths)} trajectories, more than max_items={self.max_items}")
+
+    def insert(self, columns: dict[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store already-validated trajectories whose steps are concatenated in ``columns``.
+
+        Evicts the oldest trajectories (FIFO) to make room. The caller has passed the
+        batch through :meth:`check_batch`.
+
+        Args:
+            columns: column name -> all the batch's steps, back to back, in the column's dtype.
+            lengths: int64 steps of each trajectory.
+            priorities: the raw priority of each (float64).
+
+        Returns:
+            (slots of the new trajectories, slots of the live trajectories evicted): views of a scratch
+            this store reuses, valid until its next insert (see :mod:`gear_mpi.storage.store_insert`).
+
+        Cost: O(n) table work in a kernel plus one copy of the steps (at most two
+        slices per column, for the ring's wrap-around).
+        """
+        return store_insert.insert(self, columns, lengths, priorities)
+
+    def prefetch(self, start: np.ndarray, steps: np.ndarray) -> None:
+        """Ask the kernel to read the windows about to be copied (``MADV_WILLNEED`` on each window of
+        each column), for file-backed columns only: with ``MADV_RANDOM`` a page fault reads one page,
+        so a cold window would cost one synchronous disk read per page; this starts them all at once.
+
+        Args:
+            start: the ring step where each window starts (int64).
+            steps: its real steps (int64).
+        Cost: nothing for memory arenas (or with ``store.prefetch_windows = False``); else one madvise
+        per window and column (a few us each even when the pages are cached: about 1 ms for 64 image
+        windows of 4 columns, 20% of such a warm sample), and the reads it starts.
+        """
+        arena = self.arena
+        if not self.prefetch_windows or getattr(arena, "kind", None) not in ("file", "mapped") or len(start) == 0:
+            return
+        page = mmap.PAGESIZE
+        cap = self.capacity
+        start = np.asarray(start, np.int64)
+        first = np.minimum(np.asarray(steps, np.int64), cap - start)  # steps before the ring wraps
+        for c in self.spec.columns:
+            base, sb = self.offsets[c.name], c.step_bytes
+            lo = base + start * sb
+            hi = lo + first * sb
+            wrapped = steps > first
+            lo = np.concatenate([lo, np.full(int(wrapped.sum()), base, np.int64)])
+            hi = np.concatenate([hi, base + (steps - first)[wrapped] * sb])
+            lo -= lo % page
+            for a, b in zip(lo.tolist(), hi.tolist()):
+                if b > a:
+                    arena.advise(mmap.MADV_WILLNEED, a, b - a)
+
+    def will_read(self, view: np.ndarray) -> None:
+        """Ask the kernel to start reading ``view`` (bytes of this store's columns) ahead of a sequential
+        pass, as a save makes: ``MADV_RANDOM`` turns read-ahead off. File-backed columns only. O(1) call.
+
+        Args:
+            view: a view into ``self.arena.buffer``.
+        """
+        arena = self.arena
+        if getattr(arena, "kind", None) not in ("file", "mapped") or view.nbytes == 0:
+            return
+        lo = view.ctypes.data - arena.buffer.ctypes.data
+        lo -= lo % mmap.PAGESIZE
+        arena.advise(mmap.MADV_WILLNEED, lo, view.ctypes.data - arena.buffer.ctypes.data + view.nbytes - lo)
+
+    def count_samples(self, slots: np.ndarray, max_times: int) -> np.ndarray:
+        """Add one use to each of ``slots``; remove those that reached ``max_times`` uses.
+
+        Args:
+            slots: the sampled slots (int64; repeats count once each).
+            max_times: uses after which an item is removed (0: never; uses are only counted by a store
+                built with ``max_times_sampled``).
+
+        Returns:
+            The slots removed now (their index weights must be zeroed). Cost: O(B), one kernel.
+        """
+        if not self.counts_uses or max_times <= 0:
+            return _NONE_REMOVED
+        return ring.count_samples(self._arrays, self.capacity, slots, max_times)
+
+    # ---- keys -----------------------------------------------------------------------
+    def keys_of(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The keys of ``slots``.
+
+        Args:
+            slots: table slots.
+            out: an int64 array of ``len(slots)`` to fill, or None for a new one.
+
+        Returns:
+            The keys (``out`` when given). O(B), one kernel.
+        """
+        slots = np.ascontiguousarray(slots, np.int64)
+        out = np.empty(len(slots), np.int64) if out is None else out
+        keyspace.encode_slots(self.tag, self.rank, slots, self.status, out)
+        return out
+
+    def resolve(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map keys of this shard to slots.
+
+        Args:
+            keys: int64 keys issued by this shard.
+
+        Returns:
+            (slots, live mask): a stale key (its trajectory evicted or removed) is not live.
+
+        Raises:
+            InvalidKeyError: a key of another replay or shard, or naming a slot out of range.
+
+        Cost: O(n), one kernel.
+        """
+        keys = np.ascontiguousarray(keys, np.int64)
+        slot = np.empty(len(keys), np.int64)
+        live = np.empty(len(keys), np.bool_)
+        if ring.resolve_keys(keys, self.tag, self.rank, self.max_items, self.status, slot, live) < 0:
+            return slot, live
+        tag, rank, gen, slot = keyspace.decode(keys)  # a foreign key: find it again, for the message
+        bad = (keys < 0) | (tag != self.tag) | (rank != self.rank) | (slot >= self.max_items)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            k = int(keys[i])
+            if k < 0 or int(tag[i]) != self.tag:
+                raise InvalidKeyError(f"key {k} was not issued by this replay")
+            if int(rank[i]) != self.rank:
+                raise InvalidKeyError(f"key {k} belongs to shard {int(rank[i])}, not this shard ({self.rank})")
+            raise InvalidKeyError(f"key {k} names slot {int(slot[i])}, but this shard has {self.max_items} slots")
+        live = self.status[slot] == ((ring.LIVE << ring.ALIVE_SHIFT) | gen)
+        return slot, live
+
+    def read(self, key: int) -> dict[str, np.ndarray]:
+        """A copy of the whole trajectory behind ``key``.
+
+        Args:
+            key: a key of this shard.
+
+        Returns:
+            Column name -> array of the trajectory's steps. O(L).
+
+        Raises:
+            StaleKeyError: the trajectory has been evicted or removed.
+            InvalidKeyError: not a key of this shard.
+        """
+        slots, live = self.resolve(np.array([key], np.int64))
+        if not live[0]:
+            raise StaleKeyError(f"key {key}: its trajectory has been evicted or removed")
+        s = int(slots[0])
+        start, length = int(self.start[s]), int(self.length[s])
+        idx = (start + np.arange(length)) % self.capacity
+        return {name: col[idx] for name, col in self.columns.items()}
+
+    # ---- order ------------------------------------------------------------------------
+    def live_slots(self, newest_first: bool = False, limit: int | None = None) -> np.ndarray:
+        """The live slots in insertion order.
+
+        Args:
+            newest_first: newest first instead of oldest first.
+            limit: at most this many (None: all).
+
+        Returns:
+            An int64 array of slots. Cost: O(slots scanned), one kernel.
+        """
+        t = self.table
+        return ring.live_in_order(t.state, t.status, t.order, newest_first, len(self) if limit is None else int(limit))
+
+    # ---- checkpoint state -------------------------------------------------------------
+    def table_sections(self) -> list[tuple[str, np.ndarray]]:
+        """The table in use, as (name, array view) pairs in the checkpoint's order.
+
+        Returns:
+            The rows ``ring.TABLE_ROWS``, each ``[:hwm]`` (``hwm = state[NEXT_FRESH]``, the slots
+            ever used); then ``"order"``, the live part of the order ring oldest first, as one
+            or two views of the same name; then ``"free"``, the free-slot stack, bottom first. Each
+            in its row's type (:mod:`~gear_mpi.storage.table`). Stored rows are views, no copy (write
+            them out before the store changes); derived ones (``seq``, ``generation``, ``alive``,
+            ``free``, and ``priority``, ``length``, ``times_sampled`` where not stored) are computed,
+            O(hwm). ``state`` itself is not among them (save ``store.state[:ring.STATE_SIZE]``).
+        """
+        return table_layout.sections(self)
+
+    def restore_table(self, state: np.ndarray, sections: Mapping[str, np.ndarray]) -> None:
+        """Load a table saved by :meth:`table_sections` (the inverse), with its counters ``state``.
+
+        Everything is checked before anything changes. Rows past the saved high-water
+        mark are reset to zero (only those this store had used: no page is committed).
+        Load the steps afterwards, through :meth:`step_segments`.
+
+        Args:
+            state: the ``ring.STATE_SIZE`` counters (``store.state`` when saved).
+            sections: each row of ``ring.TABLE_ROWS`` with ``state[NEXT_FRESH]`` entries,
+                ``"order"`` (the live order ring concatenated, oldest first, ``state[ORDER_COUNT]``
+                entries) and ``"free"`` (``state[FREE_TOP]`` entries): integer sections of any integer
+                type (format 2 and 3 saved int64) are cast to the rows' types, ``priority`` is float64
+                (ignored where the index gives priorities back), ``times_sampled`` is ignored by a
+                store that does not count uses.
+
+        Raises:
+            ValueError: a section missing or of the wrong length or dtype (named in the message),
+                values out of the rows' ranges, or counters that do not fit this store's capacity
+                and max_items.
+        """
+        table_layout.restore(self, state, sections)
+
+    def step_segments(self, name: str) -> list[np.ndarray]:
+        """The ring steps in use of column ``name``, as flat byte views, oldest first.
+
+        Read them to save the steps; after :meth:`restore_table`, read a saved copy into
+        them to load the steps back where they were.
+
+        Args:
+            name: a column of the spec.
+
+        Returns:
+            At most two uint8 views (the ring wraps), ``steps_used * step_bytes`` bytes in all.
+
+        Raises:
+            KeyError: no column ``name``.
+        """
+        view = self.byte_views()[name]
+        sb = self.spec[name].step_bytes
+        head, used = int(self.state[ring.STEP_HEAD]), int(self.state[ring.STEPS_USED])
+        return [view[a * sb:b * sb] for a, b in ring.ring_segments(head, used, self.capacity)]
+
+    def collapse_written(self) -> None:
+        """Merge the pages inserts have written into huge pages, in the background (:mod:`gear_mpi.storage.huge_pages`;
+        after a large first fill on 4 KiB pages). Local; returns at once."""
+        if self._collapser is not None:
+            self._collapser.stop()
+        self._collapser = Collapser(store_insert.written_ranges(self))
+
+    def close(self) -> None:
+        """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
+        if getattr(self, "_collapser", None) is not None:  # before the mappings go
+            self._collapser.stop()
+            self._collapser = None
+        self.columns = {}
+        self._byte_views = None
+        self._insert_scratch.drop()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if self._table_arena is not None:  # the table's arrays keep the mapping until they go
+            self._table_arena.close()
+            self._table_arena = None
+
+    @property
+    def shm_name(self) -> str | None:
+        """The name node peers map the columns by: a shared-memory segment's name, or (``memory="file"``)
+        the columns file's absolute path; None for private and copy-on-write memory."""
+        return self.arena.name if isinstance(self.arena, (SharedArena, file_memory.FileArena)) else None

@@ -1,0 +1,376 @@
+"""The trajectory table's memory layout: row dtypes chosen from a shard's ranges, and its sections.
+
+A shard's table costs a few bytes per slot (:func:`bytes_per_slot`; 12 for one-step items in a
+ring of up to 2**32 steps, plus the insertion stamp, plus the raw priorities when the priority index
+cannot give them back), because each row takes the narrowest type its range allows, fixed at
+construction:
+
+- ``start`` uint32 while the ring has at most 2**32 steps, else int64;
+- ``length`` uint8 / uint16 / uint32 / int64, the narrowest that holds ``spec.max_length``; not stored
+  at all (one element seen through a zero stride) when every trajectory is one step;
+- ``status`` uint16: the generation (modulo ``2**keys.GEN_BITS``, exactly the bits a key carries, so
+  keys behave as with a wider counter) and the alive code (:mod:`~gear_mpi.kernels.ring`);
+- ``stamp`` int64 (ns insertion time);
+- ``times_sampled`` uint32 (int64 above 2**32 - 1 uses) only when ``max_times_sampled`` is set:
+  without a limit, uses are not counted (a checkpoint then holds zeros);
+- ``order`` int32 (a shard has at most ``keys.MAX_SLOTS`` = 2**27 slots);
+- the free-slot stack is linked through the free slots' ``start`` entries, the insertion sequence is
+  each trajectory's place in the order ring: neither is stored;
+- ``priority`` float64 only where the index cannot give it back: a :class:`~gear_mpi.selection.selectors.Prioritized`
+  index holds ``p ** alpha`` (alpha > 0), so ``p`` is read back as ``leaf ** (1 / alpha)``
+  (:class:`DerivedPriority`, within a few ulps of the value set); ordered selectors, ``Uniform`` and
+  alpha 0 keep the row.
+
+Checkpoints keep the old section names (``ring.TABLE_ROWS`` then ``order`` and ``free``), each in its
+row's type here (derived ones computed at save); a load casts whatever integer types were saved
+(format 2 and 3 tables are int64).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+from numba import njit
+
+from ..kernels import ring
+from ..keys import GEN_MASK
+from .arenas import anonymous_pages
+
+_ROW_STAGGER = 320  # bytes: rows at k * 320 past a page boundary all fall in different 4 KiB offsets
+_STAMP_DTYPE = np.dtype(np.int64)
+
+
+def _narrowest(limit: int) -> np.dtype:
+    """The narrowest of uint8, uint16, uint32, int64 holding ``limit``."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if limit <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.int64)
+
+
+def row_types(capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int) -> dict:
+    """The table's arrays for these ranges: name -> (entries allocated, dtype, broadcast). O(1).
+
+    Args:
+        capacity_steps: ring steps.
+        max_items: table slots.
+        max_length: the spec's longest trajectory.
+        max_times_sampled: uses before removal (0: not counted).
+    Returns:
+        ``ring.TABLE_FIELDS`` in order; ``broadcast`` rows are one element seen ``max_items`` times.
+    """
+    start = np.dtype(np.uint32) if max(capacity_steps, max_items) <= 2 ** 32 - 1 else np.dtype(np.int64)
+    times = np.dtype(np.uint32) if max_times_sampled <= 2 ** 32 - 1 else np.dtype(np.int64)
+    one_step = max_length == 1
+    return {"start": (max_items, start, False),
+            "length": (1 if one_step else max_items, _narrowest(max_length), one_step),
+            "status": (max_items, np.dtype(np.uint16), False),
+            "stamp": (max_items, _STAMP_DTYPE, False),
+            "times_sampled": (max_items if max_times_sampled else 1, times, not max_times_sampled),
+            "order": (max_items, np.dtype(np.int32), False),
+            "state": (ring.STATE_LEN, np.dtype(np.int64), False)}
+
+
+def bytes_per_slot(capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int = 0,
+                   priority_row: bool = True) -> int:
+    """Table bytes per slot for these ranges (the priority index's are apart). O(1).
+
+    Args:
+        capacity_steps, max_items, max_length, max_times_sampled: as for :func:`row_types`.
+        priority_row: whether raw priorities are stored (8 bytes).
+    Returns:
+        The bytes.
+    """
+    rows = row_types(capacity_steps, max_items, max_length, max_times_sampled)
+    per = sum(dt.itemsize for name, (_, dt, bc) in rows.items() if name != "state" and not bc)
+    return per + (8 if priority_row else 0)
+
+
+def _staggered(count: int, dtype, k: int) -> np.ndarray:
+    """A zeroed row of ``count`` entries starting ``k * _ROW_STAGGER`` bytes past a page boundary.
+
+    Big allocations all start at the same offset within a page, so the kernels that walk many rows
+    at once (``ring.plan_insert`` writes 6) would touch addresses 4 KiB apart, all in one L1 cache
+    set: staggering the rows made a 1e7-item insert's table pass about 3x faster. O(1) (the pages are
+    committed when first written). Big rows come from an anonymous mapping (zero pages, unmapped when
+    the last view goes; huge pages as ``memory.PrivateArena.huge_pages`` says), not numpy's allocator.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = count * itemsize + 4096
+    if nbytes >= 1 << 20:
+        raw = np.frombuffer(anonymous_pages(nbytes), np.uint8)
+    else:
+        raw = np.zeros(nbytes, np.uint8)
+    skip = (k * _ROW_STAGGER - raw.ctypes.data) % 4096
+    return raw[skip:skip + count * itemsize].view(dtype)
+
+
+def build(rows: dict, max_items: int, carved: Mapping[str, np.ndarray] | None = None) -> ring.Table:
+    """The table's arrays: staggered zeroed rows, or views of ``carved`` (a file's, by name). O(1).
+
+    Args:
+        rows: :func:`row_types`' answer.
+        max_items: table slots (the length of a broadcast row as seen).
+        carved: name -> array already laid out (``file_memory.carve`` of ``{name: (count, dtype)}``).
+    Returns:
+        The :class:`~gear_mpi.kernels.ring.Table`.
+    """
+    arrays = {}
+    for k, (name, (count, dtype, broadcast)) in enumerate(rows.items()):
+        if carved is not None:
+            arr = carved[name]
+        elif name == "state" or broadcast:
+            arr = np.zeros(count, dtype)
+        else:
+            arr = _staggered(count, dtype, k)
+        if broadcast:  # one value for every slot: writes land on that one element
+            arr[0] = 1 if name == "length" else 0
+            arr = np.lib.stride_tricks.as_strided(arr, shape=(max_items,), strides=(0,), writeable=True)
+        arrays[name] = arr
+    return ring.Table(**arrays)
+
+
+def priority_row(max_items: int) -> np.ndarray:
+    """A zeroed float64 row of raw priorities (staggered like the table's rows). O(1)."""
+    return _staggered(max_items, np.float64, len(ring.TABLE_FIELDS))
+
+
+# ---- a priority row that stands for one value -----------------------------------------------------
+def keep_priorities(store, priorities: np.ndarray) -> bool:
+    """Whether a batch's raw priorities must be written into ``store.priority`` (asked before its table pass).
+
+    While ``store.priority_constant`` is set (the row stands for that one value, unwritten) and the batch's
+    priorities all equal it, nothing is written (a table that has never held a slot takes the batch's value
+    as its constant); a batch of another value or of several values first writes the constant into the row
+    below the high-water mark (:func:`materialize_priorities`, once) and then writes its own.
+
+    Args:
+        store: a :class:`~gear_mpi.storage.store.TrajectoryStore` with a row of raw priorities.
+        priorities: the batch's validated raw priorities (float64; one shared by all as a stride-0 array).
+    Returns:
+        True: write them into the row; False: the row stands for them.
+    Cost: O(1) for a shared priority, else one pass over them; O(high-water mark) once when the row is
+    materialized.
+    """
+    c = store.priority_constant
+    if c is None or len(priorities) == 0:
+        return c is None
+    v = float(priorities[0]) + 0.0
+    if priorities.strides == (0,) or all_equal(priorities, v):
+        if v == c:
+            return False
+        if int(store.state[ring.NEXT_FRESH]) == 0:  # no slot ever used: nothing holds the old value
+            store.priority_constant = v
+            return False
+    materialize_priorities(store)
+    return True
+
+
+def materialize_priorities(store) -> None:
+    """Write ``store.priority_constant`` into the row below the high-water mark and keep the row up to date
+    from now on. O(high-water mark) once; O(1) after."""
+    c = store.priority_constant
+    if c is not None:
+        store.priority[:int(store.state[ring.NEXT_FRESH])] = c
+        store.priority_constant = None
+
+
+def raw_priorities(store, slots: np.ndarray) -> np.ndarray:
+    """The raw priorities of ``slots`` (float64, a new array; any value for a free slot). O(len(slots))."""
+    if store.priority_constant is not None:
+        return np.full(len(slots), store.priority_constant)
+    return np.asarray(store.priority[slots], np.float64)
+
+
+@njit(cache=True, nogil=True)
+def all_equal(values, v):
+    """Whether every ``values[i] + 0.0`` equals ``v`` (so -0.0 counts as +0.0). O(n), stops at the first other."""
+    for i in range(values.shape[0]):
+        if values[i] + 0.0 != v:
+            return False
+    return True
+
+
+_NEAR = 3  # float64 patterns tried on each side of w ** (1 / alpha)
+
+
+def _trailing_zeros(bits: np.ndarray) -> np.ndarray:
+    """The trailing zero bits of each int64 (64 for 0). O(n)."""
+    low = bits & -bits  # the lowest set bit
+    out = np.full(len(bits), 64, np.int64)
+    nz = low != 0
+    out[nz] = np.log2(low[nz].astype(np.float64)).astype(np.int64)
+    return out
+
+
+class DerivedPriority:
+    """Raw priorities read back from a priority index holding ``p ** alpha`` (alpha > 0): ``p = w ** (1 / alpha)``,
+    within a few ulps of what was set (exact for alpha 1). Indexed like the row it replaces; writes are
+    ignored (the index is set by the shard).
+
+    Args:
+        index: the shard's priority index (``weights_of``, ``host_leaves``).
+        alpha: the selector's exponent.
+    """
+
+    def __init__(self, index, alpha: float):
+        self.index = index
+        self.alpha = float(alpha)
+        self.inverse = 1.0 / self.alpha
+
+    def _raw(self, weights: np.ndarray) -> np.ndarray:
+        """The priorities whose ``** alpha`` (as the selector computes weights) is ``w``: of the few float64
+        values near ``w ** (1 / alpha)`` that give ``w`` back, the one with the shortest mantissa (so a
+        priority set as 0.5 or 0.625 reads back exactly; one with a full mantissa within an ulp or two).
+        Reading back, setting again (a reshard re-inserts them) and reading back again gives the very
+        same weight and value. O(n): 2 * _NEAR + 1 powers per value, plus a bisection (about 40 steps)
+        for the rare value whose neighbourhood holds no such pattern (extreme magnitudes)."""
+        w = np.asarray(weights, np.float64)
+        if self.inverse == 1.0:
+            return w.copy()
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            p = np.power(w, self.inverse)
+            guess = p.view(np.int64)  # positive floats: bit patterns sort as the values
+            best = np.full(len(w), -1, np.int64)
+            best_zeros = np.full(len(w), -1, np.int64)
+            for d in range(-_NEAR, _NEAR + 1):
+                cand = guess + d
+                hit = (np.power(cand.view(np.float64), self.alpha) == w) & (cand >= 0)
+                zeros = _trailing_zeros(cand)
+                take = hit & (zeros > best_zeros)
+                best = np.where(take, cand, best)
+                best_zeros = np.where(take, zeros, best_zeros)
+            found = best >= 0
+            p[found] = best[found].view(np.float64)
+            bad = np.flatnonzero(~found & (w > 0) & np.isfinite(p))
+            if len(bad):
+                p[bad] = self._bisect(p[bad], w[bad])
+        return p
+
+    def _bisect(self, p: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """The smallest value within 1e-9 of ``p`` whose power reaches ``target`` (``p`` where none is equal)."""
+        lo = (p * (1 - 1e-9)).view(np.int64)
+        hi = (p * (1 + 1e-9)).view(np.int64)
+        while True:
+            go = lo < hi
+            if not go.any():
+                break
+            mid = lo + (hi - lo) // 2
+            below = np.power(mid.view(np.float64), self.alpha) < target
+            lo = np.where(go & below, mid + 1, lo)
+            hi = np.where(go & ~below, mid, hi)
+        found = lo.view(np.float64)
+        return np.where(np.power(found, self.alpha) == target, found, p)
+
+    def __getitem__(self, slots) -> np.ndarray:
+        if isinstance(slots, slice) and slots.start in (None, 0) and slots.step in (None, 1) and slots.stop is not None:
+            return self._raw(self.index.host_leaves(slots.stop))
+        if isinstance(slots, np.ndarray) and slots.dtype == np.bool_:
+            slots = np.flatnonzero(slots)
+        return self._raw(self.index.weights_of(slots))
+
+    def __setitem__(self, slots, values) -> None:
+        pass
+
+
+def derives_priority(selector) -> bool:
+    """Whether ``selector``'s index gives raw priorities back (a ``Prioritized`` with alpha > 0). O(1)."""
+    from ..selection.selectors import Prioritized
+    return type(selector) is Prioritized and selector.alpha > 0
+
+
+# ---- checkpoint sections -------------------------------------------------------------------------
+def sections(store) -> list[tuple[str, np.ndarray]]:
+    """The table in use as (name, array) pairs, in the checkpoint's order (see
+    :meth:`~gear_mpi.storage.store.TrajectoryStore.table_sections`). O(hwm): the derived rows are computed."""
+    t = store.table
+    hwm = int(t.state[ring.NEXT_FRESH])
+    status = t.status[:hwm]
+    rows = {"start": t.start[:hwm],
+            "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
+            "priority": raw_priorities(store, np.arange(hwm)) if store.priority_constant is not None
+            else np.ascontiguousarray(store.priority[:hwm], np.float64),
+            "generation": (status & GEN_MASK).astype(np.uint16),
+            "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
+            "times_sampled": t.times_sampled[:hwm] if t.times_sampled.strides[0]
+            else np.zeros(hwm, t.times_sampled.dtype),
+            "alive": (status >> ring.ALIVE_SHIFT).astype(np.uint8)}
+    out = [(name, rows[name]) for name in ring.TABLE_ROWS]
+    for a, b in ring.ring_segments(int(t.state[ring.ORDER_HEAD]), int(t.state[ring.ORDER_COUNT]), store.max_items):
+        out.append(("order", t.order[a:b]))
+    out.append(("free", ring.free_stack(t.state, t.start).astype(np.int32)))
+    return out
+
+
+def _fits(got: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether a saved section of ``got``'s dtype may be cast to a row of ``dtype``."""
+    if dtype.kind == "f":
+        return got.dtype == np.float64
+    return got.dtype.kind in "iu" and got.dtype.itemsize <= 8
+
+
+def restore(store, state: np.ndarray, given: Mapping[str, np.ndarray]) -> None:
+    """Load saved sections into ``store`` (see :meth:`~gear_mpi.storage.store.TrajectoryStore.restore_table`). O(hwm).
+
+    Raises:
+        ValueError: a section missing or of the wrong length or type, values out of this table's range,
+            or counters that do not fit.
+    """
+    state = np.asarray(state)
+    if state.shape not in ((ring.STATE_SIZE,), (ring.STATE_LEN,)) or state.dtype.kind not in "iu":
+        raise ValueError(f"section 'state' has {state.shape} x {state.dtype}, expected "
+                         f"({ring.STATE_SIZE},) x int64")
+    state = state[:ring.STATE_SIZE].astype(np.int64)  # the free stack's top is rebuilt from ``free``
+    cap, m = store.capacity, store.max_items
+    hwm, o_head, o_count = int(state[ring.NEXT_FRESH]), int(state[ring.ORDER_HEAD]), int(state[ring.ORDER_COUNT])
+    if not (0 <= hwm <= m and 0 <= o_head < m and 0 <= o_count <= hwm and 0 <= state[ring.FREE_TOP] <= hwm
+            and 0 <= state[ring.STEP_HEAD] < cap and 0 <= state[ring.STEPS_USED] <= cap):
+        raise ValueError(f"section 'state' {state.tolist()} does not fit a store of capacity_steps={cap}, "
+                         f"max_items={m}")
+    t = store.table
+    expect = {"start": t.start.dtype, "length": t.length.dtype, "priority": np.dtype(np.float64),
+              "generation": np.dtype(np.uint16), "seq": np.dtype(np.int64), "stamp": t.stamp.dtype,
+              "times_sampled": t.times_sampled.dtype, "alive": np.dtype(np.uint8)}
+    counts = {name: hwm for name in ring.TABLE_ROWS}
+    counts["order"], counts["free"] = o_count, int(state[ring.FREE_TOP])
+    expect["order"] = expect["free"] = np.dtype(np.int32)
+    got = {}
+    for name, count in counts.items():
+        arr = given.get(name)
+        if arr is None:
+            raise ValueError(f"section {name!r} is missing")
+        arr = np.asarray(arr)
+        if arr.shape != (count,) or not _fits(arr, expect[name]):
+            raise ValueError(f"section {name!r} has {arr.shape} x {arr.dtype}, expected ({count},) x {expect[name]}")
+        got[name] = arr
+    alive = got["alive"].astype(np.int64)
+    live = alive != ring.DEAD
+    bounds = {"start": cap - 1, "length": store.spec.max_length, "order": hwm - 1, "free": hwm - 1,
+              "alive": ring.REMOVED, "times_sampled": np.iinfo(t.times_sampled.dtype).max}
+    for name, top in bounds.items():
+        vals = got[name][live] if name in ("start", "length") else got[name]  # a dead slot's start is a link
+        if len(vals) and (int(vals.min()) < 0 or int(vals.max()) > top):
+            raise ValueError(f"section {name!r} holds values outside [0, {top}]")
+    if t.length.strides[0] == 0 and len(got["length"][live]) and int(got["length"][live].min()) < 1:
+        raise ValueError("section 'length' holds values outside [1, 1]")
+    old_hwm = int(t.state[ring.NEXT_FRESH])
+    t.start[:hwm] = got["start"]
+    t.start[hwm:old_hwm] = 0
+    if t.length.strides[0]:
+        t.length[:hwm] = got["length"]
+        t.length[hwm:old_hwm] = 0
+    t.status[:hwm] = (got["generation"].astype(np.int64) & GEN_MASK) | (alive << ring.ALIVE_SHIFT)
+    t.status[hwm:old_hwm] = 0
+    t.stamp[:hwm] = got["stamp"]
+    t.stamp[hwm:old_hwm] = 0
+    if t.times_sampled.strides[0]:
+        t.times_sampled[:hwm] = got["times_sampled"]
+        t.times_sampled[hwm:old_hwm] = 0
+    if isinstance(store.priority, np.ndarray):
+        if store.priority_constant is not None:  # a row that stood for one value holds the values from now on
+            store.priority_constant = None
+        store.priority[:hwm] = got["priority"]
+        store.priority[hwm:old_hwm] = 0
+    t.order[(o_head + np.arange(o_count)) % m] = got["order"]
+    t.state[:ring.STATE_SIZE] = state
+    ring.link_free(t.state, t.start, np.ascontiguousarray(got["free"], np.int64))
