@@ -1,11 +1,14 @@
 """Index weights from raw priorities, ``p ** alpha`` (CPU kernel).
 
 A prioritized shard stores ``p ** alpha`` in its priority index for every insert and every
-priority update. numpy computes that power one element at a time (libm ``pow``, about 14 ns
-an element on the 2-core EPYC VM this project measures on: 0.9 ms for a W3 update of 65536
-priorities, on one core while the other waits). :func:`power_weights` gives the very same
-values -- the same libm ``pow``, and numpy's own shortcuts for the exponents it special-cases
-(0, 0.5, 1 and 2) -- shared among the threads from ``PARALLEL_MIN`` values.
+priority update. :func:`power_weights` computes it with the C library's ``pow`` (numba lowers
+``x ** alpha`` to it) and numpy's shortcuts for the exponents numpy special-cases (0, 0.5, 1
+and 2), shared among the threads from ``PARALLEL_MIN`` values. On CPUs without AVX-512 numpy's
+``np.power`` is that same ``pow``, element by element (about 14 ns an element on a 2-core EPYC
+VM: 0.9 ms for a W3 update of 65536 priorities); on AVX-512 CPUs numpy >= 2 uses a SIMD ``pow``
+that differs from the C library's in the last bit for about 5% of values. So every power of a
+priority in gear_mpi goes through :func:`power_weights`, the raw priorities read back from the
+index included (:class:`~gear_mpi.storage.table.DerivedPriority`): the same function both ways.
 """
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ def _power_serial(values, alpha, out):
 
 
 def power_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = None) -> np.ndarray:
-    """``priorities ** alpha``, bit for bit ``np.power(priorities, alpha)``.
+    """``priorities ** alpha``: the C library's ``pow`` element by element, with numpy's shortcuts for alpha
+    0, 0.5, 1 and 2 (bit for bit ``np.power`` wherever numpy uses the C library's ``pow``: see the module).
 
     Args:
         priorities: float64 values (1-D, contiguous; non-negative where a shard calls it).

@@ -111,7 +111,7 @@ class Prioritized(Selector):
         self.beta = float(beta)
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
-        """Weights ``p ** alpha``, bit for bit ``np.power(priorities, alpha)``. O(n), one kernel call, shared
+        """Weights ``p ** alpha`` (the C library's ``pow``, see :mod:`gear_mpi.kernels.weights`). O(n), one kernel call, shared
         among the threads from ``kernels.weights.PARALLEL_MIN`` priorities (:func:`~gear_mpi.kernels.weights.power_weights`).
 
         Args:

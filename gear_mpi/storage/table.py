@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels import ring
+from ..kernels.weights import power_weights
 from ..keys import GEN_MASK
 from .arenas import anonymous_pages
 
@@ -219,7 +220,8 @@ class DerivedPriority:
         self.inverse = 1.0 / self.alpha
 
     def _raw(self, weights: np.ndarray) -> np.ndarray:
-        """The priorities whose ``** alpha`` (as the selector computes weights) is ``w``: of the few float64
+        """The priorities whose ``** alpha`` (as the selector computes weights: :func:`~gear_mpi.kernels.weights.power_weights`,
+        the C library's ``pow``, which numpy's SIMD ``np.power`` may differ from in the last bit) is ``w``: of the few float64
         values near ``w ** (1 / alpha)`` that give ``w`` back, the one with the shortest mantissa (so a
         priority set as 0.5 or 0.625 reads back exactly; one with a full mantissa within an ulp or two).
         Reading back, setting again (a reshard re-inserts them) and reading back again gives the very
@@ -235,7 +237,7 @@ class DerivedPriority:
             best_zeros = np.full(len(w), -1, np.int64)
             for d in range(-_NEAR, _NEAR + 1):
                 cand = guess + d
-                hit = (np.power(cand.view(np.float64), self.alpha) == w) & (cand >= 0)
+                hit = (power_weights(cand.view(np.float64), self.alpha) == w) & (cand >= 0)
                 zeros = _trailing_zeros(cand)
                 take = hit & (zeros > best_zeros)
                 best = np.where(take, cand, best)
@@ -256,11 +258,11 @@ class DerivedPriority:
             if not go.any():
                 break
             mid = lo + (hi - lo) // 2
-            below = np.power(mid.view(np.float64), self.alpha) < target
+            below = power_weights(mid.view(np.float64), self.alpha) < target
             lo = np.where(go & below, mid + 1, lo)
             hi = np.where(go & ~below, mid, hi)
         found = lo.view(np.float64)
-        return np.where(np.power(found, self.alpha) == target, found, p)
+        return np.where(power_weights(found, self.alpha) == target, found, p)
 
     def __getitem__(self, slots) -> np.ndarray:
         if isinstance(slots, slice) and slots.start in (None, 0) and slots.step in (None, 1) and slots.stop is not None:
