@@ -1,0 +1,1 @@
+"""Helpers of the documentation build (mkdocs.yml names them): griffe_roles."""
