@@ -133,3 +133,17 @@ def advance(n: int) -> None:
 def current() -> "Meter | None":
     """Returns the innermost open :class:`Meter` (None when no work is metered). Local, O(1)."""
     return _active
+
+
+def human(nbytes: float) -> str:
+    """``nbytes`` for people: ``"56.0 MB"``, ``"1.10 GB"`` (decimal units). O(1).
+
+    Args:
+        nbytes: a byte count.
+    Returns:
+        The text.
+    """
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{int(nbytes)} B"

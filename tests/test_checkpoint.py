@@ -36,7 +36,8 @@ def test_checkpoints_on_two_ranks():
 
 
 def test_reshard_onto_three_ranks():
-    run_modules(3, "test_checkpoint_restore.py::test_reshard_onto_more_ranks")
+    run_modules(3, "test_checkpoint_restore.py::test_reshard_onto_more_ranks",
+                "test_checkpoint_restore.py::test_reshard_onto_fewer_ranks_fails_unless_drops_are_allowed")
 
 
 def test_one_rank_device_index_fixture_and_progress():

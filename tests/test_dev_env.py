@@ -38,7 +38,7 @@ def test_default_keeps_todays_commands(tmp_path):
                     ".venv/bin/python -m pip install -q torch==2.13.0",
                     ".venv/bin/python -m pip install -q torch",
                     ".venv/bin/python -m pip install -q -e .[mpi,test]",
-                    ".venv/bin/python -m scripts.checks.warm_kernels --quiet"], cmds
+                    ".venv/bin/python -m scripts.checks.warm_kernels"], cmds
 
 
 def test_variables_are_honoured(tmp_path):
@@ -80,7 +80,11 @@ def test_help_names_the_variables(flag):
 def test_kernel_warm_up_runs_and_reports():
     """scripts/checks/warm_kernels.py (dev_env.sh's last step): exits 0 and says how many kernels it compiled
     (seconds when dev_env.sh has run it already, about two minutes on a cold cache)."""
-    r = subprocess.run([sys.executable, "-m", "scripts.checks.warm_kernels", "--quiet"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "scripts.checks.warm_kernels"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert re.fullmatch(r"warm_kernels: \d+ kernels compiled into numba's cache, [0-9.]+ s", r.stdout.strip()), r.stdout
+    lines = r.stdout.strip().splitlines()
+    n = int(re.match(r"warm_kernels: compiling gear_mpi's CPU kernels into numba's cache in (\d+) stages", lines[0])[1])
+    stages = [re.fullmatch(r"warm_kernels: \[(\d+)/(\d+)\] .+ \([0-9.]+ s\)", line) for line in lines[1:-1]]
+    assert all(stages) and [(int(m[1]), int(m[2])) for m in stages] == [(k, n) for k in range(1, n + 1)], r.stdout
+    assert re.fullmatch(r"warm_kernels: \d+ kernels compiled into numba's cache, [0-9.]+ s", lines[-1]), r.stdout

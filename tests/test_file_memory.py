@@ -226,3 +226,12 @@ def test_memory_budget_counts_what_stays_in_ram():
     assert budget.check(budget.shard_bytes(big, cap, 100_000, True, "file"), 4, "file") is None
     # the widest table these sizes allow: start uint32, length uint8, status, stamp, times, order, priority
     assert budget.shard_bytes(big, cap, 100_000, True, "mapped") == 100_000 * (10 + 4 + 1 + 2 + 8 + 4 + 4 + 8)
+
+
+def test_memory_budget_message_shows_small_sizes(monkeypatch):
+    """A budget refusal names its sizes in a unit that shows them (issue 30, item 5: not "0.00 GiB")."""
+    from gear_mpi.storage import budget
+    monkeypatch.setattr(budget, "mem_available", lambda: (3000, "the cgroup limit"))
+    why = budget.check(2048, 2, "private")
+    assert "need 4.1 kB for their shards (2.05 kB each) but the cgroup limit leaves 3 kB" in why, why
+    assert budget.check(1000, 2, "private") is None

@@ -42,7 +42,9 @@ def test_a_call_larger_than_the_band_is_refused():
 
 @pytest.mark.parametrize("args, text", [((0.0, 1, 1.0), "samples_per_insert"), ((1.0, 0, 1.0), "min_size_to_sample"),
                                         ((1.0, 1, -1.0), "error_buffer"), ((1.0, 1, (3.0, 1.0)), "min_diff <= max_diff"),
-                                        ((1.0, 1.5, 1.0), "min_size_to_sample")])
+                                        ((1.0, 1.5, 1.0), "min_size_to_sample"),
+                                        ((1.0, 1, 0), r"error_buffer=0 leaves a band of width 0"),
+                                        ((1.0, 1, (2.0, 2.5)), r"band of width 0.5")])
 def test_bad_arguments_are_named(args, text):
     with pytest.raises(ValueError, match=text):
         gm.SampleToInsertRatio(*args)

@@ -207,6 +207,19 @@ def test_writer_arguments():
         gm.Writer("not-an-address")
     with pytest.raises(gm.WriterError, match="no ingest point"):
         gm.Writer("gear_mpi_in_0000000000000000")
+    # hostile addresses get WriterError too, never a ValueError, OSError or numpy error (issue 30, item 5)
+    with pytest.raises(gm.WriterError, match="not a writer address"):
+        gm.Writer("gear_mpi_in_00\x0000")
+    with pytest.raises(gm.WriterError, match="not a writer address"):
+        gm.Writer("gear_mpi_in_" + "x" * 300)
+    short = "gear_mpi_in_short_" + os.urandom(4).hex()
+    with open(f"/dev/shm/{short}", "wb") as f:  # a 100-byte segment under a writer registry's name
+        f.write(b"\1" * 100)
+    try:
+        with pytest.raises(gm.WriterError, match="is not a gear_mpi writer registry \\(100 bytes"):
+            gm.Writer(short)
+    finally:
+        os.unlink(f"/dev/shm/{short}")
     shard = gm.Shard(SPEC, 100)
     point = intake.WriterIntake(shard)
     try:

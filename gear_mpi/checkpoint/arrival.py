@@ -35,7 +35,7 @@ import numpy as np
 from ..distributed import deadline
 from ..distributed.comm import MpiComm
 from ..errors import CollectiveTimeoutError
-from ..progress import log
+from ..progress import human, log
 
 DEFAULT_RATE = 10e6  # bytes per second that any file system in use is assumed to reach
 RATE_ENV = "GEAR_MPI_CHECKPOINT_RATE"
@@ -60,20 +60,6 @@ def assumed_rate() -> float:
     if not (rate > 0 and math.isfinite(rate)):
         raise ValueError(f"{RATE_ENV}={raw!r}: must be a positive number of MB/s")
     return rate
-
-
-def human(nbytes: float) -> str:
-    """``nbytes`` for people: ``"56.0 MB"``, ``"1.10 GB"`` (decimal units). O(1).
-
-    Args:
-        nbytes: a byte count.
-    Returns:
-        The text.
-    """
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{int(nbytes)} B"
 
 
 class CheckpointComm(MpiComm):

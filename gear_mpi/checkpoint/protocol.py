@@ -33,7 +33,8 @@ from .arrival import Channel, CheckpointComm, human
 from .files import MANIFEST, rank_dir, read_manifest, resolve
 
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
-                "max_times_sampled", "device", "process_group", "progress", "memory_path", "mmap", "verify")
+                "max_times_sampled", "device", "process_group", "progress", "memory_path", "mmap", "verify",
+                "allow_drop")
 
 
 def _package_version() -> str | None:
@@ -237,14 +238,19 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
             True, or False with ``mmap``: reading every step is what mapping avoids; the
             table and shard.json are always checked, the columns' sizes and headers too;
             :func:`gear_mpi.checkpoint.verify` checks the rest at any time).
+            ``allow_drop``: a reshard whose new shards cannot hold every live trajectory raises
+            :class:`~gear_mpi.errors.CheckpointError` (how many would be lost, and the
+            ``capacity_steps``/``max_items`` that hold them all); ``allow_drop=True`` keeps the
+            newest that fit instead, as FIFO eviction would, and logs how many were dropped.
     Returns:
         ``(replay, key_map)``: ``key_map = (old_keys, new_keys)``, two int64 arrays
         sorted by old key, one entry per live trajectory of the checkpoint (all
         ranks), the same on every rank; -1 for a trajectory dropped because the new
-        replay is too small. The identity for an exact restore. See :func:`remap`.
+        replay is too small (only with ``allow_drop=True``). The identity for an exact restore. See :func:`remap`.
     Raises:
         CheckpointError: missing, partial or damaged checkpoint, or ranks that read
-            different manifests; the same on every rank, naming the file.
+            different manifests; the same on every rank, naming the file. A reshard that
+            would drop trajectories without ``allow_drop=True`` (the replay is closed).
         TypeError: an unknown override, ``path`` not a path, ``progress`` not None or
             a bool, or no ``build``.
         ValueError: ``timeout`` not a positive number.
@@ -326,7 +332,7 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
         if exact:
             key_map = _restore_exact(replay, ck, where, body, show, mapped, verify)
         else:
-            key_map = reshard.reshard(replay, ck, where, body, show)
+            key_map = reshard.reshard(replay, ck, where, body, show, bool(overrides.get("allow_drop", False)))
     except BaseException as e:
         log.warning("load of %s failed on rank %d: %s", where, mc.rank, e)
         try:

@@ -9,7 +9,9 @@ same plan without communicating:
 2. dealt oldest first, each to the rank holding the fewest steps so far
    (shards end within ``max_length`` steps of each other);
 3. per new shard, its oldest trajectories are dropped if they do not fit, as
-   FIFO eviction would have done.
+   FIFO eviction would have done -- only when the caller allows it (``allow_drop=True``);
+   otherwise the load fails on every rank, saying how many trajectories would be lost and
+   which ``capacity_steps``/``max_items`` hold them all.
 
 Each rank then inserts its trajectories, reading their steps from the saved
 column files, and gives them back their insertion stamps and times sampled.
@@ -22,10 +24,11 @@ import heapq
 import numpy as np
 
 from .. import keys as keyspace
+from ..errors import CheckpointError
 from .. import progress
 from ..distributed.comm import MpiComm
 from ..kernels import ring
-from ..progress import Meter
+from ..progress import Meter, log
 from . import shard_files
 from .arrival import Channel
 from .files import CHUNK_BYTES, SHARD_JSON, TABLE
@@ -82,7 +85,31 @@ def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int) -
     return dest, keep
 
 
-def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def dropped_error(lengths: np.ndarray, dest: np.ndarray, keep: np.ndarray, ranks: int, capacity_steps: int,
+                  max_items: int) -> CheckpointError | None:
+    """The error of a deal that drops trajectories (None when it keeps them all). O(n), local.
+
+    Args:
+        lengths, dest, keep: the trajectories' steps and :func:`deal`'s result for them.
+        ranks, capacity_steps, max_items: the new replay's ranks and per-shard sizes.
+    Returns:
+        A :class:`~gear_mpi.errors.CheckpointError` naming how many trajectories and steps would be
+        lost and the per-shard sizes that would hold every one of them, or None.
+    """
+    lost = int((~keep).sum())
+    if not lost:
+        return None
+    steps_needed = int(np.bincount(dest, weights=lengths, minlength=ranks).max())
+    items_needed = int(np.bincount(dest, minlength=ranks).max())
+    return CheckpointError(
+        f"loading this checkpoint onto {ranks} rank(s) with capacity_steps={capacity_steps}, max_items={max_items} "
+        f"would drop {lost} of {len(lengths)} trajectories ({int(lengths[~keep].sum())} of {int(lengths.sum())} "
+        f"steps): capacity_steps={max(steps_needed, capacity_steps)} and max_items="
+        f"{max(items_needed, max_items)} per rank hold them all; or pass allow_drop=True to keep the newest that fit")
+
+
+def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
+            allow_drop: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Collective: fill the new, empty ``replay`` with the live trajectories of checkpoint ``where``.
 
     Args:
@@ -92,10 +119,13 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False) -
         where: the checkpoint directory (resolved).
         body: its manifest body.
         show: whether this rank shows a progress bar of the bytes it reads.
+        allow_drop: keep the newest trajectories that fit when the new shards cannot hold them all
+            (otherwise that is an error).
     Returns:
         ``key_map = (old_keys, new_keys)`` sorted by old key (-1: dropped).
     Raises:
-        CheckpointError: a file is missing or damaged (on every rank).
+        CheckpointError: a file is missing or damaged, or (without ``allow_drop``) the new shards
+            cannot hold every trajectory; on every rank (each computes the same deal).
         CollectiveTimeoutError: a rank missed its deadline for its reading (named: absent
             or slow; :mod:`~gear_mpi.checkpoint.arrival`), or did not arrive within the timeout.
         CollectiveError: a rank failed.
@@ -131,6 +161,13 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False) -
         n = len(allr["key"])
         own = shard.state()
         dest, keep = deal(allr["length"], size, own["capacity_steps"], own["max_items"])
+        lost = dropped_error(allr["length"], dest, keep, size, own["capacity_steps"], own["max_items"])
+        if lost is not None:  # every rank computed the same deal: the same error everywhere, no message
+            if not allow_drop:
+                raise lost
+            if rank == 0:
+                log.warning("load of %s: %s", where, str(lost).replace("; or pass allow_drop=True to keep the "
+                                                                        "newest that fit", " (allow_drop=True)"))
         if own["tag"] == tag:  # the new replay's keys must not be confused with the old ones
             shard.load_state(dict(own, tag=(tag + 1) & keyspace.TAG_MASK))
         steps = np.bincount(dest[keep], weights=allr["length"][keep], minlength=size)

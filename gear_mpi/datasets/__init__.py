@@ -24,7 +24,7 @@ from .npz import NpzSource
 __all__ = ["from_d4rl", "from_npz_dir", "split_episodes", "balanced_shares"]
 
 
-def from_d4rl(path: str | Path, comm=None, *, columns: Sequence[str] | None = None, max_length: int | None = None,
+def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None = None, max_length: int | None = None,
               progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES, **replay_kwargs) -> Replay:
     """A replay holding a D4RL-layout HDF5 file, one trajectory per episode (needs h5py:
     ``pip install gear-mpi[datasets]``).
@@ -36,7 +36,8 @@ def from_d4rl(path: str | Path, comm=None, *, columns: Sequence[str] | None = No
     steps of its own episodes only (see :func:`gear_mpi.datasets.load.ingest`).
 
     Args:
-        path: the file (the same file on every rank, e.g. on a shared file system).
+        path: the file (the same file on every rank, e.g. on a shared file system); positional only, so
+            that ``path=`` goes to the replay (``memory="file", path=DIR``: shards in memory-mapped files).
         comm: the mpi4py communicator (None: ``MPI.COMM_WORLD``).
         columns: the datasets to load (None: the five required ones, ``next_observations`` if present,
             every dataset of ``infos``).
@@ -58,7 +59,7 @@ def from_d4rl(path: str | Path, comm=None, *, columns: Sequence[str] | None = No
                   replay_kwargs)
 
 
-def from_npz_dir(path: str | Path, comm=None, *, max_length: int | None = None, progress: bool | None = None,
+def from_npz_dir(path: str | Path, /, comm=None, *, max_length: int | None = None, progress: bool | None = None,
                  chunk_bytes: int = CHUNK_BYTES, **replay_kwargs) -> Replay:
     """A replay holding a directory of ``.npz`` files, one episode per file (in name order), one
     trajectory per episode, columns named after the arrays.
@@ -67,7 +68,8 @@ def from_npz_dir(path: str | Path, comm=None, *, max_length: int | None = None, 
     episodes only.
 
     Args:
-        path: the directory (the same on every rank).
+        path: the directory (the same on every rank); positional only (``path=`` is the replay's, as in
+            :func:`from_d4rl`).
         comm, max_length, progress, chunk_bytes, **replay_kwargs: as :func:`from_d4rl`.
     Returns:
         The filled replay.

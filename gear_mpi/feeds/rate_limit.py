@@ -131,7 +131,8 @@ class SampleToInsertRatio(RateLimiter):
         error_buffer: a number ``b``: the band is ``[c - b, c + b]`` around
             ``c = min_size_to_sample * samples_per_insert``; or a pair ``(min_diff, max_diff)``.
     Raises:
-        ValueError: an argument out of range (a negative buffer, a pair out of order).
+        ValueError: an argument out of range (a negative buffer, a pair out of order, a band narrower than
+            one window, e.g. ``error_buffer=0``, which would refuse every sample).
     """
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, error_buffer):
@@ -146,6 +147,11 @@ class SampleToInsertRatio(RateLimiter):
             centre = float(min_size_to_sample) * float(samples_per_insert)
             lo, hi = centre - b, centre + b
         super().__init__(samples_per_insert, min_size_to_sample, lo, hi)
+        if not self.max_diff - self.min_diff >= 1:
+            raise ValueError(f"error_buffer={error_buffer!r} leaves a band of width {self.max_diff - self.min_diff:g} "
+                             f"(max_diff - min_diff): no sample of one window or more could ever run; the band must "
+                             f"be at least the global batch (all ranks' windows of one sample), e.g. error_buffer >= "
+                             f"half of it")
         self.error_buffer = error_buffer
 
     def __repr__(self) -> str:

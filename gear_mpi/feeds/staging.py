@@ -105,15 +105,22 @@ class Registry:
         Raises:
             WriterError: no such ingest point (never made, or its replay closed), or not a gear_mpi one.
         """
-        if not isinstance(address, str) or not address.startswith(REGISTRY_PREFIX) or "/" in address:
-            raise WriterError(f"{address!r} is not a writer address (use replay.writer_address())")
+        if (not isinstance(address, str) or not address.startswith(REGISTRY_PREFIX) or "/" in address
+                or "\x00" in address or len(address.encode(errors="replace")) > 255):
+            raise WriterError(f"{address!r:.80} is not a writer address (use replay.writer_address())")
         try:
             arena = SharedArena.attach(address)
         except FileNotFoundError:
             raise WriterError(f"no ingest point {address!r}: its replay was closed, or it is on another node "
                               f"(writers must run on the node of the rank that gave the address)") from None
+        except (OSError, ValueError) as e:
+            raise WriterError(f"writer address {address!r} cannot be opened: {e}") from None
+        if arena.nbytes != _REGISTRY_BYTES:  # checked before any view of the words: a short segment has none
+            arena.close()
+            raise WriterError(f"shared-memory segment {address!r} is not a gear_mpi writer registry "
+                              f"({arena.nbytes} bytes, a registry has {_REGISTRY_BYTES})")
         reg = cls(arena)
-        if arena.nbytes != _REGISTRY_BYTES or reg.words[R_MAGIC] != _MAGIC_REGISTRY:
+        if reg.words[R_MAGIC] != _MAGIC_REGISTRY:
             arena.close()
             raise WriterError(f"shared-memory segment {address!r} is not a gear_mpi writer registry")
         return reg

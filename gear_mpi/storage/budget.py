@@ -14,10 +14,10 @@ import os
 import warnings
 
 from ..errors import MemoryBudgetError
+from ..progress import human
 from .arenas import column_layout
 from .table import bytes_per_slot
 
-GIB = 1 << 30
 
 
 def _read_int(path: str) -> int | None:
@@ -80,13 +80,13 @@ def check(per_rank: int, node_ranks: int, memory: str) -> str | None:
     ways = ("give the job more memory (more nodes, a larger --mem), or ask for a smaller capacity_steps/"
             "max_items; Replay(..., lazy=True) only warns")
     if have is not None and need > have:
-        return (f"{node_ranks} rank(s) on this node need {need / GIB:.2f} GiB for their shards ({per_rank / GIB:.2f} GiB "
-                f"each) but {where} leaves {have / GIB:.2f} GiB: {ways}")
+        return (f"{node_ranks} rank(s) on this node need {human(need)} for their shards ({human(per_rank)} "
+                f"each) but {where} leaves {human(have)}: {ways}")
     if memory == "shm":
         free = shm_free()
         if free is not None and need > free:
-            return (f"{node_ranks} rank(s) on this node need {need / GIB:.2f} GiB of /dev/shm for their shards but it "
-                    f"has {free / GIB:.2f} GiB free: give /dev/shm more room (e.g. docker --shm-size), use "
+            return (f"{node_ranks} rank(s) on this node need {human(need)} of /dev/shm for their shards but it "
+                    f"has {human(free)} free: give /dev/shm more room (e.g. docker --shm-size), use "
                     f"memory='private' (node peers are then served over MPI), or a smaller capacity; "
                     f"Replay(..., lazy=True) only warns")
     return None

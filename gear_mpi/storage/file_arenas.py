@@ -39,6 +39,7 @@ import weakref
 import numpy as np
 
 from ..errors import StorageError
+from ..progress import human
 
 COLUMNS_FILE = "columns.bin"  # a rank's arena of step columns (and a v3 checkpoint's, laid out alike)
 TABLE_FILE = "slots.bin"      # a file-backed shard's trajectory table
@@ -54,14 +55,6 @@ def rank_dir_name(rank: int) -> str:
         The name, relative to ``path`` (the same as a checkpoint's rank directories).
     """
     return f"rank-{int(rank):05d}"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def rank_directory(path, rank: int) -> str:
@@ -107,8 +100,8 @@ def require_space(directory: str, nbytes: int) -> None:
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
-        raise StorageError(f"not enough disk for a file-backed shard in {directory!r}: it needs {_human(nbytes)}, "
-                           f"{_human(free)} is free there")
+        raise StorageError(f"not enough disk for a file-backed shard in {directory!r}: it needs {human(nbytes)}, "
+                           f"{human(free)} is free there")
 
 
 def remove_if_empty(directory: str) -> None:
@@ -209,9 +202,9 @@ class FileArena(NamedMapping):
                 os.posix_fallocate(fd, 0, max(int(nbytes), 1))
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise StorageError(f"not enough disk for {full!r}: reserving {_human(nbytes)} failed "
+                    raise StorageError(f"not enough disk for {full!r}: reserving {human(nbytes)} failed "
                                        f"({e.strerror})") from None
-                raise StorageError(f"cannot reserve {_human(nbytes)} for {full!r}: {e.strerror or e}") from None
+                raise StorageError(f"cannot reserve {human(nbytes)} for {full!r}: {e.strerror or e}") from None
             return cls(full, fd, nbytes, owner=True, private=False, random=random)
         except BaseException:
             _unlink_quietly(full)

@@ -17,6 +17,7 @@ sizes), and the decentralized mode alone for a one-step and a 1000-step spec.
 
 Cost: about a minute on a cold cache (2 cores here), 5-10 s when everything is cached. Local:
 no collective beyond the one-rank communicator; needs mpi4py. Prints one line per stage
+(``[k/N]``, with its seconds: ``dev_env.sh`` shows them, so a slow machine is seen working)
 unless ``--quiet``, and the number of kernels compiled (new cache files) at the end.
 """
 from __future__ import annotations
@@ -117,16 +118,24 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"warm_kernels: {what} ({time.perf_counter() - since:.1f} s)", flush=True)
 
+    specs = _specs()
+    stages = sum((len(SELECTORS) if everything else 3) + 1 for _, _, everything in specs)
+    done = 0
+    if not args.quiet:
+        print(f"warm_kernels: compiling gear_mpi's CPU kernels into numba's cache in {stages} stages "
+              f"(about a minute on 2 idle cores when nothing is cached; seconds when everything is)", flush=True)
     with tempfile.TemporaryDirectory(prefix="gear_mpi_warm_") as folder:
-        for label, spec, everything in _specs():
+        for label, spec, everything in specs:
             for selector in (SELECTORS if everything else ("Uniform", "Prioritized", "Fifo")):
                 t = time.perf_counter()
                 for mode in (MODES if everything else MODES[:1]):
                     _exercise_replay(spec, selector, mode, rng, folder)
-                say(f"{label}, {selector}, {'every mode' if everything else MODES[0]}", t)
+                done += 1
+                say(f"[{done}/{stages}] {label}, {selector}, {'every mode' if everything else MODES[0]}", t)
             t = time.perf_counter()
             _exercise_file_shard(spec, rng, folder)
-            say(f"{label}, file-backed shard", t)
+            done += 1
+            say(f"[{done}/{stages}] {label}, file-backed shard", t)
     print(f"warm_kernels: {_cache_files() - before} kernels compiled into numba's cache, "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -197,7 +198,7 @@ def _save_reference(path: str, comm) -> dict:
 
 def _check_resharded(path: str, ref: dict, comm, capacity: int | None) -> None:
     """Load ``path`` onto ``comm`` (optionally with another capacity) and check it against ``ref``."""
-    kw = {} if capacity is None else {"capacity_steps": capacity}
+    kw = {} if capacity is None else {"capacity_steps": capacity, "allow_drop": True}
     replay, (old, new) = gm.Replay.load(path, comm, timeout=30.0, **kw)
     rank, size = replay.rank, replay.ranks
     assert np.array_equal(old, np.sort(ref["key"])), "key_map covers every live trajectory"
@@ -268,6 +269,35 @@ def test_reshard_onto_one_smaller_rank_drops_the_oldest(shared_dir):
     ref = _save_reference(path, COMM)
     alone = sub_comm(1)
     if alone is not None:
+        # without allow_drop a load that would lose trajectories fails, saying how many and what holds them
+        total_steps, items = int(ref["length"].sum()), len(ref["length"])
+        with pytest.raises(gm.CheckpointError, match=rf"would drop \d+ of {items} trajectories \(\d+ of "
+                                                     rf"{total_steps} steps\): capacity_steps={total_steps} and "
+                                                     rf"max_items=\d+ per rank hold them all; or pass allow_drop=True"):
+            gm.Replay.load(path, alone, timeout=30.0, capacity_steps=70)
         _check_resharded(path, ref, alone, 70)
         alone.Free()
+    COMM.Barrier()
+
+
+@pytest.mark.skipif(SIZE < 3, reason="a 3-to-2 reshard (issue 30, item 6); 2-to-1 is the test above")
+def test_reshard_onto_fewer_ranks_fails_unless_drops_are_allowed(shared_dir):
+    """3 full shards onto 2 of the same capacity cannot hold everything: the load fails on both ranks,
+    saying how many trajectories it would drop; with allow_drop=True exactly that many map to -1."""
+    path = os.path.join(shared_dir, "three-to-two")
+    ref = _save_reference(path, COMM)
+    assert int(ref["length"].sum()) > (SIZE - 1) * 70, "the saved replay must not fit the smaller one"
+    sub = sub_comm(SIZE - 1)
+    if sub is not None:
+        with pytest.raises(gm.CheckpointError, match="would drop") as info:
+            gm.Replay.load(path, sub, timeout=30.0)
+        said = int(re.search(r"would drop (\d+) of", str(info.value)).group(1))
+        assert sub.allgather(str(info.value)) == [str(info.value)] * sub.size, "the same error on every rank"
+        replay, (old, new) = gm.Replay.load(path, sub, timeout=30.0, allow_drop=True)
+        try:
+            assert len(old) == len(ref["key"]) and int((new == -1).sum()) == said > 0
+            assert replay.stats()["total"]["items"] == len(old) - said
+        finally:
+            replay.close()
+        sub.Free()
     COMM.Barrier()

@@ -90,6 +90,23 @@ def test_npz_dir_every_episode_exactly_once():
         replay.close()
 
 
+def test_datasets_load_into_file_backed_shards():
+    """``path=`` after the dataset's path is the replay's (issue 30, item 8): shards in files under it."""
+    root = root_from_env()
+    shards = root / f"file_shards_{SIZE}"
+    if RANK == 0:
+        shards.mkdir(exist_ok=True)
+    COMM.Barrier()
+    for load, source, names in ((gm.datasets.from_d4rl, root / "good.hdf5", {k: k for k in TABLE}),
+                                (gm.datasets.from_npz_dir, root / "good_npz", {k: k.replace("/", "_") for k in TABLE})):
+        replay = load(source, COMM, sampler=gm.Fifo(), chunk_bytes=4096, max_length=64, memory="file", path=shards)
+        try:
+            assert replay.shard.shm_name is not None and replay.shard.shm_name.startswith(str(shards / f"rank-{RANK:05d}"))
+            check_every_episode_once(replay, names)
+        finally:
+            replay.close()
+
+
 @pytest.mark.parametrize("name,text", [
     ("missing.hdf5", "missing dataset(s) ['timeouts']"),
     ("mismatched.hdf5", "dataset 'rewards' has shape (1045,), but 'observations' has 1050 steps"),
