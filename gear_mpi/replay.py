@@ -378,7 +378,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Collective: every rank's figures, their totals and the balance (the schema of
-        :mod:`gear_mpi.stats`, tabled in the README; a shard's ``stats()`` uses the same names).
+        :mod:`gear_mpi.stats`, tabled in docs/guide/statistics.md; a shard's ``stats()`` uses the same names).
 
         Returns:
             ``{"ranks", "mode" (the default), "balance" (largest shard / mean shard, in items),

@@ -426,7 +426,7 @@ class Shard(ShardState, ShardInsert):
         return np.where(live, table_layout.raw_priorities(self.store, slots), np.nan)
 
     def stats(self) -> dict[str, Any]:
-        """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the README's table). O(1).
+        """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the table in docs/guide/statistics.md). O(1).
 
         Returns:
             ``rank`` and every name of ``stats.SHARD_FIGURES``: items, live_steps, steps_used, capacity_steps,

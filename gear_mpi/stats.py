@@ -6,8 +6,8 @@ A shard reports its own figures flat, under the names of :data:`SHARD_FIGURES`
 (and its ``rank``). A replay reports, for every figure of :data:`REPLAY_FIGURES`
 (the shard's plus the window counters of the replay's transport), one list
 indexed by rank under ``"per_rank"`` and the sum over the ranks under
-``"total"``, beside ``"ranks"``, ``"mode"`` and ``"balance"``. The README's
-"Statistics" table lists every key; this module is the code of it (local, no
+``"total"``, beside ``"ranks"``, ``"mode"`` and ``"balance"``. The table of
+docs/guide/statistics.md lists every key; this module is the code of it (local, no
 communication: the replay gathers the rows, then calls :func:`combine`).
 
 **Activity** (how fast the replay works):

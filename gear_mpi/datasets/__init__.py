@@ -7,8 +7,8 @@ Both are collective and return a filled :class:`~gear_mpi.replay.Replay` (one tr
 per episode, columns named after the datasets or arrays). The episodes are cut into one
 contiguous run per rank, balanced by steps; each rank reads only its run, in chunks, each
 inserted with one ``insert_packed``. ``replay.dataset_info`` tells what was read (see
-:func:`gear_mpi.datasets.load.ingest`). Modules: :mod:`.episodes` (episode split, shares),
-:mod:`.ingest` (the collective load), :mod:`.d4rl` and :mod:`.npz` (the two sources).
+:func:`gear_mpi.datasets.load.load_dataset`). Modules: :mod:`.episodes` (episode split, shares),
+:mod:`.load` (the collective load), :mod:`.d4rl` and :mod:`.npz` (the two sources).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Sequence
 from ..replay import Replay
 from .d4rl import D4RLSource
 from .episodes import balanced_shares, split_episodes
-from .load import CHUNK_BYTES, ingest
+from .load import CHUNK_BYTES, load_dataset
 from .npz import NpzSource
 
 __all__ = ["from_d4rl", "from_npz_dir", "split_episodes", "balanced_shares"]
@@ -33,7 +33,7 @@ def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None =
     end form one more episode, kept and flagged (``replay.dataset_info["open_last_episode"]`` and
     ``["open_episode_key"]``). Columns are named after the datasets (``"observations"``, ...,
     ``"infos/qpos"``) with their dtypes. Collective: every rank opens the file and reads the
-    steps of its own episodes only (see :func:`gear_mpi.datasets.load.ingest`).
+    steps of its own episodes only (see :func:`gear_mpi.datasets.load.load_dataset`).
 
     Args:
         path: the file (the same file on every rank, e.g. on a shared file system); positional only, so
@@ -55,7 +55,7 @@ def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None =
         ImportError: h5py is missing.
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     """
-    return ingest(lambda: D4RLSource(path, columns), "from_d4rl", comm, max_length, progress, chunk_bytes,
+    return load_dataset(lambda: D4RLSource(path, columns), "from_d4rl", comm, max_length, progress, chunk_bytes,
                   replay_kwargs)
 
 
@@ -79,4 +79,4 @@ def from_npz_dir(path: str | Path, /, comm=None, *, max_length: int | None = Non
             ``max_length``, a share over ``capacity_steps``, or a read that failed.
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     """
-    return ingest(lambda: NpzSource(path), "from_npz_dir", comm, max_length, progress, chunk_bytes, replay_kwargs)
+    return load_dataset(lambda: NpzSource(path), "from_npz_dir", comm, max_length, progress, chunk_bytes, replay_kwargs)

@@ -42,7 +42,7 @@ def chunk_bounds(lengths: np.ndarray, step_bytes: int, chunk_bytes: int) -> np.n
     return np.concatenate([[0], cuts, [len(lengths)]]).astype(np.int64)
 
 
-def ingest(open_source: Callable[[], Any], what: str, comm, max_length: int | None, progress: bool | None,
+def load_dataset(open_source: Callable[[], Any], what: str, comm, max_length: int | None, progress: bool | None,
            chunk_bytes: int, replay_kwargs: dict) -> Replay:
     """Open a dataset on every rank, build a replay sized for it and fill it, each rank with its own share.
 
