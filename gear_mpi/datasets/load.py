@@ -43,7 +43,7 @@ def chunk_bounds(lengths: np.ndarray, step_bytes: int, chunk_bytes: int) -> np.n
 
 
 def load_dataset(open_source: Callable[[], Any], what: str, comm, max_length: int | None, progress: bool | None,
-           chunk_bytes: int, replay_kwargs: dict) -> Replay:
+                 chunk_bytes: int, replay_kwargs: dict) -> Replay:
     """Open a dataset on every rank, build a replay sized for it and fill it, each rank with its own share.
 
     Collective. Every rank opens the source (``open_source()``) and the ranks agree on it; the
