@@ -366,14 +366,16 @@ class Shard(ShardState, ShardInsert):
         """
         self._check_open()
         st = self.store
+        layout = st.layout  # the table's raw priorities
         keys = np.ascontiguousarray(keys, np.int64)
         n = len(keys)
         slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
         pr = np.ascontiguousarray(priorities, np.float64)
-        if st.priority_constant is not None and not table_layout.all_equal(pr, st.priority_constant):
-            table_layout.materialize_priorities(st)  # the row stood for one value: keep it from now on
+        if layout.priority_constant is not None and not table_layout.all_equal(pr, layout.priority_constant):
+            layout.materialize_priorities()  # the row stood for one value: keep it from now on
         # derived, none, or one value the row stands for: not written
-        raw = st.priority if isinstance(st.priority, np.ndarray) and st.priority_constant is None else _NO_UNIFORMS
+        raw = layout.priority if isinstance(layout.priority, np.ndarray) and layout.priority_constant is None \
+            else _NO_UNIFORMS
         applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.status,
                                                      ring.ALIVE_SHIFT, ring.LIVE, raw, raw is not _NO_UNIFORMS,
                                                      slots, values, live)
@@ -423,7 +425,7 @@ class Shard(ShardState, ShardInsert):
         """
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
-        return np.where(live, table_layout.raw_priorities(self.store, slots), np.nan)
+        return np.where(live, self.store.layout.raw_priorities(slots), np.nan)
 
     def stats(self) -> dict[str, Any]:
         """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the README's table). O(1).

@@ -42,7 +42,8 @@ class TrajectoryStore:
     Memory: ``capacity_steps * spec.step_bytes`` for the columns (in the chosen
     arena) plus :attr:`table_bytes` of table (``table_layout.bytes_per_slot``: 12 to 41 bytes a
     slot), committed lazily as slots are first used (``memory="file"``: both on disk, reserved at
-    once, cached by the page cache). The table's arrays are ``store.table`` (a :class:`ring.Table`)
+    once, cached by the page cache). The table is ``store.layout`` (a :class:`~gear_mpi.storage.table.TableLayout`:
+    its rows, raw priorities and checkpoint sections); its arrays are ``store.table`` (a :class:`ring.Table`)
     and, by name, ``store.start``, ``store.status``, ... ``store.state``; ``store.alive`` and
     ``store.generation`` name ``status`` too (pass it to the kernels; the alive code is
     ``status >> ring.ALIVE_SHIFT``, the generation ``status & keys.GEN_MASK``), ``store.priority``
@@ -62,7 +63,7 @@ class TrajectoryStore:
         priority_row: whether to keep raw priorities in a row (False: the shard sets
             ``store.priority`` to read them back from its index).
         lazy_priority: whether the row may stand for one value shared by every slot without being
-            written (``priority_constant``, :func:`~gear_mpi.storage.table.keep_priorities`): for selectors whose draws ignore raw priorities
+            written (``priority_constant``, :meth:`~gear_mpi.storage.table.TableLayout.keep_priorities`): for selectors whose draws ignore raw priorities
             (``Uniform``, ``Prioritized(alpha=0)``), so that a batch at one priority writes no row.
 
     Raises:
@@ -90,11 +91,9 @@ class TrajectoryStore:
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
         memory = memory_kind(memory, stacklevel=3)
-        rows = table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled))
-        fields = {name: (count, dtype) for name, (count, dtype, _) in rows.items()}
-        if priority_row:
-            fields["priority"] = (max_items, np.dtype(np.float64))
-        self.table_bytes = sum(c * np.dtype(d).itemsize for c, d in fields.values())
+        fields = table_layout.stored_fields(
+            table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled)), max_items,
+            priority_row)  # what a file holding the table must carve
         self._table_arena = None
         self.prefetch_windows = True  # file-backed columns: see prefetch()
         if arena is None and memory == "file":  # both files reserved at once: a full disk fails here
@@ -128,18 +127,38 @@ class TrajectoryStore:
         # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: pages are
         # committed as slots are first used
         carved = file_memory.carve(self._table_arena.buffer, fields) if self._table_arena is not None else None
-        self.table = table_layout.build(rows, max_items, carved)
-        self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
+        self.layout = table_layout.TableLayout(self.capacity, max_items, spec.max_length, int(max_times_sampled),
+                                               priority_row, lazy_priority, carved)
+        self.table = self.layout.rows
+        self.table_bytes = self.layout.nbytes
+        self._arrays = self.layout.arrays  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
         self.counts_uses = bool(max_times_sampled)
         # each array by name too (store.start, store.status, ..., store.state): plain attributes, the same
         # arrays as in the table (they are only ever written in place, never rebound)
         self.__dict__.update(self.table._asdict())
         self.alive = self.generation = self.status
-        self.priority = (carved["priority"] if carved is not None else table_layout.priority_row(max_items)) \
-            if priority_row else None
-        # None: the row holds every slot's raw priority. A float: every slot below the high-water mark has
-        # this raw priority and the row is not kept up to date (table_layout.keep_priorities, raw_priorities)
-        self.priority_constant = 0.0 if lazy_priority and priority_row else None
+
+    # ---- raw priorities (the layout's) ------------------------------------------------------
+    @property
+    def priority(self):
+        """The raw priorities: a float64 row, a :class:`~gear_mpi.storage.table.DerivedPriority` (the shard sets
+        it: its index gives them back) or None; ``layout.priority``. Settable. O(1)."""
+        return self.layout.priority
+
+    @priority.setter
+    def priority(self, row) -> None:
+        self.layout.priority = row
+
+    @property
+    def priority_constant(self) -> float | None:
+        """None: the row holds every slot's raw priority. A float: every slot below the high-water mark has this
+        raw priority and the row is not kept up to date (:meth:`TableLayout.keep_priorities
+        <gear_mpi.storage.table.TableLayout.keep_priorities>`); ``layout.priority_constant``. Settable. O(1)."""
+        return self.layout.priority_constant
+
+    @priority_constant.setter
+    def priority_constant(self, value: float | None) -> None:
+        self.layout.priority_constant = value
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -365,7 +384,7 @@ class TrajectoryStore:
             ``free``, and ``priority``, ``length``, ``times_sampled`` where not stored) are computed,
             O(hwm). ``state`` itself is not among them (save ``store.state[:ring.STATE_SIZE]``).
         """
-        return table_layout.sections(self)
+        return self.layout.sections()
 
     def restore_table(self, state: np.ndarray, sections: Mapping[str, np.ndarray]) -> None:
         """Load a table saved by :meth:`table_sections` (the inverse), with its counters ``state``.
@@ -388,7 +407,7 @@ class TrajectoryStore:
                 values out of the rows' ranges, or counters that do not fit this store's capacity
                 and max_items.
         """
-        table_layout.restore(self, state, sections)
+        self.layout.restore(state, sections)
 
     def step_segments(self, name: str) -> list[np.ndarray]:
         """The ring steps in use of column ``name``, as flat byte views, oldest first.

@@ -28,7 +28,6 @@ import numpy as np
 from numba import njit
 
 from ..kernels import ring
-from . import table as table_layout
 from .arenas import anonymous_pages, commit_pages, small_pages
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
@@ -163,7 +162,7 @@ def insert_chunked(store, columns, lengths: np.ndarray, priorities: np.ndarray, 
     # from the head only, so the tail is known now and the copies can run while the table is planned
     first = int(store.state[ring.STEP_HEAD] + store.state[ring.STEPS_USED]) % store.capacity
     # raw priorities, where the table keeps them and its row does not stand for them already
-    keeps_priorities = isinstance(store.priority, np.ndarray) and table_layout.keep_priorities(store, priorities)
+    keeps_priorities = isinstance(store.priority, np.ndarray) and store.layout.keep_priorities(priorities)
 
     def finish_chunk(lo: int, hi: int) -> None:  # after the chunk's plan: touches its slots' rows only
         if keeps_priorities:
@@ -186,7 +185,7 @@ def written_ranges(store) -> list[tuple[int, int]]:
     ``ring_touched`` and each table row's slots below the first never used (``ring.NEXT_FRESH``). O(columns)."""
     steps, slots = min(store.ring_touched, store.capacity), int(store.state[ring.NEXT_FRESH])
     out = [(c.ctypes.data, steps * c.strides[0]) for c in store.columns.values()]
-    out += [(a.ctypes.data, slots * a.strides[0]) for a in _slot_rows(store)]
+    out += [(a.ctypes.data, slots * a.strides[0]) for a in store.layout.written_rows()]
     return out
 
 
@@ -199,16 +198,7 @@ def reaches_fresh(store, end: int) -> bool:
 def fresh_arrays(store) -> list[np.ndarray]:
     """The arrays a large first fill commits: the column arena and the table's rows (the raw priorities'
     too, where kept): what :class:`~gear_mpi.storage.arenas.small_pages` advises. O(1)."""
-    return ([] if store.arena is None else [store.arena.buffer]) + _slot_rows(store)
-
-
-def _slot_rows(store) -> list[np.ndarray]:
-    """The table's per-slot rows that inserts write (a row standing for one value left out), and the raw
-    priorities' where kept. O(1)."""
-    rows = [a for a in store.table if a.strides[0]]
-    if isinstance(store.priority, np.ndarray) and store.priority_constant is None:
-        rows.append(store.priority)
-    return rows
+    return ([] if store.arena is None else [store.arena.buffer]) + store.layout.written_rows()
 
 
 def _insert_chunks(store, columns, lengths, priorities, slots_out, on_evicted, first, total, now, finish_chunk,
