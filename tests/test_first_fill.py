@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.storage import arenas as memory, store_insert
+from gear_mpi.storage import TrajectoryStore, arenas as memory, store_insert
 
 
 def _spec():
@@ -109,13 +109,13 @@ def test_a_large_first_fill_asks_for_huge_pages_again(shard_factory, monkeypatch
     if "hg" not in _vm_flags(arena.ctypes.data):
         pytest.skip("this kernel does not take MADV_HUGEPAGE")
     seen = []
-    real = store_insert._insert_chunks
+    real = TrajectoryStore._insert_chunks
 
     def spy(store, *args):
         seen.append(_vm_flags(store.arena.buffer.ctypes.data))
         return real(store, *args)
 
-    monkeypatch.setattr(store_insert, "_insert_chunks", spy)
+    monkeypatch.setattr(TrajectoryStore, "_insert_chunks", spy)
     monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
     monkeypatch.setattr(store_insert, "PIECE_BYTES", 1 << 16)
     cols = _cols(n, 7)
@@ -149,7 +149,7 @@ def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_fa
     collapser = s.store._collapser
     assert collapser is not None
     x = s.store.columns["x"]
-    ranges = store_insert.written_ranges(s.store)
+    ranges = s.store.written_ranges()
     assert (x.ctypes.data, n * x.strides[0]) in ranges  # the written steps, not the whole ring
     assert all(size <= n * 12 for _, size in ranges), ranges  # 12 B: the widest step or table entry here
     collapser.thread.join(60)

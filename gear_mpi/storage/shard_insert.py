@@ -173,8 +173,8 @@ class ShardInsert:
             if not per_slot:  # slots -> keys in place (later chunks leave these slots' generations alone)
                 keyspace.encode_slots(store.tag, store.rank, out[lo:hi], store.status, out[lo:hi])
 
-        store_insert.insert_chunked(store, columns, lengths, priorities, out,
-                                    None if index is None else on_evicted, steps=steps, after_chunk=after_chunk)
+        store.insert_chunked(columns, lengths, priorities, out, None if index is None else on_evicted, steps=steps,
+                             after_chunk=after_chunk)
         self.bytes_inserted += steps * self.spec.step_bytes
         if per_slot:
             for lo in range(0, n, store_insert.CHUNK_ITEMS):
