@@ -142,7 +142,7 @@ def test_damaged_columns_file(saved):
     if RANK == 0:
         body = ck.read_manifest(cp)["body"]
         head = ck.shard_files.ring_head(ck.shard_files.read_meta(cp, body, 0))
-        where = gm.memory.HEADER_BYTES + head * SPEC["obs"].step_bytes + 1  # the oldest step of the first column
+        where = gm.storage.arenas.HEADER_BYTES + head * SPEC["obs"].step_bytes + 1  # the oldest step of the first column
         with open(os.path.join(cp, ck.rank_dir(0), "columns.bin"), "r+b") as f:
             f.seek(where)
             b = f.read(1)
