@@ -350,7 +350,7 @@ class Shard:
         st = self.store
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
-            picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
+            picked = rank_by_priority(live, st.layout.priority, count, sel.by_priority > 0)
         else:
             picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
         return np.resize(picked, count) if len(picked) < count else picked
@@ -368,8 +368,8 @@ class Shard:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
-            picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
-            bits = st.priority[picked].view(np.int64)  # IEEE order == integer order for values >= +0.0
+            picked = rank_by_priority(live, st.layout.priority, count, sel.by_priority > 0)
+            bits = st.layout.priority[picked].view(np.int64)  # IEEE order == integer order for values >= +0.0
             return picked, -bits if sel.by_priority > 0 else bits.copy()
         picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
         stamps = st.stamp[picked]  # insertion time (ns); ties keep the shard's insertion order

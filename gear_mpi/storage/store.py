@@ -278,11 +278,12 @@ class TrajectoryStore:
         # from the head only, so the tail is known now and the copies can run while the table is planned
         first = int(self.state[ring.STEP_HEAD] + self.state[ring.STEPS_USED]) % self.capacity
         # raw priorities, where the table keeps them and its row does not stand for them already
-        keeps_priorities = isinstance(self.priority, np.ndarray) and self.layout.keep_priorities(priorities)
+        row = self.layout.priority
+        keeps_priorities = isinstance(row, np.ndarray) and self.layout.keep_priorities(priorities)
 
         def finish_chunk(lo: int, hi: int) -> None:  # after the chunk's plan: touches its slots' rows only
             if keeps_priorities:
-                store_insert.set_priorities(self.priority, slots_out[lo:hi],
+                store_insert.set_priorities(row, slots_out[lo:hi],
                                             priorities[:1] if shared else priorities[lo:hi])
             if after_chunk is not None:
                 after_chunk(lo, hi)
