@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import secrets
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -16,8 +16,8 @@ from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .storage.arenas import memory_kind
 from .selection.priority_index import DevicePriorityIndex, PriorityIndex
 from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
-from .storage.shard_insert import ShardInsert
-from .checkpoint.shard_state import ShardState
+from .storage.shard_insert import ShardInserter
+from .checkpoint.shard_state import ShardCheckpointState
 from .spec import TrajectorySpec, validate_priorities
 from .storage import table as table_layout
 from .storage.store import TrajectoryStore
@@ -27,9 +27,12 @@ _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
 
 
-class Shard(ShardState, ShardInsert):
-    """One rank's replay: a columnar step ring, a trajectory table, a selector (state: :class:`ShardState`,
-    insertion: :class:`ShardInsert`).
+class Shard:
+    """One rank's replay: a columnar step ring, a trajectory table, a selector. Its parts, built here and
+    called explicitly: ``store`` (:class:`~gear_mpi.storage.store.TrajectoryStore`), ``index`` (a priority
+    index or None), ``inserter`` (:class:`~gear_mpi.storage.shard_insert.ShardInserter`: the ``insert*``
+    methods) and ``checkpoint_state`` (:class:`~gear_mpi.checkpoint.shard_state.ShardCheckpointState`:
+    :meth:`state`, :meth:`sections` and their inverses).
 
     Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError.
     Memory: ``capacity_steps * step_bytes`` plus 65 bytes per item slot (75 with a priority index).
@@ -85,6 +88,8 @@ class Shard(ShardState, ShardInsert):
         self.stale_updates = 0
         self._addresses = None
         self._fused = None  # whether samples go through one kernel (see _one_call)
+        self.inserter = ShardInserter(spec, self.store, self.index, sampler)
+        self.checkpoint_state = ShardCheckpointState(self.store, self.index, sampler, self.rng)
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -136,6 +141,182 @@ class Shard(ShardState, ShardInsert):
         index = self.index.nbytes if self.index is not None else 0
         return self.store.arena.nbytes + self.store.table_bytes + index if self.store.arena else 0
 
+    # ---- insertion (ShardInserter) ------------------------------------------------------
+    @property
+    def bytes_inserted(self) -> int:
+        """Bytes of the steps ever stored in this shard, by every insert path (:mod:`gear_mpi.stats`). O(1)."""
+        return self.inserter.bytes_inserted
+
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
+        """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
+        O(1 + evictions) table work, one index update.
+
+        Args:
+            trajectory: column name -> ``[L, *shape]`` array (numpy, torch or nested lists).
+            priority: its priority (finite, >= 0).
+        Returns:
+            Its key (int).
+        Raises:
+            InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
+            RuntimeError: the shard is closed.
+        """
+        return int(self.insert_many([trajectory], [priority])[0])
+
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+        """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
+        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
+
+        Args:
+            trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
+            priorities: one priority per trajectory (None: all 1).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many.
+            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+            RuntimeError: the shard is closed.
+        """
+        self._check_open()
+        return self.inserter.insert_many(trajectories, priorities)
+
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+        """Add many trajectories laid end to end: one array per column holding all their steps, and their
+        lengths. Checked as :meth:`insert_many` checks a list (the same error classes; one bad input stores
+        none), but in whole-array operations: no Python loop over the trajectories.
+        Cost: O(n) vectorized checks, then as :meth:`store_packed` -- one ring copy per column (a dtype
+        cast happens inside that copy), O(n + evictions) table work in a kernel, one batched index update.
+
+        A batch of more steps than ``capacity_steps`` or more trajectories than ``max_items`` is refused
+        whole (it would evict its own head); split it and call again.
+
+        Args:
+            columns: column name -> ``[sum(lengths), *shape]`` array (numpy, torch or anything
+                ``np.asarray`` takes), any dtype that casts safely to the column's (any number into a float).
+            lengths: the steps of each trajectory, in order (integers, each in ``[1, max_length]``).
+            priorities: one priority per trajectory (None: all 1).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: a column missing or unknown, of a non-numeric, uncastable dtype or of the
+                wrong shape; columns of different step counts; lengths that are not integers, one out of
+                ``[1, max_length]``, or a sum other than the columns' steps; too many steps or trajectories.
+            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+            RuntimeError: the shard is closed.
+        """
+        self._check_open()
+        return self.inserter.insert_packed(columns, lengths, priorities)
+
+    def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
+                     steps: int | None = None) -> np.ndarray:
+        """Store already-validated trajectories laid end to end (the common tail of every insert path).
+        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update,
+        all in chunks of ``store_insert.CHUNK_ITEMS`` trajectories: besides the keys returned, the
+        temporaries are bounded (about 3 MB), whatever the batch.
+
+        Args:
+            columns: column name -> all their steps back to back, ``[rows, *shape]``, of a dtype that casts
+                to the column's (the ring copy casts: no copy is made before it).
+            lengths: int64 steps of each trajectory (each in ``[1, max_length]``, summing to the rows).
+            priorities: float64 priorities, validated (finite, >= 0), one per trajectory (or one shared,
+                as a stride-0 array).
+            steps: ``lengths.sum()`` where the caller knows it (None: summed here), so that a large batch
+                reads its lengths once more, not once per use of the sum (each pass over 1e7 lengths: ~8 ms).
+        Returns:
+            Their keys (int64), in order.
+        Raises:
+            InvalidTrajectoryError: more steps than ``capacity_steps`` or more trajectories than ``max_items``
+                (nothing is stored).
+            RuntimeError: the shard is closed.
+        """
+        self._check_open()
+        return self.inserter.store_packed(columns, lengths, priorities, steps)
+
+    # ---- checkpoint state (ShardCheckpointState) ------------------------------------------
+    @property
+    def index_kind(self) -> str:
+        """The priority index's ``KIND`` (``"blocked"`` host, ``"generic"`` device), or ``"none"``. O(1)."""
+        return self.checkpoint_state.index_kind
+
+    def state(self) -> dict[str, Any]:
+        """Everything this shard holds besides its arrays, JSON-able. O(1); local.
+
+        Returns:
+            ``rank``, ``capacity_steps``, ``max_items``, ``hwm`` (slots ever used), ``ring``
+            (the ``ring.STATE_SIZE`` counters), ``index`` (:attr:`index_kind`), ``rng``
+            (the stream's state), ``samples_drawn``, ``stale_updates``, ``tag`` (key tag).
+        """
+        return self.checkpoint_state.state(self.samples_drawn, self.stale_updates)
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Take back the stream, counters and key tag of a :meth:`state` (the table and index
+        come back through :meth:`restore_sections`). O(1); local.
+
+        Args:
+            state: as :meth:`state` returns it (``rng``, ``samples_drawn``, ``stale_updates``, ``tag``).
+        Raises:
+            KeyError, TypeError, ValueError: a field is missing or the stream's state is invalid.
+        """
+        self.samples_drawn, self.stale_updates = self.checkpoint_state.load_state(state)
+
+    def sections(self) -> list[tuple[str, np.ndarray]]:
+        """The table in use then the priority index, as ``(name, array)`` pairs in checkpoint order.
+
+        Returns:
+            The store's ``table_sections()`` then the index's ``sections(hwm)``. Views where
+            possible (write them out before the shard changes). Cost: O(1) for a host index;
+            a device index copies ``hwm`` weights to the host. Local.
+        """
+        return self.checkpoint_state.sections()
+
+    def restore_sections(self, state: Mapping[str, Any], sections: Mapping[str, np.ndarray]) -> None:
+        """Put :meth:`sections` back into this new, empty shard of the same sizes; then load the
+        steps through :meth:`column_segments`. O(hwm); local.
+
+        Args:
+            state: the saved shard's :meth:`state` (``ring``, ``hwm``, ``index`` are used).
+            sections: the sections by name (the order ring as one array, oldest first); an
+                index of another kind than this shard's is rebuilt from ``leaves``.
+        Raises:
+            ValueError: a section missing or misshapen, counters that do not fit, or an index
+                kind that does not fit this shard's selector.
+        """
+        self.checkpoint_state.restore_sections(state, sections)
+
+    def column_segments(self, name: str) -> list[np.ndarray]:
+        """Column ``name``'s ring steps in use as flat byte views, oldest first: read to save,
+        filled to load after :meth:`restore_sections`. O(1); local.
+
+        Args:
+            name: a column of the spec.
+        Returns:
+            At most two uint8 views (the ring wraps), ``steps_used * step_bytes`` bytes in all.
+        Raises:
+            KeyError: no column ``name``.
+        """
+        return self.checkpoint_state.column_segments(name)
+
+    def live_keys(self) -> np.ndarray:
+        """The keys of the live trajectories, oldest first. O(slots used); local.
+
+        Returns:
+            int64 keys, one per live trajectory.
+        """
+        return self.checkpoint_state.live_keys()
+
+    def restore_history(self, keys: Any, stamps: Any, times_sampled: Any) -> None:
+        """Give trajectories re-inserted by a reshard their insertion stamps and use counts. O(n); local.
+
+        Args:
+            keys: this shard's keys of the re-inserted trajectories (int, sequence, array or tensor).
+            stamps: each one's original insertion time (ns, int64).
+            times_sampled: each one's original use count.
+        Raises:
+            TypeError: the keys are not integers.
+            InvalidKeyError: a key of another shard or replay.
+            StaleKeyError: a key whose trajectory is gone.
+        """
+        self.checkpoint_state.restore_history(keys, stamps, times_sampled)
+
     # ---- selection --------------------------------------------------------------------
     def check_can_sample(self) -> None:
         """Check that a draw can be made. O(1).
@@ -169,7 +350,7 @@ class Shard(ShardState, ShardInsert):
         st = self.store
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
-            picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
+            picked = rank_by_priority(live, st.layout.priority, count, sel.by_priority > 0)
         else:
             picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
         return np.resize(picked, count) if len(picked) < count else picked
@@ -187,8 +368,8 @@ class Shard(ShardState, ShardInsert):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))
-            picked = rank_by_priority(live, st.priority, count, sel.by_priority > 0)
-            bits = st.priority[picked].view(np.int64)  # IEEE order == integer order for values >= +0.0
+            picked = rank_by_priority(live, st.layout.priority, count, sel.by_priority > 0)
+            bits = st.layout.priority[picked].view(np.int64)  # IEEE order == integer order for values >= +0.0
             return picked, -bits if sel.by_priority > 0 else bits.copy()
         picked = ring.live_in_order(st.state, st.alive, st.order, sel.newest_first, count)
         stamps = st.stamp[picked]  # insertion time (ns); ties keep the shard's insertion order
@@ -366,14 +547,16 @@ class Shard(ShardState, ShardInsert):
         """
         self._check_open()
         st = self.store
+        layout = st.layout  # the table's raw priorities
         keys = np.ascontiguousarray(keys, np.int64)
         n = len(keys)
         slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
         pr = np.ascontiguousarray(priorities, np.float64)
-        if st.priority_constant is not None and not table_layout.all_equal(pr, st.priority_constant):
-            table_layout.materialize_priorities(st)  # the row stood for one value: keep it from now on
+        if layout.priority_constant is not None and not table_layout.all_equal(pr, layout.priority_constant):
+            layout.materialize_priorities()  # the row stood for one value: keep it from now on
         # derived, none, or one value the row stands for: not written
-        raw = st.priority if isinstance(st.priority, np.ndarray) and st.priority_constant is None else _NO_UNIFORMS
+        raw = layout.priority if isinstance(layout.priority, np.ndarray) and layout.priority_constant is None \
+            else _NO_UNIFORMS
         applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.status,
                                                      ring.ALIVE_SHIFT, ring.LIVE, raw, raw is not _NO_UNIFORMS,
                                                      slots, values, live)
@@ -423,7 +606,7 @@ class Shard(ShardState, ShardInsert):
         """
         self._check_open()
         slots, live = self.store.resolve(as_key_array(keys))
-        return np.where(live, table_layout.raw_priorities(self.store, slots), np.nan)
+        return np.where(live, self.store.layout.raw_priorities(slots), np.nan)
 
     def stats(self) -> dict[str, Any]:
         """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the table in docs/guide/statistics.md). O(1).

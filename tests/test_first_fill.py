@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.storage import arenas as memory, store_insert, table as table_layout
+from gear_mpi.storage import TrajectoryStore, arenas as memory, store_insert
 
 
 def _spec():
@@ -52,7 +52,7 @@ def test_a_row_of_one_value_reads_as_a_written_row(shard_factory, sampler):
             assert lazy.store.priority_constant == 1.0 and not lazy.store.priority.any()
         every = np.concatenate(keys)
         np.testing.assert_array_equal(_priorities(lazy, every), _priorities(eager, every))
-        sa, sb = dict(table_layout.sections(lazy.store)), dict(table_layout.sections(eager.store))
+        sa, sb = dict(lazy.store.table_sections()), dict(eager.store.table_sections())
         live = sa["alive"] == 1
         np.testing.assert_array_equal(sa["priority"][live], sb["priority"][live])
         np.testing.assert_array_equal(lazy.sample(8, 1).keys.numpy(), eager.sample(8, 1).keys.numpy())
@@ -64,8 +64,8 @@ def test_a_first_batch_sets_the_value_and_a_checkpoint_restores_it(shard_factory
     keys = a.insert_packed(_cols(30, 1), np.ones(30, np.int64), np.full(30, 2.5))
     assert a.store.priority_constant == 2.5 and not a.store.priority.any()
     b = shard_factory(_spec(), 40)
-    sections = table_layout.sections(a.store)
-    table_layout.restore(b.store, a.store.state.copy(), dict(sections))
+    sections = a.store.table_sections()
+    b.store.restore_table(a.store.state.copy(), dict(sections))
     assert b.store.priority_constant is None
     np.testing.assert_array_equal(b.store.priority[:30], np.full(30, 2.5))
     more = a.insert_packed(_cols(5, 2), np.ones(5, np.int64))  # another value: the row is written now
@@ -109,13 +109,13 @@ def test_a_large_first_fill_asks_for_huge_pages_again(shard_factory, monkeypatch
     if "hg" not in _vm_flags(arena.ctypes.data):
         pytest.skip("this kernel does not take MADV_HUGEPAGE")
     seen = []
-    real = store_insert._insert_chunks
+    real = TrajectoryStore._insert_chunks
 
     def spy(store, *args):
         seen.append(_vm_flags(store.arena.buffer.ctypes.data))
         return real(store, *args)
 
-    monkeypatch.setattr(store_insert, "_insert_chunks", spy)
+    monkeypatch.setattr(TrajectoryStore, "_insert_chunks", spy)
     monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
     monkeypatch.setattr(store_insert, "PIECE_BYTES", 1 << 16)
     cols = _cols(n, 7)
@@ -149,7 +149,7 @@ def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_fa
     collapser = s.store._collapser
     assert collapser is not None
     x = s.store.columns["x"]
-    ranges = store_insert.written_ranges(s.store)
+    ranges = s.store.written_ranges()
     assert (x.ctypes.data, n * x.strides[0]) in ranges  # the written steps, not the whole ring
     assert all(size <= n * 12 for _, size in ranges), ranges  # 12 B: the widest step or table entry here
     collapser.thread.join(60)

@@ -313,7 +313,7 @@ def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factor
         def __setitem__(self, where, value):
             raise MemoryError("copy failed")
 
-    monkeypatch.setattr(store_insert, "_copy_pieces", lambda *args: [(Broken(), None, False)])
+    monkeypatch.setattr(gm.storage.TrajectoryStore, "_copy_pieces", lambda *args: [(Broken(), None, False)])
     with pytest.raises(MemoryError, match="copy failed"):
         d.insert_packed({"x": x}, np.ones(64, np.int64))
     assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]
@@ -322,7 +322,7 @@ def test_copies_in_their_own_thread_store_the_same(spec, make_traj, shard_factor
 @pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Fifo()], ids=repr)
 def test_copy_thread_finishes_chunks_as_the_plain_path(spec, make_traj, shard_factory, sampler, monkeypatch):
     """A large batch's copy thread also writes the raw priorities, index leaves and keys of each chunk the
-    table pass hands it (store_insert._Copies.hand): in chunks of 3, through evictions, both index
+    table pass hands it (store_insert.ColumnCopies.hand): in chunks of 3, through evictions, both index
     paths and removals, the keys, tables, raw priorities and index are those of one plain pass; an
     error in that work reaches the caller and no thread is left."""
     import threading

@@ -161,3 +161,24 @@ def test_tests_scripts_and_examples_import_only_public_paths():
     deep = [f"{path}:{line}: {module}" for path, line, module in _outside_imports()
             if module.startswith("gear_mpi.") and module.count(".") > 1]
     assert not deep, "import through the sub-package instead:\n" + "\n".join(deep)
+
+
+def test_shard_is_composed_not_mixed():
+    """No class in gear_mpi/shard.py has base classes: a shard builds its parts and calls them explicitly."""
+    tree = ast.parse((PACKAGE / "shard.py").read_text())
+    based = [f"{node.name}({', '.join(ast.unparse(b) for b in node.bases + node.keywords)})"
+             for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and (node.bases or node.keywords)]
+    assert not based, based
+
+
+def test_no_storage_function_takes_a_store_first():
+    """No module-level function of gear_mpi/storage takes a parameter named ``store`` first: what works on a
+    store's fields is a method of the store (or of a part it holds), not a function in exile."""
+    exiled = []
+    for path in sorted((PACKAGE / "storage").rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = node.args.posonlyargs + node.args.args
+                if params and params[0].arg == "store":
+                    exiled.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.name}")
+    assert not exiled, exiled

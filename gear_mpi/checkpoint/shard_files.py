@@ -254,7 +254,7 @@ def shard_state(meta: dict, tag: int) -> dict[str, Any]:
         meta: a rank's ``shard.json``.
         tag: the replay's key tag (from the manifest).
     Returns:
-        As :meth:`~gear_mpi.checkpoint.shard_state.ShardState.state` returns it.
+        As :meth:`Shard.state <gear_mpi.shard.Shard.state>` returns it.
     Raises:
         KeyError: a field missing from ``meta``.
     """

@@ -1,12 +1,12 @@
 """A shard's own state for checkpoints: what :class:`~gear_mpi.shard.Shard` hands out and takes back.
 
-:class:`ShardState` is a mixin that :class:`~gear_mpi.shard.Shard` inherits. A
-save reads :meth:`~ShardState.state` (streams, counters, tag), :meth:`~ShardState.sections`
-(the trajectory table and the priority index) and :meth:`~ShardState.column_segments`
-(the ring steps in use); an exact load puts them back into a new, empty shard
-with :meth:`~ShardState.restore_sections`, the column segments and
-:meth:`~ShardState.load_state`; a reshard re-inserts trajectories and gives them
-back their history with :meth:`~ShardState.restore_history`. The file format is
+:class:`ShardCheckpointState` is the part of :class:`~gear_mpi.shard.Shard` that its checkpoint
+methods delegate to. A save reads :meth:`~ShardCheckpointState.state` (streams, counters, tag),
+:meth:`~ShardCheckpointState.sections` (the trajectory table and the priority index) and
+:meth:`~ShardCheckpointState.column_segments` (the ring steps in use); an exact load puts them back
+into a new, empty shard with :meth:`~ShardCheckpointState.restore_sections`, the column segments and
+:meth:`~ShardCheckpointState.load_state`; a reshard re-inserts trajectories and gives them back their
+history with :meth:`~ShardCheckpointState.restore_history`. The file format is
 :mod:`gear_mpi.checkpoint`'s; everything here is local (no communication).
 """
 from __future__ import annotations
@@ -20,71 +20,64 @@ from ..kernels import ring
 from ..keys import TAG_MASK, as_key_array
 
 
-class ShardState:
-    """The checkpoint state of a shard (mixed into :class:`~gear_mpi.shard.Shard`).
+class ShardCheckpointState:
+    """The checkpoint state of one shard: exports it and takes it back. The shard's counters
+    (``samples_drawn``, ``stale_updates``) stay the shard's: :meth:`state` is given them and
+    :meth:`load_state` returns them. Each method is documented where the shard exposes it
+    (:class:`~gear_mpi.shard.Shard`). Local; not thread-safe.
 
-    It reads the shard's ``store`` (a :class:`~gear_mpi.storage.store.TrajectoryStore`),
-    ``index`` (a priority index or None), ``selector``, ``rng``, ``samples_drawn``,
-    ``stale_updates``, ``rank``, ``capacity_steps`` and ``tag``.
+    Args:
+        store: the shard's :class:`~gear_mpi.storage.store.TrajectoryStore` (rank, capacity, tag, table, steps).
+        index: its priority index, or None.
+        selector: its selector (named when a saved index does not fit it).
+        rng: its random stream (its state is saved and set in place).
     """
+
+    def __init__(self, store, index, selector, rng: np.random.Generator):
+        self.store = store
+        self.index = index
+        self.selector = selector
+        self.rng = rng
 
     @property
     def index_kind(self) -> str:
         """The priority index's ``KIND`` (``"blocked"`` host, ``"generic"`` device), or ``"none"``. O(1)."""
         return "none" if self.index is None else self.index.KIND
 
-    def state(self) -> dict[str, Any]:
-        """Everything this shard holds besides its arrays, JSON-able. O(1); local.
+    def state(self, samples_drawn: int, stale_updates: int) -> dict[str, Any]:
+        """:meth:`Shard.state <gear_mpi.shard.Shard.state>`, given the shard's counters. O(1)."""
+        s = self.store.state
+        return {"rank": self.store.rank, "capacity_steps": self.store.capacity, "max_items": self.store.max_items,
+                "hwm": int(s[ring.NEXT_FRESH]), "ring": [int(v) for v in s[:ring.STATE_SIZE]], "index": self.index_kind,
+                "rng": self.rng.bit_generator.state, "samples_drawn": int(samples_drawn),
+                "stale_updates": int(stale_updates), "tag": int(self.store.tag)}
+
+    def load_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """:meth:`Shard.load_state <gear_mpi.shard.Shard.load_state>`: sets the stream and the key tag. O(1).
 
         Returns:
-            ``rank``, ``capacity_steps``, ``max_items``, ``hwm`` (slots ever used), ``ring``
-            (the ``ring.STATE_SIZE`` counters), ``index`` (:attr:`index_kind`), ``rng``
-            (the stream's state), ``samples_drawn``, ``stale_updates``, ``tag`` (key tag).
-        """
-        s = self.store.state
-        return {"rank": self.rank, "capacity_steps": self.capacity_steps, "max_items": self.store.max_items,
-                "hwm": int(s[ring.NEXT_FRESH]), "ring": [int(v) for v in s[:ring.STATE_SIZE]], "index": self.index_kind,
-                "rng": self.rng.bit_generator.state, "samples_drawn": int(self.samples_drawn),
-                "stale_updates": int(self.stale_updates), "tag": int(self.tag)}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Take back the stream, counters and key tag of a :meth:`state` (the table and index
-        come back through :meth:`restore_sections`). O(1); local.
-
-        Args:
-            state: as :meth:`state` returns it (``rng``, ``samples_drawn``, ``stale_updates``, ``tag``).
+            The counters to give the shard back: ``(samples_drawn, stale_updates)``.
         Raises:
             KeyError, TypeError, ValueError: a field is missing or the stream's state is invalid.
         """
         self.rng.bit_generator.state = state["rng"]
-        self.samples_drawn = int(state["samples_drawn"])
-        self.stale_updates = int(state["stale_updates"])
+        counters = int(state["samples_drawn"]), int(state["stale_updates"])
         self.store.tag = int(state["tag"]) & TAG_MASK
+        return counters
 
     def sections(self) -> list[tuple[str, np.ndarray]]:
-        """The table in use then the priority index, as ``(name, array)`` pairs in checkpoint order.
-
-        Returns:
-            The store's ``table_sections()`` then the index's ``sections(hwm)``. Views where
-            possible (write them out before the shard changes). Cost: O(1) for a host index;
-            a device index copies ``hwm`` weights to the host. Local.
-        """
+        """:meth:`Shard.sections <gear_mpi.shard.Shard.sections>`. O(1) (host index), O(hwm) (device index)."""
         out = list(self.store.table_sections())
         if self.index is not None:
             out += self.index.sections(int(self.store.state[ring.NEXT_FRESH]))
         return out
 
     def restore_sections(self, state: Mapping[str, Any], sections: Mapping[str, np.ndarray]) -> None:
-        """Put :meth:`sections` back into this new, empty shard of the same sizes; then load the
-        steps through :meth:`column_segments`. O(hwm); local.
+        """:meth:`Shard.restore_sections <gear_mpi.shard.Shard.restore_sections>`. O(hwm).
 
-        Args:
-            state: the saved shard's :meth:`state` (``ring``, ``hwm``, ``index`` are used).
-            sections: the sections by name (the order ring as one array, oldest first); an
-                index of another kind than this shard's is rebuilt from ``leaves``.
         Raises:
             ValueError: a section missing or misshapen, counters that do not fit, or an index
-                kind that does not fit this shard's selector.
+                kind that does not fit the selector.
         """
         if (state["index"] == "none") != (self.index is None):
             raise ValueError(f"priority index {state['index']!r} does not fit the sampler {self.selector!r}")
@@ -94,37 +87,22 @@ class ShardState:
             self.index.restore(given, int(state["hwm"]))
 
     def column_segments(self, name: str) -> list[np.ndarray]:
-        """Column ``name``'s ring steps in use as flat byte views, oldest first: read to save,
-        filled to load after :meth:`restore_sections`. O(1); local.
+        """:meth:`Shard.column_segments <gear_mpi.shard.Shard.column_segments>`. O(1).
 
-        Args:
-            name: a column of the spec.
-        Returns:
-            At most two uint8 views (the ring wraps), ``steps_used * step_bytes`` bytes in all.
         Raises:
             KeyError: no column ``name``.
         """
         return self.store.step_segments(name)
 
     def live_keys(self) -> np.ndarray:
-        """The keys of the live trajectories, oldest first. O(slots used); local.
-
-        Returns:
-            int64 keys, one per live trajectory.
-        """
+        """:meth:`Shard.live_keys <gear_mpi.shard.Shard.live_keys>`. O(slots used)."""
         return self.store.keys_of(self.store.live_slots())
 
     def restore_history(self, keys: Any, stamps: Any, times_sampled: Any) -> None:
-        """Give trajectories re-inserted by a reshard their insertion stamps and use counts. O(n); local.
+        """:meth:`Shard.restore_history <gear_mpi.shard.Shard.restore_history>`. O(n).
 
-        Args:
-            keys: this shard's keys of the re-inserted trajectories (int, sequence, array or tensor).
-            stamps: each one's original insertion time (ns, int64).
-            times_sampled: each one's original use count.
         Raises:
-            TypeError: the keys are not integers.
-            InvalidKeyError: a key of another shard or replay.
-            StaleKeyError: a key whose trajectory is gone.
+            TypeError, InvalidKeyError, StaleKeyError: keys not integers; of another shard or replay; gone.
         """
         keys = as_key_array(keys)
         slots, live = self.store.resolve(keys)

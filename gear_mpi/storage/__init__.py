@@ -6,10 +6,14 @@ One module per concept, lowest first:
   shared memory, its header and column layout (and :mod:`.file_arenas`: memory-mapped files,
   ``memory="file"``; :mod:`.huge_pages`: a first fill's pages merged into huge pages);
 - :mod:`.pinned`, :mod:`.device` -- page-locked mappings for a GPU, and the rank's GPU;
-- :mod:`.table` -- the trajectory table's row types (bytes per slot) and its checkpoint sections;
-- :mod:`.store` -- :class:`TrajectoryStore`: the columnar step ring and the trajectory table;
-- :mod:`.store_insert` -- a batch insert's fast path into the store;
-- :mod:`.shard_insert` -- every insert path of a shard, checked, ending in one packed store;
+- :mod:`.table` -- the trajectory table's row types (bytes per slot) and :class:`~.table.TableLayout`, the
+  table a store holds: its rows, raw priorities and checkpoint sections;
+- :mod:`.store_insert` -- what a batch insert needs besides the store: chunk bounds, the eviction scratch,
+  the column-copy thread, the raw-priority and index-leaf kernels;
+- :mod:`.store` -- :class:`TrajectoryStore`: the columnar step ring and the trajectory table, and the
+  batch insert into them (:meth:`TrajectoryStore.insert_chunked`);
+- :mod:`.shard_insert` -- :class:`~.shard_insert.ShardInserter`, the shard's part that checks every insert
+  path and ends in one packed store;
 - :mod:`.columns` -- column addresses, another process's columns attached, host window copies;
 - :mod:`.budget` -- the node's memory budget for its shards, agreed at construction.
 

@@ -222,7 +222,7 @@ class small_pages:
     Why: where the hypervisor backs guest memory lazily and free 2 MB blocks go back to the host (this
     VM), a fresh huge page costs a host fault per 4 KiB under it, about twice the time per byte of
     fresh 4 KiB pages (256 MB: 450-500 ms against 240-300 ms written by one thread). A large first
-    fill (:func:`gear_mpi.storage.store_insert.insert_chunked`, a batch of ``OVERLAP_BYTES`` or more reaching
+    fill (:meth:`gear_mpi.storage.store.TrajectoryStore.insert_chunked`, a batch of ``OVERLAP_BYTES`` or more reaching
     memory never written) takes the cheaper pages; sampling reads them through 4 KiB TLB entries until
     khugepaged has merged them (1e7 one-step items, ``sample(65536, 1)`` right after the fill: 22.6-26.4 ms
     against 19.9-20.1 ms on huge pages here). ``$GEAR_MPI_HUGE_PAGES=always`` (:class:`PrivateArena`)

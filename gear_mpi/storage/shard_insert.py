@@ -1,8 +1,9 @@
-"""How trajectories enter a shard: :class:`ShardInsert`, mixed into :class:`~gear_mpi.shard.Shard`.
+"""How trajectories enter a shard: :class:`ShardInserter`, the part of :class:`~gear_mpi.shard.Shard`
+its insert methods delegate to.
 
 Every path -- one trajectory, a list of them, packed columns, a writer's staged
 episodes (:mod:`gear_mpi.feeds.intake`) -- validates first and then ends in
-:meth:`ShardInsert.store_packed`, so a bad trajectory stores nothing. Local: no communication.
+:meth:`ShardInserter.store_packed`, so a bad trajectory stores nothing. Local: no communication.
 """
 from __future__ import annotations
 
@@ -25,40 +26,32 @@ from ..spec import TrajectorySpec, validate_priorities
 REBUILD_FRACTION = 8
 
 
-class ShardInsert:
-    """Insertion into a shard (mixed into :class:`~gear_mpi.shard.Shard`; reads its ``spec``, ``store``,
-    ``index`` and ``selector``)."""
+class ShardInserter:
+    """Insertion into one shard: checks trajectories, stores them in the shard's store and sets their
+    weights in its priority index. :class:`~gear_mpi.shard.Shard` builds one and its ``insert*`` and
+    ``store_packed`` methods delegate here (after checking that the shard is open). Local; not thread-safe.
 
-    bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
+    Args:
+        spec: the shard's trajectory layout.
+        store: its :class:`~gear_mpi.storage.store.TrajectoryStore`.
+        index: its priority index (None for ordered selectors).
+        selector: its selector (the weights of new items).
+    """
 
-    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
-        """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
-        O(1 + evictions) table work, one index update.
-
-        Args:
-            trajectory: column name -> ``[L, *shape]`` array (numpy, torch or nested lists).
-            priority: its priority (finite, >= 0).
-        Returns:
-            Its key (int).
-        Raises:
-            InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
-        """
-        return int(self.insert_many([trajectory], [priority])[0])
+    def __init__(self, spec: TrajectorySpec, store, index, selector):
+        self.spec = spec
+        self.store = store
+        self.index = index
+        self.selector = selector
+        self.bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
 
     def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
-        """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
-        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
+        """:meth:`Shard.insert_many <gear_mpi.shard.Shard.insert_many>`: validates each trajectory and the
+        priorities (one bad one stores none), packs them, then :meth:`store_packed`.
 
-        Args:
-            trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
-            priorities: one priority per trajectory (None: all 1).
-        Returns:
-            Their keys (int64), in order.
         Raises:
-            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many.
-            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+            InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
         """
-        self._check_open()
         if isinstance(trajectories, Mapping):
             raise InvalidTrajectoryError("insert_many takes a sequence of trajectories; use insert() for one")
         trajectories = list(trajectories)
@@ -76,29 +69,12 @@ class ShardInsert:
         return self.store_packed(columns, lengths, pr)
 
     def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
-        """Add many trajectories laid end to end: one array per column holding all their steps, and their
-        lengths. Checked as :meth:`insert_many` checks a list (the same error classes; one bad input stores
-        none), but in whole-array operations: no Python loop over the trajectories.
-        Cost: O(n) vectorized checks, then as :meth:`store_packed` -- one ring copy per column (a dtype
-        cast happens inside that copy), O(n + evictions) table work in a kernel, one batched index update.
+        """:meth:`Shard.insert_packed <gear_mpi.shard.Shard.insert_packed>`: checks the lengths, columns and
+        priorities in whole-array operations (one bad input stores none), then :meth:`store_packed`.
 
-        A batch of more steps than ``capacity_steps`` or more trajectories than ``max_items`` is refused
-        whole (it would evict its own head); split it and call again.
-
-        Args:
-            columns: column name -> ``[sum(lengths), *shape]`` array (numpy, torch or anything
-                ``np.asarray`` takes), any dtype that casts safely to the column's (any number into a float).
-            lengths: the steps of each trajectory, in order (integers, each in ``[1, max_length]``).
-            priorities: one priority per trajectory (None: all 1).
-        Returns:
-            Their keys (int64), in order.
         Raises:
-            InvalidTrajectoryError: a column missing or unknown, of a non-numeric, uncastable dtype or of the
-                wrong shape; columns of different step counts; lengths that are not integers, one out of
-                ``[1, max_length]``, or a sum other than the columns' steps; too many steps or trajectories.
-            InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+            InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
         """
-        self._check_open()
         lengths, total = checked_lengths(lengths, self.spec.max_length)
         arrays = check_packed_columns(self.spec, columns, total)
         n = len(lengths)
@@ -114,26 +90,14 @@ class ShardInsert:
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
-        """Store already-validated trajectories laid end to end (the common tail of every insert path).
-        Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update,
-        all in chunks of ``store_insert.CHUNK_ITEMS`` trajectories: besides the keys returned, the
-        temporaries are bounded (about 3 MB), whatever the batch.
+        """:meth:`Shard.store_packed <gear_mpi.shard.Shard.store_packed>`: the common tail of every insert
+        path -- the store's chunked insert, the evicted slots' and new slots' index weights, the keys.
+        Cost: as the shard's method documents (temporaries bounded, about 3 MB, whatever the batch).
 
-        Args:
-            columns: column name -> all their steps back to back, ``[rows, *shape]``, of a dtype that casts
-                to the column's (the ring copy casts: no copy is made before it).
-            lengths: int64 steps of each trajectory (each in ``[1, max_length]``, summing to the rows).
-            priorities: float64 priorities, validated (finite, >= 0), one per trajectory (or one shared,
-                as a stride-0 array).
-            steps: ``lengths.sum()`` where the caller knows it (None: summed here), so that a large batch
-                reads its lengths once more, not once per use of the sum (each pass over 1e7 lengths: ~8 ms).
-        Returns:
-            Their keys (int64), in order.
         Raises:
             InvalidTrajectoryError: more steps than ``capacity_steps`` or more trajectories than ``max_items``
                 (nothing is stored).
         """
-        self._check_open()
         store = self.store
         steps = int(lengths.sum()) if steps is None else int(steps)
         store.check_batch(lengths, steps)
@@ -173,8 +137,8 @@ class ShardInsert:
             if not per_slot:  # slots -> keys in place (later chunks leave these slots' generations alone)
                 keyspace.encode_slots(store.tag, store.rank, out[lo:hi], store.status, out[lo:hi])
 
-        store_insert.insert_chunked(store, columns, lengths, priorities, out,
-                                    None if index is None else on_evicted, steps=steps, after_chunk=after_chunk)
+        store.insert_chunked(columns, lengths, priorities, out, None if index is None else on_evicted, steps=steps,
+                             after_chunk=after_chunk)
         self.bytes_inserted += steps * self.spec.step_bytes
         if per_slot:
             for lo in range(0, n, store_insert.CHUNK_ITEMS):

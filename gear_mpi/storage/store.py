@@ -7,6 +7,10 @@ alive code), insertion stamp and (with a use limit) times sampled, one
 (:mod:`gear_mpi.storage.table`), and the raw priorities where the index cannot give them
 back. The oldest trajectories are evicted (FIFO) when the ring or the table is full.
 
+Inserts go through :meth:`TrajectoryStore.insert_chunked`: the table planned in chunks by one kernel, the
+columns copied alongside (a large batch's in a thread of their own), from the pieces of
+:mod:`gear_mpi.storage.store_insert`.
+
 For checkpoints the store exports and restores its own state: :meth:`TrajectoryStore.table_sections`
 / :meth:`TrajectoryStore.restore_table` for the table, :meth:`TrajectoryStore.step_segments` for
 the steps in use.
@@ -19,7 +23,8 @@ mapped copy-on-write and the table is in memory.
 from __future__ import annotations
 
 import mmap
-from typing import Mapping
+import time
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -27,7 +32,8 @@ from .. import keys as keyspace
 from ..errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from ..kernels import ring
 from . import file_arenas as file_memory, store_insert, table as table_layout
-from .arenas import SharedArena, check_header, column_layout, make_arena, memory_kind, write_header
+from .arenas import (SharedArena, check_header, column_layout, commit_pages, make_arena, memory_kind, small_pages,
+                     write_header)
 from .huge_pages import Collapser
 from ..spec import TrajectorySpec
 
@@ -42,7 +48,8 @@ class TrajectoryStore:
     Memory: ``capacity_steps * spec.step_bytes`` for the columns (in the chosen
     arena) plus :attr:`table_bytes` of table (``table_layout.bytes_per_slot``: 12 to 41 bytes a
     slot), committed lazily as slots are first used (``memory="file"``: both on disk, reserved at
-    once, cached by the page cache). The table's arrays are ``store.table`` (a :class:`ring.Table`)
+    once, cached by the page cache). The table is ``store.layout`` (a :class:`~gear_mpi.storage.table.TableLayout`:
+    its rows, raw priorities and checkpoint sections); its arrays are ``store.table`` (a :class:`ring.Table`)
     and, by name, ``store.start``, ``store.status``, ... ``store.state``; ``store.alive`` and
     ``store.generation`` name ``status`` too (pass it to the kernels; the alive code is
     ``status >> ring.ALIVE_SHIFT``, the generation ``status & keys.GEN_MASK``), ``store.priority``
@@ -62,8 +69,9 @@ class TrajectoryStore:
         priority_row: whether to keep raw priorities in a row (False: the shard sets
             ``store.priority`` to read them back from its index).
         lazy_priority: whether the row may stand for one value shared by every slot without being
-            written (``priority_constant``, :func:`~gear_mpi.storage.table.keep_priorities`): for selectors whose draws ignore raw priorities
-            (``Uniform``, ``Prioritized(alpha=0)``), so that a batch at one priority writes no row.
+            written (``priority_constant``, :meth:`~gear_mpi.storage.table.TableLayout.keep_priorities`): for
+            selectors whose draws ignore raw priorities (``Uniform``, ``Prioritized(alpha=0)``), so that a
+            batch at one priority writes no row.
 
     Raises:
         ValueError: a size or rank out of range, an unknown ``memory``, a ``path`` it does not take,
@@ -90,11 +98,9 @@ class TrajectoryStore:
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
         memory = memory_kind(memory, stacklevel=3)
-        rows = table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled))
-        fields = {name: (count, dtype) for name, (count, dtype, _) in rows.items()}
-        if priority_row:
-            fields["priority"] = (max_items, np.dtype(np.float64))
-        self.table_bytes = sum(c * np.dtype(d).itemsize for c, d in fields.values())
+        fields = table_layout.stored_fields(
+            table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled)), max_items,
+            priority_row)  # what a file holding the table must carve
         self._table_arena = None
         self.prefetch_windows = True  # file-backed columns: see prefetch()
         if arena is None and memory == "file":  # both files reserved at once: a full disk fails here
@@ -120,7 +126,7 @@ class TrajectoryStore:
         self.columns: dict[str, np.ndarray] = {}
         self._byte_views: dict[str, np.ndarray] | None = None
         self._insert_scratch = store_insert.InsertScratch()  # insert's slots and evictions, reused
-        self.ring_touched = 0  # ring steps from 0 ever written by an insert (see store_insert.reaches_fresh)
+        self.ring_touched = 0  # ring steps from 0 ever written by an insert (see reaches_fresh)
         self._collapser = None  # page_collapse.Collapser of the last large first fill
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
@@ -128,18 +134,38 @@ class TrajectoryStore:
         # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: pages are
         # committed as slots are first used
         carved = file_memory.carve(self._table_arena.buffer, fields) if self._table_arena is not None else None
-        self.table = table_layout.build(rows, max_items, carved)
-        self._arrays = tuple(self.table)  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
+        self.layout = table_layout.TableLayout(self.capacity, max_items, spec.max_length, int(max_times_sampled),
+                                               priority_row, lazy_priority, carved)
+        self.table = self.layout.rows
+        self.table_bytes = self.layout.nbytes
+        self._arrays = self.layout.arrays  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
         self.counts_uses = bool(max_times_sampled)
         # each array by name too (store.start, store.status, ..., store.state): plain attributes, the same
         # arrays as in the table (they are only ever written in place, never rebound)
         self.__dict__.update(self.table._asdict())
         self.alive = self.generation = self.status
-        self.priority = (carved["priority"] if carved is not None else table_layout.priority_row(max_items)) \
-            if priority_row else None
-        # None: the row holds every slot's raw priority. A float: every slot below the high-water mark has
-        # this raw priority and the row is not kept up to date (table_layout.keep_priorities, raw_priorities)
-        self.priority_constant = 0.0 if lazy_priority and priority_row else None
+
+    # ---- raw priorities (the layout's) ------------------------------------------------------
+    @property
+    def priority(self):
+        """The raw priorities: a float64 row, a :class:`~gear_mpi.storage.table.DerivedPriority` (the shard sets
+        it: its index gives them back) or None; ``layout.priority``. Settable. O(1)."""
+        return self.layout.priority
+
+    @priority.setter
+    def priority(self, row) -> None:
+        self.layout.priority = row
+
+    @property
+    def priority_constant(self) -> float | None:
+        """None: the row holds every slot's raw priority. A float: every slot below the high-water mark has this
+        raw priority and the row is not kept up to date (:meth:`TableLayout.keep_priorities
+        <gear_mpi.storage.table.TableLayout.keep_priorities>`); ``layout.priority_constant``. Settable. O(1)."""
+        return self.layout.priority_constant
+
+    @priority_constant.setter
+    def priority_constant(self, value: float | None) -> None:
+        self.layout.priority_constant = value
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -201,13 +227,184 @@ class TrajectoryStore:
             priorities: the raw priority of each (float64).
 
         Returns:
-            (slots of the new trajectories, slots of the live trajectories evicted): views of a scratch
-            this store reuses, valid until its next insert (see :mod:`gear_mpi.storage.store_insert`).
+            (slots of the new trajectories, slots of the live trajectories evicted): new arrays.
 
-        Cost: O(n) table work in a kernel plus one copy of the steps (at most two
-        slices per column, for the ring's wrap-around).
+        Cost: as :meth:`insert_chunked` (O(n) table work in a kernel plus one copy of the steps, at most
+        two slices per column, for the ring's wrap-around), plus the two arrays returned.
         """
-        return store_insert.insert(self, columns, lengths, priorities)
+        slots = np.empty(len(lengths), np.int64)
+        gone: list[np.ndarray] = []
+        self.insert_chunked(columns, lengths, priorities, slots, lambda e: gone.append(e.copy()))
+        return slots, (np.concatenate(gone) if gone else np.zeros(0, np.int64))
+
+    def insert_chunked(self, columns, lengths: np.ndarray, priorities: np.ndarray, slots_out: np.ndarray,
+                       on_evicted: Callable[[np.ndarray], None] | None = None, steps: int | None = None,
+                       after_chunk: Callable[[int, int], None] | None = None) -> int:
+        """Store already-validated trajectories laid end to end, evicting the oldest (FIFO) to make room, the
+        table planned chunk by chunk (the same table as one pass: the chunks are planned in order, with one
+        stamp). The body of every shard insert; the caller has passed the batch through :meth:`check_batch`.
+
+        Args:
+            columns: column name -> all the batch's steps, back to back, of a dtype that casts to the column's.
+            lengths: int64 steps of each trajectory (C-contiguous).
+            priorities: the raw priority of each (float64), or one shared by all as a stride-0 array.
+            slots_out: int64, C-contiguous, ``len(lengths)`` entries: receives the new slots.
+            on_evicted: called after each chunk's table pass with the slots of the live trajectories it
+                evicted (a view of the scratch, valid during the call; the status row already says which
+                the chunk took back); a large batch's columns may be being written meanwhile.
+            steps: ``lengths.sum()`` where the caller has it (None: summed here).
+            after_chunk: called with ``(lo, hi)`` once trajectories ``lo:hi`` are planned (and their raw
+                priorities written and ``on_evicted`` call made), chunk after chunk, soon enough that
+                ``slots_out[lo:hi]`` is mostly still cached; for a large batch in the copy thread, alongside
+                the planning of later chunks and their ``on_evicted`` calls, so it may touch only what belongs
+                to these slots. Later chunks never evict or retake them (a batch fits the store): their slots
+                and generations are final.
+        Returns:
+            The live trajectories evicted in all.
+        Cost: one table pass in a kernel (O(n + evictions)) in chunks of ``store_insert.CHUNK_ITEMS``, one
+        copy per column (at most two slices, for the ring's wrap-around, the dtype cast inside the copy); no
+        allocation once the scratch is large enough (it is bounded). A batch of ``store_insert.OVERLAP_BYTES``
+        or more copies its columns in a thread started for it (numpy's copy and the table kernel both
+        release the GIL) while this thread plans the table: the two overlap on two cores (1e7 one-step items, warm:
+        0.33-0.39 s -> 0.23-0.26 s here); that thread then writes the raw priorities and runs ``after_chunk``
+        of the chunks planned, while this one plans the next. The copies go in pieces (``PIECE_BYTES``):
+        this thread, done planning, copies those still left (a cold ring's fresh pages: 1e7 one-step items,
+        first insert 1.97-2.35 s -> 1.59-1.71 s here). All of it ends before this returns, or raises.
+        """
+        total = int(lengths.sum()) if steps is None else int(steps)
+        shared = priorities.strides == (0,)
+        now = time.time_ns()
+        # the batch's steps go to the ring's tail, where the table pass will put them: evictions take steps
+        # from the head only, so the tail is known now and the copies can run while the table is planned
+        first = int(self.state[ring.STEP_HEAD] + self.state[ring.STEPS_USED]) % self.capacity
+        # raw priorities, where the table keeps them and its row does not stand for them already
+        row = self.layout.priority
+        keeps_priorities = isinstance(row, np.ndarray) and self.layout.keep_priorities(priorities)
+
+        def finish_chunk(lo: int, hi: int) -> None:  # after the chunk's plan: touches its slots' rows only
+            if keeps_priorities:
+                store_insert.set_priorities(row, slots_out[lo:hi],
+                                            priorities[:1] if shared else priorities[lo:hi])
+            if after_chunk is not None:
+                after_chunk(lo, hi)
+
+        fresh = total * self.spec.step_bytes >= store_insert.OVERLAP_BYTES and self.reaches_fresh(first + total)
+        with small_pages(self.fresh_arrays() if fresh else ()) as pages:
+            evicted_all = self._insert_chunks(columns, lengths, priorities, slots_out, on_evicted, first, total,
+                                              now, finish_chunk, fresh)
+        self.ring_touched = self.capacity if first + total >= self.capacity else max(self.ring_touched, first + total)
+        if pages.maps:  # 4 KiB pages were committed: merged into huge pages now, in the background (opt-in)
+            self.collapse_written()
+        return evicted_all
+
+    def reaches_fresh(self, end: int) -> bool:
+        """Whether an insert whose steps end at ring step ``end`` (unwrapped) may write memory never written
+        before: ring steps past :attr:`ring_touched` or table slots never used. O(1)."""
+        return end > self.ring_touched or int(self.state[ring.NEXT_FRESH]) < self.max_items
+
+    def fresh_arrays(self) -> list[np.ndarray]:
+        """The arrays a large first fill commits: the column arena and the table's rows (the raw priorities'
+        too, where kept): what :class:`~gear_mpi.storage.arenas.small_pages` advises. O(1)."""
+        return ([] if self.arena is None else [self.arena.buffer]) + self.layout.written_rows()
+
+    def written_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of what inserts have written so far: each column's ring steps from 0 to
+        ``ring_touched`` and each table row's slots below the first never used (``ring.NEXT_FRESH``). O(columns)."""
+        steps, slots = min(self.ring_touched, self.capacity), int(self.state[ring.NEXT_FRESH])
+        out = [(c.ctypes.data, steps * c.strides[0]) for c in self.columns.values()]
+        out += [(a.ctypes.data, slots * a.strides[0]) for a in self.layout.written_rows()]
+        return out
+
+    def _insert_chunks(self, columns, lengths, priorities, slots_out, on_evicted, first, total, now, finish_chunk,
+                       fresh: bool = False) -> int:
+        """:meth:`insert_chunked`'s table pass and copies (its arguments, the tail ``first`` and the stamp
+        ``now`` computed; ``fresh``: it reaches memory never written, committed ahead of the writes: the
+        copies' pieces in the copy thread, each chunk's table rows and slots in this one). Returns the live
+        trajectories evicted."""
+        n = len(lengths)
+        copying = self._start_copies(columns, first, total, slots_out, finish_chunk,
+                                     self.ring_touched if fresh else None)
+        rows = [a for a in self.table if a.strides[0] and len(a) == self.max_items and a is not self.order] \
+            if fresh else []
+        evicted_all = 0
+        try:
+            lo = 0
+            while lo < n:
+                hi, part_steps = store_insert.chunk_end(lengths, lo, store_insert.CHUNK_ITEMS,
+                                                        store_insert.SCRATCH_ENTRIES)
+                part = lengths[lo:hi]
+                need = store_insert.eviction_bound(self.state, self.max_items, self.capacity, hi - lo,
+                                                   int(part_steps))
+                evicted = self._insert_scratch.take(need)
+                if rows:
+                    self._commit_chunk_rows(rows, slots_out[lo:hi])
+                k = ring.plan_insert(self._arrays, self.capacity, part, now, slots_out[lo:hi], evicted[:need])
+                evicted_all += k
+                if k and on_evicted is not None:
+                    on_evicted(evicted[:k])
+                if copying is not None:
+                    copying.hand(lo, hi)
+                else:
+                    finish_chunk(lo, hi)
+                lo = hi
+            if copying is not None:
+                copying.copy_pieces()  # the table planned: help with the copies left (a cold ring's fresh pages)
+        finally:  # the copies run on while the table is planned: they end before this returns or raises
+            if copying is not None:
+                copying.result()
+        if copying is None:
+            self._copy_columns(columns, first, total)
+        return evicted_all
+
+    def _commit_chunk_rows(self, rows: list[np.ndarray], slots: np.ndarray) -> None:
+        """Commit the pages the table pass of a chunk of ``len(slots)`` trajectories is about to write for the
+        first time (:func:`~gear_mpi.storage.arenas.commit_pages`: cheaper than faulting them in one by one): its
+        never-used slots' entries of ``rows`` (slots are taken from the free stack first, then from the
+        high-water mark up), its places in the order ring, and ``slots`` (the keys out). O(pages)."""
+        k = len(slots)
+        hwm = int(self.state[ring.NEXT_FRESH])
+        fresh = min(k, self.max_items - hwm)
+        if fresh <= 0:
+            return
+        for row in rows:
+            commit_pages(row[hwm:hwm + fresh])
+        tail = int(self.state[ring.ORDER_HEAD] + self.state[ring.ORDER_COUNT]) % self.max_items
+        commit_pages(self.order[tail:tail + k])
+        commit_pages(slots)
+
+    def _start_copies(self, columns, first: int, total: int, slots_out: np.ndarray | None = None,
+                      finish: Callable[[int, int], None] | None = None,
+                      fresh_from: int | None = None) -> store_insert.ColumnCopies | None:
+        """The column copies of a large batch started in a thread (then ``slots_out``'s pages committed and
+        the chunks handed to it finished by ``finish``; pieces reaching ring step ``fresh_from`` committed
+        before they are copied), or None (a small batch: the caller does all)."""
+        if total * self.spec.step_bytes < store_insert.OVERLAP_BYTES:
+            return None
+        return store_insert.ColumnCopies(self._copy_pieces(columns, first, total, fresh_from), slots_out, finish)
+
+    def _copy_columns(self, columns, first: int, total: int) -> None:
+        """Copy ``total`` steps of ``columns`` into the ring from step ``first`` (wrapping around),
+        piece by piece (:meth:`_copy_pieces`) in this thread."""
+        for dst, src, _ in self._copy_pieces(columns, first, total):
+            dst[...] = src
+
+    def _copy_pieces(self, columns, first: int, total: int,
+                     fresh_from: int | None = None) -> list[tuple[np.ndarray, np.ndarray, bool]]:
+        """The copies of ``total`` steps of ``columns`` into the ring from step ``first`` (wrapping around),
+        as (destination, source, commit first) triples of about ``store_insert.PIECE_BYTES`` each: a piece
+        reaching ring steps from ``fresh_from`` on (never written; None: none is) has its pages committed
+        before it is copied (:func:`~gear_mpi.storage.arenas.commit_pages`)."""
+        head = min(total, self.capacity - first)
+        pieces = []
+        for name, data in columns.items():
+            dst = self.columns[name]
+            step = max(1, store_insert.PIECE_BYTES // max(1, dst[:1].nbytes))
+            for a, b, at in ((0, head, first), (head, total, first - self.capacity)):
+                for lo in range(a, b, step):
+                    hi = min(b, lo + step)
+                    pieces.append((dst[at + lo:at + hi], data[lo:hi],
+                                   fresh_from is not None and at + hi > fresh_from))
+        return pieces
 
     def prefetch(self, start: np.ndarray, steps: np.ndarray) -> None:
         """Ask the kernel to read the windows about to be copied (``MADV_WILLNEED`` on each window of
@@ -365,7 +562,7 @@ class TrajectoryStore:
             ``free``, and ``priority``, ``length``, ``times_sampled`` where not stored) are computed,
             O(hwm). ``state`` itself is not among them (save ``store.state[:ring.STATE_SIZE]``).
         """
-        return table_layout.sections(self)
+        return self.layout.sections()
 
     def restore_table(self, state: np.ndarray, sections: Mapping[str, np.ndarray]) -> None:
         """Load a table saved by :meth:`table_sections` (the inverse), with its counters ``state``.
@@ -388,7 +585,7 @@ class TrajectoryStore:
                 values out of the rows' ranges, or counters that do not fit this store's capacity
                 and max_items.
         """
-        table_layout.restore(self, state, sections)
+        self.layout.restore(state, sections)
 
     def step_segments(self, name: str) -> list[np.ndarray]:
         """The ring steps in use of column ``name``, as flat byte views, oldest first.
@@ -415,7 +612,7 @@ class TrajectoryStore:
         after a large first fill on 4 KiB pages). Local; returns at once."""
         if self._collapser is not None:
             self._collapser.stop()
-        self._collapser = Collapser(store_insert.written_ranges(self))
+        self._collapser = Collapser(self.written_ranges())
 
     def close(self) -> None:
         """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""

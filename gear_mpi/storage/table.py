@@ -1,4 +1,5 @@
-"""The trajectory table's memory layout: row dtypes chosen from a shard's ranges, and its sections.
+"""The trajectory table's memory layout: row dtypes chosen from a shard's ranges, and :class:`TableLayout`,
+the table a store holds: its rows, its raw priorities and its checkpoint sections.
 
 A shard's table costs a few bytes per slot (:func:`bytes_per_slot`; 12 for one-step items in a
 ring of up to 2**32 steps, plus the insertion stamp, plus the raw priorities when the priority index
@@ -22,8 +23,8 @@ construction:
   alpha 0 keep the row.
 
 Checkpoints keep the old section names (``ring.TABLE_ROWS`` then ``order`` and ``free``), each in its
-row's type here (derived ones computed at save); a load casts whatever integer types were saved
-(format 2 and 3 tables are int64).
+row's type here (derived ones computed at save: :meth:`TableLayout.sections`); a load
+(:meth:`TableLayout.restore`) casts whatever integer types were saved (format 2 and 3 tables are int64).
 """
 from __future__ import annotations
 
@@ -131,56 +132,24 @@ def build(rows: dict, max_items: int, carved: Mapping[str, np.ndarray] | None = 
     return ring.Table(**arrays)
 
 
-def priority_row(max_items: int) -> np.ndarray:
+def _priority_row(max_items: int) -> np.ndarray:
     """A zeroed float64 row of raw priorities (staggered like the table's rows). O(1)."""
     return _staggered(max_items, np.float64, len(ring.TABLE_FIELDS))
 
 
-# ---- a priority row that stands for one value -----------------------------------------------------
-def keep_priorities(store, priorities: np.ndarray) -> bool:
-    """Whether a batch's raw priorities must be written into ``store.priority`` (asked before its table pass).
-
-    While ``store.priority_constant`` is set (the row stands for that one value, unwritten) and the batch's
-    priorities all equal it, nothing is written (a table that has never held a slot takes the batch's value
-    as its constant); a batch of another value or of several values first writes the constant into the row
-    below the high-water mark (:func:`materialize_priorities`, once) and then writes its own.
+def stored_fields(rows: dict, max_items: int, priority_row: bool) -> dict[str, tuple[int, np.dtype]]:
+    """What the table stores: name -> (entries, dtype), the raw priorities' row included where kept -- what a
+    file holding the table must carve (``file_arenas.carve``), and its bytes. O(1).
 
     Args:
-        store: a :class:`~gear_mpi.storage.store.TrajectoryStore` with a row of raw priorities.
-        priorities: the batch's validated raw priorities (float64; one shared by all as a stride-0 array).
-    Returns:
-        True: write them into the row; False: the row stands for them.
-    Cost: O(1) for a shared priority, else one pass over them; O(high-water mark) once when the row is
-    materialized.
+        rows: :func:`row_types`' answer.
+        max_items: table slots.
+        priority_row: whether raw priorities are kept in a row.
     """
-    c = store.priority_constant
-    if c is None or len(priorities) == 0:
-        return c is None
-    v = float(priorities[0]) + 0.0
-    if priorities.strides == (0,) or all_equal(priorities, v):
-        if v == c:
-            return False
-        if int(store.state[ring.NEXT_FRESH]) == 0:  # no slot ever used: nothing holds the old value
-            store.priority_constant = v
-            return False
-    materialize_priorities(store)
-    return True
-
-
-def materialize_priorities(store) -> None:
-    """Write ``store.priority_constant`` into the row below the high-water mark and keep the row up to date
-    from now on. O(high-water mark) once; O(1) after."""
-    c = store.priority_constant
-    if c is not None:
-        store.priority[:int(store.state[ring.NEXT_FRESH])] = c
-        store.priority_constant = None
-
-
-def raw_priorities(store, slots: np.ndarray) -> np.ndarray:
-    """The raw priorities of ``slots`` (float64, a new array; any value for a free slot). O(len(slots))."""
-    if store.priority_constant is not None:
-        return np.full(len(slots), store.priority_constant)
-    return np.asarray(store.priority[slots], np.float64)
+    fields = {name: (count, dtype) for name, (count, dtype, _) in rows.items()}
+    if priority_row:
+        fields["priority"] = (max_items, np.dtype(np.float64))
+    return fields
 
 
 @njit(cache=True, nogil=True)
@@ -281,29 +250,6 @@ def derives_priority(selector) -> bool:
     return type(selector) is Prioritized and selector.alpha > 0
 
 
-# ---- checkpoint sections -------------------------------------------------------------------------
-def sections(store) -> list[tuple[str, np.ndarray]]:
-    """The table in use as (name, array) pairs, in the checkpoint's order (see
-    :meth:`~gear_mpi.storage.store.TrajectoryStore.table_sections`). O(hwm): the derived rows are computed."""
-    t = store.table
-    hwm = int(t.state[ring.NEXT_FRESH])
-    status = t.status[:hwm]
-    rows = {"start": t.start[:hwm],
-            "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
-            "priority": raw_priorities(store, np.arange(hwm)) if store.priority_constant is not None
-            else np.ascontiguousarray(store.priority[:hwm], np.float64),
-            "generation": (status & GEN_MASK).astype(np.uint16),
-            "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
-            "times_sampled": t.times_sampled[:hwm] if t.times_sampled.strides[0]
-            else np.zeros(hwm, t.times_sampled.dtype),
-            "alive": (status >> ring.ALIVE_SHIFT).astype(np.uint8)}
-    out = [(name, rows[name]) for name in ring.TABLE_ROWS]
-    for a, b in ring.ring_segments(int(t.state[ring.ORDER_HEAD]), int(t.state[ring.ORDER_COUNT]), store.max_items):
-        out.append(("order", t.order[a:b]))
-    out.append(("free", ring.free_stack(t.state, t.start).astype(np.int32)))
-    return out
-
-
 def _fits(got: np.ndarray, dtype: np.dtype) -> bool:
     """Whether a saved section of ``got``'s dtype may be cast to a row of ``dtype``."""
     if dtype.kind == "f":
@@ -311,68 +257,180 @@ def _fits(got: np.ndarray, dtype: np.dtype) -> bool:
     return got.dtype.kind in "iu" and got.dtype.itemsize <= 8
 
 
-def restore(store, state: np.ndarray, given: Mapping[str, np.ndarray]) -> None:
-    """Load saved sections into ``store`` (see :meth:`~gear_mpi.storage.store.TrajectoryStore.restore_table`). O(hwm).
+class TableLayout:
+    """A store's trajectory table laid out for its ranges: the rows (:func:`row_types`, in the narrowest types
+    the ranges allow), the raw priorities, and the sections a checkpoint saves and loads.
 
-    Raises:
-        ValueError: a section missing or of the wrong length or type, values out of this table's range,
-            or counters that do not fit.
+    The raw priorities are a row (``priority``), or a :class:`DerivedPriority` the shard sets (its index
+    gives them back), or None (not kept); a row may stand for one value shared by every slot below the
+    high-water mark without being written (``priority_constant``; see :meth:`keep_priorities`).
+    Local; not thread-safe (nor is the store).
+
+    Args:
+        capacity_steps: ring steps; max_items: table slots; max_length: the spec's longest trajectory;
+            max_times_sampled: uses before removal (0: not counted) -- as for :func:`row_types`.
+        priority_row: whether to keep raw priorities in a row.
+        lazy_priority: whether that row may stand for one value (for selectors whose draws ignore raw
+            priorities: a batch at one priority writes no row).
+        carved: name -> array laid out in a file (``file_arenas.carve`` of :func:`stored_fields`), or None:
+            staggered rows in memory, committed as slots are first used.
+    Attributes:
+        rows: the :class:`~gear_mpi.kernels.ring.Table`; arrays: the same as a plain tuple (what the kernels
+            get: it dispatches faster); nbytes: the table's bytes; priority, priority_constant: as above.
     """
-    state = np.asarray(state)
-    if state.shape not in ((ring.STATE_SIZE,), (ring.STATE_LEN,)) or state.dtype.kind not in "iu":
-        raise ValueError(f"section 'state' has {state.shape} x {state.dtype}, expected "
-                         f"({ring.STATE_SIZE},) x int64")
-    state = state[:ring.STATE_SIZE].astype(np.int64)  # the free stack's top is rebuilt from ``free``
-    cap, m = store.capacity, store.max_items
-    hwm, o_head, o_count = int(state[ring.NEXT_FRESH]), int(state[ring.ORDER_HEAD]), int(state[ring.ORDER_COUNT])
-    if not (0 <= hwm <= m and 0 <= o_head < m and 0 <= o_count <= hwm and 0 <= state[ring.FREE_TOP] <= hwm
-            and 0 <= state[ring.STEP_HEAD] < cap and 0 <= state[ring.STEPS_USED] <= cap):
-        raise ValueError(f"section 'state' {state.tolist()} does not fit a store of capacity_steps={cap}, "
-                         f"max_items={m}")
-    t = store.table
-    expect = {"start": t.start.dtype, "length": t.length.dtype, "priority": np.dtype(np.float64),
-              "generation": np.dtype(np.uint16), "seq": np.dtype(np.int64), "stamp": t.stamp.dtype,
-              "times_sampled": t.times_sampled.dtype, "alive": np.dtype(np.uint8)}
-    counts = {name: hwm for name in ring.TABLE_ROWS}
-    counts["order"], counts["free"] = o_count, int(state[ring.FREE_TOP])
-    expect["order"] = expect["free"] = np.dtype(np.int32)
-    got = {}
-    for name, count in counts.items():
-        arr = given.get(name)
-        if arr is None:
-            raise ValueError(f"section {name!r} is missing")
-        arr = np.asarray(arr)
-        if arr.shape != (count,) or not _fits(arr, expect[name]):
-            raise ValueError(f"section {name!r} has {arr.shape} x {arr.dtype}, expected ({count},) x {expect[name]}")
-        got[name] = arr
-    alive = got["alive"].astype(np.int64)
-    live = alive != ring.DEAD
-    bounds = {"start": cap - 1, "length": store.spec.max_length, "order": hwm - 1, "free": hwm - 1,
-              "alive": ring.REMOVED, "times_sampled": np.iinfo(t.times_sampled.dtype).max}
-    for name, top in bounds.items():
-        vals = got[name][live] if name in ("start", "length") else got[name]  # a dead slot's start is a link
-        if len(vals) and (int(vals.min()) < 0 or int(vals.max()) > top):
-            raise ValueError(f"section {name!r} holds values outside [0, {top}]")
-    if t.length.strides[0] == 0 and len(got["length"][live]) and int(got["length"][live].min()) < 1:
-        raise ValueError("section 'length' holds values outside [1, 1]")
-    old_hwm = int(t.state[ring.NEXT_FRESH])
-    t.start[:hwm] = got["start"]
-    t.start[hwm:old_hwm] = 0
-    if t.length.strides[0]:
-        t.length[:hwm] = got["length"]
-        t.length[hwm:old_hwm] = 0
-    t.status[:hwm] = (got["generation"].astype(np.int64) & GEN_MASK) | (alive << ring.ALIVE_SHIFT)
-    t.status[hwm:old_hwm] = 0
-    t.stamp[:hwm] = got["stamp"]
-    t.stamp[hwm:old_hwm] = 0
-    if t.times_sampled.strides[0]:
-        t.times_sampled[:hwm] = got["times_sampled"]
-        t.times_sampled[hwm:old_hwm] = 0
-    if isinstance(store.priority, np.ndarray):
-        if store.priority_constant is not None:  # a row that stood for one value holds the values from now on
-            store.priority_constant = None
-        store.priority[:hwm] = got["priority"]
-        store.priority[hwm:old_hwm] = 0
-    t.order[(o_head + np.arange(o_count)) % m] = got["order"]
-    t.state[:ring.STATE_SIZE] = state
-    ring.link_free(t.state, t.start, np.ascontiguousarray(got["free"], np.int64))
+
+    def __init__(self, capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int = 0,
+                 priority_row: bool = True, lazy_priority: bool = False,
+                 carved: Mapping[str, np.ndarray] | None = None):
+        self.capacity = int(capacity_steps)
+        self.max_items = int(max_items)
+        self.max_length = int(max_length)
+        types = row_types(self.capacity, self.max_items, self.max_length, int(max_times_sampled))
+        self.nbytes = sum(c * np.dtype(d).itemsize for c, d in stored_fields(types, self.max_items,
+                                                                              priority_row).values())
+        self.rows = build(types, self.max_items, carved)
+        self.arrays = tuple(self.rows)
+        self.priority = (carved["priority"] if carved is not None else _priority_row(self.max_items)) \
+            if priority_row else None
+        # None: the row holds every slot's raw priority. A float: every slot below the high-water mark has
+        # this raw priority and the row is not kept up to date (keep_priorities, raw_priorities)
+        self.priority_constant = 0.0 if lazy_priority and priority_row else None
+
+    # ---- a priority row that stands for one value ---------------------------------------------
+    def keep_priorities(self, priorities: np.ndarray) -> bool:
+        """Whether a batch's raw priorities must be written into ``priority`` (asked before its table pass).
+
+        While ``priority_constant`` is set (the row stands for that one value, unwritten) and the batch's
+        priorities all equal it, nothing is written (a table that has never held a slot takes the batch's
+        value as its constant); a batch of another value or of several values first writes the constant into
+        the row below the high-water mark (:meth:`materialize_priorities`, once) and then writes its own.
+
+        Args:
+            priorities: the batch's validated raw priorities (float64; one shared by all as a stride-0 array).
+        Returns:
+            True: write them into the row; False: the row stands for them.
+        Cost: O(1) for a shared priority, else one pass over them; O(high-water mark) once when the row is
+        materialized.
+        """
+        c = self.priority_constant
+        if c is None or len(priorities) == 0:
+            return c is None
+        v = float(priorities[0]) + 0.0
+        if priorities.strides == (0,) or all_equal(priorities, v):
+            if v == c:
+                return False
+            if int(self.rows.state[ring.NEXT_FRESH]) == 0:  # no slot ever used: nothing holds the old value
+                self.priority_constant = v
+                return False
+        self.materialize_priorities()
+        return True
+
+    def materialize_priorities(self) -> None:
+        """Write ``priority_constant`` into the row below the high-water mark and keep the row up to date
+        from now on. O(high-water mark) once; O(1) after."""
+        c = self.priority_constant
+        if c is not None:
+            self.priority[:int(self.rows.state[ring.NEXT_FRESH])] = c
+            self.priority_constant = None
+
+    def raw_priorities(self, slots: np.ndarray) -> np.ndarray:
+        """The raw priorities of ``slots`` (float64, a new array; any value for a free slot). O(len(slots))."""
+        if self.priority_constant is not None:
+            return np.full(len(slots), self.priority_constant)
+        return np.asarray(self.priority[slots], np.float64)
+
+    def written_rows(self) -> list[np.ndarray]:
+        """The per-slot rows that inserts write (a row standing for one value left out), and the raw
+        priorities' where kept. O(1)."""
+        rows = [a for a in self.rows if a.strides[0]]
+        if isinstance(self.priority, np.ndarray) and self.priority_constant is None:
+            rows.append(self.priority)
+        return rows
+
+    # ---- checkpoint sections ------------------------------------------------------------------
+    def sections(self) -> list[tuple[str, np.ndarray]]:
+        """The table in use as (name, array) pairs, in the checkpoint's order (see
+        :meth:`~gear_mpi.storage.store.TrajectoryStore.table_sections`). O(hwm): the derived rows are computed."""
+        t = self.rows
+        hwm = int(t.state[ring.NEXT_FRESH])
+        status = t.status[:hwm]
+        rows = {"start": t.start[:hwm],
+                "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
+                "priority": self.raw_priorities(np.arange(hwm)) if self.priority_constant is not None
+                else np.ascontiguousarray(self.priority[:hwm], np.float64),
+                "generation": (status & GEN_MASK).astype(np.uint16),
+                "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
+                "times_sampled": t.times_sampled[:hwm] if t.times_sampled.strides[0]
+                else np.zeros(hwm, t.times_sampled.dtype),
+                "alive": (status >> ring.ALIVE_SHIFT).astype(np.uint8)}
+        out = [(name, rows[name]) for name in ring.TABLE_ROWS]
+        for a, b in ring.ring_segments(int(t.state[ring.ORDER_HEAD]), int(t.state[ring.ORDER_COUNT]), self.max_items):
+            out.append(("order", t.order[a:b]))
+        out.append(("free", ring.free_stack(t.state, t.start).astype(np.int32)))
+        return out
+
+    def restore(self, state: np.ndarray, given: Mapping[str, np.ndarray]) -> None:
+        """Load saved sections (see :meth:`~gear_mpi.storage.store.TrajectoryStore.restore_table`). O(hwm).
+
+        Raises:
+            ValueError: a section missing or of the wrong length or type, values out of this table's range,
+                or counters that do not fit.
+        """
+        state = np.asarray(state)
+        if state.shape not in ((ring.STATE_SIZE,), (ring.STATE_LEN,)) or state.dtype.kind not in "iu":
+            raise ValueError(f"section 'state' has {state.shape} x {state.dtype}, expected "
+                             f"({ring.STATE_SIZE},) x int64")
+        state = state[:ring.STATE_SIZE].astype(np.int64)  # the free stack's top is rebuilt from ``free``
+        cap, m = self.capacity, self.max_items
+        hwm, o_head, o_count = int(state[ring.NEXT_FRESH]), int(state[ring.ORDER_HEAD]), int(state[ring.ORDER_COUNT])
+        if not (0 <= hwm <= m and 0 <= o_head < m and 0 <= o_count <= hwm and 0 <= state[ring.FREE_TOP] <= hwm
+                and 0 <= state[ring.STEP_HEAD] < cap and 0 <= state[ring.STEPS_USED] <= cap):
+            raise ValueError(f"section 'state' {state.tolist()} does not fit a store of capacity_steps={cap}, "
+                             f"max_items={m}")
+        t = self.rows
+        expect = {"start": t.start.dtype, "length": t.length.dtype, "priority": np.dtype(np.float64),
+                  "generation": np.dtype(np.uint16), "seq": np.dtype(np.int64), "stamp": t.stamp.dtype,
+                  "times_sampled": t.times_sampled.dtype, "alive": np.dtype(np.uint8)}
+        counts = {name: hwm for name in ring.TABLE_ROWS}
+        counts["order"], counts["free"] = o_count, int(state[ring.FREE_TOP])
+        expect["order"] = expect["free"] = np.dtype(np.int32)
+        got = {}
+        for name, count in counts.items():
+            arr = given.get(name)
+            if arr is None:
+                raise ValueError(f"section {name!r} is missing")
+            arr = np.asarray(arr)
+            if arr.shape != (count,) or not _fits(arr, expect[name]):
+                raise ValueError(f"section {name!r} has {arr.shape} x {arr.dtype}, expected ({count},) x {expect[name]}")
+            got[name] = arr
+        alive = got["alive"].astype(np.int64)
+        live = alive != ring.DEAD
+        bounds = {"start": cap - 1, "length": self.max_length, "order": hwm - 1, "free": hwm - 1,
+                  "alive": ring.REMOVED, "times_sampled": np.iinfo(t.times_sampled.dtype).max}
+        for name, top in bounds.items():
+            vals = got[name][live] if name in ("start", "length") else got[name]  # a dead slot's start is a link
+            if len(vals) and (int(vals.min()) < 0 or int(vals.max()) > top):
+                raise ValueError(f"section {name!r} holds values outside [0, {top}]")
+        if t.length.strides[0] == 0 and len(got["length"][live]) and int(got["length"][live].min()) < 1:
+            raise ValueError("section 'length' holds values outside [1, 1]")
+        old_hwm = int(t.state[ring.NEXT_FRESH])
+        t.start[:hwm] = got["start"]
+        t.start[hwm:old_hwm] = 0
+        if t.length.strides[0]:
+            t.length[:hwm] = got["length"]
+            t.length[hwm:old_hwm] = 0
+        t.status[:hwm] = (got["generation"].astype(np.int64) & GEN_MASK) | (alive << ring.ALIVE_SHIFT)
+        t.status[hwm:old_hwm] = 0
+        t.stamp[:hwm] = got["stamp"]
+        t.stamp[hwm:old_hwm] = 0
+        if t.times_sampled.strides[0]:
+            t.times_sampled[:hwm] = got["times_sampled"]
+            t.times_sampled[hwm:old_hwm] = 0
+        if isinstance(self.priority, np.ndarray):
+            if self.priority_constant is not None:  # a row that stood for one value holds the values from now on
+                self.priority_constant = None
+            self.priority[:hwm] = got["priority"]
+            self.priority[hwm:old_hwm] = 0
+        t.order[(o_head + np.arange(o_count)) % m] = got["order"]
+        t.state[:ring.STATE_SIZE] = state
+        ring.link_free(t.state, t.start, np.ascontiguousarray(got["free"], np.int64))
