@@ -182,7 +182,7 @@ def test_a_dead_owner_gives_its_writers_an_error_within_their_timeout(tmp_path):
     code = ("import sys, time, gear_mpi as gm\n"
             "sys.path.insert(0, %r)\n"
             "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
-            "from gear_mpi.feeds.intake import WriterIntake\n"
+            "from gear_mpi.feeds import intake\n"
             "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
             "point = intake.WriterIntake(gm.Shard(spec, 1000))\n"
             "print(point.address, flush=True)\n"

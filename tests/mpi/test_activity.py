@@ -39,7 +39,7 @@ def test_counters_and_rates():
     replay, steps = build()
     before = replay.stats()
     act = before["activity"]
-    assert tuple(act["per_rank"]) == gm.activity.ACTIVITY_FIGURES
+    assert tuple(act["per_rank"]) == gm.stats.ACTIVITY_FIGURES
     assert act["per_rank"]["inserted"] == [10] * SIZE
     assert act["per_rank"]["inserted_bytes"][RANK] == steps * SPEC.step_bytes
     batches = [replay.sample(4 + RANK, 5) for _ in range(6)]
@@ -63,9 +63,9 @@ def test_counters_and_rates():
     assert r["total"]["sample_ms"] > 0
     for k in ("sample_fraction", "wait_fraction", "copy_fraction", "sample_wait_fraction"):
         assert all(0 <= v <= 1.05 for v in r["per_rank"][k]), (k, r["per_rank"][k])
-    flat = gm.activity.flatten(r, per_rank=True)
+    flat = gm.stats.flatten(r, per_rank=True)
     assert flat["replay/samples_per_s"] == r["total"]["samples_per_s"] and f"replay/rank{SIZE - 1}/sample_ms" in flat
-    assert "windows/s" in gm.activity.describe(r)
+    assert "windows/s" in gm.stats.describe(r)
     with pytest.raises(ValueError, match="later snapshot"):
         gm.rates(after, before)
     replay.close()
