@@ -161,3 +161,14 @@ def test_tests_scripts_and_examples_import_only_public_paths():
     deep = [f"{path}:{line}: {module}" for path, line, module in _outside_imports()
             if module.startswith("gear_mpi.") and module.count(".") > 1]
     assert not deep, "import through the sub-package instead:\n" + "\n".join(deep)
+
+
+def test_replay_inherits_nothing():
+    """``Replay`` builds its parts (feeds, prefetch, activity, checkpoint state) and calls them by name: a
+    reader follows a call from ``Replay.sample`` down to the kernels without searching base classes."""
+    tree = ast.parse((PACKAGE / "replay.py").read_text())
+    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    assert any(c.name == "Replay" for c in classes)
+    based = [f"{c.name}({', '.join(ast.unparse(b) for b in c.bases + c.keywords)})" for c in classes
+             if c.bases or c.keywords]
+    assert not based, f"classes of gear_mpi/replay.py with base classes: {based}"
