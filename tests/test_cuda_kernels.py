@@ -686,7 +686,7 @@ def test_installed_numba_cuda_and_numpy_compile_kernels():
     ("2.4.6", "0.30.4", False), ("1.26.4", "0.22.0", False), ("2.5.5", "0.20.1", False)])
 def test_version_guard_names_the_versions_and_the_fix(monkeypatch, numpy_version, numba_cuda_version, fails):
     from gear_mpi.kernels import cuda_support
-    monkeypatch.setattr(cuda_support, "cuda_support.installed_versions", lambda: (numpy_version, numba_cuda_version))
+    monkeypatch.setattr(cuda_support, "installed_versions", lambda: (numpy_version, numba_cuda_version))
     monkeypatch.setattr(cuda_support, "_registers_row_stack", lambda: pytest.fail("only newer releases are probed"))
     if not fails:
         cuda_support.check_versions()
@@ -710,14 +710,14 @@ def test_version_guard_probes_releases_it_has_not_read(monkeypatch):
             cuda_support.check_versions("2.5.5", "0.31.0")
     cuda_support.check_versions("2.4.6", "0.31.0")   # numpy still has row_stack: nothing to probe
     assert probes == [True, False]
-    monkeypatch.setattr(cuda_support, "cuda_support.installed_versions", lambda: ("2.5.5", None))
+    monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.5.5", None))
     cuda_support.check_versions()                     # no numba-cuda: nothing to judge
 
 
 def test_cuda_module_checks_versions_off_the_simulator_only(monkeypatch):
     from gear_mpi.kernels import cuda_support
     monkeypatch.setattr(cuda_support, "_CUDA", [])
-    monkeypatch.setattr(cuda_support, "cuda_support.installed_versions", lambda: ("2.5.5", "0.30.4"))
+    monkeypatch.setattr(cuda_support, "installed_versions", lambda: ("2.5.5", "0.30.4"))
     monkeypatch.setattr(cuda_support, "simulator_enabled", lambda: False)
     with pytest.raises(RuntimeError, match="numpy 2.5.5"):
         cuda_support.cuda_module()
@@ -726,7 +726,7 @@ def test_cuda_module_checks_versions_off_the_simulator_only(monkeypatch):
     import types
     import numba
     monkeypatch.setattr(cuda_support, "simulator_enabled", lambda: True)
-    monkeypatch.setattr(cuda_support, "cuda_support.check_versions", lambda: pytest.fail("checked under the simulator"))
+    monkeypatch.setattr(cuda_support, "check_versions", lambda: pytest.fail("checked under the simulator"))
     fake = types.ModuleType("numba.cuda")
     monkeypatch.setitem(sys.modules, "numba.cuda", fake)
     monkeypatch.delattr(numba, "cuda", raising=False)
