@@ -10,8 +10,8 @@ picks another for one call (the plans of every mode work over the same shards).
 
 A sample reads as its protocol: the ranks agree on the arguments (one allgather
 of a 12-value header: a status, the call's arguments, the shard's mass, and the rate
-limiter's counts); the mode's plan (:mod:`gear_mpi.distributed.plans`) turns the header
-into the items each owner serves each requester; the window transport
+limiter's counts; :mod:`gear_mpi.distributed.header`); the mode's plan
+(:mod:`gear_mpi.distributed.plans`) turns the header into the items each owner serves each requester; the window transport
 (:mod:`gear_mpi.distributed.transport`) delivers a 48-byte *choice* per item and the
 windows, copied straight out of a node peer's shared memory or sent by MPI
 (``force_alltoallv=True``: every window owned by another rank); the owners count
@@ -33,21 +33,22 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import checkpoint
 from .storage import budget
-from .distributed import routing
-from .distributed.routing import ReplayLookups
+from .distributed import header, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch, check_batch_size, check_window
 from .distributed.comm import MpiComm
 from .storage.device import DeviceContext, parse_device
-from .feeds.replay_feeds import ReplayFeeds
+from .feeds.replay_feeds import ReplayFeeds, check_rate_limit
 from .storage.arenas import memory_kind
 from .distributed.node import NodeView
 from .feeds.rate_limit import RateLimiter
 from .distributed.prefetch import BatchIterator, ReplayPrefetch
 from .stats import ReplayActivity, combine_activity, metered_sample, metered_update
-from .distributed.plans import MODES, Assignment, build_plans, check_header, check_mode, mode_code  # noqa: F401 (re-export)
+from .distributed.header import MODES  # noqa: F401 (the modes Replay's docstrings name)
+from .distributed.plans import Assignment, build_plans
 from .checkpoint.replay_state import ReplayState
 from .selection.selectors import Selector, Uniform
 from .shard import Shard, warm_kernels
@@ -59,8 +60,15 @@ FOLD_RANKS = 64  # a deferred update folds its counts (and keys) into one allgat
 _BUILD = "Replay construction"  # names the construction's collectives in their errors
 
 
-class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLookups):
+class Replay:
     """A replay sharded over the ranks of an mpi4py communicator (see the module docstring).
+
+    It owns its shard, communicator, node view, transport and plans, and four parts it builds and calls
+    explicitly: ``_feeds`` (:class:`~gear_mpi.feeds.replay_feeds.ReplayFeeds`: writers, actor ranks, the rate
+    limiter), ``_prefetch`` (:class:`~gear_mpi.distributed.prefetch.ReplayPrefetch`: the batches() iterator
+    that owns the replay while it runs), ``_activity`` (:class:`~gear_mpi.stats.ReplayActivity`: activity
+    counters) and ``_state`` (:class:`~gear_mpi.checkpoint.replay_state.ReplayState`: the streams and window
+    counters a checkpoint carries). A sample's header is :mod:`gear_mpi.distributed.header`'s.
 
     Args:
         spec: the columns of a trajectory; capacity_steps: steps each rank's shard holds.
@@ -97,7 +105,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
                  window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
                  rate_limit_timeout: float = 60.0, lazy: bool = False, path=None):
-        mode_code(mode)  # ValueError for an unknown mode
+        header.mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
         self.window_transport = window_transport
@@ -105,7 +113,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         sampler = Uniform() if sampler is None else sampler
         self.comm = MpiComm(comm, timeout)
-        self._init_feeds(rate_limiter, rate_limit_timeout)
+        check_rate_limit(rate_limiter, rate_limit_timeout)
         self.mode = mode
         self.force_alltoallv = bool(force_alltoallv)
         rank, size = self.comm.rank, self.comm.size
@@ -153,12 +161,14 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
             self.transport.copy_seconds = 0.0  # the warm-up is not a sample's copy time (stats()["activity"])
         self.spec = spec
         self.selector = sampler
-        self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
-        self.windows_mpi = 0  # windows this rank received through MPI
         self.closed = False
-        self._iterator: BatchIterator | None = None  # an active batches() iterator owns the replay
         self.fold_keys = 0  # keys per rank the next deferred update's allgather carries (routing.route_deferred)
-        self._init_activity()
+        # the parts (local objects): each takes what it reads, and the replay calls them explicitly
+        self._state = ReplayState(self.rng, self.shared_rng, mode=mode, comm=self.comm,
+                                  force_alltoallv=self.force_alltoallv, device=self.device, shard=self.shard)
+        self._prefetch = ReplayPrefetch()
+        self._feeds = ReplayFeeds(self.shard, rank, size, self.settle, rate_limiter, rate_limit_timeout)
+        self._activity = ReplayActivity(self.shard, self.comm, self.transport, spec.step_bytes + 1)
 
     # ---- local operations -----------------------------------------------------------------
     @property
@@ -187,6 +197,26 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
     @property
     def _epoch(self) -> int:
         return self.node.epoch
+
+    @property
+    def windows_shared(self) -> int:
+        """Windows this rank's samples copied from a node peer's shared memory (local; checkpointed)."""
+        return self._state.windows_shared
+
+    @property
+    def windows_mpi(self) -> int:
+        """Windows this rank's samples received through MPI (local; checkpointed)."""
+        return self._state.windows_mpi
+
+    @property
+    def rate_limiter(self) -> RateLimiter | None:
+        """The rate limiter over the whole replay (None: none)."""
+        return self._feeds.rate_limiter
+
+    @property
+    def rate_limit_timeout(self) -> float:
+        """Seconds a sample may wait for the rate limiter."""
+        return self._feeds.rate_limit_timeout
 
     def __len__(self) -> int:
         """Live trajectories in this rank's shard (local, O(1)); see :meth:`stats` for the total."""
@@ -231,6 +261,44 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         self.settle()
         return self.shard.insert_packed(columns, lengths, priorities)
 
+    # ---- feeds: writers and actor ranks (gear_mpi.feeds.replay_feeds) -------------------------
+    def writer_address(self) -> str:
+        """This rank's ingest point, for :class:`gear_mpi.Writer` processes on this node (local).
+
+        Returns:
+            A string, valid while the replay is open (the name of a small shared-memory segment, made
+            on the first call).
+        Raises:
+            RuntimeError: the replay is closed.
+        Cost: the first call makes a 64 KiB segment; later calls O(1).
+        """
+        self._check_open()
+        return self._feeds.writer_address()
+
+    def accept_remote(self, comm) -> None:
+        """Take episodes from :class:`gear_mpi.MpiWriter` actor ranks of ``comm`` from now on (local).
+
+        Args:
+            comm: an mpi4py communicator holding this rank and its actors (e.g. ``MPI.COMM_WORLD``).
+        Raises:
+            RuntimeError: the replay is closed. TypeError: not a communicator.
+        """
+        self._check_open()
+        self._feeds.accept_remote(comm)
+
+    def ingest(self) -> int:
+        """Move the writers' and actor ranks' ended episodes into this rank's shard now (local), within
+        the rate limiter's insert budget.
+
+        Returns:
+            How many trajectories entered.
+        Raises:
+            CollectiveTimeoutError: a node peer never finished reading the last sample (node fence).
+        Cost: O(writers) counter reads; per writer with episodes, one copy of them into the shard.
+        """
+        self._check_open()
+        return self._feeds.feed()
+
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
     @metered_sample
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
@@ -274,16 +342,19 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         try:
             batch_size = check_batch_size(batch_size)
             window, code = check_window(self.spec, window, align)
-            mcode = mode_code(mode)
+            mcode = header.mode_code(mode)
             self._check_out(out, batch_size, window)
         except Exception as e:  # agreed below, so every rank raises it
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
-        head = self._agree_header(err, batch_size, window, code, mcode)
-        if check_mode(head) == "local":  # agreed: each rank samples its own shard
+        # the writers drain; the header is agreed (over the node board when there is one), again while the
+        # rate limiter holds the call
+        head = header.agree(self._feeds, self.shard, self.node.board or self.comm, err, batch_size, window, code,
+                            mcode)
+        if header.check_mode(head) == "local":  # agreed: each rank samples its own shard
             return self._sample_local(batch_size, window, align, out)
         self.node.begin_sample()
         try:
-            check_header(head, self.selector.proportional)
+            header.check_header(head, self.selector.proportional)
             return self._exchange(self.plans[mode].assign(head), window, code, mode, out)
         finally:
             self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
@@ -297,13 +368,14 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         """This rank's own shard serves it; no communication (on the CPU the shard samples itself; a rate
         limiter sees this rank's counts only)."""
         if self.device is None:
-            if self.rate_limiter is not None or self._ingest_point is not None or self._inboxes:
-                self._agree_header(None, check_batch_size(batch_size), 0, 0, mode_code("local"), local=True)
+            if not self._feeds.idle:  # the writers drain and the rate limiter decides, on this rank's row alone
+                header.agree(self._feeds, self.shard, None, None, check_batch_size(batch_size), 0, 0,
+                             header.mode_code("local"))
             return self.shard.sample(batch_size, window, align, out)
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
         self._check_out(out, batch_size, window)
-        head = self._agree_header(None, batch_size, window, code, mode_code("local"), local=True)
+        head = header.agree(self._feeds, self.shard, None, None, batch_size, window, code, header.mode_code("local"))
         return self._exchange(self.plans["local"].assign(head), window, code, "local")
 
     def _exchange(self, plan: Assignment, window: int, code: int, mode: str, out: Batch | None = None) -> Batch:
@@ -312,10 +384,35 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
                                         local=mode == "local", out=out, counts=plan.counts)
-        self.windows_shared += int(plan.recv_counts @ self.node.peer_direct)
-        self.windows_mpi += int(plan.recv_counts @ self.node.remote)
+        self._state.count_windows(int(plan.recv_counts @ self.node.peer_direct),
+                                  int(plan.recv_counts @ self.node.remote))
         self.shard.after_sampling(plan.slots)
         return batch
+
+    def batches(self, batch_size: int, window: int | None = None, align: str = "random", *,
+                mode: str | None = None, prefetch: int = 2, limit: int | None = None,
+                recycle: bool | str = "auto") -> BatchIterator:
+        """Collective in effect: an iterator of batches sampled ``prefetch`` ahead by a background thread
+        (:mod:`gear_mpi.distributed.prefetch`: the schedule, staleness of updates, and shutdown). Every rank
+        iterates in step; give priority updates with ``iterator.update_priorities``; use it as a context manager.
+
+        Args:
+            batch_size, window, align, mode: as :meth:`sample`, for every batch.
+            prefetch: batches sampled ahead (0: each when asked for). limit: batches to give (None: no end).
+            recycle: refill a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of allocating a
+                new one per step (host replays): the background thread then takes no page faults on fresh
+                memory. A batch is refilled once the loop has taken two more: with ``"auto"`` (default) only
+                if nothing outside the iterator references it or any of its tensors (else a new one takes
+                its place); with True always (copy what the loop keeps); with False never.
+        Returns:
+            The :class:`~gear_mpi.distributed.prefetch.BatchIterator`.
+        Raises:
+            ValueError: a bad ``prefetch``/``limit``/``recycle``, ``recycle=True`` on a device replay.
+            RuntimeError: the replay is closed or already iterated, or MPI lacks THREAD_MULTIPLE.
+        Cost: one thread; each batch costs what :meth:`sample` does, hidden behind the training step.
+        """
+        self._check_open()
+        return self._prefetch.start(self, batch_size, window, align, mode, prefetch, limit, recycle)
 
     def settle(self) -> None:
         """The node fence (local): before this rank writes its shard, wait until every node peer has
@@ -326,8 +423,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
             CollectiveTimeoutError: a node peer did not finish within ``timeout``.
             RuntimeError: a batches() iterator owns the replay (called from another thread).
         """
-        if self._iterator is not None:
-            self._check_owner()
+        self._prefetch.check_owner()
         self.node.settle()
 
     # ---- priorities ---------------------------------------------------------------------------
@@ -359,7 +455,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         self._check_open()
         err, own, fold = None, 1.0, deferred and self.ranks <= FOLD_RANKS
         try:
-            self._feed()
+            self._feeds.feed()
             keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
             own = 1.0 if fold else float(bool((owner == self.rank).all()))  # a fold counts per owner itself
@@ -374,6 +470,38 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
             return int(self.shard.apply_priorities(keys, pr).sum())
         return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred)
+
+    # ---- trajectories by key ----------------------------------------------------------------------
+    def get(self, key: int) -> dict[str, np.ndarray]:
+        """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
+
+        Args:
+            key: a key this rank's shard issued.
+        Returns:
+            Column name -> array of its steps.
+        Raises:
+            StaleKeyError: the trajectory was evicted or removed; InvalidKeyError: not this shard's key.
+        """
+        return self.shard.get(key)
+
+    def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
+        """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
+        its own keys; an empty list is fine).
+
+        Args:
+            keys: keys issued by this replay, of any rank (e.g. ``batch.keys``).
+        Returns:
+            One entry per key, in the given order: column name -> ``[L, *shape]`` array on the host, or
+            None where the key is stale (its trajectory evicted or removed).
+        Raises:
+            TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        Cost: one allgather (status), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
+        alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
+        between node peers (each step is packed by its owner, then sent).
+        """
+        self._check_open()
+        return routing.get_many(self.comm, self.shard, keys)
 
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -395,20 +523,89 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         self._check_open()
         err = None
         try:
-            self._feed()
+            self._feeds.feed()
         except Exception as e:  # agreed below, so every rank raises it
             err = e
         mine = self.shard.stats()
-        mine.update(windows_shared=self.windows_shared, windows_mpi=self.windows_mpi, **self._feed_stats())
+        mine.update(windows_shared=self._state.windows_shared, windows_mpi=self._state.windows_mpi,
+                    **self._feeds.figures())
         n = len(stats_schema.REPLAY_FIGURES)
-        table = self.comm.agree(err, "stats", stats_schema.row(mine) + self.activity_row())
+        table = self.comm.agree(err, "stats", stats_schema.row(mine) + self._activity.row())
         self.settle()
         out = stats_schema.combine(table[:, :n], self.mode)
         total = out["total"]
         out["sample_to_insert_ratio"] = total["sampled"] / total["inserted"] if total["inserted"] else float("nan")
-        out["rate_limiter"] = repr(self.rate_limiter)
+        out["rate_limiter"] = repr(self._feeds.rate_limiter)
         out["activity"] = combine_activity(table[:, n:])
         return out
+
+    def activity_row(self) -> list[float]:
+        """This rank's activity counters in :data:`gear_mpi.stats.ACTIVITY_FIGURES` order (local, O(1); safe
+        from any thread: it only reads numbers; :class:`~gear_mpi.stats.ReplayActivity`).
+
+        Returns:
+            The values as floats.
+        """
+        return self._activity.row()
+
+    # ---- checkpoints (gear_mpi.checkpoint) ------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """This rank's replay-level state (local, JSON-serialisable): the replay stream (``"rng"``),
+        the shared stream (``"shared_rng"``, the same on every rank) and the window counters.
+
+        Returns:
+            ``{"rng", "shared_rng", "windows_shared", "windows_mpi"}``.
+        """
+        return self._state.state()
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned (local; ``"shared_rng"`` optional: kept when absent).
+
+        Args:
+            state: a mapping with ``"rng"``, ``"windows_shared"``, ``"windows_mpi"`` and optionally
+                ``"shared_rng"``.
+        Raises:
+            KeyError: a required entry is missing; ValueError/TypeError: a stream state of another kind.
+        """
+        self._state.load_state(state)
+
+    def describe(self) -> dict[str, Any]:
+        """How this replay runs, for a checkpoint's manifest (local).
+
+        Returns:
+            ``{"mode", "timeout", "force_alltoallv", "device": "cpu" | "cuda", "memory": the shard
+            arena's kind ("private" | "shm")}``.
+        """
+        return self._state.describe()
+
+    def save(self, path, progress: bool | None = None) -> None:
+        """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
+
+        Args:
+            path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
+            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
+        Raises:
+            CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
+        Cost: see :func:`gear_mpi.checkpoint.save`.
+        """
+        checkpoint.save(self, path, progress)
+
+    @classmethod
+    def load(cls, path, comm=None, **overrides) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+        """Collective: restore a checkpoint onto ``comm`` (any number of ranks).
+
+        Args:
+            path: a checkpoint directory written by :meth:`save`.
+            comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
+            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``); ``mmap=True``
+                maps the saved columns instead of reading them, ``verify`` (see :func:`gear_mpi.checkpoint.load`).
+        Returns:
+            ``(replay, key_map)``: the replay and the map of old keys to new keys.
+        Raises:
+            CheckpointError: a missing, partial or corrupted checkpoint (on every rank).
+        Cost: see :func:`gear_mpi.checkpoint.load`.
+        """
+        return checkpoint.load(path, comm, cls, **overrides)
 
     def close(self) -> None:
         """Collective: wait for every rank, unmap the node's shared memory, free the shard.
@@ -419,15 +616,14 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
         """
         if self.closed:
             return
-        if self._iterator is not None:
-            self._iterator.close()
+        self._prefetch.close()  # an active batches() iterator finishes its allowed samples first
         self.closed = True
         try:
             if self.comm.broken is None and self.ranks > 1:
                 self.settle()
                 self.node.closing_barrier()  # on a communicator of its own: never matched with a sample
         finally:
-            self._close_feeds()
+            self._feeds.close()
             self.transport.close()
             self.node.close()
             self.shard.close()
@@ -435,8 +631,7 @@ class Replay(ReplayState, ReplayFeeds, ReplayPrefetch, ReplayActivity, ReplayLoo
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this Replay is closed")
-        if self._iterator is not None:
-            self._check_owner()
+        self._prefetch.check_owner()
         self.comm.check_usable()
 
     def __enter__(self) -> "Replay":

@@ -12,7 +12,7 @@ communication: the replay gathers the rows, then calls :func:`combine`).
 
 **Activity** (how fast the replay works):
 
-Every rank of a Replay counts, from its construction on (:class:`ReplayActivity`, a mixin of
+Every rank of a Replay counts, from its construction on (:class:`ReplayActivity`, a part of
 :class:`~gear_mpi.replay.Replay`), the figures of :data:`ACTIVITY_FIGURES`: items and bytes
 inserted (every path: ``insert``, writers, actor ranks), windows served from its shard, windows
 and bytes its samples received, and where its time went -- inside ``sample`` (of it: waiting in
@@ -120,59 +120,84 @@ class Activity:
 
 
 class ReplayActivity:
-    """The activity counters of a Replay (mixed in; reads its ``shard``, ``comm`` and ``transport``)."""
+    """The activity counters of one rank of a Replay: the part that :func:`metered_sample` and
+    :func:`metered_update` count into, and that :meth:`row` reads with the shard's, communicator's and
+    transport's own counters. Local.
 
-    def _init_activity(self) -> None:
-        self._activity = Activity(step_bytes=self.spec.step_bytes + 1)
+    Args:
+        shard: this rank's shard (items and bytes inserted, windows served).
+        comm: the replay's :class:`~gear_mpi.distributed.comm.MpiComm` (time waiting in collectives).
+        transport: the replay's window transport (time copying windows: its ``copy_seconds``).
+        step_bytes: a window step's bytes in a batch (the columns' and the mask's).
+    """
 
-    def activity_row(self) -> list[float]:
+    def __init__(self, shard, comm: MpiComm, transport, step_bytes: int):
+        self.shard, self.comm, self.transport = shard, comm, transport
+        self.counts = Activity(step_bytes=step_bytes)
+
+    def row(self) -> list[float]:
         """This rank's counters in :data:`ACTIVITY_FIGURES` order (local, O(1); safe from any thread: it only
         reads numbers).
 
         Returns:
             The values as floats.
         """
-        a, s = self._activity, self.shard
+        a, s = self.counts, self.shard
         return [time.perf_counter() - a.born, float(s.store.state[ring.INSERTED_TOTAL]), float(s.bytes_inserted),
                 float(s.samples_drawn), float(a.received), float(a.received_bytes), float(a.sample_calls),
                 a.sample_seconds, a.sample_wait_seconds, self.transport.copy_seconds, float(a.update_calls),
                 a.update_seconds, self.comm.waited]
 
+    def count_sample(self, start: float, waited: float, batch) -> None:
+        """Count one sample call begun at ``start`` (``time.perf_counter``) when the communicator had waited
+        ``waited`` seconds, and the rows and bytes of its ``batch`` (None: the call raised)."""
+        a = self.counts
+        a.sample_calls += 1
+        a.sample_seconds += time.perf_counter() - start
+        a.sample_wait_seconds += self.comm.waited - waited
+        if batch is not None:
+            rows = batch.batch_size  # bytes as Batch.nbytes counts them: columns and mask per step, 28 B of metadata
+            a.received += rows
+            a.received_bytes += rows * (batch.window * a.step_bytes + 28)
+
+    def count_update(self, start: float) -> None:
+        """Count one priority update begun at ``start`` (``time.perf_counter``)."""
+        a = self.counts
+        a.update_calls += 1
+        a.update_seconds += time.perf_counter() - start
+
 
 def metered_sample(method: Callable) -> Callable:
-    """Wrap ``Replay.sample``: count the call, its time, its time waiting in collectives, its rows and bytes."""
+    """Wrap ``Replay.sample``: the replay's activity part (``replay._activity``, a :class:`ReplayActivity`)
+    counts the call, its time, its time waiting in collectives, its rows and bytes."""
     @functools.wraps(method)
     def sample(self, *args, **kwargs):
-        a, start, waited = self._activity, time.perf_counter(), self.comm.waited
+        activity = self._activity
+        start, waited, batch = time.perf_counter(), activity.comm.waited, None
         try:
             batch = method(self, *args, **kwargs)
+            return batch
         finally:
-            a.sample_calls += 1
-            a.sample_seconds += time.perf_counter() - start
-            a.sample_wait_seconds += self.comm.waited - waited
-        rows = batch.batch_size  # bytes as Batch.nbytes counts them: columns and mask per step, 28 B of metadata
-        a.received += rows
-        a.received_bytes += rows * (batch.window * a.step_bytes + 28)
-        return batch
+            activity.count_sample(start, waited, batch)
     return sample
 
 
 def metered_update(method: Callable) -> Callable:
-    """Wrap ``Replay.update_priorities``: count the call and its time."""
+    """Wrap ``Replay.update_priorities``: the replay's activity part (``replay._activity``, a
+    :class:`ReplayActivity`) counts the call and its time."""
     @functools.wraps(method)
     def update_priorities(self, *args, **kwargs):
-        a, start = self._activity, time.perf_counter()
+        activity, start = self._activity, time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
-            a.update_calls += 1
-            a.update_seconds += time.perf_counter() - start
+            activity.count_update(start)
     return update_priorities
 
 
 def combine_activity(table: np.ndarray) -> dict[str, dict[str, Any]]:
-    """Every rank's :meth:`ReplayActivity.activity_row` as ``{"per_rank": {figure: [...]}, "total": {...}}``
-    (local). Totals are sums, except ``uptime``: the largest.
+    """Every rank's :meth:`ReplayActivity.row` (``Replay.activity_row``) as ``{"per_rank": {figure: [...]},
+    "total": {...}}`` (local). Totals are sums, except ``uptime``: the largest.
 
     Args:
         table: ``[ranks, len(ACTIVITY_FIGURES)]``, row r from rank r.

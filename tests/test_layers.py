@@ -182,3 +182,14 @@ def test_no_storage_function_takes_a_store_first():
                 if params and params[0].arg == "store":
                     exiled.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.name}")
     assert not exiled, exiled
+
+
+def test_replay_inherits_nothing():
+    """``Replay`` builds its parts (feeds, prefetch, activity, checkpoint state) and calls them by name: a
+    reader follows a call from ``Replay.sample`` down to the kernels without searching base classes."""
+    tree = ast.parse((PACKAGE / "replay.py").read_text())
+    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    assert any(c.name == "Replay" for c in classes)
+    based = [f"{c.name}({', '.join(ast.unparse(b) for b in c.bases + c.keywords)})" for c in classes
+             if c.bases or c.keywords]
+    assert not based, f"classes of gear_mpi/replay.py with base classes: {based}"

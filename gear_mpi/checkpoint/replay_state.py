@@ -1,12 +1,14 @@
 """A replay's own state for checkpoints: what :class:`~gear_mpi.replay.Replay` hands out and takes back.
 
-:class:`ReplayState` is a mixin that :class:`~gear_mpi.replay.Replay` inherits, as
-:class:`~gear_mpi.checkpoint.shard_state.ShardState` is for a shard: the replay-level streams and
-window counters (:meth:`~ReplayState.state`, :meth:`~ReplayState.load_state`) and how
-the replay runs (:meth:`~ReplayState.describe`, for a manifest). The shards' own state
-and the file format are elsewhere (:mod:`gear_mpi.checkpoint.shard_state`, :mod:`gear_mpi.checkpoint`);
-everything here is local (no communication), except the collective :meth:`~ReplayState.save`
-and :meth:`~ReplayState.load`, which hand the replay to :mod:`gear_mpi.checkpoint`.
+:class:`ReplayState` is the part of a :class:`~gear_mpi.replay.Replay` that holds it, as
+:class:`~gear_mpi.checkpoint.shard_state.ShardState` does for a shard: the replay-level streams and
+window counters (:meth:`~ReplayState.state`, :meth:`~ReplayState.load_state`; the replay counts its
+windows into it, :meth:`~ReplayState.count_windows`) and how the replay runs
+(:meth:`~ReplayState.describe`, for a manifest). The shards' own state and the file format are
+elsewhere (:mod:`gear_mpi.checkpoint.shard_state`, :mod:`gear_mpi.checkpoint`); ``Replay.save`` and
+``Replay.load`` call :func:`gear_mpi.checkpoint.save` and :func:`gear_mpi.checkpoint.load`, which read
+and restore this part through the replay's ``state``, ``load_state`` and ``describe``. Everything
+here is local (no communication).
 """
 from __future__ import annotations
 
@@ -14,32 +16,38 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import checkpoint
-
 
 class ReplayState:
-    """The checkpoint state of a replay (mixed into :class:`~gear_mpi.replay.Replay`).
+    """The checkpoint state of one rank of a replay (a part of :class:`~gear_mpi.replay.Replay`). Local.
 
-    It reads the replay's ``rng``, ``shared_rng``, ``windows_shared``, ``windows_mpi``, ``mode``,
-    ``comm``, ``force_alltoallv``, ``device`` and ``shard``.
+    Args:
+        rng: the replay's own stream of this rank; shared_rng: the stream every rank holds alike (both are
+            the generators the replay's plans draw from: :meth:`load_state` restores them in place).
+        mode, comm, force_alltoallv, device, shard: the replay's default mode, communicator, window path,
+            device context (None: a host replay) and shard, for :meth:`describe`.
     """
 
-    def state(self) -> dict[str, Any]:
-        """This rank's replay-level state (local, JSON-serialisable): the replay stream (``"rng"``),
-        the shared stream (``"shared_rng"``, the same on every rank) and the window counters.
+    def __init__(self, rng: np.random.Generator, shared_rng: np.random.Generator, *, mode: str, comm,
+                 force_alltoallv: bool, device, shard):
+        self.rng, self.shared_rng = rng, shared_rng
+        self.mode, self.comm, self.force_alltoallv, self.device, self.shard = mode, comm, force_alltoallv, device, shard
+        self.windows_shared = 0  # windows this rank copied from a node peer's shared memory
+        self.windows_mpi = 0  # windows this rank received through MPI
 
-        Returns:
-            ``{"rng", "shared_rng", "windows_shared", "windows_mpi"}``.
-        """
+    def count_windows(self, shared: int, mpi: int) -> None:
+        """Add one sample's windows: ``shared`` copied from node peers' memory, ``mpi`` received by MPI (O(1))."""
+        self.windows_shared += shared
+        self.windows_mpi += mpi
+
+    def state(self) -> dict[str, Any]:
+        """``{"rng", "shared_rng", "windows_shared", "windows_mpi"}``: JSON-serialisable (see ``Replay.state``)."""
         return {"rng": self.rng.bit_generator.state, "shared_rng": self.shared_rng.bit_generator.state,
                 "windows_shared": int(self.windows_shared), "windows_mpi": int(self.windows_mpi)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (local; ``"shared_rng"`` optional: kept when absent).
+        """Restore what :meth:`state` returned (``"shared_rng"`` optional: kept when absent; see
+        ``Replay.load_state``).
 
-        Args:
-            state: a mapping with ``"rng"``, ``"windows_shared"``, ``"windows_mpi"`` and optionally
-                ``"shared_rng"``.
         Raises:
             KeyError: a required entry is missing; ValueError/TypeError: a stream state of another kind.
         """
@@ -50,41 +58,8 @@ class ReplayState:
         self.windows_mpi = int(state["windows_mpi"])
 
     def describe(self) -> dict[str, Any]:
-        """How this replay runs, for a checkpoint's manifest (local).
-
-        Returns:
-            ``{"mode", "timeout", "force_alltoallv", "device": "cpu" | "cuda", "memory": the shard
-            arena's kind ("private" | "shm")}``.
-        """
+        """``{"mode", "timeout", "force_alltoallv", "device", "memory"}``: how the replay runs, for a checkpoint's
+        manifest (see ``Replay.describe``)."""
         return {"mode": self.mode, "timeout": self.comm.timeout, "force_alltoallv": bool(self.force_alltoallv),
                 "device": "cuda" if self.device is not None else "cpu",
                 "memory": getattr(self.shard.store.arena, "kind", None)}
-
-    def save(self, path, progress: bool | None = None) -> None:
-        """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
-
-        Args:
-            path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
-            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
-        Raises:
-            CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
-        Cost: see :func:`gear_mpi.checkpoint.save`.
-        """
-        checkpoint.save(self, path, progress)
-
-    @classmethod
-    def load(cls, path, comm=None, **overrides) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-        """Collective: restore a checkpoint onto ``comm`` (any number of ranks).
-
-        Args:
-            path: a checkpoint directory written by :meth:`save`.
-            comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
-            overrides: constructor arguments to change (e.g. ``mode``, ``timeout``, ``device``); ``mmap=True``
-                maps the saved columns instead of reading them, ``verify`` (see :func:`gear_mpi.checkpoint.load`).
-        Returns:
-            ``(replay, key_map)``: the replay and the map of old keys to new keys.
-        Raises:
-            CheckpointError: a missing, partial or corrupted checkpoint (on every rank).
-        Cost: see :func:`gear_mpi.checkpoint.load`.
-        """
-        return checkpoint.load(path, comm, cls, **overrides)

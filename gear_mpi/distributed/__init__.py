@@ -6,6 +6,7 @@ Lowest first:
 - :mod:`.comm` -- ``MpiComm``: collectives with a deadline and errors agreed on every rank;
 - :mod:`.torch_comm` -- the NCCL/gloo exchange of device windows (torch.distributed);
 - :mod:`.node` -- the node's ranks, node peers' shared memory mapped, the node fence;
+- :mod:`.header` -- a sample's header: its layout, this rank's row, its agreement and checks;
 - :mod:`.plans` -- selection plans: which owner serves which requester in each mode;
 - :mod:`.transport` -- the choices and windows from owners to requesters;
 - :mod:`.routing` -- key-routed collectives: priority updates and whole-trajectory fetches;

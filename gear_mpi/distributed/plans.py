@@ -1,13 +1,13 @@
 """Selection plans: which items each owner serves to each requester in one ``Replay.sample``.
 
-A plan turns the *header* of a sample -- a row per rank, agreed by
-``MpiComm.agree``: (batch size, window, align code, selection mass, live items,
-smallest weight, mode code, and for the rate limiter of :mod:`gear_mpi.feeds.replay_feeds`: items ever
-inserted, windows ever served, episodes waiting in writers, seconds this call has waited) -- into an :class:`Assignment`: the slots this rank serves, in
-requester order, with how many go to each requester and how many this rank
-receives from each owner. Every plan handles both kinds of selector:
-proportional (Uniform, Prioritized: draws over the weights) and ordered (Fifo,
-Lifo, Max/MinPriority: the globally best items).
+A plan turns the *header* of a sample -- a row per rank, laid out, built and
+agreed by :mod:`gear_mpi.distributed.header` (the call's arguments, each shard's
+selection mass, live items and smallest weight, the rate limiter's counts) -- into
+an :class:`Assignment`: the slots this rank serves, in requester order, with how
+many go to each requester and how many this rank receives from each owner.
+Every plan handles both kinds of selector: proportional (Uniform, Prioritized:
+draws over the weights) and ordered (Fifo, Lifo, Max/MinPriority: the globally
+best items).
 
 - :class:`DecentralizedPlan` -- no further message for proportional selectors
   (the count matrix is drawn from a stream every rank holds); one allgatherv of
@@ -18,8 +18,8 @@ Lifo, Max/MinPriority: the globally best items).
 
 Every mode's plan is built once over the same shard (:func:`build_plans`); a sample
 picks one per call, and the mode code in the header makes every rank agree on it
-(:func:`check_mode`). Costs are in each class's docstring (``P`` ranks, ``Btot``
-items asked in all).
+(:func:`~gear_mpi.distributed.header.check_mode`). Costs are in each class's docstring
+(``P`` ranks, ``Btot`` items asked in all).
 """
 from __future__ import annotations
 
@@ -29,46 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .comm import MpiComm, displacements
-from ..errors import EmptyReplayError
+from .header import BATCH, ITEMS, MASS, MIN_WEIGHT, MODES
 from ..shard import Shard
-
-# the columns of a sample's header (one row per rank); MODE: the index of the call's mode in MODES;
-# INSERTED, SAMPLED, BACKLOG, WAITED: the rate limiter's counts (see gear_mpi.feeds.replay_feeds)
-BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE, INSERTED, SAMPLED, BACKLOG, WAITED = range(11)
-HEADER_WIDTH = 11
-MODES = ("decentralized", "centralized", "local")
-
-
-def mode_code(mode: str) -> int:
-    """The header code of a sampling mode (its index in :data:`MODES`). O(1), local.
-
-    Args:
-        mode: one of :data:`MODES`.
-    Returns:
-        Its index in :data:`MODES`.
-    Raises:
-        ValueError: an unknown mode.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return MODES.index(mode)
-
-
-def check_mode(head: np.ndarray) -> str:
-    """The mode every rank asked for in the agreed header. O(ranks), local; the same on every rank.
-
-    Args:
-        head: the agreed header (``[ranks, HEADER_WIDTH]`` float64).
-    Returns:
-        The mode's name.
-    Raises:
-        ValueError: the ranks asked for different modes (the same message on every rank).
-    """
-    codes = [int(c) for c in head[:, MODE].tolist()]
-    if len(set(codes)) > 1:
-        raise ValueError(f"sample: mode must be the same on every rank; got {[MODES[c] for c in codes]} "
-                         f"(rank r's mode at position r)")
-    return MODES[codes[0]]
 
 
 class Assignment(NamedTuple):
@@ -86,28 +48,6 @@ class Assignment(NamedTuple):
     mass: float
     min_weight: float
     counts: np.ndarray | None = None
-
-
-def check_header(head: np.ndarray, proportional: bool) -> None:
-    """Raise the same error on every rank when the agreed header cannot be served. O(ranks), local.
-
-    Args:
-        head: the agreed header (``[ranks, HEADER_WIDTH]`` float64, a row per rank; see the module docstring).
-        proportional: whether the selector draws by weight (then a zero total mass cannot be served).
-    Raises:
-        ValueError: window or align differ between ranks.
-        EmptyReplayError: items are asked and no rank holds one (or, for proportional selectors,
-            every live item has priority 0).
-    """
-    windows, codes = head[:, WINDOW].tolist(), head[:, ALIGN].tolist()
-    if len(set(windows)) > 1 or len(set(codes)) > 1:
-        raise ValueError(f"sample: window and align must be the same on every rank; got windows "
-                         f"{[int(w) for w in windows]} and align codes {[int(c) for c in codes]}")
-    wanted = sum(head[:, BATCH].tolist()) > 0
-    if wanted and sum(head[:, ITEMS].tolist()) == 0:
-        raise EmptyReplayError("sample: the replay is empty on every rank")
-    if wanted and proportional and sum(head[:, MASS].tolist()) <= 0.0:
-        raise EmptyReplayError("sample: every live item of the replay has priority 0")
 
 
 class Plan(ABC):

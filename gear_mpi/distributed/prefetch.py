@@ -96,7 +96,8 @@ class BatchIterator:
     """Batches sampled ahead by a background thread (see the module docstring).
 
     Args:
-        replay: the :class:`~gear_mpi.replay.Replay`.
+        replay: the :class:`~gear_mpi.replay.Replay` whose ``sample`` and deferred updates the thread calls.
+        owner: the replay's :class:`ReplayPrefetch`, which this iterator claims while it runs.
         batch_size, window, align, mode: as :meth:`Replay.sample` (the same for every batch).
         prefetch: batches sampled ahead (>= 0).
         limit: stop after this many batches (None: never; ``next()`` then raises StopIteration on every rank).
@@ -107,8 +108,8 @@ class BatchIterator:
             iterator of this replay is active.
     """
 
-    def __init__(self, replay, batch_size: int, window: int | None, align: str, mode: str | None,
-                 prefetch: int, limit: int | None, recycle: bool | str = "auto"):
+    def __init__(self, replay, owner: "ReplayPrefetch", batch_size: int, window: int | None, align: str,
+                 mode: str | None, prefetch: int, limit: int | None, recycle: bool | str = "auto"):
         if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
@@ -121,7 +122,7 @@ class BatchIterator:
             recycle = False  # device batches are new ones
         if replay.comm.size > 1:
             check_thread_level()
-        self.replay, self.prefetch, self.limit = replay, int(prefetch), limit
+        self.replay, self.owner, self.prefetch, self.limit = replay, owner, int(prefetch), limit
         self._args = (batch_size, window, align, mode)
         self._ring: list | None = [None] * (self.prefetch + 2) if recycle else None
         self._checked = recycle == "auto"  # refill only batches nobody else references
@@ -139,7 +140,7 @@ class BatchIterator:
         self.wait_seconds = 0.0  # the training loop's time blocked in next() (this rank)
         self._numba_threads = _numba_threads()
         self._thread = threading.Thread(target=self._run, name="gear_mpi-prefetch", daemon=True)
-        replay._claim(self)
+        owner.claim(self)
         self._thread.start()
 
     # ---- the background thread ----------------------------------------------------------
@@ -285,7 +286,7 @@ class BatchIterator:
             self._thread.join()
             self._ready.clear()
             self._ring = self._given = None
-            self.replay._release(self)
+            self.owner.release(self)
             if self._error is not None:
                 raise self._error
 
@@ -309,44 +310,44 @@ class BatchIterator:
 
 
 class ReplayPrefetch:
-    """The prefetching side of a Replay (mixed into :class:`~gear_mpi.replay.Replay`; it reads its
-    ``_iterator`` and ``_check_open``)."""
+    """The part of a :class:`~gear_mpi.replay.Replay` that knows which :class:`BatchIterator`, if any, owns the
+    replay while it runs (at most one). Local; every method is O(1).
+    """
 
-    def batches(self, batch_size: int, window: int | None = None, align: str = "random", *,
-                mode: str | None = None, prefetch: int = 2, limit: int | None = None,
-                recycle: bool | str = "auto") -> BatchIterator:
-        """Collective in effect: an iterator of batches sampled ``prefetch`` ahead by a background thread
-        (:mod:`gear_mpi.distributed.prefetch`: the schedule, staleness of updates, and shutdown). Every rank iterates in
-        step; give priority updates with ``iterator.update_priorities``; use it as a context manager.
+    def __init__(self):
+        self.iterator: BatchIterator | None = None  # the active batches() iterator
 
-        Args:
-            batch_size, window, align, mode: as :meth:`sample`, for every batch.
-            prefetch: batches sampled ahead (0: each when asked for). limit: batches to give (None: no end).
-            recycle: refill a ring of ``prefetch + 2`` batches (``sample(out=...)``) instead of allocating a
-                new one per step (host replays): the background thread then takes no page faults on fresh
-                memory. A batch is refilled once the loop has taken two more: with ``"auto"`` (default) only
-                if nothing outside the iterator references it or any of its tensors (else a new one takes
-                its place); with True always (copy what the loop keeps); with False never.
-        Returns:
-            The :class:`~gear_mpi.distributed.prefetch.BatchIterator`.
+    def start(self, replay, batch_size: int, window: int | None, align: str, mode: str | None, prefetch: int,
+              limit: int | None, recycle: bool | str) -> BatchIterator:
+        """A new :class:`BatchIterator` of ``replay`` (its arguments), which owns the replay until it closes.
+
         Raises:
-            ValueError: a bad ``prefetch``/``limit``/``recycle``, ``recycle=True`` on a device replay. RuntimeError: the replay is closed or already iterated,
-                or MPI lacks THREAD_MULTIPLE.
-        Cost: one thread; each batch costs what :meth:`sample` does, hidden behind the training step.
+            RuntimeError: an iterator is already active; as :class:`BatchIterator`.
         """
-        self._check_open()
-        if self._iterator is not None:
+        if self.iterator is not None:
             raise RuntimeError("this replay already has an active batches() iterator: close it first")
-        return BatchIterator(self, batch_size, window, align, mode, prefetch, limit, recycle)
+        return BatchIterator(replay, self, batch_size, window, align, mode, prefetch, limit, recycle)
 
-    def _claim(self, iterator: BatchIterator) -> None:
-        self._iterator = iterator
+    def claim(self, iterator: BatchIterator) -> None:
+        """``iterator`` owns the replay from now on (called by the iterator before its thread starts)."""
+        self.iterator = iterator
 
-    def _release(self, iterator: BatchIterator) -> None:
-        if self._iterator is iterator:
-            self._iterator = None
+    def release(self, iterator: BatchIterator) -> None:
+        """``iterator`` no longer owns the replay (called by the iterator once its thread has joined)."""
+        if self.iterator is iterator:
+            self.iterator = None
 
-    def _check_owner(self) -> None:
-        if threading.current_thread() is not self._iterator._thread:
+    def check_owner(self) -> None:
+        """Raise unless no iterator is active or the caller is the active iterator's thread.
+
+        Raises:
+            RuntimeError: a batches() iterator owns the replay and this is another thread.
+        """
+        if self.iterator is not None and threading.current_thread() is not self.iterator._thread:
             raise RuntimeError("a batches() iterator owns this replay while it runs: give priority updates "
                                "with iterator.update_priorities(), and close the iterator before other calls")
+
+    def close(self) -> None:
+        """Close the active iterator, if any (as :meth:`BatchIterator.close`: collective in effect)."""
+        if self.iterator is not None:
+            self.iterator.close()

@@ -5,11 +5,13 @@ any shard. Two collectives of ``Replay`` route them:
 
 - :func:`route_priorities` -- new priorities to their owners (``update_priorities``);
   :func:`route_deferred` -- the same for ``batches()``'s thread, in one allgather when the keys fit;
-- :func:`fetch` -- whole trajectories from their owners back to the ranks that
-  asked (``get_many``), over plain MPI for every rank, node peers included.
+- :func:`get_many` (its keys checked and agreed, then :func:`fetch`) -- whole trajectories from
+  their owners back to the ranks that asked (``Replay.get_many``), over plain MPI for every rank,
+  node peers included.
 
-Both take keys already checked by :func:`check_keys` and agreed (``MpiComm.agree``),
-so an owner never meets a key it cannot resolve in the middle of an exchange.
+The exchanges (:func:`route_priorities`, :func:`route_deferred`, :func:`fetch`) take keys already
+checked by :func:`check_keys` and agreed (``MpiComm.agree``; :func:`get_many` does both for
+:func:`fetch`), so an owner never meets a key it cannot resolve in the middle of an exchange.
 Every function here is collective except :func:`check_keys`.
 """
 from __future__ import annotations
@@ -198,43 +200,24 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     return out
 
 
-class ReplayLookups:
-    """Whole trajectories by key, for :class:`~gear_mpi.replay.Replay` (mixed in; it reads the replay's
-    ``shard``, ``comm``, ``ranks`` and ``_check_open``)."""
+def get_many(comm: MpiComm, shard: Shard, keys: Any) -> list[dict[str, np.ndarray] | None]:
+    """Collective: ``Replay.get_many``: check this rank's keys (:func:`check_keys`), agree that every rank's are
+    good, then :func:`fetch` them from their owners.
 
-    def get(self, key: int) -> dict[str, np.ndarray]:
-        """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).
-
-        Args:
-            key: a key this rank's shard issued.
-        Returns:
-            Column name -> array of its steps.
-        Raises:
-            StaleKeyError: the trajectory was evicted or removed; InvalidKeyError: not this shard's key.
-        """
-        return self.shard.get(key)
-
-    def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
-        """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
-        its own keys; an empty list is fine).
-
-        Args:
-            keys: keys issued by this replay, of any rank (e.g. ``batch.keys``).
-        Returns:
-            One entry per key, in the given order: column name -> ``[L, *shape]`` array on the host, or
-            None where the key is stale (its trajectory evicted or removed).
-        Raises:
-            TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
-            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one allgather (status), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
-        alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
-        between node peers (each step is packed by its owner, then sent).
-        """
-        self._check_open()
-        err, owner = None, None
-        try:
-            keys, owner = check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
-        except Exception as e:
-            err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        self.comm.agree(err, "get_many")
-        return fetch(self.comm, self.shard, keys, owner)
+    Args:
+        comm: the replay's communicator; shard: this rank's shard.
+        keys: keys issued by this replay, of any rank (an empty list is fine).
+    Returns:
+        As :func:`fetch`: one entry per key, in the given order (None where the key is stale).
+    Raises:
+        TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+        CollectiveTimeoutError: a rank did not arrive within the deadline.
+    Cost: one allgather (status), then :func:`fetch`.
+    """
+    err, owner = None, None
+    try:
+        keys, owner = check_keys(keys, shard.tag, comm.size, shard.store.max_items)
+    except Exception as e:
+        err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
+    comm.agree(err, "get_many")
+    return fetch(comm, shard, keys, owner)

@@ -1,29 +1,45 @@
 """How data reaches a Replay from outside its ranks, and how fast: writers, actor ranks, the rate limiter.
 
-:class:`ReplayFeeds` is a mixin of :class:`~gear_mpi.replay.Replay`. It owns the
-rank's :class:`~gear_mpi.feeds.intake.WriterIntake` (local writers, made on the first
+:class:`ReplayFeeds` is the part of a :class:`~gear_mpi.replay.Replay` that owns the rank's
+:class:`~gear_mpi.feeds.intake.WriterIntake` (local writers, made on the first
 :meth:`~ReplayFeeds.writer_address`), its :class:`~gear_mpi.feeds.remote.RemoteInbox`
 objects (actor ranks, after :meth:`~ReplayFeeds.accept_remote`) and the
 :mod:`gear_mpi.feeds.rate_limit` rule. Ended episodes enter the shard at the rank's
-collectives (``sample``, ``update_priorities``, ``stats``) and at :meth:`~ReplayFeeds.ingest`,
-but only within the rank's *insert budget*: the replay's global budget (from the
-counts every ``sample`` header carries) split over the ranks by their backlog
-(:func:`split_budget`), so the writers of a rank that runs ahead block on full
-staging areas.
+collectives (``sample``, ``update_priorities``, ``stats``) and at ``Replay.ingest``
+(:meth:`~ReplayFeeds.feed`), but only within the rank's *insert budget*: the replay's global
+budget (from the counts every sample header carries, :mod:`gear_mpi.distributed.header`) split
+over the ranks by their backlog (:func:`split_budget`), so the writers of a rank that runs ahead
+block on full staging areas. :meth:`~ReplayFeeds.admit` reads the agreed header and says whether
+a sample runs now (the header's agreement loops on it: :func:`gear_mpi.distributed.header.agree`).
+Everything here is local.
 """
 from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import numpy as np
 
 from ..errors import RateLimitTimeoutError
 from .intake import WriterIntake
-from ..kernels import ring
-from ..distributed.plans import BACKLOG, BATCH, INSERTED, ITEMS, SAMPLED, WAITED
+from ..distributed.header import BACKLOG, BATCH, INSERTED, ITEMS, SAMPLED, WAITED
 from .rate_limit import RateLimiter
 from .remote import RemoteInbox
+
+
+def check_rate_limit(rate_limiter: RateLimiter | None, rate_limit_timeout: float) -> None:
+    """Check a Replay's rate-limiter arguments (local, O(1)).
+
+    Raises:
+        TypeError: ``rate_limiter`` is not a gear_mpi rate limiter (nor None).
+        ValueError: ``rate_limit_timeout`` is not a positive number.
+    """
+    if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
+        raise TypeError(f"rate_limiter must be a gear_mpi rate limiter (MinSize(n), SampleToInsertRatio(...)) or "
+                        f"None, got {rate_limiter!r}")
+    if not (isinstance(rate_limit_timeout, (int, float)) and rate_limit_timeout > 0):
+        raise ValueError(f"rate_limit_timeout must be a positive number of seconds, got {rate_limit_timeout!r}")
 
 
 def split_budget(total: float, backlog: np.ndarray) -> np.ndarray:
@@ -53,90 +69,79 @@ def split_budget(total: float, backlog: np.ndarray) -> np.ndarray:
 
 
 class ReplayFeeds:
-    """Writers, actor ranks and the rate limiter of a Replay (mixed in; see the module docstring)."""
+    """Writers, actor ranks and the rate limiter of one rank of a Replay (see the module docstring). Local.
 
-    def _init_feeds(self, rate_limiter: RateLimiter | None, rate_limit_timeout: float) -> None:
-        if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
-            raise TypeError(f"rate_limiter must be a gear_mpi rate limiter (MinSize(n), SampleToInsertRatio(...)) or "
-                            f"None, got {rate_limiter!r}")
-        if not (isinstance(rate_limit_timeout, (int, float)) and rate_limit_timeout > 0):
-            raise ValueError(f"rate_limit_timeout must be a positive number of seconds, got {rate_limit_timeout!r}")
+    Args:
+        shard: this rank's shard, which the episodes enter.
+        rank, ranks: this rank and the replay's rank count (to split the insert budget).
+        settle: the replay's node fence (``Replay.settle``), called before episodes are written into the shard.
+        rate_limiter, rate_limit_timeout: as ``Replay`` takes them (checked: :func:`check_rate_limit`).
+    """
+
+    def __init__(self, shard, rank: int, ranks: int, settle: Callable[[], None], rate_limiter: RateLimiter | None,
+                 rate_limit_timeout: float):
+        check_rate_limit(rate_limiter, rate_limit_timeout)
+        self.shard, self.rank, self.settle = shard, rank, settle
         self.rate_limiter = rate_limiter
         self.rate_limit_timeout = float(rate_limit_timeout)
-        self._ingest_point: WriterIntake | None = None
-        self._inboxes: list[RemoteInbox] = []
+        self.intake: WriterIntake | None = None
+        self.inboxes: list[RemoteInbox] = []
         # until the first sample header, each rank may insert its share of an empty replay's budget
-        self._budget = math.inf if rate_limiter is None else \
-            float(split_budget(rate_limiter.insert_budget(0, 0, 0), np.zeros(self.ranks))[self.rank])
+        self.budget = math.inf if rate_limiter is None else \
+            float(split_budget(rate_limiter.insert_budget(0, 0, 0), np.zeros(ranks))[rank])
 
-    # ---- the public side --------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No rate limiter, no writers and no actor ranks: nothing for a sample header to carry (O(1))."""
+        return self.rate_limiter is None and self.intake is None and not self.inboxes
+
     def writer_address(self) -> str:
-        """This rank's ingest point, for :class:`gear_mpi.Writer` processes on this node (local).
-
-        Returns:
-            A string, valid while the replay is open (the name of a small shared-memory segment, made
-            on the first call).
-        Raises:
-            RuntimeError: the replay is closed.
-        Cost: the first call makes a 64 KiB segment; later calls O(1).
-        """
-        self._check_open()
-        if self._ingest_point is None:
-            self._ingest_point = WriterIntake(self.shard)
-        return self._ingest_point.address
+        """This rank's ingest point (made on the first call: a 64 KiB shared-memory segment); see
+        ``Replay.writer_address``."""
+        if self.intake is None:
+            self.intake = WriterIntake(self.shard)
+        return self.intake.address
 
     def accept_remote(self, comm) -> None:
-        """Take episodes from :class:`gear_mpi.MpiWriter` actor ranks of ``comm`` from now on (local).
+        """Take episodes from the actor ranks of ``comm`` from now on; see ``Replay.accept_remote``.
 
-        Args:
-            comm: an mpi4py communicator holding this rank and its actors (e.g. ``MPI.COMM_WORLD``).
         Raises:
-            RuntimeError: the replay is closed. TypeError: not a communicator.
+            TypeError: not a communicator.
         """
-        self._check_open()
         if not hasattr(comm, "Iprobe"):
             raise TypeError(f"accept_remote needs an mpi4py communicator, got {comm!r}")
-        self._inboxes.append(RemoteInbox(comm, self.shard))
+        self.inboxes.append(RemoteInbox(comm, self.shard))
 
-    def ingest(self) -> int:
-        """Move the writers' and actor ranks' ended episodes into this rank's shard now (local), within
-        the rate limiter's insert budget.
+    def feed(self) -> int:
+        """Drain the writers and actor ranks into the shard within the insert budget (the node fence first,
+        only when something is waiting). Returns how many trajectories entered.
 
-        Returns:
-            How many trajectories entered.
         Raises:
             CollectiveTimeoutError: a node peer never finished reading the last sample (node fence).
         Cost: O(writers) counter reads; per writer with episodes, one copy of them into the shard.
         """
-        self._check_open()
-        return self._feed()
-
-    # ---- used by Replay ----------------------------------------------------------------------
-    def _feed(self) -> int:
-        """Drain within the budget (the node fence first, only when something is waiting)."""
-        if self._ingest_point is None and not self._inboxes:
+        if self.intake is None and not self.inboxes:
             return 0
-        if self._budget < 1 or not self._backlog():
+        if self.budget < 1 or not self.backlog():
             return 0
         self.settle()
         n = 0
-        for source in ([self._ingest_point] if self._ingest_point else []) + self._inboxes:
-            n += source.drain(self._budget - n)
-        if not math.isinf(self._budget):
-            self._budget -= n
+        for source in ([self.intake] if self.intake else []) + self.inboxes:
+            n += source.drain(self.budget - n)
+        if not math.isinf(self.budget):
+            self.budget -= n
         return n
 
-    def _backlog(self) -> int:
-        n = self._ingest_point.backlog() if self._ingest_point is not None else 0
-        return n + sum(box.backlog() for box in self._inboxes)
+    def backlog(self) -> int:
+        """Episodes waiting in this rank's writers and inboxes (O(writers))."""
+        n = self.intake.backlog() if self.intake is not None else 0
+        return n + sum(box.backlog() for box in self.inboxes)
 
-    def _feed_columns(self, waited: float) -> list[float]:
-        """This rank's rate-limiter columns of a sample header: inserted, sampled, backlog, waited."""
-        s = self.shard
-        backlog = self._backlog() if self.rate_limiter is not None and (self._ingest_point or self._inboxes) else 0
-        return [float(s.store.state[ring.INSERTED_TOTAL]), float(s.samples_drawn), float(backlog), waited]
+    def header_backlog(self) -> int:
+        """The header's ``BACKLOG`` column: :meth:`backlog` with a rate limiter and something to drain, else 0."""
+        return self.backlog() if self.rate_limiter is not None and (self.intake or self.inboxes) else 0
 
-    def _admit(self, head: np.ndarray) -> bool:
+    def admit(self, head: np.ndarray) -> bool:
         """Decide from the agreed header (the same on every rank) whether this sample runs now; set this
         rank's insert budget.
 
@@ -151,7 +156,7 @@ class ReplayFeeds:
         size, n = int(head[:, ITEMS].sum()), int(head[:, BATCH].sum())
         lim.check_call(n)
         budget = split_budget(lim.insert_budget(inserted, sampled, size), head[:, BACKLOG])
-        self._budget = float(budget[self.rank if len(head) > 1 else 0])
+        self.budget = float(budget[self.rank if len(head) > 1 else 0])
         if n == 0 or lim.can_sample(inserted, sampled, size, n):
             return True
         waited = float(head[:, WAITED].max())
@@ -162,44 +167,23 @@ class ReplayFeeds:
                 f"{size} live; the call asks for {n} windows): feed it faster, or sample less")
         return False
 
-    def _agree_header(self, err, batch_size: int, window: int, code: int, mcode: int, local: bool = False):
-        """The sample's agreed header once the rate limiter admits the call; each waiting round drains the
-        writers, backs off and agrees again (every rank decides alike: :meth:`ReplayFeeds._admit`)."""
-        start, rounds = time.monotonic(), 0
-        while True:
-            try:
-                self._feed()
-            except Exception as e:  # agreed below, so every rank raises it
-                err = err or e
-            sh = self.shard
-            row = [batch_size, window, code, sh.total_weight, len(sh), sh.min_weight, mcode]
-            row += self._feed_columns(time.monotonic() - start)
-            if local:
-                if err is not None:
-                    raise err
-                head = np.array(row, np.float64)[None]
-            else:
-                head = (self.node.board or self.comm).agree(err, "sample", row)  # node board: no MPI
-            if self._admit(head):
-                return head
-            self._back_off(rounds)
-            rounds += 1
-
     @staticmethod
-    def _back_off(rounds: int) -> None:
+    def back_off(rounds: int) -> None:
+        """Sleep before the next header round (exponential, at most 20 ms)."""
         time.sleep(min(1e-4 * (2 ** min(rounds, 10)), 0.02))
 
-    def _close_feeds(self) -> None:
-        for box in self._inboxes:
-            box.close()
-        self._inboxes = []
-        if self._ingest_point is not None:
-            self._ingest_point.close()
-            self._ingest_point = None
+    def figures(self) -> dict[str, int]:
+        """This rank's feed figures for ``stats()``: ``ingested``, ``writers``, ``staged``."""
+        ip = self.intake
+        return {"ingested": (ip.ingested if ip else 0) + sum(b.ingested for b in self.inboxes),
+                "writers": (len(ip.writers) if ip else 0) + sum(len(b.actors) for b in self.inboxes),
+                "staged": self.backlog() if (ip or self.inboxes) else 0}
 
-    def _feed_stats(self) -> dict[str, int]:
-        """This rank's feed figures for ``stats()``."""
-        ip = self._ingest_point
-        return {"ingested": (ip.ingested if ip else 0) + sum(b.ingested for b in self._inboxes),
-                "writers": (len(ip.writers) if ip else 0) + sum(len(b.actors) for b in self._inboxes),
-                "staged": self._backlog() if (ip or self._inboxes) else 0}
+    def close(self) -> None:
+        """Close the inboxes and the ingest point (local; idempotent)."""
+        for box in self.inboxes:
+            box.close()
+        self.inboxes = []
+        if self.intake is not None:
+            self.intake.close()
+            self.intake = None

@@ -27,6 +27,7 @@ import pytest
 import gear_mpi as gm
 from checkpoint_checks import shared_dir  # noqa: F401 (fixture)
 from gear_mpi import checkpoint as ck
+from gear_mpi.storage import arenas
 from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows, expect_same_error, fill, shard_sizes
 
 SELECTORS = {"Uniform": gm.Uniform, "Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": gm.Fifo,
@@ -142,7 +143,7 @@ def test_damaged_columns_file(saved):
     if RANK == 0:
         body = ck.read_manifest(cp)["body"]
         head = ck.shard_files.ring_head(ck.shard_files.read_meta(cp, body, 0))
-        where = gm.storage.arenas.HEADER_BYTES + head * SPEC["obs"].step_bytes + 1  # the oldest step of the first column
+        where = arenas.HEADER_BYTES + head * SPEC["obs"].step_bytes + 1  # the oldest step of the first column
         with open(os.path.join(cp, ck.rank_dir(0), "columns.bin"), "r+b") as f:
             f.seek(where)
             b = f.read(1)
