@@ -230,3 +230,62 @@ def test_writer_arguments():
         assert point.writers == {} and segments(point.address) == [point.address]
     finally:
         point.close()
+
+
+def test_writers_of_a_killed_learner_stop_within_their_timeout_and_clean_up():
+    """Issue 30, item 1: the learner (an owner that drains, as a Replay's collectives do) is SIGKILLed while a
+    fast and a slow actor write; each gets WriterError ("died") within its timeout, not when its staging area
+    fills, and the registry and staging segments are gone from /dev/shm afterwards."""
+    code = ("import sys, time, numpy as np, gear_mpi as gm\n"
+            "sys.path.insert(0, %r)\n"
+            "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
+            "from gear_mpi.feeds import intake\n"
+            "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
+            "point = intake.WriterIntake(gm.Shard(spec, 4000, gm.Fifo(), max_items=1000))\n"
+            "print(point.address, flush=True)\n"
+            "while True:\n"
+            "    point.drain(np.inf); time.sleep(0.005)\n") % str(HERE)
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    address = owner.stdout.readline().strip()
+    timeout = 4.0
+    try:
+        fast = actor(address, "--episodes", "100000000", "--timeout", str(timeout))
+        slow = actor(address, "--episodes", "100000000", "--step-sleep", "0.02", "--timeout", str(timeout), "--seed", "1")
+        time.sleep(2.0)
+        assert fast.poll() is None and slow.poll() is None, "both actors still write while the learner lives"
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        killed = time.monotonic()
+        for w in (fast, slow):
+            out, err = w.communicate(timeout=timeout + 10)
+            assert time.monotonic() - killed < timeout + 3, "an actor went on past its timeout"
+            assert w.returncode == 3 and "ERROR WriterError" in out and "died" in out, (out, err[-2000:])
+        assert segments(address) == [], "a dead learner's writers remove its segments"
+    finally:
+        owner.kill()
+        for name in segments(address):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_writer_slots_are_reaped_with_nothing_pending(owner):
+    """Issue 30, item 2: 200 writers opened and closed in sequence (more than the 128 slots) all open, with the
+    owner only looking (backlog, as a collective with nothing to ingest does); a killed actor that its parent
+    has not waited for (a zombie) loses its slot too."""
+    shard, point = owner
+    for i in range(200):
+        w = gm.Writer(point.address, staging_steps=32)
+        w.close()
+        point.backlog()
+        assert len(point.writers) == 0, f"writer {i}: closed writers keep their slots"
+    assert segments(point.address) == [point.address]
+    zombie = actor(point.address, "--episodes", "0", "--then-open", "2")
+    assert [zombie.stdout.readline().strip() for _ in range(2)] == ["DONE", "READY"]
+    point.backlog()
+    assert len(point.writers) == 1
+    os.kill(zombie.pid, signal.SIGKILL)  # not waited for: a zombie, which os.kill(pid, 0) still finds
+    deadline = time.monotonic() + 5
+    while point.writers and time.monotonic() < deadline:
+        time.sleep(0.05)
+        point.backlog()
+    assert point.writers == {} and segments(point.address) == [point.address], "a zombie writer keeps its slot"
+    zombie.wait()

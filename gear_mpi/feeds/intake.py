@@ -23,7 +23,7 @@ import numpy as np
 
 from ..kernels.hints import publish
 from ..storage.arenas import SHM_DIR
-from .staging import R_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, Registry, Staging
+from .staging import R_CLOSED, S_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, Registry, Staging
 
 log = logging.getLogger("gear_mpi")
 _REAP_SECONDS = 0.2  # how often to look for writers that closed or died
@@ -57,10 +57,12 @@ class WriterIntake:
         return self._address
 
     def _discover(self) -> None:
+        """Attach newly announced writers and free the slots of writers that closed or died with nothing left
+        to ingest. Closed writers are seen at every call (a flag read each); dead ones (exited, killed or
+        zombies: a syscall each) every ``_REAP_SECONDS``. Both run whether or not anything waits, so slots and
+        ``stats()["writers"]`` follow the writers even while no episode is pending."""
         announced = np.flatnonzero(self.registry.announce.copy())  # writers announce while we look: a snapshot
-        if len(announced) == len(self.writers):
-            return
-        for slot in announced.tolist():
+        for slot in (announced.tolist() if len(announced) != len(self.writers) else ()):
             if slot in self.writers:
                 continue
             staging = Staging.attach(self.registry, self.shard.spec, slot)
@@ -69,6 +71,7 @@ class WriterIntake:
                 self._free(slot, None)
             else:
                 self.writers[slot] = staging
+        self._reap()
 
     def backlog(self) -> int:
         """Episodes ended by the writers and not yet ingested (attaches new writers first). O(writers)."""
@@ -101,14 +104,20 @@ class WriterIntake:
             except _BrokenStaging as e:
                 log.error("writer slot %d of %s: %s; dropping that writer", slot, self.address, e)
                 self._free(slot, st)
-        now = time.monotonic()
-        if now >= self._reap_at:
-            self._reap_at = now + _REAP_SECONDS
-            for slot, st in list(self.writers.items()):
-                if st.published() == int(st.header[S_CONSUMED]) and st.writer_gone():
-                    self._free(slot, st)
+        self._reap()
         self.ingested += total
         return total
+
+    def _reap(self) -> None:
+        """Free the slots of writers that closed or died and whose ended episodes are all in the shard."""
+        now = time.monotonic()
+        dead_too = now >= self._reap_at
+        if dead_too:
+            self._reap_at = now + _REAP_SECONDS
+        for slot, st in list(self.writers.items()):
+            # closed (or dead) first, then the count: a writer publishes its last episode before it closes
+            if (st.header[S_CLOSED] or (dead_too and st.writer_gone())) and st.published() == int(st.header[S_CONSUMED]):
+                self._free(slot, st)
 
     def _drain_one(self, st: Staging, budget: float) -> int:
         done = int(st.header[S_CONSUMED])

@@ -68,6 +68,24 @@ def spec_hash(spec: TrajectorySpec) -> int:
     return h
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: it exists and is not a zombie (``os.kill(pid, 0)`` succeeds on a
+    zombie, whose parent has not waited for it yet). O(1): one signal check and a read of ``/proc/PID/stat``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # gone since, or no /proc: believe the signal check
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]  # the field after "(comm)"
+    return state not in (b"Z", b"X")
+
+
 class Registry:
     """A rank's ingest point: made by the owner (:meth:`create`), opened by writers (:meth:`open`)."""
 
@@ -132,16 +150,20 @@ class Registry:
         return TrajectorySpec.from_dict(json.loads(bytes(self.arena.buffer[_SPEC_OFFSET:_SPEC_OFFSET + n])))
 
     def owner_gone(self) -> str | None:
-        """Why the owner can take no more episodes (closed, or its process died), or None. O(1) syscall."""
+        """Why the owner can take no more episodes (closed, or its process died or is a zombie), or None.
+        O(1) syscalls."""
         if self.words[R_CLOSED]:
             return "its replay was closed"
-        try:
-            os.kill(int(self.words[R_OWNER_PID]), 0)
-        except ProcessLookupError:
+        if not process_alive(int(self.words[R_OWNER_PID])):
             return f"its owner process (pid {int(self.words[R_OWNER_PID])}) died"
-        except PermissionError:
-            pass
         return None
+
+    def unlink(self) -> None:
+        """Remove the registry's name (the owner does at close; a writer does when the owner died). Idempotent."""
+        try:
+            os.unlink(self.arena.path)
+        except (FileNotFoundError, TypeError, AttributeError):
+            pass
 
     def staging_name(self, slot: int) -> str:
         """The segment name of writer slot ``slot``."""
@@ -222,16 +244,10 @@ class Staging:
         return n
 
     def writer_gone(self) -> bool:
-        """Whether the writer closed, or its process no longer exists. O(1) syscall."""
+        """Whether the writer closed, or its process no longer runs (exited, killed, or a zombie). O(1) syscalls."""
         if self.header[S_CLOSED]:
             return True
-        try:
-            os.kill(int(self.header[S_PID]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
+        return not process_alive(int(self.header[S_PID]))
 
     def mark_consumed(self, episodes: int, steps: int) -> None:
         """Hand room back to the writer: every step before ``steps`` and record before ``episodes`` is copied out."""

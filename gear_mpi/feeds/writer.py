@@ -24,6 +24,7 @@ Semantics (documented choices):
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -37,6 +38,7 @@ from ..spec import TrajectorySpec, _castable
 from .staging import R_CLOSED, S_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, S_PUBLISHED, S_PUBLISHED_STEPS, Registry, Staging
 
 _STAGING_BYTES = 64 << 20  # default staging area: about 64 MiB of steps (at least 2 episodes)
+_OWNER_CHECK_SECONDS = 0.1  # how often end_episode/insert look whether the owner still runs (at most timeout / 4)
 
 
 def check_priority(priority: Any, where: str) -> float:
@@ -223,7 +225,11 @@ class Writer(EpisodeWriter):
         MemoryBudgetError: ``/dev/shm`` too small for the staging area.
         ValueError: a bad ``timeout`` or ``staging_steps``.
     Cost: one shared-memory segment of ``staging_steps * step_bytes`` (reserved at once) plus 24 bytes per
-    staged episode; per step O(columns) Python and a copy; no system call on the fast path.
+    staged episode; per step O(columns) Python and a copy; no system call on the fast path. Every
+    ``end_episode``/``insert`` reads the clock, and at most every 0.1 s (``timeout / 4`` when shorter) looks
+    whether the owner still runs, so a closed or dead owner (killed, exited without ``close()``, or a zombie)
+    gives :class:`~gear_mpi.errors.WriterError` at the next episode end, within the timeout; the writer of a
+    dead owner then removes its staging area and the owner's registry from ``/dev/shm``.
     """
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None):
@@ -249,10 +255,17 @@ class Writer(EpisodeWriter):
         self._published = h[S_PUBLISHED:S_PUBLISHED + 1]
         self._published_steps = h[S_PUBLISHED_STEPS:S_PUBLISHED_STEPS + 1]
         self._written = 0  # steps written before the open episode (its first step's number)
+        self._check_every = min(_OWNER_CHECK_SECONDS, self.timeout / 4)
+        self._check_at = time.monotonic() + self._check_every
 
     def _gone(self) -> None:
         why = self._registry.owner_gone()
         if why is not None:
+            if "died" in why:  # nobody else will remove the segments of a dead owner: its writers do
+                self._stage.close(unlink=True)
+                self._registry.unlink()
+                self._closed = True
+                self._max_length = 0
             raise WriterError(f"writer of {self.address!r}: {why}; the open episode and anything not yet "
                               f"ingested are lost")
 
@@ -288,7 +301,9 @@ class Writer(EpisodeWriter):
         return pieces
 
     def _publish(self, length: int, priority: float) -> None:
-        if self._registry.words[R_CLOSED]:  # the replay is gone: say so now, not when staging fills
+        now = time.monotonic()
+        if self._registry.words[R_CLOSED] or now >= self._check_at:  # a closed or dead owner is told now, not
+            self._check_at = now + self._check_every                   # when the staging area fills
             self._gone()
         self._room(0)  # a free record
         rec = self._stage.records[self._episodes % self._stage.episodes]
@@ -325,6 +340,9 @@ class Writer(EpisodeWriter):
         if self._closed:
             return
         super().close()
+        if self._stage.arena.buffer is None:  # already removed: the owner died (see _gone)
+            self._registry.close()
+            return
         publish(self._stage.header[S_CLOSED:S_CLOSED + 1], 1)
         owner_gone = self._registry.owner_gone() is not None
         self._stage.close(unlink=owner_gone)
