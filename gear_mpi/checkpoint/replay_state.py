@@ -1,7 +1,7 @@
 """A replay's own state for checkpoints: what :class:`~gear_mpi.replay.Replay` hands out and takes back.
 
 :class:`ReplayState` is the part of a :class:`~gear_mpi.replay.Replay` that holds it, as
-:class:`~gear_mpi.checkpoint.shard_state.ShardState` does for a shard: the replay-level streams and
+:class:`~gear_mpi.checkpoint.shard_state.ShardCheckpointState` does for a shard: the replay-level streams and
 window counters (:meth:`~ReplayState.state`, :meth:`~ReplayState.load_state`; the replay counts its
 windows into it, :meth:`~ReplayState.count_windows`) and how the replay runs
 (:meth:`~ReplayState.describe`, for a manifest). The shards' own state and the file format are

@@ -276,7 +276,8 @@ class BatchIterator:
         effect: every rank's thread runs the same remaining collectives). Idempotent.
 
         Raises:
-            The thread's error, if it failed outside a sample (e.g. a timed-out update).
+            GearError: the thread's error, if it failed outside a sample (e.g. a timed-out update's
+                CollectiveTimeoutError), raised again here.
         """
         with self._cv:
             first = not self._closing

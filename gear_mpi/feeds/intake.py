@@ -5,7 +5,7 @@ it owns the registry segment (:mod:`gear_mpi.feeds.staging`). :meth:`WriterIntak
 attaches newly announced writers, reads each one's published episode records,
 checks them (a writer is another process: its records are not trusted), and moves
 up to ``budget`` episodes into the shard with one
-:meth:`~gear_mpi.storage.shard_insert.ShardInsert.store_packed` call per writer -- a copy
+:meth:`~gear_mpi.shard.Shard.store_packed` call per writer -- a copy
 of at most two slices per column (the staging ring's wrap), no Python per step or
 per episode. Writers that closed or died are removed once their published episodes
 are in. Local: no communication.
