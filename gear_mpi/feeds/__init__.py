@@ -13,6 +13,7 @@ A writer process imports only :mod:`.writer` and :mod:`.staging` (neither mpi4py
 this package's ``__init__`` imports no more than that.
 """
 from .rate_limit import MinSize, RateLimiter, SampleToInsertRatio
+from .staging import process_alive
 from .writer import EpisodeWriter, Writer
 
-__all__ = ["MinSize", "RateLimiter", "SampleToInsertRatio", "EpisodeWriter", "Writer"]
+__all__ = ["MinSize", "RateLimiter", "SampleToInsertRatio", "process_alive", "EpisodeWriter", "Writer"]

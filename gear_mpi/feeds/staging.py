@@ -77,12 +77,13 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    if not os.path.isdir("/proc"):  # no /proc to tell a zombie by: believe the signal check
+        return True
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:  # gone since, or no /proc: believe the signal check
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]  # the field after "(comm)"
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after "(comm)"
+    except (OSError, IndexError):  # gone since
+        return False
     return state not in (b"Z", b"X")
 
 

@@ -56,6 +56,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gear_mpi.feeds import process_alive
+
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "ns_ssh"
 DIR_VAR = "GEAR_MPI_HOSTS_DIR"          # the launcher's way to the holders; also marks the hosts' processes
@@ -115,20 +117,6 @@ def _run(cmd: list[str], what: str, timeout: float = 20.0) -> str:
     return r.stdout
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def namespaces() -> list[str]:
     """Names of the network namespaces of ``ip netns list``."""
     try:
@@ -165,7 +153,7 @@ def _kill_all(pids_of, timeout: float) -> list[int]:
     """SIGKILL what ``pids_of()`` lists until it lists nothing (or ``timeout``); return what is left."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [p for p in pids_of() if p != os.getpid() and _alive(p)]
+        left = [p for p in pids_of() if p != os.getpid() and process_alive(p)]
         if not left or time.monotonic() > deadline:
             return left
         for p in left:
@@ -191,7 +179,7 @@ def clean_stale() -> list[str]:
     removed = []
     for ns in namespaces():
         m = NAME_RE.match(ns)
-        if m and int(m[1]) != 0 and not _alive(int(m[1])):
+        if m and int(m[1]) != 0 and not process_alive(int(m[1])):
             _delete_ns(ns)
             removed.append(ns)
     return removed
