@@ -90,7 +90,7 @@ def assert_gone(h: TwoHosts, holders: list[int]) -> None:
     """Nothing of ``h`` is left: namespaces, holders, processes that ran on the hosts, the folder."""
     left = set(two_hosts.namespaces()) & {x.netns for x in h.hosts}
     assert not left, f"namespaces left: {left}"
-    alive = [p for p in holders if p and two_hosts._alive(p)]
+    alive = [p for p in holders if p and two_hosts.process_alive(p)]
     assert not alive, f"holder processes left: {alive}"
     marked = two_hosts.marked_pids(h.dir)
     assert not marked, f"processes that ran on the hosts are left: {marked}"
