@@ -166,8 +166,8 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
             if not allow_drop:
                 raise lost
             if rank == 0:
-                log.warning("load of %s: %s", where, str(lost).replace("; or pass allow_drop=True to keep the "
-                                                                        "newest that fit", " (allow_drop=True)"))
+                log.warning("load of %s (allow_drop=True): dropped %d of %d trajectories, the oldest that the new "
+                            "shards cannot hold", where, int((~keep).sum()), n)
         if own["tag"] == tag:  # the new replay's keys must not be confused with the old ones
             shard.load_state(dict(own, tag=(tag + 1) & keyspace.TAG_MASK))
         steps = np.bincount(dest[keep], weights=allr["length"][keep], minlength=size)

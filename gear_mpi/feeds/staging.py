@@ -68,6 +68,9 @@ def spec_hash(spec: TrajectorySpec) -> int:
     return h
 
 
+_HAS_PROC = os.path.isdir("/proc")
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs: it exists and is not a zombie (``os.kill(pid, 0)`` succeeds on a
     zombie, whose parent has not waited for it yet). O(1): one signal check and a read of ``/proc/PID/stat``."""
@@ -77,7 +80,7 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    if not os.path.isdir("/proc"):  # no /proc to tell a zombie by: believe the signal check
+    if not _HAS_PROC:  # nothing to tell a zombie by: believe the signal check
         return True
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

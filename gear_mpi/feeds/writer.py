@@ -261,11 +261,11 @@ class Writer(EpisodeWriter):
     def _gone(self) -> None:
         why = self._registry.owner_gone()
         if why is not None:
-            if "died" in why:  # nobody else will remove the segments of a dead owner: its writers do
+            if not self._registry.words[R_CLOSED]:  # the owner died: nobody else will remove its segments
                 self._stage.close(unlink=True)
                 self._registry.unlink()
-                self._closed = True
-                self._max_length = 0
+                self._registry.close()
+                super().close()  # closed: close() has nothing left to do
             raise WriterError(f"writer of {self.address!r}: {why}; the open episode and anything not yet "
                               f"ingested are lost")
 
@@ -340,9 +340,6 @@ class Writer(EpisodeWriter):
         if self._closed:
             return
         super().close()
-        if self._stage.arena.buffer is None:  # already removed: the owner died (see _gone)
-            self._registry.close()
-            return
         publish(self._stage.header[S_CLOSED:S_CLOSED + 1], 1)
         owner_gone = self._registry.owner_gone() is not None
         self._stage.close(unlink=owner_gone)
