@@ -31,6 +31,20 @@ def segments(address: str) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(address))
 
 
+def owner_process(shard: str, then: str) -> subprocess.Popen:
+    """An owner in its own process: a WriterIntake over ``shard`` (an expression over ``spec``, the actors'
+    spec); it prints its address, then runs ``then`` (code)."""
+    code = ("import sys, time, numpy as np, gear_mpi as gm\n"
+            f"sys.path.insert(0, {str(HERE)!r})\n"
+            "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
+            "from gear_mpi.feeds import intake\n"
+            "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
+            f"point = intake.WriterIntake({shard})\n"
+            "print(point.address, flush=True)\n"
+            f"{then}\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
 def actor(address: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE / "writer_actor.py"), address, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -179,15 +193,7 @@ def test_a_closed_replay_stops_its_writers_at_once(owner):
 
 
 def test_a_dead_owner_gives_its_writers_an_error_within_their_timeout(tmp_path):
-    code = ("import sys, time, gear_mpi as gm\n"
-            "sys.path.insert(0, %r)\n"
-            "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
-            "from gear_mpi.feeds import intake\n"
-            "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
-            "point = intake.WriterIntake(gm.Shard(spec, 1000))\n"
-            "print(point.address, flush=True)\n"
-            "time.sleep(600)\n") % str(HERE)
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    owner = owner_process("gm.Shard(spec, 1000)", "time.sleep(600)")
     address = owner.stdout.readline().strip()
     try:
         w = actor(address, "--episodes", "50", "--staging-steps", "16", "--timeout", "60")
@@ -236,16 +242,8 @@ def test_writers_of_a_killed_learner_stop_within_their_timeout_and_clean_up():
     """Issue 30, item 1: the learner (an owner that drains, as a Replay's collectives do) is SIGKILLed while a
     fast and a slow actor write; each gets WriterError ("died") within its timeout, not when its staging area
     fills, and the registry and staging segments are gone from /dev/shm afterwards."""
-    code = ("import sys, time, numpy as np, gear_mpi as gm\n"
-            "sys.path.insert(0, %r)\n"
-            "from writer_actor import SPEC_COLUMNS, MAX_LENGTH\n"
-            "from gear_mpi.feeds import intake\n"
-            "spec = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)\n"
-            "point = intake.WriterIntake(gm.Shard(spec, 4000, gm.Fifo(), max_items=1000))\n"
-            "print(point.address, flush=True)\n"
-            "while True:\n"
-            "    point.drain(np.inf); time.sleep(0.005)\n") % str(HERE)
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    owner = owner_process("gm.Shard(spec, 4000, gm.Fifo(), max_items=1000)",
+                          "while True:\n    point.drain(np.inf); time.sleep(0.005)")
     address = owner.stdout.readline().strip()
     timeout = 4.0
     try:
