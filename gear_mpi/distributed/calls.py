@@ -30,8 +30,9 @@ rendezvous), and read it only once the heads matched.
 After a mismatch the replay cannot communicate any more (``MpiComm.broken``): every later call raises
 CollectiveError at once and ``close()`` closes locally. The ranks are at different points of their
 programs, and a payload posted behind a head may be left pending: a later collective on the
-communicator would meet it (so every rank records the communicator as holding one,
-:func:`gear_mpi.distributed.deadline.mark_pending`: a replay built on it later refuses to run). ``close()`` itself is not a head: its barrier runs on a
+communicator would meet it. So when some rank's call posts one (:data:`PAYLOADS`), every rank records the
+communicator as holding one (:func:`gear_mpi.distributed.deadline.mark_pending`: ``Replay.load`` on it
+refuses at once, as after a timeout); the next replay belongs on another communicator. ``close()`` itself is not a head: its barrier runs on a
 communicator of its own (:meth:`NodeView.closing_barrier <gear_mpi.distributed.node.NodeView.closing_barrier>`),
 so a rank that closes while another calls something else makes both time out (CollectiveTimeoutError).
 Calls that do not communicate (a sample of a replay built with ``mode="local"``, inserts, ``get``) are
@@ -49,6 +50,8 @@ from .comm import MpiComm, error_code
 
 #: the replay's collectives, by the names their heads carry (a head's operation is the index here)
 OPS = ("sample", "update_priorities", "update_priorities (batches)", "get_many", "stats", "save", "RateMeter")
+#: the calls that post a payload behind their head
+PAYLOADS = ("update_priorities (batches)", "stats")
 VALUES = 11  # numbers a head carries besides its status and call: a sample's header (distributed.header)
 WIDTH = 2 + VALUES
 _SPAN = 64  # a head's call: number * _SPAN + operation
@@ -81,6 +84,20 @@ def _ranks(ranks: list[int]) -> str:
             runs.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = r
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def payload_pending(codes: list[float]) -> bool:
+    """Whether a payload may be left pending after a mismatch of these calls: some rank's call posts one
+    (:data:`PAYLOADS`), or is no call of this library. Local, O(ranks); the same on every rank.
+
+    Args:
+        codes: every rank's call column, as agreed.
+    """
+    for code in codes:
+        name = call_name(code)
+        if name.split(" (call #")[0] in PAYLOADS or " (call #" not in name:
+            return True
+    return False
 
 
 def mismatch_message(codes: list[float]) -> str:
@@ -165,8 +182,8 @@ class ReplayCalls:
             comm.broken = message
             if posted is not None:
                 _ABANDONED.append(posted)
-            # on every rank: some rank's payload may be pending, which a later collective would meet
-            deadline.mark_pending(comm.comm, message)
+            if payload_pending(codes):  # alike on every rank: a later collective here would meet a payload
+                deadline.mark_pending(comm.comm, message)
             raise errors.CollectiveError(message)
         if max(table[:, 0].tolist()) >= 0:  # somebody failed: every rank knows, and all raise its error
             self._finish(posted, what)
