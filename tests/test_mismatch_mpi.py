@@ -27,7 +27,7 @@ def _run(nprocs: int, transport: str, scenarios: list[str]) -> None:
     try:
         proc = run_mpi(nprocs, "check_mismatch.py", transport, *scenarios, timeout=240, mpi=mpi)
     finally:
-        remove_leaked_mpi_leftovers(started, mpi)  # the ranks leave through os._exit: no MPI_Finalize
+        remove_leaked_mpi_leftovers(started, mpi)  # in case a rank failed before MPI_Finalize
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0, out[-4000:]
     assert "WRONG" not in proc.stdout, out[-4000:]
