@@ -20,8 +20,9 @@ every rank compares the calls before it reads anything else of the table: when t
 raises the same :class:`~gear_mpi.errors.CollectiveError`, which names each rank's call -- ``collective
 mismatch: rank 0 called update_priorities (call #7), rank 1 called stats (call #7); ...`` -- instead
 of reading another call's numbers as its own (before, such ranks returned wrong results, raised
-``ValueError``s, or timed out). It costs 16 bytes a rank over a header of its own (96 bytes before, for a
-sample), and no message.
+``ValueError``s, or timed out). It costs no message: a sample's allgather carries 104 bytes a rank
+instead of 96 (the call), an update's or a fetch's 104 instead of 16 or 8 (a fixed size), and on one
+node every head is a row of the node board (no MPI call; before, only a sample's was).
 
 Calls with more to share than a head holds (``stats``' row of figures, a deferred update's counts and
 keys) post that *payload* as a second allgather right behind the head, both in flight together (one
