@@ -163,7 +163,7 @@ class ReplayCalls:
         head[0] = -1.0 if error is None else float(error_code(error))
         head[1] = float(self.count * _SPAN + OPS.index(what))
         head[2:2 + n] = values
-        posted = None
+        posted = sent = None
         try:
             if self.board is not None:
                 round_ = self.board.share(head)
@@ -171,10 +171,12 @@ class ReplayCalls:
                 table = self.board.gather(round_, WIDTH, what)
             else:
                 table = np.empty((comm.size, WIDTH), np.float64)
-                req = comm.comm.Iallgather(head, table)
+                sent = comm.comm.Iallgather(head, table), (head, table)
                 posted = self._post(payload)
-                comm.wait(req, what)
+                comm.wait(sent[0], what)
         except errors.CollectiveTimeoutError:
+            if sent is not None:
+                _ABANDONED.append(sent)  # the head is pending too (comm.wait marked the communicator)
             self._abandon(posted)
             raise
         codes = table[:, 1].tolist()  # a few numbers: cheaper in Python than numpy
