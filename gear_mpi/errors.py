@@ -31,7 +31,10 @@ class EmptyReplayError(GearError, RuntimeError):
 
 
 class CollectiveError(GearError, RuntimeError):
-    """A collective call failed on some rank; raised on every rank with the same message."""
+    """A collective call failed on some rank, or the ranks are in different collective calls ("collective
+    mismatch: rank 0 called update_priorities (call #7), rank 1 called stats (call #7); ..."); raised on
+    every rank with the same message. After a mismatch (or a timeout) the replay is unusable: later calls
+    raise CollectiveError at once."""
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):

@@ -9,7 +9,7 @@ every rank. The mode given at construction is the default; ``sample(..., mode=)`
 picks another for one call (the plans of every mode work over the same shards).
 
 A sample reads as its protocol: the ranks agree on the arguments (one allgather
-of a 12-value header: a status, the call's arguments, the shard's mass, and the rate
+of a 13-value head: a status, the call and its number, the call's arguments, the shard's mass, and the rate
 limiter's counts; :mod:`gear_mpi.distributed.header`); the mode's plan
 (:mod:`gear_mpi.distributed.plans`) turns the header into the items each owner serves each requester; the window transport
 (:mod:`gear_mpi.distributed.transport`) delivers a 48-byte *choice* per item and the
@@ -24,6 +24,10 @@ collective of the call, so a bad argument on one rank raises the same error
 (``"sample: rank R: ..."``) on every rank. A rank that does not arrive within
 ``timeout`` seconds -- at any collective, construction included -- makes the
 others raise :class:`CollectiveTimeoutError`; the replay is then unusable.
+Every collective begins with a head of one size that names the call and numbers it
+(:mod:`gear_mpi.distributed.calls`): ranks in different calls (rank 0 in ``stats``,
+rank 1 in ``update_priorities``) all raise the same :class:`CollectiveError` naming
+each rank's call, and the replay is then unusable too.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from .distributed import header, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch, check_batch_size, check_window
+from .distributed.calls import ReplayCalls
 from .distributed.comm import MpiComm
 from .storage.device import DeviceContext, parse_device
 from .feeds.replay_feeds import ReplayFeeds, check_rate_limit
@@ -154,6 +159,7 @@ class Replay:
                 self.shard.close()
             raise
         self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
+        self.calls = ReplayCalls(self.comm, self.node.board)  # the heads of its collectives (distributed.calls)
         if self.device is None:  # the first sample then costs what later ones do (gear_mpi.shard.warm_kernels)
             warm_kernels(spec, sampler)
             none = np.zeros(size, np.int64)
@@ -322,12 +328,13 @@ class Replay:
                 on every rank).
             EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
             RateLimitTimeoutError: the rate limiter held the call past ``rate_limit_timeout`` (every rank).
+            CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
         First the rank's writers are drained (within its insert budget); with a rate limiter that does
         not admit the call, every rank repeats drain + header allgather, backing off, until it does.
-        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 96 bytes
-        per rank, then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per
+        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 104 bytes
+        per rank (the head: status, call, header), then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per
         column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI call, both
         rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter published at the end (read by an
         owner before it next writes its shard; see the module docstring) keeps owners
@@ -348,8 +355,7 @@ class Replay:
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
         # the writers drain; the header is agreed (over the node board when there is one), again while the
         # rate limiter holds the call
-        head = header.agree(self._feeds, self.shard, self.node.board or self.comm, err, batch_size, window, code,
-                            mcode)
+        head = header.agree(self._feeds, self.shard, self.calls, err, batch_size, window, code, mcode)
         if header.check_mode(head) == "local":  # agreed: each rank samples its own shard
             return self._sample_local(batch_size, window, align, out)
         self.node.begin_sample()
@@ -437,9 +443,11 @@ class Replay:
             How many of this rank's keys were applied (stale keys are dropped and counted in :meth:`stats`).
         Raises:
             InvalidKeyError, InvalidPriorityError: a bad key or priority on some rank (on every rank).
+            CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
-        Cost: one allgather (status, and whether the rank's keys are all its own); then, unless
+        Cost: the head, one allgather (status, call, whether the rank's keys are all its own; a row on the
+        node board when every rank is on one node); then, unless
         every rank holds only its own keys (as after a local sample), one alltoall of counts, one
         alltoallv of 16 bytes per key, one alltoall of applied counts; O(n) on the owner plus one
         batched index update. Duplicate keys: the highest rank's value wins, and within a rank the
@@ -450,8 +458,10 @@ class Replay:
     @metered_update
     def _update(self, keys: Any, priorities: Any, deferred: bool = False) -> int:
         """:meth:`update_priorities`; ``deferred`` (every rank's batches() thread): up to ``FOLD_RANKS``
-        ranks, :func:`routing.route_deferred`: one allgather carries the counts, and the keys too once
-        their count is known (``fold_keys``); the result is how many keys this rank's shard applied."""
+        ranks, :func:`routing.route_deferred`: one allgather in flight with the head carries the counts, and the
+        keys too once their count is known (``fold_keys``); the result is how many keys this rank's shard applied.
+        A deferred update's head is an ``"update_priorities (batches)"`` call: a plain update meeting it is a
+        mismatch (:mod:`gear_mpi.distributed.calls`)."""
         self._check_open()
         err, own, fold = None, 1.0, deferred and self.ranks <= FOLD_RANKS
         try:
@@ -462,10 +472,10 @@ class Replay:
         except Exception as e:
             err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
         if fold:
-            applied, self.fold_keys = routing.route_deferred(self.comm, self.shard, err, keys, owner, pr,
+            applied, self.fold_keys = routing.route_deferred(self.calls, self.shard, err, keys, owner, pr,
                                                              self.fold_keys, self.settle)
             return applied
-        table = self.comm.agree(err, "update_priorities", [own])
+        table = self.calls.agree(err, "update_priorities (batches)" if deferred else "update_priorities", [own])
         self.settle()
         if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
             return int(self.shard.apply_priorities(keys, pr).sum())
@@ -495,13 +505,14 @@ class Replay:
             None where the key is stale (its trajectory evicted or removed).
         Raises:
             TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+            CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one allgather (status), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
+        Cost: the head (one allgather, or a row on the node board), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
         alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
         between node peers (each step is packed by its owner, then sent).
         """
         self._check_open()
-        return routing.get_many(self.comm, self.shard, keys)
+        return routing.get_many(self.calls, self.shard, keys)
 
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -516,9 +527,10 @@ class Replay:
             writers, staged), plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"``
             (counters for :func:`gear_mpi.stats.rates`: ``{"per_rank": ..., "total": ...}``).
         Raises:
+            CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: drains this rank's writers (within the insert budget), then one allgather of 31 float64 per
-        rank (a status, 17 figures and 13 activity counters).
+        Cost: drains this rank's writers (within the insert budget), then the head (status and call) and,
+        in flight with it, one allgather of 30 float64 per rank (17 figures and 13 activity counters).
         """
         self._check_open()
         err = None
@@ -530,7 +542,8 @@ class Replay:
         mine.update(windows_shared=self._state.windows_shared, windows_mpi=self._state.windows_mpi,
                     **self._feeds.figures())
         n = len(stats_schema.REPLAY_FIGURES)
-        table = self.comm.agree(err, "stats", stats_schema.row(mine) + self._activity.row())
+        row = np.array(stats_schema.row(mine) + self._activity.row(), np.float64)
+        _, table = self.calls.agree(err, "stats", payload=row)  # the row rides behind the head
         self.settle()
         out = stats_schema.combine(table[:, :n], self.mode)
         total = out["total"]
@@ -610,7 +623,9 @@ class Replay:
     def close(self) -> None:
         """Collective: wait for every rank, unmap the node's shared memory, free the shard.
 
-        If the communicator is broken (after a timeout) it closes locally only. Idempotent.
+        If the communicator is broken (after a timeout or a mismatch of calls) it closes locally only. Idempotent.
+        Its barrier runs on a communicator of its own, never matched with another call: a rank that closes
+        while another makes a collective call makes both time out (no head names the calls).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout`` (this rank still closes).
         """

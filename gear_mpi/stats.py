@@ -302,7 +302,9 @@ class RateMeter:
         prefix, per_rank: as :func:`flatten`.
     Raises:
         ValueError: not exactly one of every/seconds, or a bad value. CollectiveTimeoutError: as the replay.
-    Cost: a barrier and ``Dup`` of the replay's communicator; per snapshot one allgather of 13 float64 a rank.
+        CollectiveError: another rank is in another call of the replay (:mod:`gear_mpi.distributed.calls`).
+    Cost: a head of the replay's (as a barrier) and a ``Dup`` of its communicator; per snapshot one allgather of
+    13 float64 a rank.
     """
 
     def __init__(self, replay, *, every: int | None = None, seconds: float | None = None,
@@ -316,7 +318,8 @@ class RateMeter:
             raise ValueError(f"RateMeter: seconds must be a positive number, got {seconds!r}")
         self.replay, self.every, self.seconds = replay, every, seconds
         self.sink, self.log, self.root, self.prefix, self.per_rank = sink, log, root, prefix, per_rank
-        replay.comm.barrier("RateMeter (dup)")  # Dup blocks: every rank is known to be here first
+        # Dup blocks: every rank is known to be here first (a head of the replay's: checked against its other calls)
+        replay.calls.agree(None, "RateMeter")
         self._comm = MpiComm(replay.comm.comm.Dup(), replay.comm.timeout)
         self.steps = 0
         self.snapshots = 0  # snapshots gathered so far

@@ -35,7 +35,8 @@ FLOORS = {
     # feeds/: writers (no MPI) up to the replay's part that runs them
     "feeds": 2, "feeds.rate_limit": 0, "feeds.staging": 1, "feeds.remote": 3, "feeds.replay_feeds": 5,
     # distributed/: the communicator layer low, the protocols over shards high
-    "distributed": 5, "distributed.deadline": 0, "distributed.comm": 1, "distributed.torch_comm": 1,
+    "distributed": 5, "distributed.deadline": 0, "distributed.comm": 1, "distributed.calls": 1,
+    "distributed.torch_comm": 1,
     # checkpoint/: a shard's state exporter low, the files and protocol above the shard, the replay's on top
     "checkpoint": 4, "checkpoint.shard_state": 2, "checkpoint.replay_state": 5,
     "datasets": 7,  # builds Replays; gear_mpi/__init__.py re-exports the package

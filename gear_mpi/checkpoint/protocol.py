@@ -85,7 +85,7 @@ def save(replay, path, progress: bool | None = None) -> None:
         RuntimeError: the replay is closed.
         CollectiveTimeoutError: a rank did not arrive at the start within the timeout,
             or missed its deadline for its files (named: absent or slow).
-        CollectiveError: an earlier collective of the replay timed out.
+        CollectiveError: an earlier collective of the replay failed, or another rank is in another call.
     Cost: each rank writes ``steps_used * step_bytes`` of columns plus ~70 bytes per
     table slot in use, in chunks of :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES`;
     a duplication of the communicator, four small collectives, one gather of the
@@ -116,7 +116,7 @@ def save(replay, path, progress: bool | None = None) -> None:
         mine = shard_files.bytes_to_write(replay.shard)
     except Exception as e:
         err = e
-    table = comm.agree(err, "save", [token, mine])
+    table = replay.calls.agree(err, "save", [token, mine])  # the save's head (gear_mpi.distributed.calls)
     replay.settle()
     tmp = f"{path}.tmp-{int(table[0, 0]):012x}"
     nbytes = table[:, 1]

@@ -4,6 +4,8 @@ Lowest first:
 
 - :mod:`.deadline` -- the polling wait every collective uses, and the communicators a timeout left unusable;
 - :mod:`.comm` -- ``MpiComm``: collectives with a deadline and errors agreed on every rank;
+- :mod:`.calls` -- the head every collective of a replay begins with: the call and its number, so that
+  ranks in different calls all raise the same CollectiveError naming them;
 - :mod:`.torch_comm` -- the NCCL/gloo exchange of device windows (torch.distributed);
 - :mod:`.node` -- the node's ranks, node peers' shared memory mapped, the node fence;
 - :mod:`.header` -- a sample's header: its layout, this rank's row, its agreement and checks;

@@ -34,7 +34,9 @@ _ERROR_CODES: list[type[Exception]] = [
 MESSAGE_BYTES = 1024
 
 
-def _error_code(exc: BaseException) -> int:
+def error_code(exc: BaseException) -> int:
+    """The status :meth:`MpiComm.agree` sends for ``exc``: the index of its most specific class in the
+    table of agreed error classes (0: a plain Exception). Local, O(classes)."""
     best = 0
     for i, cls in enumerate(_ERROR_CODES):
         if isinstance(exc, cls):
@@ -427,12 +429,26 @@ class MpiComm:
         self.check_usable()
         values = () if values is None else values
         head = np.empty(1 + len(values), np.float64)
-        head[0] = -1.0 if error is None else float(_error_code(error))
+        head[0] = -1.0 if error is None else float(error_code(error))
         head[1:] = values
         table = self.allgather(head, what)
         if max(table[:, 0].tolist()) < 0:  # nobody failed (a few statuses: cheaper in Python than numpy)
             return table[:, 1:]
-        statuses = table[:, 0].astype(np.int64)
+        self.raise_agreed(error, what, table[:, 0])
+
+    def raise_agreed(self, error: BaseException | None, what: str, statuses) -> None:
+        """Raise the lowest failing rank's error on every rank, once every rank knows that some rank failed.
+
+        Collective: one allgather of 1 KiB a rank (the messages).
+        Args:
+            error: this rank's exception, or None.
+            what: names the call in errors.
+            statuses: every rank's status, agreed (``-1``: no error; else the error's class code).
+        Raises:
+            the lowest failing rank's error class, ``"<what>: rank R: <message>"`` (see :meth:`agree`);
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        """
+        statuses = np.asarray(statuses).astype(np.int64)
         msg = b"" if error is None else str(error).encode("utf-8", "replace")[:MESSAGE_BYTES]
         buf = np.zeros(MESSAGE_BYTES, np.uint8)
         buf[:len(msg)] = np.frombuffer(msg, np.uint8)

@@ -1,7 +1,8 @@
 """A sample's header: the row every rank gives ``Replay.sample``'s first collective, defined, built, agreed
 and checked here.
 
-The header is a ``[ranks, HEADER_WIDTH]`` float64 table, row r from rank r, with the columns:
+The header is a ``[ranks, HEADER_WIDTH]`` float64 table, row r from rank r (the values of the sample's head,
+:mod:`gear_mpi.distributed.calls`, which adds a status and the call), with the columns:
 
 - ``BATCH``, ``WINDOW``, ``ALIGN``, ``MODE``: the call's arguments (the align code; the mode's index in
   :data:`MODES`);
@@ -10,8 +11,8 @@ The header is a ``[ranks, HEADER_WIDTH]`` float64 table, row r from rank r, with
   ever served, episodes waiting in the rank's writers, seconds this call has waited;
   :mod:`gear_mpi.feeds.replay_feeds` reads them).
 
-:func:`agree` builds this rank's row (:func:`build_row`) and agrees it -- one allgather over the
-communicator, or the node board's shared memory when every rank is on one node -- repeating while
+:func:`agree` builds this rank's row (:func:`build_row`) and agrees it as a ``"sample"`` head -- one
+allgather over the communicator, or the node board's shared memory when every rank is on one node -- repeating while
 the rate limiter holds the call; :func:`check_mode` and :func:`check_header` then raise the same
 error on every rank when the agreed call cannot be served. The plans of
 :mod:`gear_mpi.distributed.plans` turn the agreed header into who serves whom.
@@ -60,7 +61,7 @@ def build_row(shard, batch_size: int, window: int, code: int, mcode: int, backlo
             float(shard.store.state[ring.INSERTED_TOTAL]), float(shard.samples_drawn), float(backlog), waited]
 
 
-def agree(feeds, shard, comm, err: BaseException | None, batch_size: int, window: int, code: int,
+def agree(feeds, shard, calls, err: BaseException | None, batch_size: int, window: int, code: int,
           mcode: int) -> np.ndarray:
     """The sample's agreed header, once the rate limiter admits the call.
 
@@ -68,18 +69,20 @@ def agree(feeds, shard, comm, err: BaseException | None, batch_size: int, window
     row and agrees it; ``feeds.admit(head)`` decides from the agreed table -- alike on every rank -- whether
     the call runs now; if not, every rank backs off (``feeds.back_off``) and agrees again.
 
-    Collective over ``comm`` (one allgather a round; none when ``comm`` is the node board or None).
+    Collective over ``calls`` (one head a round, :mod:`gear_mpi.distributed.calls`: an allgather, or a row
+    on the node board; none when ``calls`` is None).
     Args:
         feeds: the replay's :class:`~gear_mpi.feeds.replay_feeds.ReplayFeeds`; shard: this rank's shard.
-        comm: what agrees the rows: the node board (:class:`~gear_mpi.distributed.node.NodeBoard`), the
-            :class:`~gear_mpi.distributed.comm.MpiComm`, or None for this rank's row alone (a local sample).
+        calls: the replay's :class:`~gear_mpi.distributed.calls.ReplayCalls` (each round is a ``"sample"``
+            head, the row its values), or None for this rank's row alone (a local sample).
         err: this rank's error with the call's arguments (then the other arguments are 0), or None.
         batch_size, window, code, mcode: as :func:`build_row`.
     Returns:
-        ``[ranks, HEADER_WIDTH]`` float64 (``[1, HEADER_WIDTH]``: this rank's row, when ``comm`` is None).
+        ``[ranks, HEADER_WIDTH]`` float64 (``[1, HEADER_WIDTH]``: this rank's row, when ``calls`` is None).
     Raises:
         the lowest failing rank's error, on every rank (with ``comm`` None: this rank's);
-        ValueError, RateLimitTimeoutError: from ``feeds.admit``; CollectiveTimeoutError: a rank did not arrive.
+        ValueError, RateLimitTimeoutError: from ``feeds.admit``; CollectiveTimeoutError: a rank did not arrive;
+        CollectiveError: another rank is in another call (:mod:`gear_mpi.distributed.calls`).
     """
     start, rounds = time.monotonic(), 0
     while True:
@@ -88,12 +91,12 @@ def agree(feeds, shard, comm, err: BaseException | None, batch_size: int, window
         except Exception as e:  # agreed below, so every rank raises it
             err = err or e
         row = build_row(shard, batch_size, window, code, mcode, feeds.header_backlog(), time.monotonic() - start)
-        if comm is None:
+        if calls is None:
             if err is not None:
                 raise err
             head = np.array(row, np.float64)[None]
         else:
-            head = comm.agree(err, "sample", row)
+            head = calls.agree(err, "sample", row)
         if feeds.admit(head):
             return head
         feeds.back_off(rounds)

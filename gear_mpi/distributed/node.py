@@ -244,9 +244,9 @@ class NodeView:
             self.closing = self.comm
 
 
-# ---- the node board: a sample's header and choices through shared memory -------------------------------
-_SLOT = 512  # bytes a rank's board starts with: header counter (0), choices counter (64), two header rows (128)
-_ROW = 16    # float64 a header row holds (a status and up to 15 values)
+# ---- the node board: every collective's head and a sample's choices through shared memory ---------------
+_SLOT = 512  # bytes a rank's board starts with: head counter (0), choices counter (64), two head rows (128)
+_ROW = 16    # float64 a head row holds (distributed.calls.WIDTH of them are used)
 CHOICE_CAPACITY = 8192  # choices an owner posts on its board per sample; more: that sample's choices travel by MPI
 
 
@@ -275,9 +275,10 @@ class NodeBoard:
     """Samples of a replay whose ranks all share one node, synchronised through shared memory, no MPI.
 
     Each rank owns a small shared segment (its *board*): a header counter and two header rows
-    (alternating: a rank can be at most one sample ahead of another), a choices counter, and room for
-    :data:`CHOICE_CAPACITY` choices (48 bytes each) that the rank serves per sample. :meth:`agree`
-    replaces the header's allgather, :meth:`post` / :meth:`collect` the choices' alltoallv: no MPI
+    (alternating: a rank can be at most one round ahead of another), a choices counter, and room for
+    :data:`CHOICE_CAPACITY` choices (48 bytes each) that the rank serves per sample. :meth:`share` /
+    :meth:`gather` replace the allgather of every collective's head (a sample's header among them;
+    :mod:`gear_mpi.distributed.calls`), :meth:`post` / :meth:`collect` the choices' alltoallv: no MPI
     call. A rank waiting for a peer polls the peer's counter, yielding its core between polls
     (``sched_yield``: on an oversubscribed node the core goes to a rank that works) for 20 ms
     (as :func:`gear_mpi.distributed.deadline.poll`), then sleeps on it (a futex the publisher wakes; where
@@ -311,41 +312,44 @@ class NodeBoard:
         self.sleeping = [b[96:100].view(np.uint32) for b in bufs]  # 1 + the rank whose counter it sleeps on
         self.rows = [b[128:128 + 2 * _ROW * 8].view(np.float64).reshape(2, _ROW) for b in bufs]
         self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, 6) for b in bufs]
-        self.rounds = 0  # header rounds agreed (the same on every rank)
+        self.rounds = 0  # rows shared (the same on every rank)
         # seconds of polling (yielding the core) before sleeping on a futex; a futex from the start, or
         # after 50 us, measured slower on W1 with 4 ranks on 2 cores (1.53 / 1.22 against 1.12 ms a call)
         self.spin = 0.02
         hints.publish(self.head_count[self.rank], 0)  # compile (cache) the ordered store now
 
-    def agree(self, error: BaseException | None, what: str, values) -> np.ndarray:
-        """:meth:`MpiComm.agree` over the board: every rank's ``values``, or the same error on every rank.
+    def share(self, row) -> int:
+        """Write this rank's row of the next round and publish it (local, O(len(row))): the first half of an
+        allgather over the board, which :meth:`gather` completes. Every rank shares a row per round, in the
+        same order as its other collectives (:class:`~gear_mpi.distributed.calls.ReplayCalls` heads).
 
-        Collective over the replay (every rank calls it, in the same order as its other collectives).
-        Cost: one row written, a counter published, a wait for every peer's counter; an error
-        anywhere: then :meth:`MpiComm.agree` (its allgathers) raises it on every rank.
         Args:
-            error: this rank's exception, or None; what: names the call in errors.
-            values: up to 15 numbers to share (the same count on every rank).
+            row: up to ``16`` numbers (float64).
         Returns:
-            float64 ``[ranks, len(values)]``, row r from rank r.
-        Raises:
-            the lowest failing rank's error class (see :meth:`MpiComm.agree`); CollectiveTimeoutError: a rank
-            did not arrive within the deadline (the replay is then unusable).
+            The round's number, for :meth:`gather`.
         """
-        self.comm.check_usable()
         self.rounds += 1
-        n, width = self.rounds, len(values)
-        row = self.rows[self.rank][n & 1]
-        row[0] = -1.0 if error is None else 1.0
-        row[1:1 + width] = values
+        n = self.rounds
+        self.rows[self.rank][n & 1, :len(row)] = row
         self._publish(self.head_count, n)
+        return n
+
+    def gather(self, n: int, width: int, what: str) -> np.ndarray:
+        """Every rank's row of round ``n`` (:meth:`share`), once each has published it (local waits, with the
+        deadline; no MPI call).
+
+        Args:
+            n: the round; width: numbers a row holds; what: names the call in errors.
+        Returns:
+            float64 ``[ranks, width]``, row r from rank r.
+        Raises:
+            CollectiveTimeoutError: a rank did not share its row within the deadline (the replay is then unusable).
+        """
         self.wait(self.head_count, range(self.size), n, what)
-        table = np.empty((self.size, width + 1), np.float64)
+        table = np.empty((self.size, width), np.float64)
         for r in range(self.size):
-            table[r] = self.rows[r][n & 1, :width + 1]
-        if table[:, 0].max() >= 0:  # somebody failed: every rank sees it, and all agree over MPI
-            return self.comm.agree(error, what, values)
-        return table[:, 1:]
+            table[r] = self.rows[r][n & 1, :width]
+        return table
 
     def post(self, choices: np.ndarray, epoch: int) -> None:
         """Owner: publish this sample's served choices (in requester order) on this rank's board. Local.

@@ -26,14 +26,19 @@ The schedule is the same on every rank, whatever the timing, so the collectives 
 If one rank stops iterating while the others go on, the others' next collective fails
 with CollectiveTimeoutError after the replay's ``timeout`` (raised by their ``next()``),
 never hangs. An error of a sample (e.g. EmptyReplayError, agreed on every rank) is
-raised by the ``next()`` that would have returned that batch.
+raised by the ``next()`` that would have returned that batch. Ranks whose threads are in
+different calls (one rank gave an update the others did not: its thread applies it while
+theirs sample) all raise the same CollectiveError naming both calls
+(:mod:`gear_mpi.distributed.calls`): the thread's calls are numbered with the replay's
+others, since the replay is the thread's alone while it runs.
 
 MPI: the thread makes MPI calls while the main thread may make its own, so the MPI
 library must provide ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; checked).
 Cost: one thread per iterator, ``prefetch`` batches of memory, no extra communication; less, in
-fact: up to 64 ranks the thread's updates take one collective instead of four (an allgather carries
-the agreement, the per-owner counts and, when each rank gives no more keys than in the previous update,
-the keys themselves: :func:`gear_mpi.distributed.routing.route_deferred`; each owner counts what it applied:
+fact: up to 64 ranks the thread's updates take one rendezvous instead of four (the call's head, and an
+allgather in flight with it that carries the per-owner counts and, when each rank gives no more keys than
+in the previous update, the keys themselves: :func:`gear_mpi.distributed.routing.route_deferred`; each
+owner counts what it applied:
 ``iterator.applied``).
 Every collective is a rendezvous of the ranks' threads, and each waits there for any other whose
 training thread or another process took its core (on 2 ranks x 1 core this, not the thread's own

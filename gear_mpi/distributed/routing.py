@@ -4,13 +4,14 @@ A key names its owner rank (:mod:`gear_mpi.keys`), so any rank may hold keys of
 any shard. Two collectives of ``Replay`` route them:
 
 - :func:`route_priorities` -- new priorities to their owners (``update_priorities``);
-  :func:`route_deferred` -- the same for ``batches()``'s thread, in one allgather when the keys fit;
+  :func:`route_deferred` -- the same for ``batches()``'s thread, in one allgather (in flight with the call's
+  head) when the keys fit;
 - :func:`get_many` (its keys checked and agreed, then :func:`fetch`) -- whole trajectories from
   their owners back to the ranks that asked (``Replay.get_many``), over plain MPI for every rank,
   node peers included.
 
 The exchanges (:func:`route_priorities`, :func:`route_deferred`, :func:`fetch`) take keys already
-checked by :func:`check_keys` and agreed (``MpiComm.agree``; :func:`get_many` does both for
+checked by :func:`check_keys` and agreed (the call's head, :mod:`gear_mpi.distributed.calls`; :func:`get_many` does both for
 :func:`fetch`), so an owner never meets a key it cannot resolve in the middle of an exchange.
 Every function here is collective except :func:`check_keys`.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import keys as keyspace
+from .calls import ReplayCalls
 from .comm import MpiComm, displacements
 from ..errors import InvalidKeyError
 from ..keys import as_key_array
@@ -95,48 +97,49 @@ def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.nd
 FOLD_KEYS = 16384  # keys a deferred update's allgather may carry in all (ranks x keys per rank): 256 KiB
 
 
-def route_deferred(comm: MpiComm, shard: Shard, error: BaseException | None, keys: np.ndarray, owner: np.ndarray,
-                   priorities: np.ndarray, width: int, settle) -> tuple[int, int]:
-    """Collective: a deferred update (``batches()``'s thread) in one allgather when its keys fit in it.
+def route_deferred(calls: ReplayCalls, shard: Shard, error: BaseException | None, keys: np.ndarray,
+                   owner: np.ndarray, priorities: np.ndarray, width: int, settle) -> tuple[int, int]:
+    """Collective: a deferred update (``batches()``'s thread): its head, and one allgather in flight with it
+    that carries the counts, and the keys when they fit.
 
-    Each rank's row carries its status, whether it holds only its own keys, its per-owner counts and,
+    The payload row of each rank carries whether it holds only its own keys, its per-owner counts and,
     when it has at most ``width`` keys, the keys and priorities themselves (``width`` keys per rank,
     padded): when every rank's fit, each owner takes its own keys from the table (in rank order, as an
     alltoallv would deliver them) and nothing more is sent; else one alltoallv of 16 bytes per key
     follows (the counts are known). ``width`` must be the same on every rank: it is the largest count
     of keys a rank gave in the previous deferred update (returned, agreed through the table), 0 at first.
+    The head (an ``"update_priorities (batches)"`` call, :mod:`gear_mpi.distributed.calls`) carries the status
+    and tells this call from another rank's other call.
 
     Args:
-        comm, shard: the replay's; error: this rank's exception (agreed: every rank raises the lowest
-            failing rank's, as :meth:`MpiComm.agree`); keys, owner, priorities: as for
+        calls: the replay's heads; shard: this rank's shard; error: this rank's exception (agreed: every rank
+            raises the lowest failing rank's, as :meth:`MpiComm.agree`); keys, owner, priorities: as for
             :func:`route_priorities` (empty on error); width: keys per rank the row carries;
         settle: the node fence, called before the shard is written.
     Returns:
         ``(applied, width)``: how many keys this rank's shard applied (any rank's), and the width of the
         next deferred update.
     Raises:
-        the agreed error; CollectiveTimeoutError: a rank did not arrive within the deadline.
-    Cost: one allgather of ``8 (2 + ranks + 2 width)`` bytes a rank, plus one alltoallv when some rank's
-    keys did not fit; O(ranks width) to pick this rank's keys.
+        the agreed error; CollectiveError: another rank is in another call; CollectiveTimeoutError: a rank
+        did not arrive within the deadline.
+    Cost: the head, and in flight with it one allgather of ``8 (1 + ranks + 2 width)`` bytes a rank; plus
+    one alltoallv when some rank's keys did not fit; O(ranks width) to pick this rank's keys.
     """
+    comm = calls.comm
     size, rank, n = comm.size, comm.rank, len(keys)
-    k0, v0 = 2 + size, 2 + size + width  # where the keys and the priority bits start in a row
+    k0, v0 = 1 + size, 1 + size + width  # where the keys and the priority bits start in a row
     row = np.zeros(v0 + width, np.int64)
     row[k0:v0] = -1  # padding: owner_of(-1) is RANK_MASK, no rank of a fold, so no mask of valid entries
-    row[0] = -1 if error is None else 0
     if error is None:
         counts = np.bincount(owner, minlength=size)
-        row[1] = counts[rank] == n  # only its own keys
-        row[2:k0] = counts
+        row[0] = counts[rank] == n  # only its own keys
+        row[1:k0] = counts
         if n <= width:
             row[k0:k0 + n] = keys
             row[v0:v0 + n] = np.ascontiguousarray(priorities, np.float64).view(np.int64)
-    table = comm.allgather(row, "update_priorities")
-    # the few per-rank flags as Python numbers: numpy's per-call overhead dominates at this size
-    status, own = table[:, 0].tolist(), table[:, 1].tolist()
-    if max(status) >= 0:  # somebody failed: the same error on every rank
-        comm.agree(error, "update_priorities")
-    counts = table[:, 2:k0]  # [sender, owner]
+    _, table = calls.agree(error, "update_priorities (batches)", payload=row)  # raises the agreed error
+    own = table[:, 0].tolist()  # the few per-rank flags as Python numbers: numpy's per-call overhead dominates
+    counts = table[:, 1:k0]  # [sender, owner]
     most = int(counts.sum(1).max())
     following = most if most * size <= FOLD_KEYS else 0
     settle()
@@ -200,24 +203,25 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     return out
 
 
-def get_many(comm: MpiComm, shard: Shard, keys: Any) -> list[dict[str, np.ndarray] | None]:
+def get_many(calls: ReplayCalls, shard: Shard, keys: Any) -> list[dict[str, np.ndarray] | None]:
     """Collective: ``Replay.get_many``: check this rank's keys (:func:`check_keys`), agree that every rank's are
-    good, then :func:`fetch` them from their owners.
+    good (a ``"get_many"`` head, :mod:`gear_mpi.distributed.calls`), then :func:`fetch` them from their owners.
 
     Args:
-        comm: the replay's communicator; shard: this rank's shard.
+        calls: the replay's heads (and communicator); shard: this rank's shard.
         keys: keys issued by this replay, of any rank (an empty list is fine).
     Returns:
         As :func:`fetch`: one entry per key, in the given order (None where the key is stale).
     Raises:
         TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
-        CollectiveTimeoutError: a rank did not arrive within the deadline.
-    Cost: one allgather (status), then :func:`fetch`.
+        CollectiveError: another rank is in another call; CollectiveTimeoutError: a rank did not arrive in time.
+    Cost: the head (one allgather, or a row on the node board), then :func:`fetch`.
     """
+    comm = calls.comm
     err, owner = None, None
     try:
         keys, owner = check_keys(keys, shard.tag, comm.size, shard.store.max_items)
     except Exception as e:
         err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
-    comm.agree(err, "get_many")
+    calls.agree(err, "get_many")
     return fetch(comm, shard, keys, owner)
