@@ -127,10 +127,11 @@ class Replay:
         device_kind, _ = parse_device(device)
         if memory is not None:
             memory = memory_kind(memory, stacklevel=2)
-        signature = repr((spec.to_dict(), capacity_steps, max_items, max_times_sampled, repr(sampler), mode,
-                          self.force_alltoallv, seed, memory, device_kind, window_transport, repr(rate_limiter)))
-        self.comm.agree_signature(signature, f"{_BUILD} (arguments)",
-                                  "every rank must pass the same spec, capacity, sampler, mode and seed")
+        signature = {"spec": spec.to_dict(), "capacity_steps": capacity_steps, "max_items": max_items,
+                     "max_times_sampled": max_times_sampled, "sampler": repr(sampler), "mode": mode,
+                     "force_alltoallv": self.force_alltoallv, "seed": seed, "memory": memory, "device": device_kind,
+                     "window_transport": window_transport, "rate_limiter": repr(rate_limiter)}
+        self.comm.agree_signature(signature, f"{_BUILD} (arguments)", "every rank must pass the same arguments")
         self.node = NodeView.join(self.comm, _BUILD)
         self.shard = None
         try:
@@ -228,12 +229,14 @@ class Replay:
         """Live trajectories in this rank's shard (local, O(1)); see :meth:`stats` for the total."""
         return len(self.shard)
 
-    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0, *, check_finite: bool = False) -> int:
         """Add one trajectory to this rank's shard (local; see :meth:`Shard.insert`).
 
         Args:
             trajectory: column name -> array of ``length`` steps.
             priority: its selection weight (non-negative, finite).
+            check_finite: refuse NaN and infinite step values (InvalidTrajectoryError naming the column and
+                step; nothing added). Off by default, as in numpy: then it costs nothing.
         Returns:
             Its key (unique over the replay).
         Raises:
@@ -242,14 +245,16 @@ class Replay:
         Cost: the node fence (free after a collective), then O(length) copy and an index update.
         """
         self.settle()
-        return self.shard.insert(trajectory, priority)
+        return self.shard.insert(trajectory, priority, check_finite=check_finite)
 
-    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None, *,
+                    check_finite: bool = False) -> np.ndarray:
         """Add trajectories to this rank's shard (local; see :meth:`Shard.insert_many`).
 
         Args:
             trajectories: a sequence of trajectories (see :meth:`insert`).
             priorities: one per trajectory (None: all 1).
+            check_finite: as :meth:`insert`.
         Returns:
             Their keys (int64).
         Raises:
@@ -258,14 +263,16 @@ class Replay:
         Cost: the node fence, then one batched copy and index update.
         """
         self.settle()
-        return self.shard.insert_many(trajectories, priorities)
+        return self.shard.insert_many(trajectories, priorities, check_finite=check_finite)
 
-    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None, *,
+                      check_finite: bool = False) -> np.ndarray:
         """Add trajectories laid end to end (one ``[sum(lengths), *shape]`` array per column) to this rank's
-        shard: local, as :meth:`Shard.insert_packed` (its arguments, checks and errors; nothing is added on
-        an error), after the node fence (:meth:`insert`). Returns their keys (int64)."""
+        shard: local, as :meth:`Shard.insert_packed` (its arguments, checks and errors, ``check_finite`` as
+        :meth:`insert`; nothing is added on an error), after the node fence (:meth:`insert`). Returns their
+        keys (int64)."""
         self.settle()
-        return self.shard.insert_packed(columns, lengths, priorities)
+        return self.shard.insert_packed(columns, lengths, priorities, check_finite=check_finite)
 
     # ---- feeds: writers and actor ranks (gear_mpi.feeds.replay_feeds) -------------------------
     def writer_address(self) -> str:

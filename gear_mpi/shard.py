@@ -147,39 +147,45 @@ class Shard:
         """Bytes of the steps ever stored in this shard, by every insert path (:mod:`gear_mpi.stats`). O(1)."""
         return self.inserter.bytes_inserted
 
-    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0) -> int:
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0, *, check_finite: bool = False) -> int:
         """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
         O(1 + evictions) table work, one index update.
 
         Args:
             trajectory: column name -> ``[L, *shape]`` array (numpy, torch or nested lists).
             priority: its priority (finite, >= 0).
+            check_finite: refuse NaN and infinite step values (off by default, as in numpy; on: one more
+                read of the float columns' steps).
         Returns:
             Its key (int).
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
             RuntimeError: the shard is closed.
         """
-        return int(self.insert_many([trajectory], [priority])[0])
+        return int(self.insert_many([trajectory], [priority], check_finite=check_finite)[0])
 
-    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None, *,
+                    check_finite: bool = False) -> np.ndarray:
         """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
         Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
 
         Args:
             trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
             priorities: one priority per trajectory (None: all 1).
+            check_finite: as :meth:`insert`.
         Returns:
             Their keys (int64), in order.
         Raises:
-            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many.
+            InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many;
+                with ``check_finite``, a NaN or inf step value (naming the trajectory, column and step).
             InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
             RuntimeError: the shard is closed.
         """
         self._check_open()
-        return self.inserter.insert_many(trajectories, priorities)
+        return self.inserter.insert_many(trajectories, priorities, check_finite)
 
-    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None, *,
+                      check_finite: bool = False) -> np.ndarray:
         """Add many trajectories laid end to end: one array per column holding all their steps, and their
         lengths. Checked as :meth:`insert_many` checks a list (the same error classes; one bad input stores
         none), but in whole-array operations: no Python loop over the trajectories.
@@ -194,17 +200,19 @@ class Shard:
                 ``np.asarray`` takes), any dtype that casts safely to the column's (any number into a float).
             lengths: the steps of each trajectory, in order (integers, each in ``[1, max_length]``).
             priorities: one priority per trajectory (None: all 1).
+            check_finite: refuse NaN and infinite step values, as given (see :meth:`insert`).
         Returns:
             Their keys (int64), in order.
         Raises:
             InvalidTrajectoryError: a column missing or unknown, of a non-numeric, uncastable dtype or of the
                 wrong shape; columns of different step counts; lengths that are not integers, one out of
-                ``[1, max_length]``, or a sum other than the columns' steps; too many steps or trajectories.
+                ``[1, max_length]``, or a sum other than the columns' steps; too many steps or trajectories;
+                with ``check_finite``, a NaN or inf step value (naming the column, trajectory and step).
             InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
             RuntimeError: the shard is closed.
         """
         self._check_open()
-        return self.inserter.insert_packed(columns, lengths, priorities)
+        return self.inserter.insert_packed(columns, lengths, priorities, check_finite)
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:

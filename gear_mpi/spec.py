@@ -191,6 +191,56 @@ class TrajectorySpec:
         return out, int(length)
 
 
+FINITE_CHUNK = 1 << 20  # elements check_finite_columns looks at a time (bounds its boolean temporary)
+
+
+def check_finite_columns(columns: Mapping[str, np.ndarray], where: str, lengths: np.ndarray | None = None) -> None:
+    """Refuse NaN and infinite step values: what ``check_finite=True`` of the insert paths and writers does.
+
+    Only float and complex columns are read (other dtypes are always finite); the values are checked
+    as given (an insert_packed column cast to a narrower float later is checked before the cast).
+    Cost: O(steps * step size), in chunks of :data:`FINITE_CHUNK` elements. Local.
+    Args:
+        columns: column name -> ``[rows, *shape]`` array.
+        where: how the message names what was checked (``"insert"``, ``"trajectory 2"``).
+        lengths: the steps of each trajectory when the rows are several trajectories end to end
+            (packed); the message then names the trajectory and its step.
+    Raises:
+        InvalidTrajectoryError: a ValueError naming the column, the first step holding NaN or inf
+            (the earliest over all columns) and the value.
+    """
+    first, name = -1, None
+    for col, arr in columns.items():
+        row = _first_nonfinite_row(np.asarray(arr), first)
+        if row >= 0 and (first < 0 or row < first):
+            first, name = row, col
+    if first < 0:
+        return
+    step = np.asarray(columns[name][first]).reshape(-1)
+    value = step[~np.isfinite(step)][0]
+    at = f"step {first}"
+    if lengths is not None:
+        ends = np.cumsum(lengths)
+        i = int(np.searchsorted(ends, first, side="right"))
+        at = f"step {first - int(ends[i] - lengths[i])} of trajectory {i}"
+    raise InvalidTrajectoryError(f"{where}: column {name!r} holds {value} at {at} (check_finite=True refuses NaN and "
+                                 f"infinite values; nothing was stored)")
+
+
+def _first_nonfinite_row(arr: np.ndarray, before: int) -> int:
+    """The first row of ``arr`` holding a NaN or inf, looking only at rows before ``before`` (-1: all); -1: none."""
+    if arr.dtype.kind not in "fc" or arr.size == 0:
+        return -1
+    rows = arr.shape[0] if before < 0 else min(arr.shape[0], before)
+    per_row = max(1, arr.size // max(1, arr.shape[0]))
+    step = max(1, FINITE_CHUNK // per_row)
+    for a in range(0, rows, step):
+        ok = np.isfinite(arr[a:min(rows, a + step)])
+        if not ok.all():
+            return a + int(np.argmin(ok.reshape(len(ok), -1).all(axis=1)))
+    return -1
+
+
 def validate_priorities(priorities: Any, count: int, what: str = "priorities") -> np.ndarray:
     """Priorities as a float64 array of ``count`` finite, non-negative values. Cost: O(count).
 

@@ -5,14 +5,15 @@ their docstrings), started here on K ranks: exact restores, replacement, damaged
 checkpoints, resharding and the deadlines of slow and absent ranks on 2 ranks (and
 resharding onto 3), the format-2 fixture written by the code before the refactor on
 2 ranks and on one, the device index on one rank (on numba's CUDA simulator), and
-progress bars and the logger on one rank. Here too: when a bar is wanted, what a
-missing tqdm does, the assumed file-system rate, and the record of communicators
+progress reports and the logger on one rank, and the progress of every rank on 3. Here too:
+when progress is shown (lines, or a tqdm bar on a terminal), what a missing tqdm does, the assumed file-system rate, and the record of communicators
 left unusable by a timeout.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,10 @@ def test_checkpoints_on_two_ranks():
 def test_reshard_onto_three_ranks():
     run_modules(3, "test_checkpoint_restore.py::test_reshard_onto_more_ranks",
                 "test_checkpoint_restore.py::test_reshard_onto_fewer_ranks_fails_unless_drops_are_allowed")
+
+
+def test_progress_over_every_rank_on_three_ranks():
+    run_modules(3, "test_progress.py")
 
 
 def test_one_rank_device_index_fixture_and_progress():
@@ -108,23 +113,68 @@ def test_public_names_and_layers():
                 assert not names & {"replay", "Replay", "__version__"}, (source.name, names)
 
 
-def test_when_a_progress_bar_is_shown(monkeypatch):
+def test_when_progress_is_shown(monkeypatch):
     from gear_mpi import progress
     monkeypatch.delenv(progress.ENV, raising=False)
-    assert not progress.wanted(None, 0)  # under pytest stderr is not a terminal
+    assert progress.wanted(None, 0)  # by default, though stderr is not a terminal under pytest (nor mpiexec)
+    assert not progress.wanted(None, 1)  # rank 0 only
     assert progress.wanted(True, 0) and not progress.wanted(True, 1) and not progress.wanted(False, 0)
     monkeypatch.setenv(progress.ENV, "1")
     assert progress.wanted(None, 0) and not progress.wanted(None, 2) and not progress.wanted(False, 0)
-    monkeypatch.setenv(progress.ENV, "0")
+    monkeypatch.setenv(progress.ENV, "0")  # the way off
     assert not progress.wanted(None, 0) and progress.wanted(True, 0)  # the argument wins
     with pytest.raises(TypeError, match="progress"):
         progress.wanted("yes", 0)
 
 
-def test_no_tqdm_no_bar_no_error(monkeypatch, capsys):
+def test_short_work_is_silent_long_work_reports_lines(monkeypatch, capsys):
+    from gear_mpi import progress
+    monkeypatch.setenv(progress.INTERVAL_ENV, "0")
+    monkeypatch.delenv(progress.DELAY_ENV, raising=False)
+    with progress.Meter(100, "gear_mpi save", show=True) as m:  # ends well within the default 2 s
+        progress.advance(100)
+    assert not m.showing and capsys.readouterr().err == ""
+    monkeypatch.setenv(progress.DELAY_ENV, "0.2")
+    with progress.Meter(100, "gear_mpi save", show=True, ranks=3) as m:
+        progress.advance(10)
+        assert capsys.readouterr().err == ""  # not yet: the delay
+        time.sleep(0.25)
+        progress.advance(10)
+        m.report_peers(40)
+        progress.advance(50)  # 110 of an estimate of 100: the total shown follows, never "?"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("gear_mpi save:  20% | 20 B of 100 B over 3 ranks |"), err
+    assert err[1].startswith("gear_mpi save:  60% | 60 B of 100 B over 3 ranks |"), err
+    assert err[2].startswith("gear_mpi save: 100% | 110 B of 110 B over 3 ranks |"), err
+    assert err[3].startswith("gear_mpi save: 100% | 110 B over 3 ranks in "), err
+    assert len(err) == 4 and m.total == 110
+    monkeypatch.setenv(progress.DELAY_ENV, "0")
+    with pytest.raises(OSError):
+        with progress.Meter(100, "gear_mpi load", show=True):
+            progress.advance(30)
+            raise OSError("disk gone")
+    assert "gear_mpi load: stopped by an error at 30 B of 100 B" in capsys.readouterr().err
+
+
+def test_a_terminal_gets_a_tqdm_bar_that_ends_at_its_total(monkeypatch, capsys):
+    pytest.importorskip("tqdm")
+    from gear_mpi import progress
+    monkeypatch.setenv(progress.DELAY_ENV, "0")
+    monkeypatch.setattr(progress, "_stderr_is_terminal", lambda: True)
+    with progress.Meter(1000, "gear_mpi save", show=True, ranks=2) as m:
+        progress.advance(600)
+        m.report_peers(500)  # past the estimate: the bar's total follows (tqdm shows "?" past its total)
+    assert m.bar is None and m.total == 1100
+    err = capsys.readouterr().err
+    assert "gear_mpi save (2 ranks): 100%" in err and "/?B" not in err, err  # never an unknown total
+
+
+def test_no_tqdm_plain_lines_no_error(monkeypatch, capsys):
     import sys
     from gear_mpi import progress
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    monkeypatch.setenv(progress.DELAY_ENV, "0")
+    monkeypatch.setattr(progress, "_stderr_is_terminal", lambda: True)
     heard = []
     with progress.Meter(100, "gear_mpi save", show=True) as m:
         m.listeners.append(heard.append)
@@ -132,7 +182,7 @@ def test_no_tqdm_no_bar_no_error(monkeypatch, capsys):
         progress.advance(40)
     progress.advance(5)  # no meter open: nothing happens
     assert m.bar is None and m.done == 100 and heard == [60, 100]
-    assert capsys.readouterr().err == ""
+    assert "gear_mpi save: 100% | 100 B in" in capsys.readouterr().err
 
 
 def test_assumed_rate_and_sizes(monkeypatch):

@@ -197,6 +197,38 @@ def test_error_messages_name_the_fault(spec, make_traj, shard_factory):
         s.insert_packed(cols, lengths)
 
 
+def test_check_finite_refuses_nan_and_inf_in_every_insert_path(spec, make_traj, shard_factory):
+    """check_finite=True: a NaN or inf step value is refused naming the column and the step, and nothing is
+    stored (insert, insert_many, insert_packed); by default (off, as in numpy) such values are stored."""
+    s = shard_factory(spec, 40, gm.Prioritized(0.6, 0.4))
+    s.insert_many([make_traj(16), make_traj(16)])  # full enough that a good batch would evict
+    before = snapshot(s)
+    trajs = [make_traj(n) for n in (4, 5, 3)]
+    trajs[1]["obs"][3, 1, 0] = np.nan
+    trajs[2]["obs"][0, 0, 1] = np.inf  # a later trajectory: the first bad one is named
+    cols, lengths = pack(trajs)
+    cases = [
+        (lambda: s.insert(trajs[1], check_finite=True), "trajectory: column 'obs' holds nan at step 3"),
+        (lambda: s.insert_many(trajs, check_finite=True), "trajectory 1: column 'obs' holds nan at step 3"),
+        (lambda: s.insert_packed(cols, lengths, check_finite=True),
+         "insert_packed: column 'obs' holds nan at step 3 of trajectory 1"),
+        (lambda: s.insert_packed({**cols, "obs": np.where(np.isnan(cols["obs"]), -np.inf, cols["obs"])}, lengths,
+                                 check_finite=True), "column 'obs' holds -inf at step 3 of trajectory 1"),
+    ]
+    for call, text in cases:
+        with pytest.raises(ValueError, match=re.escape(text)) as info:  # an InvalidTrajectoryError
+            call()
+        assert isinstance(info.value, gm.InvalidTrajectoryError)
+        for x, y in zip(before, snapshot(s)):
+            np.testing.assert_array_equal(x, y, err_msg=text)
+    good = [make_traj(4)]
+    s.insert_packed(*pack(good), check_finite=True)  # finite values pass the check
+    keys = s.insert_packed(cols, lengths)  # off by default: stored as given
+    assert np.isnan(s.get(int(keys[1]))["obs"][3, 1, 0]) and np.isinf(s.get(int(keys[2]))["obs"][0, 0, 1])
+    s.insert(trajs[1])
+    s.insert_many(trajs)
+
+
 def reference_plan(table, capacity, lengths):
     """The table pass as first written (plain Python, every row rewritten, every live eviction
     returned): the model the kernel's shortcuts (reused scratch, evictions taken back at once

@@ -7,6 +7,7 @@ actor ranks over MPI) is in tests/mpi/test_feeds.py.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -157,6 +158,34 @@ def test_bad_steps_are_rejected_in_the_actor(owner):
     drain_until(point, lambda: len(shard) == 1)
     t = shard.get(int(shard.live_keys()[0]))
     assert len(t["r"]) == MAX_LENGTH and shard.priorities(shard.live_keys())[0] == 2.0
+
+
+def test_check_finite_refuses_nan_and_inf_in_the_actor(owner):
+    """Writer(check_finite=True): a step or trajectory holding NaN or inf is refused in the actor, naming the
+    column and the step, and nothing of it reaches the replay; by default such values pass."""
+    shard, point = owner
+    step = {"x": np.zeros(3, np.float32), "img": np.zeros((4, 4), np.uint8), "r": 0.5}
+    with gm.Writer(point.address, timeout=5, check_finite=True) as w:
+        w.append(step)
+        w.append(step)
+        with pytest.raises(ValueError, match=re.escape("append: column 'r' holds nan at step 2 of the open episode")):
+            w.append({**step, "r": float("nan")})
+        with pytest.raises(gm.InvalidTrajectoryError, match="column 'x' holds inf at step 2"):
+            w.append({**step, "x": np.array([0, np.inf, 0], np.float32)})
+        w.append({**step, "r": 1.5})
+        w.end_episode()  # the three good steps only
+        bad = {"x": np.zeros((4, 3), np.float32), "img": np.zeros((4, 4, 4), np.uint8), "r": np.ones(4)}
+        bad["x"][2, 0] = -np.inf
+        with pytest.raises(gm.InvalidTrajectoryError, match=re.escape("insert: column 'x' holds -inf at step 2")):
+            w.insert(bad)
+        assert w.episodes == 1
+    drain_until(point, lambda: len(shard) == 1)
+    t = shard.get(int(shard.live_keys()[0]))
+    assert t["r"].tolist() == [0.5, 0.5, 1.5] and np.isfinite(t["x"]).all()
+    with gm.Writer(point.address, timeout=5) as w:  # off by default: passed through as given
+        w.insert(bad)
+    drain_until(point, lambda: len(shard) == 2)
+    assert sum(np.isinf(shard.get(int(k))["x"]).sum() for k in shard.live_keys()) == 1
 
 
 def test_backpressure_blocks_then_times_out_and_the_writer_goes_on(owner):

@@ -11,7 +11,10 @@ r until
 where ``rate`` is a deliberately low file-system speed (:data:`DEFAULT_RATE`,
 10 MB/s; ``GEAR_MPI_CHECKPOINT_RATE`` in MB/s changes it). Progress reports are
 heartbeats: each rank tells every other one how many bytes it has moved, at most
-every ``min(1 s, timeout / 4)``, as its writes and reads advance. A rank that
+every ``min(1 s, timeout / 4)``, as its writes and reads advance, and its exact count
+when it is done. Rank 0's progress display (:class:`gear_mpi.progress.Meter`, given to
+the channel) shows its own bytes plus those the peers last reported: the whole call's
+progress at no extra message. A rank that
 misses its deadline is named in the error, with its byte count, as *absent* (no
 sign of it since the work began: dead, hung, or not in this call) or *slow* (it
 had moved some bytes, then nothing for ``timeout`` s). The rank that gives up
@@ -35,7 +38,7 @@ import numpy as np
 from ..distributed import deadline
 from ..distributed.comm import MpiComm
 from ..errors import CollectiveTimeoutError
-from ..progress import human, log
+from ..progress import Meter, human, log
 
 DEFAULT_RATE = 10e6  # bytes per second that any file system in use is assumed to reach
 RATE_ENV = "GEAR_MPI_CHECKPOINT_RATE"
@@ -126,12 +129,16 @@ class Channel:
         what: names the call in errors (``"save"``, ``"load"``).
         nbytes: bytes each rank has to move in this phase (the same on every rank).
         verb: ``"write"`` or ``"read"``, for the messages.
+        meter: the phase's :class:`~gear_mpi.progress.Meter` (None: none): its advances are this
+            rank's heartbeats (counted from the bytes it had when the channel opened), and what the
+            peers report becomes its ``peers`` count (on top of what they had reported before).
+            A meter that shows progress also takes in the peers' reports at each heartbeat.
     Raises:
         ValueError: ``GEAR_MPI_CHECKPOINT_RATE`` is not a positive number.
     Cost: one receive posted per peer; each heartbeat is one 24-byte send per peer.
     """
 
-    def __init__(self, comm: CheckpointComm, what: str, nbytes, verb: str):
+    def __init__(self, comm: CheckpointComm, what: str, nbytes, verb: str, meter: Meter | None = None):
         self.comm, self.what, self.verb = comm, what, verb
         self.mpi, self.rank, self.timeout = comm.comm, comm.rank, comm.timeout
         self.nbytes = np.asarray(nbytes, np.float64)
@@ -147,6 +154,12 @@ class Channel:
         self.beat_every = min(1.0, self.timeout / 4)
         self.last_beat = -math.inf
         self.start = time.monotonic()
+        self.mine = 0  # bytes this rank moved in this phase
+        self.gave_up: CollectiveTimeoutError | None = None  # a peer's give-up, taken in but not yet raised
+        self.meter = meter
+        if meter is not None:
+            self.local_base, self.peer_base = meter.done, meter.peers
+            meter.listeners.append(self.beat)
         comm.channel = self
 
     def allowed(self, p: int) -> float:
@@ -163,12 +176,17 @@ class Channel:
         """Tell the peers this rank has moved ``moved`` bytes (at most every ``min(1 s, timeout/4)``). Local.
 
         Args:
-            moved: bytes moved so far in this phase.
+            moved: bytes moved so far (with a meter: the meter's count, of which this phase's part is sent).
         """
+        if self.meter is not None:
+            moved -= self.local_base
+        self.mine = int(moved)
         now = time.monotonic()
         if now - self.last_beat >= self.beat_every and self.peers:
             self.last_beat = now
-            self._send(BEAT, int(moved))
+            self._send(BEAT, self.mine)
+            if self.meter is not None and self.meter.show:
+                self._take()  # the peers' reports, for the display (a give-up is raised at the next poll)
 
     def poll(self) -> None:
         """Take in what the peers sent. Local.
@@ -176,25 +194,37 @@ class Channel:
         Raises:
             CollectiveTimeoutError: a peer gave up waiting (for this rank or another).
         """
+        self._take()
+        if self.gave_up is not None:
+            raise self.gave_up
+
+    def _take(self) -> None:
+        """Take in the peers' messages (a give-up is kept in ``gave_up``); update the meter's peers count."""
+        heard = False
         for p in self.peers:
             while self.recvs[p] is not None and self.recvs[p].Test():
                 kind, a, b = (int(v) for v in self.bufs[p])
                 self.recvs[p] = self.mpi.Irecv(self.bufs[p], source=p, tag=self.tag)
                 if kind == BEAT:
                     self.heard[p], self.moved[p] = time.monotonic(), a
+                    heard = True
                 elif kind == DONE:
                     self.arrived.add(p)
-                elif kind == GAVE_UP:
+                    self.moved[p] = a
+                    heard = True
+                elif kind == GAVE_UP and self.gave_up is None:
                     whom = "this rank" if a == self.rank else f"rank {a}"
-                    raise CollectiveTimeoutError(
+                    self.gave_up = CollectiveTimeoutError(
                         f"{self.what}: rank {p} gave up waiting for {whom} (found it "
                         f"{'absent' if b == ABSENT else 'slow'}; rank {p}'s error says more); nothing was "
                         f"{'installed' if self.what == 'save' else 'loaded'}, and the replay's communicator stays "
                         f"usable")
+        if heard and self.meter is not None:
+            self.meter.report_peers(self.peer_base + sum(self.moved.values()))
 
     def arrive(self) -> None:
-        """Tell the peers this rank's work of the phase is over (done or failed). Local."""
-        self._send(DONE)
+        """Tell the peers this rank's work of the phase is over (done or failed), with its byte count. Local."""
+        self._send(DONE, self.mine)
 
     def await_peers(self) -> None:
         """Wait until every peer has arrived, each within its own deadline (see the module docstring).
@@ -266,3 +296,5 @@ class Channel:
         self.sends = [s for s in self.sends if not s[0].Test()]
         if self.comm.channel is self:
             self.comm.channel = None
+        if self.meter is not None and self.beat in self.meter.listeners:
+            self.meter.listeners.remove(self.beat)

@@ -76,8 +76,9 @@ def save(replay, path, progress: bool | None = None) -> None:
         replay: an open :class:`~gear_mpi.replay.Replay`; every rank passes its own.
         path: the checkpoint directory (str or os.PathLike), the same on every rank,
             on a file system every rank sees; its parent must exist.
-        progress: a progress bar of rank 0's bytes on stderr (None: when stderr is
-            a terminal, unless ``GEAR_MPI_PROGRESS=0``; see :mod:`gear_mpi.progress`).
+        progress: report progress on rank 0's stderr, bytes of all ranks, once the save has lasted
+            ``GEAR_MPI_PROGRESS_DELAY`` (2) seconds: a tqdm bar on a terminal, plain lines otherwise
+            (None: yes unless ``GEAR_MPI_PROGRESS=0``; False: never; see :mod:`gear_mpi.progress`).
     Raises:
         CheckpointError: the path cannot hold a checkpoint (e.g. a non-empty directory
             that is not one) or writing failed; the same on every rank.
@@ -122,10 +123,9 @@ def save(replay, path, progress: bool | None = None) -> None:
     nbytes = table[:, 1]
     ck = CheckpointComm(comm, "save")
     try:
-        channel = Channel(ck, "save", nbytes, "write")
         err, info = None, b""
-        with Meter(mine, "gear_mpi save", show) as meter:
-            meter.listeners.append(channel.beat)
+        with Meter(int(nbytes.sum()), "gear_mpi save", show, comm.size) as meter:  # every rank's bytes
+            channel = Channel(ck, "save", nbytes, "write", meter)
             try:
                 os.makedirs(tmp, exist_ok=True)
                 d = os.path.join(tmp, rank_dir(rank))
@@ -137,10 +137,10 @@ def save(replay, path, progress: bool | None = None) -> None:
                                    "files": written}).encode()
             except Exception as e:
                 err = e if not isinstance(e, OSError) else CheckpointError(f"save: writing under {tmp}: {e}")
-        wrote = time.monotonic() - started
-        channel.arrive()
-        channel.await_peers()
-        ck.agree(err, "save")
+            wrote = time.monotonic() - started
+            channel.arrive()
+            channel.await_peers()
+            ck.agree(err, "save")
         gathered, counts = ck.gatherv(np.frombuffer(info, np.uint8), 0, "save (manifest)")
         err = None
         if rank == 0:
@@ -227,7 +227,7 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
             or ``max_items`` other than the saved ones reshard (as does another
             number of ranks); ``seed`` seeds the streams of a resharded replay
             (default: derived from the saved streams); ``progress`` (None, True or
-            False) asks for a progress bar of rank 0's bytes as :func:`save` does;
+            False): progress of all ranks' bytes on rank 0 as :func:`save` reports it;
             ``memory="file"`` with ``memory_path`` (the new replay's ``path=``; the name
             ``path`` is the checkpoint's) loads into file-backed shards.
             ``mmap=True``: an exact restore of a version-3 checkpoint maps each rank's
@@ -397,17 +397,16 @@ def _restore_exact(replay, ck: CheckpointComm, where: str, body: dict, show: boo
     rank = ck.rank
     read = None if (verify or not mapped) else (files.TABLE, files.SHARD_JSON)  # mapped: the columns are not read
     nbytes = [shard_files.saved_bytes(body, r, read) for r in range(ck.size)]
-    channel = Channel(ck, "load", nbytes, "read")
     err = None
-    with Meter(nbytes[rank], "gear_mpi load", show) as meter:
-        meter.listeners.append(channel.beat)
+    with Meter(sum(nbytes), "gear_mpi load", show, ck.size) as meter:  # every rank's bytes
+        channel = Channel(ck, "load", nbytes, "read", meter)
         try:
             meta = shard_files.restore_rank(replay.shard, where, body, rank, mapped, verify)
             replay.load_state({"rng": meta["rng_replay"], "shared_rng": body["shared_rng"],
                                "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
         except Exception as e:
             err = e
-    channel.finish(err, "load")
+        channel.finish(err, "load")
     mine = replay.shard.live_keys()
     counts = ck.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
     keys = np.sort(ck.allgatherv(mine, counts, "load (keys)"))

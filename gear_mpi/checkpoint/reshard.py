@@ -118,7 +118,7 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
             over the replay's ranks).
         where: the checkpoint directory (resolved).
         body: its manifest body.
-        show: whether this rank shows a progress bar of the bytes it reads.
+        show: whether this rank reports the progress of every rank's reading (:mod:`gear_mpi.progress`).
         allow_drop: keep the newest trajectories that fit when the new shards cannot hold them all
             (otherwise that is an error).
     Returns:
@@ -140,12 +140,12 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
     table_bytes = [shard_files.saved_bytes(body, r, (TABLE, SHARD_JSON)) for r in saved]
     column_bytes = [shard_files.saved_bytes(body, r) - table_bytes[r] for r in saved]
     nbytes = [sum(table_bytes) + sum(column_bytes[r] for r in saved if r % size == q) for q in range(size)]
-    channel = Channel(comm, "load", nbytes, "read")
     err = None
     tables: list[dict] = []
     metas: list[dict] = []
-    with Meter(nbytes[rank], "gear_mpi load (reshard)", show) as meter:
-        meter.listeners.append(channel.beat)
+    # every rank's bytes: the check, then the steps dealt (all saved ones, until the deal says how many)
+    with Meter(sum(nbytes) + sum(column_bytes), "gear_mpi load (reshard)", show, size) as meter:
+        channel = Channel(comm, "load", nbytes, "read", meter)
         try:
             for r in saved:
                 meta = shard_files.read_meta(where, body, r)
@@ -171,9 +171,8 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
         if own["tag"] == tag:  # the new replay's keys must not be confused with the old ones
             shard.load_state(dict(own, tag=(tag + 1) & keyspace.TAG_MASK))
         steps = np.bincount(dest[keep], weights=allr["length"][keep], minlength=size)
-        ingest = Channel(comm, "load", steps * spec.step_bytes, "read")
-        meter.listeners[:] = [ingest.beat]
-        meter.add_total(int(steps[rank]) * spec.step_bytes)
+        meter.add_total(int(steps.sum()) * spec.step_bytes - sum(column_bytes))
+        ingest = Channel(comm, "load", steps * spec.step_bytes, "read", meter)
         err = None
         mine = np.flatnonzero((dest == rank) & keep)
         new_keys = np.empty(len(mine), np.int64)
@@ -181,7 +180,7 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
             _insert_from_files(replay, where, metas, allr, mine, new_keys)
         except Exception as e:
             err = e
-    ingest.finish(err, "load")
+        ingest.finish(err, "load")
     counts = comm.allgather(np.array([len(mine)], np.int64), "load (keys)")[:, 0]
     gathered = comm.allgatherv(new_keys, counts, "load (keys)")
     new_all = np.full(n, -1, np.int64)

@@ -25,7 +25,8 @@ __all__ = ["from_d4rl", "from_npz_dir", "split_episodes", "balanced_shares"]
 
 
 def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None = None, max_length: int | None = None,
-              progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES, **replay_kwargs) -> Replay:
+              progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES, headroom: int | None = None,
+              **replay_kwargs) -> Replay:
     """A replay holding a D4RL-layout HDF5 file, one trajectory per episode (needs h5py:
     ``pip install gear-mpi[datasets]``).
 
@@ -42,25 +43,32 @@ def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None =
         columns: the datasets to load (None: the five required ones, ``next_observations`` if present,
             every dataset of ``infos``).
         max_length: the spec's max_length (None: the longest episode; a longer episode is an error).
-        progress: a tqdm bar on rank 0 (None: when stderr is a terminal or ``GEAR_MPI_PROGRESS=1``).
+        progress: report the bytes read by all ranks on rank 0's stderr once the load has lasted 2 s (a
+            tqdm bar on a terminal, plain lines otherwise, e.g. under ``mpiexec``); None: yes unless
+            ``GEAR_MPI_PROGRESS=0``; False: never (see :mod:`gear_mpi.progress`).
         chunk_bytes: steps read and inserted at a time (whole episodes).
+        headroom: free steps each shard keeps beyond the largest rank's share, so that inserts after the
+            load evict nothing until they fill it (None: ``max_length``, room for one more longest
+            episode; 0: the shards are exactly full and the first insert evicts the oldest episode).
+            Only without ``capacity_steps``.
         **replay_kwargs: :class:`~gear_mpi.replay.Replay`'s arguments (``sampler``, ``mode``, ``seed``,
-            ``timeout``, ...); ``capacity_steps`` defaults to the largest rank's share.
+            ``timeout``, ...); ``capacity_steps`` defaults to the largest rank's share plus ``headroom``.
     Returns:
         The filled replay.
     Raises:
         ValueError: on every rank: a missing, truncated or damaged file, a required dataset missing,
             mismatched lengths, a non-numeric dataset, an episode over ``max_length``, a share over
-            ``capacity_steps``, or a read that failed (the replay is then closed).
+            ``capacity_steps``, a bad ``headroom`` or one given with ``capacity_steps``, or a read that
+            failed (the replay is then closed).
         ImportError: h5py is missing.
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     """
     return load_dataset(lambda: D4RLSource(path, columns), "from_d4rl", comm, max_length, progress, chunk_bytes,
-                  replay_kwargs)
+                        replay_kwargs, headroom)
 
 
 def from_npz_dir(path: str | Path, /, comm=None, *, max_length: int | None = None, progress: bool | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, **replay_kwargs) -> Replay:
+                 chunk_bytes: int = CHUNK_BYTES, headroom: int | None = None, **replay_kwargs) -> Replay:
     """A replay holding a directory of ``.npz`` files, one episode per file (in name order), one
     trajectory per episode, columns named after the arrays.
 
@@ -70,7 +78,7 @@ def from_npz_dir(path: str | Path, /, comm=None, *, max_length: int | None = Non
     Args:
         path: the directory (the same on every rank); positional only (``path=`` is the replay's, as in
             :func:`from_d4rl`).
-        comm, max_length, progress, chunk_bytes, **replay_kwargs: as :func:`from_d4rl`.
+        comm, max_length, progress, chunk_bytes, headroom, **replay_kwargs: as :func:`from_d4rl`.
     Returns:
         The filled replay.
     Raises:
@@ -79,4 +87,5 @@ def from_npz_dir(path: str | Path, /, comm=None, *, max_length: int | None = Non
             ``max_length``, a share over ``capacity_steps``, or a read that failed.
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     """
-    return load_dataset(lambda: NpzSource(path), "from_npz_dir", comm, max_length, progress, chunk_bytes, replay_kwargs)
+    return load_dataset(lambda: NpzSource(path), "from_npz_dir", comm, max_length, progress, chunk_bytes, replay_kwargs,
+                        headroom)

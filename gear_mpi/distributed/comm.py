@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -32,6 +32,15 @@ _ERROR_CODES: list[type[Exception]] = [
     errors.CheckpointError, errors.WriterError, errors.MemoryBudgetError, errors.StorageError,
 ]
 MESSAGE_BYTES = 1024
+FIELD_TEXT = 240  # bytes of a field's value an agree_signature error shows (longer values are cut with "...")
+
+
+def _clip(text: str) -> bytes:
+    """``text`` as at most FIELD_TEXT bytes of UTF-8 (no unit separator, cut with "..." when longer)."""
+    data = text.replace("\x1f", " ").encode("utf-8", "replace")
+    if len(data) <= FIELD_TEXT:
+        return data
+    return data[:FIELD_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
 
 
 def error_code(exc: BaseException) -> int:
@@ -359,23 +368,45 @@ class MpiComm:
         buf[:len(data)] = np.frombuffer(data, np.uint8)
         return [bytes(row).rstrip(b"\0") for row in self.allgather(buf, what)]
 
-    def agree_signature(self, signature: str, what: str, hint: str = "") -> None:
-        """Check that every rank passed the same ``signature``. Collective: one Iallgather of a 32-byte digest.
+    def agree_signature(self, signature: str | Mapping[str, Any], what: str, hint: str = "") -> None:
+        """Check that every rank passed the same ``signature``; the error says which field differs, and how.
+
+        Collective: one Iallgather of a 32-byte digest per field; when one differs, one more allgather
+        (at most :data:`FIELD_TEXT` bytes per differing field and rank) brings rank 0's and the first
+        differing rank's values into the message.
 
         Args:
-            signature: e.g. the repr of this rank's arguments.
+            signature: the fields to agree on, by name (``{"rate_limiter": limiter, ...}``; each compared
+                as its ``str``, e.g. a repr), or one string (one field, ``"arguments"``). The names must
+                be the same on every rank (the caller's code fixes them).
             what: names the call in errors.
             hint: appended to the error message.
         Raises:
-            ValueError: on every rank, naming the lowest rank whose signature differs from rank 0's.
+            ValueError: on every rank, naming the lowest rank whose fields differ from rank 0's, each
+                differing field, and its value on both ranks, e.g. ``"rate_limiter differs: rank 0
+                SampleToInsertRatio(...), rank 1 None"``.
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         """
-        digest = np.frombuffer(hashlib.sha256(signature.encode("utf-8", "replace")).digest(), np.uint8)
-        table = self.allgather(digest, what)
-        differs = np.flatnonzero((table != table[0]).any(axis=1))
-        if len(differs):
-            raise ValueError(f"{what}: rank {int(differs[0])} was constructed with other arguments than rank 0"
-                             + (f" ({hint})" if hint else ""))
+        fields = {"arguments": signature} if isinstance(signature, str) else dict(signature) or {"arguments": ""}
+        names = list(fields)
+        texts = [v if isinstance(v, str) else str(v) for v in fields.values()]
+        digests = b"".join(hashlib.sha256(f"{n}={t}".encode("utf-8", "replace")).digest() for n, t in zip(names, texts))
+        table = self.allgather(np.frombuffer(digests, np.uint8), what).reshape(self.size, len(names), 32)
+        differ = (table != table[0]).any(axis=2)  # [rank, field]
+        ranks = np.flatnonzero(differ.any(axis=1))
+        if not len(ranks):
+            return
+        r = int(ranks[0])
+        which = np.flatnonzero(differ[r]).tolist()  # the same on every rank
+        mine = b"\x1f".join(_clip(texts[i]) for i in which) if self.rank in (0, r) else b""
+        got = self.allgather_bytes(mine, (FIELD_TEXT + 1) * len(which), what)
+        values = [got[0].split(b"\x1f"), got[r].split(b"\x1f")]
+        parts = []
+        for k, i in enumerate(which):
+            a, b = (v[k].decode("utf-8", "replace") if k < len(v) else "?" for v in values)
+            parts.append(f"{names[i]} differs: rank 0 {a}, rank {r} {b}")
+        raise ValueError(f"{what}: rank {r} was constructed with other arguments than rank 0: " + "; ".join(parts)
+                         + (f" ({hint})" if hint else ""))
 
     def split_node(self, what: str) -> "MpiComm":
         """The ranks of this node (``MPI_COMM_TYPE_SHARED``, ordered by rank) as a new MpiComm.

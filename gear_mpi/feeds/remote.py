@@ -54,12 +54,14 @@ class MpiWriter(EpisodeWriter):
         timeout: seconds to wait for the learner's answer, and for room when ``max_in_flight`` episodes
             are unacknowledged.
         max_in_flight: episodes sent and not yet stored by the learner before ``end_episode`` blocks.
+        check_finite: refuse NaN and infinite step values, as :class:`~gear_mpi.feeds.writer.Writer` does.
     Raises:
         ValueError: a bad argument. WriterTimeoutError: the learner did not answer within ``timeout``.
     Cost: ``max_length * step_bytes`` for the open episode, up to ``max_in_flight`` episode buffers in flight.
     """
 
-    def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8):
+    def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8,
+                 check_finite: bool = False):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if isinstance(max_in_flight, bool) or int(max_in_flight) != max_in_flight or max_in_flight < 1:
@@ -80,7 +82,7 @@ class MpiWriter(EpisodeWriter):
         comm.Recv(buf, source=self.learner, tag=TAG_SPEC)
         spec = TrajectorySpec.from_dict(json.loads(bytes(buf)))
         self._buffer = {c.name: np.empty((spec.max_length,) + c.shape, c.dtype) for c in spec.columns}
-        self._setup(spec, self._buffer)
+        self._setup(spec, self._buffer, check_finite)
 
     def _send(self, buf: np.ndarray, tag: int) -> None:
         self._sends.append((self.comm.Isend(buf, dest=self.learner, tag=tag), buf))

@@ -18,7 +18,7 @@ from ..kernels import ring
 from ..selection.priority_index import PriorityIndex
 from . import store_insert
 from .store_insert import set_inserted_leaves
-from ..spec import TrajectorySpec, validate_priorities
+from ..spec import TrajectorySpec, check_finite_columns, validate_priorities
 
 
 # a host index update of at least 1/REBUILD_FRACTION of its slots writes the leaves and rebuilds the levels
@@ -45,9 +45,11 @@ class ShardInserter:
         self.selector = selector
         self.bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
 
-    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None,
+                    check_finite: bool = False) -> np.ndarray:
         """:meth:`Shard.insert_many <gear_mpi.shard.Shard.insert_many>`: validates each trajectory and the
-        priorities (one bad one stores none), packs them, then :meth:`store_packed`.
+        priorities (one bad one stores none; ``check_finite``: a NaN or inf too), packs them, then
+        :meth:`store_packed`.
 
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
@@ -61,6 +63,9 @@ class ShardInserter:
         pr = validate_priorities(np.ones(n) if priorities is None else priorities, n)
         checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory")
                    for i, t in enumerate(trajectories)]
+        if check_finite:
+            for i, (cols, _) in enumerate(checked):
+                check_finite_columns(cols, f"trajectory {i}" if n > 1 else "trajectory")
         lengths = np.array([length for _, length in checked], np.int64)
         if n == 1:
             columns = checked[0][0]
@@ -68,15 +73,19 @@ class ShardInserter:
             columns = {c.name: np.concatenate([cols[c.name] for cols, _ in checked]) for c in self.spec.columns}
         return self.store_packed(columns, lengths, pr)
 
-    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None,
+                      check_finite: bool = False) -> np.ndarray:
         """:meth:`Shard.insert_packed <gear_mpi.shard.Shard.insert_packed>`: checks the lengths, columns and
-        priorities in whole-array operations (one bad input stores none), then :meth:`store_packed`.
+        priorities (``check_finite``: and the values) in whole-array operations (one bad input stores none),
+        then :meth:`store_packed`.
 
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
         """
         lengths, total = checked_lengths(lengths, self.spec.max_length)
         arrays = check_packed_columns(self.spec, columns, total)
+        if check_finite:
+            check_finite_columns(arrays, "insert_packed", lengths)
         n = len(lengths)
         # None: one shared 1.0 read n times (no n-element array to allocate)
         pr = np.broadcast_to(np.float64(1.0), (n,)) if priorities is None else checked_priorities(priorities, n)

@@ -1,10 +1,11 @@
-"""Progress bars and the ``gear_mpi`` logger of save and load, on one rank (a plain process).
+"""Progress reports and the ``gear_mpi`` logger of save and load, on one rank (a plain process).
 
 Run by tests/test_checkpoint.py (``python -m pytest tests/mpi/test_checkpoint_progress.py``
-by hand). Under pytest stderr is not a terminal, so bars are off unless forced.
+by hand). Under pytest stderr is not a terminal, so reports are plain lines; the ranks' totals
+are tests/mpi/test_progress.py's.
 
-- forced (``progress=True``, or ``GEAR_MPI_PROGRESS=1``): save and load draw a tqdm
-  bar on stderr counting bytes;
+- by default (and with ``progress=True`` or ``GEAR_MPI_PROGRESS=1``), save and load report
+  their bytes on stderr once they have lasted ``GEAR_MPI_PROGRESS_DELAY`` seconds (0 here);
 - ``GEAR_MPI_PROGRESS=0`` (or ``progress=False``): nothing on stderr;
 - the logger records what a save and a load did (bytes, seconds).
 """
@@ -14,15 +15,12 @@ import logging
 import os
 import re
 
-import pytest
-
 import gear_mpi as gm
 from checkpoint_checks import SPEC, fill, shared_dir  # noqa: F401
 from gear_mpi import progress
 
-pytest.importorskip("tqdm")
-
-BAR = re.compile(r"gear_mpi (save|load).*\d+(\.\d+)?[kMG]?B/\d+(\.\d+)?[kMG]?B")
+LINE = re.compile(r"gear_mpi (save|load): +\d+% \| \d+(\.\d+)? [kMG]?B of \d+(\.\d+)? [kMG]?B")
+DONE = re.compile(r"gear_mpi (save|load): 100% \| \d+(\.\d+)? [kMG]?B in \d+\.\d s")
 
 
 def make() -> gm.Replay:
@@ -31,17 +29,18 @@ def make() -> gm.Replay:
     return replay
 
 
-def test_forced_bars_show_bytes(shared_dir, capsys, monkeypatch):
+def test_reports_show_bytes(shared_dir, capsys, monkeypatch):
     monkeypatch.delenv(progress.ENV, raising=False)
+    monkeypatch.setenv(progress.DELAY_ENV, "0")
     replay = make()
     path = os.path.join(shared_dir, "bar")
-    replay.save(path, progress=True)
+    replay.save(path)  # by default, though stderr is not a terminal
     err = capsys.readouterr().err
-    assert BAR.search(err) and "gear_mpi save" in err, err
+    assert LINE.search(err) and DONE.search(err) and "gear_mpi save" in err, err
     loaded, _ = gm.Replay.load(path, progress=True)
     err = capsys.readouterr().err
-    assert BAR.search(err) and "gear_mpi load" in err, err
-    monkeypatch.setenv(progress.ENV, "1")  # the variable forces it too
+    assert LINE.search(err) and DONE.search(err) and "gear_mpi load" in err, err
+    monkeypatch.setenv(progress.ENV, "1")  # the variable asks for it too
     loaded.save(path)
     assert "gear_mpi save" in capsys.readouterr().err
     loaded.close()
@@ -51,6 +50,7 @@ def test_forced_bars_show_bytes(shared_dir, capsys, monkeypatch):
 def test_silent_with_the_variable_or_the_argument(shared_dir, capsys, monkeypatch):
     replay = make()
     path = os.path.join(shared_dir, "quiet")
+    monkeypatch.setenv(progress.DELAY_ENV, "0")
     monkeypatch.setenv(progress.ENV, "0")
     replay.save(path)
     loaded, _ = gm.Replay.load(path)

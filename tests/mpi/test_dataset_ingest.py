@@ -15,6 +15,8 @@ after ``dataset_files.write_all(Path("/tmp/ds"))``.
 - A file that fails only when read (after the replay was built): the same ValueError on
   every rank, the replay closed (its shared memory gone), the communicator still usable.
 - Replay.insert_packed: local, validated like insert_many (nothing stored on a bad batch).
+- headroom: free steps per shard beyond the largest share (default max_length), so that an
+  insert after the load evicts nothing; a bad headroom fails on every rank.
 """
 from __future__ import annotations
 
@@ -140,6 +142,31 @@ def test_too_small_a_capacity_fails_everywhere():
                       "more than capacity_steps=40")
     expect_same_error(lambda: gm.datasets.from_d4rl(root / "good.hdf5", COMM, max_length=30), ValueError,
                       "more than max_length=30")
+
+
+def test_headroom_lets_inserts_after_the_load_evict_nothing():
+    """Issue 30 item 6: by default each shard keeps max_length free steps beyond the largest share, so the
+    first insert after the load evicts nothing; headroom=N keeps N; headroom=0 is the old exact fit."""
+    root = root_from_env()
+    for headroom, free in ((None, int(LENGTHS.max())), (100, 100), (0, 0)):
+        replay = gm.datasets.from_d4rl(root / "good.hdf5", COMM, headroom=headroom, seed=1)
+        try:
+            spec = replay.spec
+            shares = COMM.allgather(int(LENGTHS[replay.dataset_info["first_episode"]:][:len(replay)].sum()))
+            assert replay.shard.capacity_steps == max(shares) + free, (headroom, replay.shard.capacity_steps, shares)
+            loaded = replay.dataset_info["episode_keys"]
+            if RANK == int(np.argmax(shares)):  # the fullest shard: max_length more steps
+                episode = {c.name: np.zeros((spec.max_length,) + c.shape, c.dtype) for c in spec.columns}
+                replay.insert(episode)
+                alive = replay.shard.live_keys()
+                evicted = len(np.setdiff1d(loaded, alive))
+                assert (evicted == 0) == (free >= spec.max_length), (headroom, evicted)
+        finally:
+            replay.close()
+    expect_same_error(lambda: gm.datasets.from_d4rl(root / "good.hdf5", COMM, headroom=-1), ValueError,
+                      "headroom must be a number of steps >= 0")
+    expect_same_error(lambda: gm.datasets.from_npz_dir(root / "good_npz", COMM, headroom=5, capacity_steps=900),
+                      ValueError, "give capacity_steps=900 or headroom=5, not both")
 
 
 def test_failed_read_closes_the_replay_on_every_rank():

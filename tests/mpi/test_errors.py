@@ -2,7 +2,9 @@
 
 An empty replay raises everywhere; a bad batch size, window, align, priority (NaN,
 negative) or a foreign key on the last rank raises the same message on every rank;
-afterwards the priorities are untouched and the replay still samples.
+afterwards the priorities are untouched and the replay still samples. Ranks constructed
+with different arguments (a rate limiter, a capacity and a seed) are told which ones differ,
+with rank 0's value and the first differing rank's.
 """
 from __future__ import annotations
 
@@ -45,3 +47,40 @@ def test_invalid_arguments_fail_on_every_rank(force):
     batch = replay.sample(3, 4)
     assert len(batch) == 3
     replay.close()
+
+
+def test_construction_names_the_argument_that_differs_and_both_values():
+    """Ranks built with different rate limiters (or several different arguments) are told which, and how."""
+    spec = gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4)
+    ratio = gm.SampleToInsertRatio(4, 20, 200)
+    if SIZE > 1:
+        expect_same_error(lambda: gm.Replay(spec, 64, rate_limiter=ratio if RANK == 0 else None, timeout=20.0),
+                          ValueError, f"rank 1 was constructed with other arguments than rank 0: rate_limiter "
+                                      f"differs: rank 0 {ratio!r}, rank 1 None")
+        bad = SIZE - 1
+        expect_same_error(lambda: gm.Replay(spec, 64 + (RANK == bad), seed=1 + 4 * (RANK == bad), timeout=20.0),
+                          ValueError, f"rank {bad} was constructed with other arguments than rank 0: capacity_steps "
+                                      f"differs: rank 0 64, rank {bad} 65; seed differs: rank 0 1, rank {bad} 5")
+    with gm.Replay(spec, 64, rate_limiter=gm.MinSize(1), timeout=20.0) as replay:  # the same everywhere: fine
+        replay.insert({"obs": np.zeros((2, 3))})
+
+
+def test_replay_inserts_refuse_nan_and_inf_with_check_finite():
+    spec = gm.TrajectorySpec({"obs": ((3,), "float32"), "n": ((), "int64")}, max_length=4)
+    with gm.Replay(spec, 64, timeout=20.0) as replay:
+        good = {"obs": np.zeros((2, 3), np.float32), "n": np.arange(2)}
+        bad = {"obs": np.array([[0, 0, 0], [0, np.nan, 0]], np.float32), "n": np.arange(2)}
+        replay.insert(good, check_finite=True)
+        for call in (lambda: replay.insert(bad, check_finite=True),
+                     lambda: replay.insert_many([good, bad], check_finite=True),
+                     lambda: replay.insert_packed({"obs": np.concatenate([good["obs"], bad["obs"]]),
+                                                   "n": np.arange(4)}, [2, 2], check_finite=True)):
+            try:
+                call()
+            except ValueError as e:
+                assert "column 'obs' holds nan at step 1" in str(e), str(e)
+            else:
+                raise AssertionError("a NaN passed check_finite=True")
+            assert len(replay) == 1  # unchanged
+        replay.insert(bad)  # off by default
+        assert len(replay) == 2
