@@ -200,21 +200,24 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     return out
 
 
-def get_many(comm: MpiComm, shard: Shard, keys: Any) -> list[dict[str, np.ndarray] | None]:
+def get_many(comm: MpiComm, shard: Shard, keys: Any,
+             problem: Exception | None = None) -> list[dict[str, np.ndarray] | None]:
     """Collective: ``Replay.get_many``: check this rank's keys (:func:`check_keys`), agree that every rank's are
     good, then :func:`fetch` them from their owners.
 
     Args:
         comm: the replay's communicator; shard: this rank's shard.
         keys: keys issued by this replay, of any rank (an empty list is fine).
+        problem: this rank's error already known (its mapped columns changed: :meth:`Shard.hold`), or None.
     Returns:
         As :func:`fetch`: one entry per key, in the given order (None where the key is stale).
     Raises:
         TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+        CheckpointError: a rank's ``problem`` (on every rank).
         CollectiveTimeoutError: a rank did not arrive within the deadline.
     Cost: one allgather (status), then :func:`fetch`.
     """
-    err, owner = None, None
+    err, owner = problem, None
     try:
         keys, owner = check_keys(keys, shard.tag, comm.size, shard.store.max_items)
     except Exception as e:
