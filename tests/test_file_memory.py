@@ -6,6 +6,10 @@
   slots.bin; another process maps the columns by name; close removes them.
 - Clear errors: no path, path missing / not a directory / not writable, a file in the way, not
   enough disk (the free-space check, and posix_fallocate failing), nothing left behind.
+- The guard of a mapped checkpoint file (storage.file_guard): a read lease holds another process's
+  writer or truncation until the call using the mapping ends, then every use raises CheckpointError;
+  the lease goes back at once when idle and on close; without a lease (file open for writing: a
+  warning; GEAR_MPI_MMAP_LEASE=0: none) a write or truncation is seen by size and modification time.
 - The multi-rank checks (every mode, node peers, checkpoints of file-backed replays, load(mmap=True))
   are tests/mpi/test_file_memory.py, started here on 1 to 3 ranks, and on 2 ranks with a device
   replay over file-backed and mapped arenas on numba's CUDA simulator.

@@ -15,6 +15,10 @@ Run by tests/test_file_memory.py on 1, 2 (``--force-alltoallv``) and 3 ranks; by
   and by ``checkpoint.verify``, and a truncated one always; loading into file-backed shards
   works; mmap onto another number of ranks warns and reshards; a mapped replay saves over the
   checkpoint it maps; mmap of the version-2 fixture warns and reads it.
+- Another process rewriting rank 0's mapped columns.bin in place or truncating it is not held past the
+  replay's calls, and the next sample, get_many, save and batches() batch raise the same CheckpointError
+  on every rank (get and insert on rank 0), with a lease or (``GEAR_MPI_MMAP_LEASE=0``) without; close
+  gives the leases back.
 """
 from __future__ import annotations
 
