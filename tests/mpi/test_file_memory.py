@@ -324,3 +324,20 @@ def _my_leases(filename: str) -> int:
     with open("/proc/locks") as f:
         return sum(1 for ln in f if " LEASE " in ln and f" {os.getpid()} " in ln
                    and ln.split()[-3].endswith(f":{ino}"))
+
+
+def test_a_change_during_a_mapped_load_fails_the_load(saved, monkeypatch):
+    """Rank 0's columns.bin truncated by another process after it was mapped, before the load returned:
+    the load raises the same CheckpointError on every rank (and closes the replay it built)."""
+    cp, _, _ = saved
+    target = os.path.join(cp, ck.rank_dir(0), "columns.bin")
+    restore = ck.shard_files.restore_rank
+
+    def restore_then_truncate(*args, **kwargs):
+        meta = restore(*args, **kwargs)
+        if RANK == 0:
+            subprocess.run([sys.executable, "-c", WRITERS["truncate"].format(f=target)], check=True, timeout=60)
+        return meta
+    monkeypatch.setattr(ck.shard_files, "restore_rank", restore_then_truncate)
+    expect_same_error(lambda: gm.Replay.load(cp, timeout=TIMEOUT, mmap=True), gm.CheckpointError,
+                      f"rank 0: {target} was truncated by another process (now 0 bytes")
