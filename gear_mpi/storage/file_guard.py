@@ -29,7 +29,7 @@ it had when mapped, before every call that uses the mapping. A change is then se
 call, after the fact: a call running while the file changes may read changed steps, or die of
 SIGBUS on a truncation. A :class:`RuntimeWarning` says so when a lease could not be taken.
 
-Both ways also check the size and modification time (one ``fstat``, under a microsecond), which
+Both ways also check the size and modification time (one ``fstat``, about a microsecond), which
 catches what a lease cannot see, e.g. another host writing a file on a cluster file system.
 
 Cost: one open file descriptor per guarded file; per call, a lock, a counter and one ``fstat``.
@@ -83,7 +83,10 @@ class _Watcher:
             with self.lock:
                 guards = list(self.guards)
             for guard in guards:
-                guard._notice()
+                try:
+                    guard._notice()
+                except Exception:  # never let this thread die: a writer would then wait the lease-break time
+                    pass
 
 
 _watcher: _Watcher | None = None
@@ -190,6 +193,7 @@ class FileGuard:
         self._leased = True
         with watcher.lock:
             watcher.guards.add(self)
+        self._notice()  # a break signalled before the watcher knew this guard would otherwise go unheard
         return None
 
     def _notice(self) -> None:
