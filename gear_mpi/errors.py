@@ -42,7 +42,8 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 
 class CheckpointError(GearError, RuntimeError):
-    """A checkpoint is missing, partial, corrupted or of another format; the message names the file."""
+    """A checkpoint is missing, partial, corrupted or of another format, or (``load(mmap=True)``) another
+    process wrote or truncated a file the replay maps; the message names the file."""
 
 
 class RateLimitTimeoutError(GearError, TimeoutError):

@@ -336,6 +336,8 @@ class Replay:
             EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
             RateLimitTimeoutError: the rate limiter held the call past ``rate_limit_timeout`` (every rank).
             CollectiveError: another rank is in another collective call (on every rank, naming both).
+            CheckpointError: a rank's columns map a checkpoint (``load(mmap=True)``) that another process
+                has written or truncated since (every rank; docs/CHECKPOINTS.md).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
         First the rank's writers are drained (within its insert budget); with a rate limiter that does
@@ -350,9 +352,18 @@ class Replay:
         on a node, twice (pack + MPI) across nodes.
         """
         self._check_open()
+        # mapped columns (load(mmap=True)): a writer of the file waits until the call ends; once one came, the
+        # call raises CheckpointError instead, agreed with the arguments' errors
+        with self.shard.hold(strict=False) as problem:
+            return self._sample(batch_size, window, align, mode, out, problem)
+
+    def _sample(self, batch_size: int, window: int | None, align: str, mode: str | None, out: Batch | None,
+                problem: Exception | None) -> Batch:
         if self.mode == "local" and mode in (None, "local"):  # no communication
+            if problem is not None:
+                raise problem
             return self._sample_local(batch_size, window, align, out)
-        err, mode = None, self.mode if mode is None else mode
+        err, mode = problem, self.mode if mode is None else mode
         try:
             batch_size = check_batch_size(batch_size)
             window, code = check_window(self.spec, window, align)
@@ -498,6 +509,7 @@ class Replay:
             Column name -> array of its steps.
         Raises:
             StaleKeyError: the trajectory was evicted or removed; InvalidKeyError: not this shard's key.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated since.
         """
         return self.shard.get(key)
 
@@ -513,13 +525,15 @@ class Replay:
         Raises:
             TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
             CollectiveError: another rank is in another collective call (on every rank, naming both).
+            CheckpointError: as :meth:`sample` (mapped columns changed by another process; every rank).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         Cost: the head (one allgather, or a row on the node board), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
         alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
         between node peers (each step is packed by its owner, then sent).
         """
         self._check_open()
-        return routing.get_many(self.calls, self.shard, keys)
+        with self.shard.hold(strict=False) as problem:  # mapped columns: see sample()
+            return routing.get_many(self.calls, self.shard, keys, problem)
 
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -605,7 +619,8 @@ class Replay:
             path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
             progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
         Raises:
-            CheckpointError: a file problem (on every rank); CollectiveTimeoutError: a rank did not arrive.
+            CheckpointError: a file problem, or (``load(mmap=True)``) a rank's mapped checkpoint changed by
+                another process (on every rank); CollectiveTimeoutError: a rank did not arrive.
         Cost: see :func:`gear_mpi.checkpoint.save`.
         """
         checkpoint.save(self, path, progress)

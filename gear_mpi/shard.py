@@ -21,6 +21,7 @@ from .checkpoint.shard_state import ShardCheckpointState
 from .spec import TrajectorySpec, validate_priorities
 from .storage import table as table_layout
 from .storage.store import TrajectoryStore
+from .storage.file_guard import Hold
 from .storage.columns import column_addresses
 
 _NO_UNIFORMS = np.zeros(0)
@@ -180,9 +181,11 @@ class Shard:
                 with ``check_finite``, a NaN or inf step value (naming the trajectory, column and step).
             InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
             RuntimeError: the shard is closed.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         self._check_open()
-        return self.inserter.insert_many(trajectories, priorities, check_finite)
+        with self.hold():
+            return self.inserter.insert_many(trajectories, priorities, check_finite)
 
     def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None, *,
                       check_finite: bool = False) -> np.ndarray:
@@ -210,9 +213,11 @@ class Shard:
                 with ``check_finite``, a NaN or inf step value (naming the column, trajectory and step).
             InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
             RuntimeError: the shard is closed.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         self._check_open()
-        return self.inserter.insert_packed(columns, lengths, priorities, check_finite)
+        with self.hold():
+            return self.inserter.insert_packed(columns, lengths, priorities, check_finite)
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
@@ -235,9 +240,11 @@ class Shard:
             InvalidTrajectoryError: more steps than ``capacity_steps`` or more trajectories than ``max_items``
                 (nothing is stored).
             RuntimeError: the shard is closed.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         self._check_open()
-        return self.inserter.store_packed(columns, lengths, priorities, steps)
+        with self.hold():
+            return self.inserter.store_packed(columns, lengths, priorities, steps)
 
     # ---- checkpoint state (ShardCheckpointState) ------------------------------------------
     @property
@@ -437,6 +444,7 @@ class Shard:
             The :class:`~gear_mpi.batch.Batch` (``out`` when given).
         Raises:
             ValueError, EmptyReplayError: a bad argument or an ``out`` that does not fit; nothing to draw.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         self._check_open()
         batch_size = check_batch_size(batch_size)
@@ -446,14 +454,16 @@ class Shard:
         if batch_size > 0:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
-        if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
-            return self._sample_one_call(batch, batch_size, window, code)
-        slots = self.select(batch_size)
-        choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
-        keys, probabilities, weights, lengths = batch.meta_numpy()
-        gather_kernels.gather_from_owners(self.column_addresses(), self.spec.step_bytes_array, self.store.capacity,
-                                          _ONE_OWNER, np.array([0, batch_size], np.int64), choices, batch.byte_views(),
-                                          window, batch._mask_np, keys, lengths, probabilities)
+        with self.hold():
+            if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
+                return self._sample_one_call(batch, batch_size, window, code)
+            slots = self.select(batch_size)
+            choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
+            keys, probabilities, weights, lengths = batch.meta_numpy()
+            gather_kernels.gather_from_owners(self.column_addresses(), self.spec.step_bytes_array,
+                                              self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
+                                              choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
+                                              probabilities)
         weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
         return batch
@@ -584,12 +594,14 @@ class Shard:
             Column name -> ``[L, *shape]`` array.
         Raises:
             TypeError, InvalidKeyError, StaleKeyError: not one integer key; not this shard's; evicted or removed.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         self._check_open()
         keys = as_key_array(key)
         if len(keys) != 1:
             raise InvalidKeyError(f"get() takes one key, got {len(keys)}")
-        return self.store.read(int(keys[0]))
+        with self.hold():
+            return self.store.read(int(keys[0]))
 
     def locate(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """Returns the ring start step and length of each key (int64; -1 and 0 for stale keys). O(n).
@@ -632,6 +644,21 @@ class Shard:
                 "sampled": self.samples_drawn, "stale_updates": self.stale_updates,
                 "stored_bytes": self.stored_bytes(), "raw_bytes": self.raw_bytes(),
                 "reserved_bytes": self.reserved_bytes()}
+
+    def hold(self, strict: bool = True) -> Hold:
+        """A call's use of the columns, as a context manager: ``with shard.hold(): ...``. Only columns that
+        map a checkpoint (``Replay.load(path, mmap=True)``) are guarded (:mod:`gear_mpi.storage.file_guard`):
+        while a call holds them, another process that opens the file for writing or truncates it waits;
+        once one did, every hold raises (or gives) a CheckpointError. Other memory: nothing is done.
+
+        Args:
+            strict: raise on entry (False: the ``with`` target is the error, or None; collectives agree it).
+        Returns:
+            The :class:`~gear_mpi.storage.file_guard.Hold`. Cost: O(1), and one ``fstat`` when guarded.
+        Raises:
+            CheckpointError: (on entry, ``strict``) the mapped file was written or truncated by another process.
+        """
+        return Hold(getattr(self.store.arena, "guard", None), strict)
 
     def _check_open(self) -> None:
         if self.store.arena is None:

@@ -6,6 +6,10 @@
   slots.bin; another process maps the columns by name; close removes them.
 - Clear errors: no path, path missing / not a directory / not writable, a file in the way, not
   enough disk (the free-space check, and posix_fallocate failing), nothing left behind.
+- The guard of a mapped checkpoint file (storage.file_guard): a read lease holds another process's
+  writer or truncation until the call using the mapping ends, then every use raises CheckpointError;
+  the lease goes back at once when idle and on close; without a lease (file open for writing: a
+  warning; GEAR_MPI_MMAP_LEASE=0: none) a write or truncation is seen by size and modification time.
 - The multi-rank checks (every mode, node peers, checkpoints of file-backed replays, load(mmap=True))
   are tests/mpi/test_file_memory.py, started here on 1 to 3 ranks, and on 2 ranks with a device
   replay over file-backed and mapped arenas on numba's CUDA simulator.
@@ -15,13 +19,18 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import subprocess
+import sys
+import time
+import warnings
 
 import numpy as np
 import pytest
 
 import gear_mpi as gm
 from gear_mpi.storage import file_arenas as file_memory
+from gear_mpi.storage import file_guard
 from gear_mpi.errors import StorageError
 from gear_mpi.storage import attach_columns
 
@@ -235,3 +244,118 @@ def test_memory_budget_message_shows_small_sizes(monkeypatch):
     why = budget.check(2048, 2, "private")
     assert "need 4.1 kB for their shards (2.05 kB each) but the cgroup limit leaves 3 kB" in why, why
     assert budget.check(1000, 2, "private") is None
+
+
+# ---- the guard of a mapped checkpoint file (load(mmap=True)) against other processes ---------------------
+# A FileGuard on a plain file, in this process; the replays' side (sample, get, get_many, insert, save raising
+# CheckpointError on every rank, a truncation never killing a rank) is tests/mpi/test_file_memory.py.
+
+def _guarded(tmp_path, nbytes: int = 1 << 16):
+    f = tmp_path / "columns.bin"
+    f.write_bytes(bytes(range(256)) * (nbytes // 256))
+    return str(f), file_guard.FileGuard(str(f), os.open(f, os.O_RDONLY))
+
+
+def _leases_of(filename: str) -> list[str]:
+    """This process's lines of /proc/locks for ``filename``'s inode (its leases)."""
+    ino = os.stat(filename).st_ino
+    with open("/proc/locks") as f:
+        return [ln for ln in f if " LEASE " in ln and f" {os.getpid()} " in ln and ln.split()[-3].endswith(f":{ino}")]
+
+
+def _writer(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize("how", ["write", "truncate"])
+def test_guard_holds_a_writer_until_the_call_ends_then_breaks(tmp_path, monkeypatch, how):
+    monkeypatch.delenv(file_guard.LEASE_VAR, raising=False)
+    name, guard = _guarded(tmp_path)
+    if guard.mode != "lease":
+        guard.close()
+        pytest.skip(f"no lease here: {guard.why_no_lease}")
+    assert guard.leased and len(_leases_of(name)) == 1, "a read lease on the mapped file"
+    code = {"write": f"f = open({name!r}, 'r+b'); f.write(b'\\xff' * 100); f.close()",
+            "truncate": f"import os; os.truncate({name!r}, 4096)"}[how]
+    with guard.hold():  # a call uses the mapping: the writer must wait for it
+        t0 = time.monotonic()
+        proc = _writer(code)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.0)
+        assert open(name, "rb").read(1) == b"\0", "nothing changed while the call ran"
+    proc.wait(20)  # the call ended: the lease goes back, the writer goes on
+    assert proc.returncode == 0 and time.monotonic() - t0 < 10, "well before /proc/sys/fs/lease-break-time"
+    assert not guard.leased and _leases_of(name) == []
+    what = {"write": "was written by another process (its modification time changed)",
+            "truncate": "was truncated by another process (now 4096 bytes, 65536 when mapped)"}[how]
+    with pytest.raises(gm.CheckpointError, match=f"columns.bin {re.escape(what)} while mapped by this process .*"
+                                                 f"close the replay and load the checkpoint again"):
+        with guard.hold():
+            pass
+    with guard.hold(strict=False) as problem:
+        assert isinstance(problem, gm.CheckpointError)
+    guard.close()
+
+
+def test_guard_gives_the_lease_back_at_once_when_idle_and_on_close(tmp_path, monkeypatch):
+    monkeypatch.delenv(file_guard.LEASE_VAR, raising=False)
+    name, guard = _guarded(tmp_path)
+    if guard.mode != "lease":
+        guard.close()
+        pytest.skip(f"no lease here: {guard.why_no_lease}")
+    with guard.hold():
+        pass
+    assert guard.problem() is None
+    t0 = time.monotonic()
+    proc = _writer(f"open({name!r}, 'r+b').close()")  # opened for writing, nothing written: still a break
+    proc.wait(20)
+    assert time.monotonic() - t0 < 10 and not guard.leased
+    with pytest.raises(gm.CheckpointError, match="was opened for writing or truncated by another process"):
+        guard.hold().__enter__()
+    guard.close()
+    # a second guard, closed while healthy: the lease goes, the descriptor too
+    other, guard = _guarded(_fresh_dir(tmp_path), 4096)
+    assert len(_leases_of(other)) == 1
+    fd = guard._fd
+    guard.close()
+    guard.close()  # idempotent
+    assert _leases_of(other) == [] and not guard.leased
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def _fresh_dir(tmp_path):
+    d = tmp_path / "other"
+    d.mkdir()
+    return d
+
+
+def test_guard_without_a_lease_warns_and_compares_size_and_time(tmp_path, monkeypatch):
+    """A file open for writing when mapped cannot be leased (EAGAIN): a RuntimeWarning says what is then not
+    caught; a write or a truncation is still seen at the next call, by the file's size and modification time."""
+    monkeypatch.delenv(file_guard.LEASE_VAR, raising=False)
+    f = tmp_path / "columns.bin"
+    f.write_bytes(b"\1" * 8192)
+    with open(f, "r+b") as w:
+        with pytest.warns(RuntimeWarning, match="no lease on .*columns.bin \\(it is open for writing by some "
+                                                "process\\).*SIGBUS"):
+            guard = file_guard.FileGuard(str(f), os.open(f, os.O_RDONLY))
+        assert guard.mode == "stat" and not guard.leased
+        with guard.hold():
+            pass
+        time.sleep(0.02)  # the file system's clock may tick coarsely
+        w.write(b"\2")
+        w.flush()
+    with pytest.raises(gm.CheckpointError, match="was written by another process .* \\(no lease: it is open for "
+                                                 "writing"):
+        guard.hold().__enter__()
+    guard.close()
+    monkeypatch.setenv(file_guard.LEASE_VAR, "0")  # leases turned off: no warning, the same checks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard = file_guard.FileGuard(str(f), os.open(f, os.O_RDONLY))
+    assert guard.mode == "stat" and guard.why_no_lease == f"{file_guard.LEASE_VAR}=0"
+    assert guard.problem() is None
+    os.truncate(f, 100)
+    assert "was truncated by another process (now 100 bytes, 8192 when mapped)" in str(guard.problem())
+    guard.close()

@@ -81,7 +81,9 @@ def save(replay, path, progress: bool | None = None) -> None:
             (None: yes unless ``GEAR_MPI_PROGRESS=0``; False: never; see :mod:`gear_mpi.progress`).
     Raises:
         CheckpointError: the path cannot hold a checkpoint (e.g. a non-empty directory
-            that is not one) or writing failed; the same on every rank.
+            that is not one), writing failed, or a rank's columns map a checkpoint
+            (``load(mmap=True)``) that another process wrote or truncated since; the same
+            on every rank.
         TypeError: ``path`` is not a path, or ``progress`` not None or a bool.
         RuntimeError: the replay is closed.
         CollectiveTimeoutError: a rank did not arrive at the start within the timeout,
@@ -95,12 +97,18 @@ def save(replay, path, progress: bool | None = None) -> None:
     """
     if replay.closed:
         raise RuntimeError("this Replay is closed")
+    replay.comm.check_usable()
+    with replay.shard.hold(strict=False) as problem:  # mapped columns: read until the save ends (Shard.hold)
+        _save(replay, path, progress, problem)
+
+
+def _save(replay, path, progress: bool | None, problem: Exception | None) -> None:
+    """:func:`save`, with this rank's error already known (``problem``: its mapped columns changed), agreed."""
     comm: MpiComm = replay.comm
-    comm.check_usable()
     show = wanted(progress, comm.rank)
     rank = comm.rank
     started = time.monotonic()
-    err, mine = None, 0
+    err, mine = problem, 0
     token = secrets.randbits(48)
     try:
         if not isinstance(path, (str, os.PathLike)):
@@ -404,6 +412,8 @@ def _restore_exact(replay, ck: CheckpointComm, where: str, body: dict, show: boo
             meta = shard_files.restore_rank(replay.shard, where, body, rank, mapped, verify)
             replay.load_state({"rng": meta["rng_replay"], "shared_rng": body["shared_rng"],
                                "windows_shared": int(meta["windows_shared"]), "windows_mpi": int(meta["windows_mpi"])})
+            with replay.shard.hold():  # mapped: raises if another process wrote or truncated the file meanwhile
+                pass
         except Exception as e:
             err = e
         channel.finish(err, "load")

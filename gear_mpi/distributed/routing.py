@@ -203,22 +203,25 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     return out
 
 
-def get_many(calls: ReplayCalls, shard: Shard, keys: Any) -> list[dict[str, np.ndarray] | None]:
+def get_many(calls: ReplayCalls, shard: Shard, keys: Any,
+             problem: Exception | None = None) -> list[dict[str, np.ndarray] | None]:
     """Collective: ``Replay.get_many``: check this rank's keys (:func:`check_keys`), agree that every rank's are
     good (a ``"get_many"`` head, :mod:`gear_mpi.distributed.calls`), then :func:`fetch` them from their owners.
 
     Args:
         calls: the replay's heads (and communicator); shard: this rank's shard.
         keys: keys issued by this replay, of any rank (an empty list is fine).
+        problem: this rank's error already known (its mapped columns changed: :meth:`Shard.hold`), or None.
     Returns:
         As :func:`fetch`: one entry per key, in the given order (None where the key is stale).
     Raises:
         TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
+        CheckpointError: a rank's ``problem`` (on every rank).
         CollectiveError: another rank is in another call; CollectiveTimeoutError: a rank did not arrive in time.
     Cost: the head (one allgather, or a row on the node board), then :func:`fetch`.
     """
     comm = calls.comm
-    err, owner = None, None
+    err, owner = problem, None
     try:
         keys, owner = check_keys(keys, shard.tag, comm.size, shard.store.max_items)
     except Exception as e:

@@ -16,7 +16,10 @@ memory) and copy windows straight out of it.
 - :meth:`FileArena.attach` -- a node peer's file, mapped by name (never unlinked here).
 - :meth:`FileArena.open_private` -- an existing file (a checkpoint's ``columns.bin``)
   mapped copy-on-write (``MAP_PRIVATE``, kind ``"mapped"``): reads come from the file
-  through the page cache, writes stay in this process and never reach the file.
+  through the page cache, writes stay in this process and never reach the file. Other
+  processes' writes do reach the mapping, so the arena holds a
+  :class:`~gear_mpi.storage.file_guard.FileGuard` (``arena.guard``: a read lease) that
+  notices them; users of the mapping hold it (``with arena.guard.hold(): ...``).
 
 Access advice: column mappings get ``MADV_RANDOM`` (sampling reads windows at random
 places; the kernel's read-ahead around each fault would read pages no window needs).
@@ -40,6 +43,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..progress import human
+from .file_guard import FileGuard
 
 COLUMNS_FILE = "columns.bin"  # a rank's arena of step columns (and a v3 checkpoint's, laid out alike)
 TABLE_FILE = "slots.bin"      # a file-backed shard's trajectory table
@@ -171,6 +175,15 @@ class FileArena(NamedMapping):
             self._mmap.madvise(mmap.MADV_RANDOM)
         self.buffer = np.frombuffer(self._mmap, np.uint8, self.nbytes)
         self._finalizer = weakref.finalize(self, _unlink_quietly, filename) if owner else None
+        self.guard: FileGuard | None = None  # open_private: watches the file for other processes' changes
+
+    def close(self) -> None:
+        """Unmap (once no array views it), unlink the file if this process created it, and (a
+        copy-on-write mapping) give up its guard's lease. Idempotent."""
+        super().close()
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
 
     @classmethod
     def create(cls, directory: str, filename: str, nbytes: int, random: bool = True) -> "FileArena":
@@ -233,10 +246,12 @@ class FileArena(NamedMapping):
             filename: the file (e.g. a checkpoint's ``rank-NNNNN/columns.bin``).
             nbytes: the size it must have (None: any).
         Returns:
-            The arena, of kind ``"mapped"``. Cost: one open and one mmap; pages are read on first use.
+            The arena, of kind ``"mapped"``, with its :class:`~gear_mpi.storage.file_guard.FileGuard`
+            (``arena.guard``; its descriptor stays open until :meth:`close`). Cost: one open, one
+            mmap, the guard's lease (one ``fcntl`` or two); pages are read on first use.
         Raises:
             FileNotFoundError: no such file.
-            StorageError: the file has another size than ``nbytes``.
+            StorageError: the file has another size than ``nbytes`` (checked once the lease is held).
         """
         return cls._open(filename, private=True, nbytes=nbytes)
 
@@ -246,13 +261,23 @@ class FileArena(NamedMapping):
             fd = os.open(filename, os.O_RDWR if not private else os.O_RDONLY)
         except FileNotFoundError:
             raise FileNotFoundError(f"no arena file {filename!r} (was its shard closed?)") from None
+        guard = None
         try:
+            if private:  # a file of someone else's (a checkpoint): guard it before its size is trusted
+                guard = FileGuard(filename, fd)
             size = os.fstat(fd).st_size
             if nbytes is not None and size != nbytes:
                 raise StorageError(f"{filename!r} has {size} bytes, {nbytes} expected")
-            return cls(filename, fd, size, owner=False, private=private, random=True)
+            arena = cls(filename, fd, size, owner=False, private=private, random=True)
+            arena.guard = guard
+            return arena
+        except BaseException:
+            if guard is not None:
+                guard.close()  # closes fd too
+            raise
         finally:
-            os.close(fd)
+            if guard is None:
+                os.close(fd)
 
     def advise(self, option: int, start: int, length: int) -> None:
         """``madvise`` a range of the mapping (``start`` page-aligned); ignored if the kernel refuses. O(1) call.

@@ -15,10 +15,17 @@ Run by tests/test_file_memory.py on 1, 2 (``--force-alltoallv``) and 3 ranks; by
   and by ``checkpoint.verify``, and a truncated one always; loading into file-backed shards
   works; mmap onto another number of ranks warns and reshards; a mapped replay saves over the
   checkpoint it maps; mmap of the version-2 fixture warns and reads it.
+- Another process rewriting rank 0's mapped columns.bin in place or truncating it is not held past the
+  replay's calls, and the next sample, get_many, save and batches() batch raise the same CheckpointError
+  on every rank (get and insert on rank 0), with a lease or (``GEAR_MPI_MMAP_LEASE=0``) without; close
+  gives the leases back.
 """
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 import warnings
 
 import numpy as np
@@ -27,7 +34,7 @@ import pytest
 import gear_mpi as gm
 from checkpoint_checks import shared_dir  # noqa: F401 (fixture)
 from gear_mpi import checkpoint as ck
-from gear_mpi.storage import arenas
+from gear_mpi.storage import arenas, file_guard
 from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows, expect_same_error, fill, shard_sizes
 
 SELECTORS = {"Uniform": gm.Uniform, "Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": gm.Fifo,
@@ -227,3 +234,110 @@ def test_device_replay_on_file_memory_on_the_simulator(shared_dir):
     for name in SPEC.names:
         assert np.array_equal(got[name].cpu().numpy(), expect[name].numpy()), name
     mapped.close()
+
+
+# in place: steps after the header; a truncation to nothing (every page of the mapping then lies past the end)
+WRITERS = {"write": "f = open({f!r}, 'r+b'); f.seek(128); f.write(b'\\xff' * 512); f.close()",
+           "truncate": "import os; os.truncate({f!r}, 0)"}
+
+
+@pytest.mark.parametrize("how,lease", [("write", True), ("truncate", True), ("truncate", False)],
+                         ids=["write-lease", "truncate-lease", "truncate-no-lease"])
+def test_a_mapped_checkpoint_changed_by_another_process(saved, monkeypatch, how, lease):
+    """Another process rewrites rank 0's mapped columns.bin in place, or truncates it (issue 30, item 4): the
+    writer is not held past the replay's calls, and then every call that reads the columns raises the same
+    CheckpointError on every rank, naming the file (sample, get_many, a batches() iterator's next batch,
+    save), as rank 0's local ones do (get, insert); nothing reads changed steps and no rank dies of SIGBUS.
+    Without a lease (``GEAR_MPI_MMAP_LEASE=0``) a truncation between calls is caught by the file's size."""
+    cp, _, _ = saved
+    if lease:
+        monkeypatch.delenv(file_guard.LEASE_VAR, raising=False)
+    else:
+        monkeypatch.setenv(file_guard.LEASE_VAR, "0")
+    replay, _ = gm.Replay.load(cp, timeout=TIMEOUT, mmap=True)
+    guard = replay.shard.store.arena.guard
+    assert guard.mode == ("lease" if lease else "stat") or guard.why_no_lease, guard.why_no_lease
+    mine = replay.shard.live_keys()
+    before = replay.sample(2 + RANK, 5)
+    it = replay.batches(2, 5, prefetch=1) if how == "write" else None
+    if it is not None:
+        next(it)
+    target = os.path.join(cp, ck.rank_dir(0), "columns.bin")
+    manifest = ck.read_manifest(cp)["sha256"]
+    COMM.Barrier()
+    if RANK == 0:
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", WRITERS[how].format(f=target)], check=True, timeout=60)
+        assert time.monotonic() - t0 < 15, "held no longer than the replay's calls, not the lease-break time"
+    COMM.Barrier()
+    what = f"rank 0: {target} was " + ("truncated by another process (now 0 bytes" if how == "truncate" else "")
+    if it is not None:  # the batches sampled ahead before the write arrive; then the error, on every rank at once
+        failed = None
+        for i in range(4):
+            try:
+                next(it)
+            except gm.CheckpointError as e:
+                failed = (i, str(e))
+                break
+        assert failed is not None, "the iterator went on reading the changed file"
+        got = COMM.allgather(failed)
+        assert len(set(got)) == 1 and what in got[0][1] and "another process" in got[0][1], got
+        it.close()
+    expect_same_error(lambda: replay.sample(2 + RANK, 5), gm.CheckpointError, what)
+    expect_same_error(lambda: replay.get_many(before.keys), gm.CheckpointError, what)
+    if RANK == 0:
+        with pytest.raises(gm.CheckpointError, match="load the checkpoint again"):
+            replay.get(int(mine[0]))
+        with pytest.raises(gm.CheckpointError, match="another process"):
+            replay.insert({"obs": np.ones((2, 3), np.float32), "step": np.zeros(2, np.int64),
+                           "flag": np.ones((2, 2), np.uint8)})
+    elif len(mine):
+        assert len(replay.get(int(mine[0]))["step"]) > 0  # the other ranks' files are untouched
+    expect_same_error(lambda: replay.save(cp), gm.CheckpointError, what)
+    assert ck.read_manifest(cp)["sha256"] == manifest, "the failed save replaced nothing"
+    assert not [n for n in os.listdir(os.path.dirname(cp)) if n.startswith("cp.tmp-")]
+    assert replay.stats()["total"]["items"] > 0  # what needs no column still works
+    replay.close()
+    assert not guard.leased
+
+
+def test_mapped_replay_releases_its_lease_on_close(saved, monkeypatch):
+    """While a replay maps a checkpoint, each rank holds a read lease on its columns.bin; close gives it back,
+    and a writer then goes on at once, unnoticed by nobody."""
+    cp, _, _ = saved
+    monkeypatch.delenv(file_guard.LEASE_VAR, raising=False)
+    replay, _ = gm.Replay.load(cp, timeout=TIMEOUT, mmap=True)
+    guard = replay.shard.store.arena.guard
+    if guard.mode != "lease":
+        replay.close()
+        pytest.skip(f"no lease here: {guard.why_no_lease}")
+    mine = os.path.join(cp, ck.rank_dir(RANK), "columns.bin")
+    assert guard.leased and _my_leases(mine) == 1
+    replay.close()
+    assert not guard.leased and _my_leases(mine) == 0
+    with open(mine, "r+b"):  # would wait for the lease-break time if a lease were left
+        pass
+
+
+def _my_leases(filename: str) -> int:
+    ino = os.stat(filename).st_ino
+    with open("/proc/locks") as f:
+        return sum(1 for ln in f if " LEASE " in ln and f" {os.getpid()} " in ln
+                   and ln.split()[-3].endswith(f":{ino}"))
+
+
+def test_a_change_during_a_mapped_load_fails_the_load(saved, monkeypatch):
+    """Rank 0's columns.bin truncated by another process after it was mapped, before the load returned:
+    the load raises the same CheckpointError on every rank (and closes the replay it built)."""
+    cp, _, _ = saved
+    target = os.path.join(cp, ck.rank_dir(0), "columns.bin")
+    restore = ck.shard_files.restore_rank
+
+    def restore_then_truncate(*args, **kwargs):
+        meta = restore(*args, **kwargs)
+        if RANK == 0:
+            subprocess.run([sys.executable, "-c", WRITERS["truncate"].format(f=target)], check=True, timeout=60)
+        return meta
+    monkeypatch.setattr(ck.shard_files, "restore_rank", restore_then_truncate)
+    expect_same_error(lambda: gm.Replay.load(cp, timeout=TIMEOUT, mmap=True), gm.CheckpointError,
+                      f"rank 0: {target} was truncated by another process (now 0 bytes")
