@@ -1,8 +1,8 @@
 """Offline RL on CartPole-v1 from a learning agent's replay in gear_mpi: a decision transformer against
 behaviour cloning and filtered behaviour cloning, trained side by side with DDP over MPI ranks.
 
-    mpiexec -n 2 python -m mpi4py examples/offline_dt.py            # the full run (a few minutes), and its plot
-    mpiexec -n 2 python -m mpi4py examples/offline_dt.py --quick    # about 40 s (the CI test runs it)
+    mpiexec -n 2 python -m mpi4py examples/offline_dt.py            # the full run (about 6.5 min on 2 cores), and its plot
+    mpiexec -n 2 python -m mpi4py examples/offline_dt.py --quick    # about 30 s (the CI test runs it)
 
 The dataset is one where behaviour cloning on everything is not enough, as D4RL's medium-replay
 sets: rank 0 writes a D4RL-layout HDF5 file with ``scripts/data/make_dataset.py --phases``, the
