@@ -1,7 +1,7 @@
 """Offline RL on CartPole-v1 from a learning agent's replay in gear_mpi: a decision transformer against
 behaviour cloning and filtered behaviour cloning, trained side by side with DDP over MPI ranks.
 
-    mpiexec -n 2 python -m mpi4py examples/offline_dt.py            # the full run (about 6.5 min on 2 cores), and its plot
+    mpiexec -n 2 python -m mpi4py examples/offline_dt.py            # the full run (6.5 min on 2 cores), its plot
     mpiexec -n 2 python -m mpi4py examples/offline_dt.py --quick    # about 30 s (the CI test runs it)
 
 The dataset is one where behaviour cloning on everything is not enough, as D4RL's medium-replay
@@ -373,7 +373,8 @@ def run(cfg: Config) -> dict:
         print(f"offline_dt: 3 models of {cfg.layers} layers x {cfg.embed} dims x {cfg.heads} heads, context "
               f"{cfg.context}, {n_params} parameters each; {cfg.batch} windows per rank per step per replay, "
               f"sampler {replay.selector!r}; {cfg.steps} steps; decision transformer targets {targets}", flush=True)
-        print(f"{'step':>6} " + " ".join(f"{m:>11}" for m in METHODS) + f" {'eval bc/fbc/dt':>17} {'wall_s':>7}", flush=True)
+        print(f"{'step':>6} " + " ".join(f"{m:>11}" for m in METHODS) + f" {'eval bc/fbc/dt':>17} {'wall_s':>7}",
+              flush=True)
 
     def eval_seeds(count: int, base: int) -> list[int]:  # seeds unseen in the dataset, shared among the ranks
         return [10_000_000 + base + i for i in range(rank, count, size)]

@@ -15,14 +15,16 @@ levels act at random more often (CartPole: the probability of a random action) o
 more Gaussian torque (Pendulum: its standard deviation), so episodes differ in length
 and return. ``--phases`` replaces the cycle with a learning agent's history, as in D4RL's
 medium-replay datasets: phases of ``EPISODES:NOISE:BIAS`` run in order (the last one on
-until ``--steps`` are written), where the bias leans the controller (CartPole: added to its
-decision value, so it pushes right too often: it holds the pole but drifts off the track,
-returns about 140 at bias 0.1, 120 at 0.15, 100 at 0.2; Pendulum: added torque). The file holds ``observations``, ``actions``, ``rewards``, ``terminals``
-(the environment ended the episode), ``timeouts`` (the time limit did),
-``next_observations``, ``infos/noise`` and ``infos/bias`` (the episode's noise level and bias),
-``infos/phase`` (the index of its phase, or of its noise level) and ``infos/episode_step``; attributes under ``metadata`` record how it was made. The last
-episode is cut when ``--steps`` steps are written, so it stays open (neither flag set), as
-in D4RL. Needs gymnasium and h5py (``pip install gear-mpi[examples,datasets]``).
+until ``--steps`` are written), where the bias leans the controller (CartPole: added to
+its decision value, so it pushes right too often: it holds the pole but drifts off the
+track, returns about 140 at bias 0.1, 120 at 0.15, 100 at 0.2; Pendulum: added torque).
+The file holds ``observations``, ``actions``, ``rewards``, ``terminals`` (the environment
+ended the episode), ``timeouts`` (the time limit did), ``next_observations``,
+``infos/noise`` and ``infos/bias`` (the episode's noise level and bias), ``infos/phase``
+(the index of its phase, or of its noise level) and ``infos/episode_step``; attributes
+under ``metadata`` record how it was made. The last episode is cut when ``--steps`` steps
+are written, so it stays open (neither flag set), as in D4RL. Needs gymnasium and h5py
+(``pip install gear-mpi[examples,datasets]``).
 """
 from __future__ import annotations
 
