@@ -1,6 +1,6 @@
 """examples/offline_dt.py trains, end to end: ``--quick`` on 2 ranks.
 
-One run (about 30 s on 2 cores) under ``mpiexec -n 2 python -m mpi4py`` with a hard timeout:
+One run (30-40 s on 2 cores) under ``mpiexec -n 2 python -m mpi4py`` with a hard timeout:
 rank 0 writes a learning agent's CartPole-v1 history (D4RL-layout HDF5, scripts/data/make_dataset.py
 ``phases``), every rank loads its share twice with gm.datasets.from_d4rl (all the episodes; the best
 ones only, the others at priority 0), the ranks train a decision transformer, behaviour cloning and
