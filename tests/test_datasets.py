@@ -113,6 +113,39 @@ def test_make_dataset_writes_what_the_loader_reads(tmp_path):
     assert n.lengths.sum() == 3000 and len(n.lengths) == summary["episodes"]
 
 
+def test_make_dataset_phases_run_in_order(tmp_path):
+    """``phases``: a learning agent's history, phase after phase, the last one until the steps are written;
+    the bias leans the CartPole controller (shorter episodes, fewer of the unbiased controller's actions)."""
+    pytest.importorskip("gymnasium")
+    import h5py
+    from gear_mpi.datasets import split_episodes
+    from scripts.data.make_dataset import make_dataset, parse_phases
+
+    phases = parse_phases("3:1:0, 4:0:0.15,1:0:0")
+    assert phases == [(3, 1.0, 0.0), (4, 0.0, 0.15), (1, 0.0, 0.0)]
+    out = tmp_path / "replay.hdf5"
+    summary = make_dataset(out, "CartPole-v1", steps=2000, seed=1, phases=phases)
+    with h5py.File(out) as f:
+        starts, lengths, open_last = split_episodes(f["terminals"][:], f["timeouts"][:])
+        phase, bias, noise = f["infos/phase"][:][starts], f["infos/bias"][:][starts], f["infos/noise"][:][starts]
+        assert f["metadata"].attrs["phases"] == "3:1:0,4:0:0.15,1:0:0"
+    assert phase.tolist() == [0] * 3 + [1] * 4 + [2] * (len(starts) - 7)  # the last phase goes on
+    assert bias.tolist() == [0.0] * 3 + [pytest.approx(0.15)] * 4 + [0.0] * (len(starts) - 7)
+    assert noise.tolist() == [1.0] * 3 + [0.0] * (len(starts) - 3)
+    random, leaning, expert = summary["phase_mean_return"]
+    assert random < 40 and 80 < leaning < 200 and expert == 500.0, summary  # the lean drives the cart off
+    assert summary["controller_share"] < 0.9 and summary["steps"] == 2000 and open_last, summary
+    # without phases: the noise levels cycle, no bias, as before
+    plain = make_dataset(tmp_path / "plain.hdf5", "CartPole-v1", steps=1500, noise=(0.0, 1.0), seed=1)
+    assert "phase_mean_return" not in plain and set(plain["mean_return"]) == {0.0, 1.0}, plain
+    for bad in ("3:1", "0:1:0", "2:-1:0", "2:0:nan", "a:0:0", "1:0:0:0"):
+        with pytest.raises(ValueError, match="phases"):
+            parse_phases(bad)
+    with pytest.raises(ValueError, match="probability"):
+        make_dataset(tmp_path / "x.hdf5", "CartPole-v1", steps=100, phases=[(1, 2.0, 0.0)])
+    assert not (tmp_path / "x.hdf5").exists()
+
+
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_ingest_on_ranks(files, nprocs):
     run = run_pytest_mpi(nprocs, "test_dataset_ingest.py", mpiexec=nprocs > 1, timeout=300,
