@@ -10,9 +10,16 @@ from .storage.columns import attach_columns
 from .feeds.writer import EpisodeWriter, Writer
 from .feeds.remote import MpiWriter
 from .distributed.parallel import ParallelGroups, ReplicaSampler, parallel_groups
+from .distributed import framework_groups as _framework_groups
 from .stats import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
 from . import datasets
+
+# the groups a job already has (torch DeviceMesh, Megatron/DeepSpeed mpu, torch process groups), as
+# gm.parallel_groups.from_device_mesh(mesh) etc.: the same ParallelGroups that parallel_groups builds
+parallel_groups.from_device_mesh = _framework_groups.from_device_mesh
+parallel_groups.from_mpu = _framework_groups.from_mpu
+parallel_groups.from_process_groups = _framework_groups.from_process_groups
 
 load_checkpoint = Replay.load  # load_checkpoint(path, comm=None, **overrides): the checkpoint package builds a Replay
 

@@ -13,7 +13,9 @@ Lowest first:
 - :mod:`.transport` -- the choices and windows from owners to requesters;
 - :mod:`.routing` -- key-routed collectives: priority updates and whole-trajectory fetches;
 - :mod:`.prefetch` -- ``replay.batches()``: samples on a background thread, same order on every rank;
-- :mod:`.parallel` -- tensor/pipeline/data-parallel groups and one batch per model replica.
+- :mod:`.parallel` -- tensor/pipeline/data-parallel groups and one batch per model replica;
+- :mod:`.framework_groups` -- those groups read from a torch DeviceMesh, a Megatron/DeepSpeed mpu or torch
+  process groups (``gm.parallel_groups.from_device_mesh``, ``from_mpu``, ``from_process_groups``).
 
 The package's ``__init__`` imports none of them: a process that never communicates
 (an actor's writer) does not load mpi4py.
