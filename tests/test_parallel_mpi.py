@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from mpi_util import run_pytest_mpi
+from example_util import run_example_job
+from mpi_util import ROOT, run_pytest_mpi
 
 
 def test_parallel_and_activity_on_four_ranks():
@@ -28,3 +29,14 @@ def test_groups_from_frameworks_on_four_ranks():
         assert any(name in t for t in ran), (name, sorted(ran))
     if importlib.util.find_spec("megatron") is not None:  # megatron-core installed: its test ran, not skipped
         assert sum("test_megatron_parallel_state" in t for t in ran) == 4, sorted(ran)
+
+
+def test_parallel_frameworks_example_on_four_ranks():
+    """examples/integrations/parallel_frameworks.py (docs/guide/integrations/parallel_frameworks.md): the
+    DeviceMesh run, and the Megatron-core one in the same job where megatron-core is installed."""
+    frameworks = "mesh,megatron" if importlib.util.find_spec("megatron") is not None else "mesh"
+    result, _ = run_example_job(ROOT / "examples" / "integrations" / "parallel_frameworks.py", "--framework",
+                                frameworks, ranks=4, timeout=240)
+    assert sorted(result) == sorted(frameworks.split(","))
+    for framework, r in result.items():
+        assert r == {"agreed": True, "order": "tp-dp-pp", "tensor": 2, "pipeline": 1, "data": 2}, framework

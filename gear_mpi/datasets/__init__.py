@@ -2,13 +2,14 @@
 
     replay = gm.datasets.from_d4rl("hopper-medium-v2.hdf5", comm, sampler=gm.Uniform(), seed=0)
     replay = gm.datasets.from_npz_dir("episodes/", comm)
+    replay = gm.datasets.from_minari("D4RL/door/human-v2", comm)   # a local Minari dataset (id or directory)
 
-Both are collective and return a filled :class:`~gear_mpi.replay.Replay` (one trajectory
+All are collective and return a filled :class:`~gear_mpi.replay.Replay` (one trajectory
 per episode, columns named after the datasets or arrays). The episodes are cut into one
 contiguous run per rank, balanced by steps; each rank reads only its run, in chunks, each
 inserted with one ``insert_packed``. ``replay.dataset_info`` tells what was read (see
 :func:`gear_mpi.datasets.load.load_dataset`). Modules: :mod:`.episodes` (episode split, shares),
-:mod:`.load` (the collective load), :mod:`.d4rl` and :mod:`.npz` (the two sources).
+:mod:`.load` (the collective load), :mod:`.d4rl`, :mod:`.npz` and :mod:`.minari_files` (the sources).
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from ..replay import Replay
 from .d4rl import D4RLSource
 from .episodes import balanced_shares, split_episodes
 from .load import CHUNK_BYTES, load_dataset
+from .minari_files import MinariSource
 from .npz import NpzSource
 
-__all__ = ["from_d4rl", "from_npz_dir", "split_episodes", "balanced_shares"]
+__all__ = ["from_d4rl", "from_npz_dir", "from_minari", "split_episodes", "balanced_shares"]
 
 
 def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None = None, max_length: int | None = None,
@@ -89,3 +91,49 @@ def from_npz_dir(path: str | Path, /, comm=None, *, max_length: int | None = Non
     """
     return load_dataset(lambda: NpzSource(path), "from_npz_dir", comm, max_length, progress, chunk_bytes, replay_kwargs,
                         headroom)
+
+
+def from_minari(dataset: str | Path, /, comm=None, *, columns: Sequence[str] | None = None,
+                next_observations: bool = True, max_length: int | None = None, progress: bool | None = None,
+                chunk_bytes: int = CHUNK_BYTES, headroom: int | None = None, **replay_kwargs) -> Replay:
+    """A replay holding a local Minari dataset (HDF5 storage), one trajectory per episode (needs h5py:
+    ``pip install gear-mpi[datasets]``; the ``minari`` package is not needed to read).
+
+    Each episode of ``T`` steps becomes a trajectory of ``T`` rows: ``observations`` (the first ``T`` of
+    Minari's ``T + 1``), ``next_observations`` (the last ``T``), ``actions``, ``rewards``, ``terminations``,
+    ``truncations``, with the dataset's dtypes; Dict/Tuple spaces give one column per leaf
+    (``observations/pos``). Layout and column names: :mod:`gear_mpi.datasets.minari_files`. Collective, as
+    :func:`from_d4rl`: every rank opens the dataset and reads the episodes of its own share only.
+
+    Args:
+        dataset: the dataset's directory (``<root>/<id>`` or its ``data/``), or a dataset id
+            (``"cartpole/random-v0"``) under Minari's local root (``$MINARI_DATASETS_PATH``, else
+            ``~/.minari/datasets``); the same on every rank. Positional only (``path=`` is the replay's).
+        comm: the mpi4py communicator (None: ``MPI.COMM_WORLD``).
+        columns: the columns to load (``infos/<key>`` included: the info each step returned); None: every
+            observation, next-observation and action column, rewards, terminations, truncations.
+        next_observations: with ``columns=None``, load ``next_observations`` too (False: half the observation
+            memory; each episode's last observation is then not loaded).
+        max_length, progress, chunk_bytes, headroom, **replay_kwargs: as :func:`from_d4rl`.
+    Returns:
+        The filled replay; ``replay.dataset_info`` as :func:`from_d4rl` gives it (``open_last_episode`` is
+        False), plus ``"metadata"``: the dataset's ``metadata.json`` (``dataset_id``, ``env_spec``, ...).
+    Raises:
+        ValueError: on every rank: no such directory or local id, not a Minari dataset (no ``metadata.json``),
+            a data format other than HDF5, a missing or damaged ``main_data.hdf5``, a missing episode, a
+            non-numeric column (text, JPEG-encoded images), an unknown column, an episode whose datasets
+            have mismatched lengths or another layout than episode 0 (found when read: the replay is then
+            closed), an episode over ``max_length``, a share over ``capacity_steps``, a bad ``headroom``.
+        ImportError: h5py is missing.
+        CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+    """
+    opened = []
+
+    def open_source() -> MinariSource:
+        opened.append(MinariSource(dataset, columns, next_observations))
+        return opened[-1]
+
+    replay = load_dataset(open_source, "from_minari", comm, max_length, progress, chunk_bytes, replay_kwargs,
+                          headroom)
+    replay.dataset_info["metadata"] = opened[-1].metadata
+    return replay

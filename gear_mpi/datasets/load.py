@@ -1,7 +1,7 @@
 """The collective part of every dataset loader: agree on the dataset, build the replay, read each
 rank's share of the episodes into it, agree that every rank succeeded.
 
-A *source* (:mod:`.d4rl`, :mod:`.npz`) is opened on every rank and describes the whole
+A *source* (:mod:`.d4rl`, :mod:`.npz`, :mod:`.minari_files`) is opened on every rank and describes the whole
 dataset without reading its steps: ``columns`` (name -> (per-step shape, dtype)),
 ``lengths`` (every episode's steps, in order), ``open_last`` (the last episode has no end)
 and ``read(first, stop, buffers)``, which copies the steps of episodes ``first:stop`` into
