@@ -21,7 +21,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
 
 import argparse
 import json
-from pathlib import Path
 
 import numpy as np
 import torch

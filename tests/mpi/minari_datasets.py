@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -78,30 +79,37 @@ def dict_episodes(episodes: int, seed: int) -> list:
 
 def write_all(root: Path) -> Path:
     """Write every dataset of the module docstring under ``root`` (a Minari datasets root); returns root."""
-    import gymnasium as gym
-    import minari
-
     root.mkdir(parents=True, exist_ok=True)
     before = os.environ.get(ENV)
     os.environ[ENV] = str(root)
-    try:
-        minari.create_dataset_from_buffers("cartpole/random-v0", rollouts("CartPole-v1", 13, seed=7),
-                                           env="CartPole-v1", algorithm_name="random")
-        minari.create_dataset_from_buffers("pendulum/random-v0",
-                                           rollouts("Pendulum-v1", 5, seed=3, max_episode_steps=37),
-                                           env=gym.make("Pendulum-v1", max_episode_steps=37).spec,
-                                           algorithm_name="random")
-        space = gym.spaces.Dict({"pos": gym.spaces.Box(-10, 10, (3,), np.float32),
-                                 "count": gym.spaces.Box(0, 10_000, (), np.int32)})
-        minari.create_dataset_from_buffers("dict/synthetic-v0", dict_episodes(7, seed=5), observation_space=space,
-                                           action_space=gym.spaces.Box(-1, 1, (2,), np.float32))
-    finally:
-        if before is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = before
+    with warnings.catch_warnings():  # minari's notes on eval_env and env_spec left unset: meant so here
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            _write_good()
+        finally:
+            if before is None:
+                del os.environ[ENV]
+            else:
+                os.environ[ENV] = before
     write_damaged(root)
     return root
+
+
+def _write_good() -> None:
+    """The three good datasets, under $MINARI_DATASETS_PATH."""
+    import gymnasium as gym
+    import minari
+
+    minari.create_dataset_from_buffers("cartpole/random-v0", rollouts("CartPole-v1", 13, seed=7),
+                                       env="CartPole-v1", algorithm_name="random")
+    minari.create_dataset_from_buffers("pendulum/random-v0",
+                                       rollouts("Pendulum-v1", 5, seed=3, max_episode_steps=37),
+                                       env=gym.make("Pendulum-v1", max_episode_steps=37).spec,
+                                       algorithm_name="random")
+    space = gym.spaces.Dict({"pos": gym.spaces.Box(-10, 10, (3,), np.float32),
+                             "count": gym.spaces.Box(0, 10_000, (), np.int32)})
+    minari.create_dataset_from_buffers("dict/synthetic-v0", dict_episodes(7, seed=5), observation_space=space,
+                                       action_space=gym.spaces.Box(-1, 1, (2,), np.float32))
 
 
 def write_damaged(root: Path) -> None:
