@@ -407,3 +407,39 @@ def check_draining(shard, point, live, dead):
         w.insert(one_step(3, 0))
         w.insert(one_step(3, 1))
         assert point.close() == 2
+
+
+def test_a_held_writer_ends_when_its_replay_closes_or_its_owner_dies(owner):
+    """A writer waiting in the rate limiter's hold (no hold_timeout) still gets WriterError at once when its
+    replay closes, and within 0.1 s of looking when its owner process dies; it never hangs."""
+    shard, point = owner
+    point.registry.set_hold(2)  # what a rank under a rate limiter publishes: each writer may stage 2 episodes
+    p = actor(point.address, "--episodes", "50", "--no-flush")
+    deadline = time.monotonic() + 20
+    while point.backlog() < 2:
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert point.backlog() == 2 and p.poll() is None, "a writer at its cap waits"
+    t0 = time.monotonic()
+    point.close()
+    out, _ = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert p.returncode == 3 and "ERROR WriterError" in out and "its replay was closed" in out, out
+
+    learner = owner_process("gm.Shard(spec, 1000)", "point.registry.set_hold(2)\ntime.sleep(600)")
+    address = learner.stdout.readline().strip()
+    try:
+        w = actor(address, "--episodes", "50", "--no-flush")
+        time.sleep(2.0)  # it starts, stages two episodes and waits
+        assert w.poll() is None
+        os.kill(learner.pid, signal.SIGKILL)
+        learner.wait()
+        t0 = time.monotonic()
+        out, _ = w.communicate(timeout=20)
+        assert time.monotonic() - t0 < 5
+        assert w.returncode == 3 and "ERROR WriterError" in out and "died" in out, out
+    finally:
+        learner.kill()
+        for name in segments(address):
+            os.unlink(os.path.join("/dev/shm", name))

@@ -124,6 +124,7 @@ def test_the_rate_limiter_holds_fast_writers_back():
                 calls += 1
                 if calls % 20 == 0:
                     st = replay.stats()["total"]
+                    assert st["staged"] <= bound, (st["staged"], bound, time.monotonic() - t0)
                     seen.append((time.monotonic() - t0, st["staged"], st["staged_steps"], st["ingested_age"]))
                 time.sleep(0.002)
             assert all(p.poll() is None for p in procs), "the actors are held, not dead"
