@@ -513,11 +513,12 @@ class Replay:
 
         Returns:
             ``{"ranks", "mode" (the default), "balance" (largest shard / mean shard, in items),
-            "total": {figure: sum}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}`` for the figures
-            of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
-            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, reserved_bytes, windows_shared,
-            windows_mpi, ingested, writers, staged, staged_steps, writers_draining, ingested_age), plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"``
-            (counters for :func:`gear_mpi.stats.rates`: ``{"per_rank": ..., "total": ...}``).
+            "total": {figure: sum (ingested_age: the largest)}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}``
+            for the figures of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight,
+            inserted, evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, reserved_bytes,
+            windows_shared, windows_mpi, ingested, writers, staged, staged_steps, writers_draining, ingested_age),
+            plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"`` (counters for
+            :func:`gear_mpi.stats.rates`: ``{"per_rank": ..., "total": ...}``).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         Cost: drains this rank's writers (within the insert budget), then one allgather of 38 float64 per

@@ -60,14 +60,15 @@ SHARD_FIGURES = ("items", "live_steps", "steps_used", "capacity_steps", "weight"
 REPLAY_FIGURES = SHARD_FIGURES + ("windows_shared", "windows_mpi", "ingested", "writers", "staged", "staged_steps",
                                   "writers_draining", "ingested_age")
 _FLOAT = frozenset({"weight", "ingested_age"})
-#: figures whose total is the largest rank's (NaN ranks left out), not the sum: an age
+#: figures whose total is the largest rank's finite value (``inf``, "none", when no rank has one), not the sum:
+#: an age, ``inf`` on a rank that has ingested nothing from a writer
 LARGEST = frozenset({"ingested_age"})
 
 
 def _largest(values: Sequence[float]) -> float:
-    """The largest of ``values`` leaving NaN out (NaN when all are)."""
-    known = [v for v in values if not math.isnan(v)]
-    return max(known) if known else math.nan
+    """The largest finite value of ``values`` (``inf`` when none is finite)."""
+    known = [v for v in values if math.isfinite(v)]
+    return max(known) if known else math.inf
 
 
 def _cast(name: str, value: float) -> float | int:
@@ -113,7 +114,7 @@ ACTIVITY_COUNTERS = ("uptime", "inserted", "inserted_bytes", "served", "received
                      "sample_seconds", "sample_wait_seconds", "copy_seconds", "update_calls", "update_seconds",
                      "wait_seconds")
 #: figures of now, not cumulative: episodes and steps staged in the rank's writers (ended, not ingested) and the
-#: age in seconds of the newest ingested step (NaN before any), as last counted at its collectives
+#: age in seconds of the newest ingested step (``inf`` before any), as last counted at its collectives
 ACTIVITY_GAUGES = ("staged", "staged_steps", "ingested_age")
 ACTIVITY_FIGURES = ACTIVITY_COUNTERS + ACTIVITY_GAUGES
 _COUNTS = frozenset({"inserted", "inserted_bytes", "served", "received", "received_bytes", "sample_calls",
@@ -159,7 +160,7 @@ class ReplayActivity:
             The values as floats.
         """
         a, s = self.counts, self.shard
-        gauges = self.feeds.gauges() if self.feeds is not None else [0.0, 0.0, math.nan]
+        gauges = self.feeds.gauges() if self.feeds is not None else [0.0, 0.0, math.inf]
         return [time.perf_counter() - a.born, float(s.store.state[ring.INSERTED_TOTAL]), float(s.bytes_inserted),
                 float(s.samples_drawn), float(a.received), float(a.received_bytes), float(a.sample_calls),
                 a.sample_seconds, a.sample_wait_seconds, self.transport.copy_seconds, float(a.update_calls),
@@ -214,7 +215,7 @@ def metered_update(method: Callable) -> Callable:
 
 def combine_activity(table: np.ndarray) -> dict[str, dict[str, Any]]:
     """Every rank's :meth:`ReplayActivity.row` (``Replay.activity_row``) as ``{"per_rank": {figure: [...]},
-    "total": {...}}`` (local). Totals are sums, except ``uptime`` and ``ingested_age``: the largest (NaN left out).
+    "total": {...}}`` (local). Totals are sums, except ``uptime`` and ``ingested_age``: the largest (finite) one.
 
     Args:
         table: ``[ranks, len(ACTIVITY_FIGURES)]``, row r from rank r.
@@ -311,8 +312,8 @@ def describe(r: dict) -> str:
             f"{t['sample_ms']:.3g} ms; time in sample {100 * t['sample_fraction']:.1f}% (waiting "
             f"{100 * t['sample_wait_fraction']:.1f}%, copying {100 * t['copy_fraction']:.1f}%), in updates "
             f"{100 * t['update_fraction']:.1f}%, waiting in collectives {100 * t['wait_fraction']:.1f}%")
-    age = t.get("ingested_age", math.nan)
-    if t.get("staged") or not math.isnan(age):
+    age = t.get("ingested_age", math.inf)
+    if t.get("staged") or math.isfinite(age):
         line += (f"; staged {int(t.get('staged', 0))} episodes ({int(t.get('staged_steps', 0))} steps), newest "
                  f"ingested step {age:.3g} s old")
     return line

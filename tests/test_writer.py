@@ -388,7 +388,7 @@ def check_draining(shard, point, live, dead):
     steps = sum(len(episode(s, i)[0]["r"]) for s, n in ((1, 4), (2, 5)) for i in range(n))
     fig = point.figures()
     assert (fig["writers"], fig["writers_draining"], fig["staged"], fig["staged_steps"]) == (2, 0, 9, steps)
-    assert np.isnan(fig["ingested_age"])  # nothing ingested yet
+    assert fig["ingested_age"] == float("inf")  # nothing ingested yet
     os.kill(dead.pid, signal.SIGKILL)
     dead.wait()
     deadline = time.monotonic() + 5

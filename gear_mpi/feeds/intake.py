@@ -100,9 +100,10 @@ class WriterIntake:
         return len(self.writers) - len(self.draining)
 
     def age(self) -> float:
-        """Seconds since the newest ingested episode ended (in its writer), NaN before any. O(1), any thread."""
+        """Seconds since the newest ingested episode ended (in its writer); ``inf`` before any (no data is
+        infinitely old, and compares equal to itself, unlike NaN). O(1), any thread."""
         t = self.newest_ns
-        return max(time.monotonic_ns() - t, 0) * 1e-9 if t else math.nan
+        return max(time.monotonic_ns() - t, 0) * 1e-9 if t else math.inf
 
     def figures(self) -> dict[str, float]:
         """What ``stats()`` reports of the writers (attaches new ones and counts first): ``writers`` (live),

@@ -230,10 +230,10 @@ class ReplayFeeds:
         actor ranks) and ``writers_draining`` (local writers that closed or died, with episodes still to ingest);
         ``staged`` (episodes ended and not ingested, actor ranks' included) and ``staged_steps`` (local writers'
         steps of them); ``ingested_age`` (seconds since the newest episode ingested from a local writer ended;
-        NaN before any)."""
+        ``inf`` before any)."""
         ip = self.intake
         mine = ip.figures() if ip else {"writers": 0, "writers_draining": 0, "staged": 0, "staged_steps": 0,
-                                        "ingested_age": math.nan}
+                                        "ingested_age": math.inf}
         mine["ingested"] = (ip.ingested if ip else 0) + sum(b.ingested for b in self.inboxes)
         mine["writers"] += sum(len(b.actors) for b in self.inboxes)
         mine["staged"] += sum(box.backlog() for box in self.inboxes)
@@ -244,7 +244,7 @@ class ReplayFeeds:
         """``[staged, staged_steps, ingested_age]`` as last counted at this rank's collectives (for the activity
         counters of :mod:`gear_mpi.stats`; O(1), safe from any thread: it only reads numbers)."""
         ip = self.intake
-        return [float(max(self._staged, 0)), float(ip.staged_steps if ip else 0), ip.age() if ip else math.nan]
+        return [float(max(self._staged, 0)), float(ip.staged_steps if ip else 0), ip.age() if ip else math.inf]
 
     def close(self) -> None:
         """Close the inboxes and the ingest point (local; idempotent)."""

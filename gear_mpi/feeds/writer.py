@@ -241,10 +241,11 @@ class Writer(EpisodeWriter):
         held_seconds: seconds this writer has waited in the rate limiter's hold so far.
     Cost: one shared-memory segment of ``staging_steps * step_bytes`` (reserved at once) plus 32 bytes per
     staged episode; per step O(columns) Python and a copy; no system call on the fast path. Every
-    ``end_episode``/``insert`` reads the clock and the owner's hold word, and at most every 0.1 s (``timeout / 4`` when shorter) looks
-    whether the owner still runs, so a closed or dead owner (killed, exited without ``close()``, or a zombie)
-    gives :class:`~gear_mpi.errors.WriterError` at the next episode end, within the timeout; the writer of a
-    dead owner then removes its staging area and the owner's registry from ``/dev/shm``.
+    ``end_episode``/``insert`` reads the clock and the owner's hold word, and at most every 0.1 s
+    (``timeout / 4`` when shorter) looks whether the owner still runs, so a closed or dead owner (killed,
+    exited without ``close()``, or a zombie) gives :class:`~gear_mpi.errors.WriterError` at the next episode
+    end (or while held), within the timeout; the writer of a dead owner then removes its staging area and the
+    owner's registry from ``/dev/shm``.
     """
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None,

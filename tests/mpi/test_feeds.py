@@ -114,7 +114,8 @@ def test_the_rate_limiter_holds_fast_writers_back():
     lines = []
     with gm.Replay(SPEC, 40000, gm.Uniform(), max_items=5000, rate_limiter=lim, rate_limit_timeout=60,
                    timeout=60) as replay:
-        procs = actors(replay.writer_address(), [10 * COMM.rank + i for i in range(writers)], "--episodes", "1000000000")
+        seeds = [10 * COMM.rank + i for i in range(writers)]
+        procs = actors(replay.writer_address(), seeds, "--episodes", "1000000000")  # flat out, but for the hold
         meter = gm.log_every(replay, seconds=1.0, log=lines.append)
         try:
             t0, calls, seen = time.monotonic(), 0, []
@@ -134,7 +135,9 @@ def test_the_rate_limiter_holds_fast_writers_back():
             assert max(n for _, _, n, _ in seen) <= bound * MAX_LENGTH, (bound, seen)
             late = [age for t, _, _, age in seen if t > 2.5]
             assert late and max(late) < 2.0, seen  # seconds; flat out, the age grows with the run (issue: 17.5 s)
-            assert total["ingested"] >= 100 and 3.0 < st["sample_to_insert_ratio"] < 5.0, st
+            assert total["ingested"] >= 50, total
+            diff = total["inserted"] * spi - total["sampled"]  # the limiter still holds its band
+            assert lim.min_diff - batch * COMM.size <= diff <= lim.max_diff, (diff, total)
             assert (total["writers"], total["writers_draining"]) == (writers * COMM.size, 0)
             if COMM.rank == 0:
                 assert any("staged" in line and "newest ingested step" in line for line in lines), lines
