@@ -92,7 +92,9 @@ class Replay:
         process_group, window_transport: for device replays, an existing torch.distributed group,
             and ``"nccl"`` or ``"mpi"`` (a CUDA-aware MPI) for windows between nodes.
         rate_limiter: a :mod:`gear_mpi.feeds.rate_limit` limiter over the whole replay (None: none);
-            rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds.replay_feeds`).
+            rate_limit_timeout: seconds a sample may wait for it (see :mod:`gear_mpi.feeds.replay_feeds`);
+            writer_slack: episodes this rank's writers may stage beyond its insert allowance before their
+            ``end_episode`` waits (None: the items of two sample calls; see :mod:`gear_mpi.feeds.replay_feeds`).
         lazy: only warn when the node cannot hold every rank's shard (:mod:`gear_mpi.storage.budget`); default: refuse.
 
     Collective: agrees on the arguments, a key tag and the node layout, and maps the node's
@@ -109,7 +111,7 @@ class Replay:
                  max_items: int | None = None, max_times_sampled: int | None = None, memory: str | None = None,
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
                  window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
-                 rate_limit_timeout: float = 60.0, lazy: bool = False, path=None):
+                 rate_limit_timeout: float = 60.0, lazy: bool = False, path=None, writer_slack: int | None = None):
         header.mode_code(mode)  # ValueError for an unknown mode
         if window_transport not in ("nccl", "mpi"):
             raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
@@ -118,7 +120,7 @@ class Replay:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         sampler = Uniform() if sampler is None else sampler
         self.comm = MpiComm(comm, timeout)
-        check_rate_limit(rate_limiter, rate_limit_timeout)
+        check_rate_limit(rate_limiter, rate_limit_timeout, writer_slack)
         self.mode = mode
         self.force_alltoallv = bool(force_alltoallv)
         rank, size = self.comm.rank, self.comm.size
@@ -174,8 +176,9 @@ class Replay:
         self._state = ReplayState(self.rng, self.shared_rng, mode=mode, comm=self.comm,
                                   force_alltoallv=self.force_alltoallv, device=self.device, shard=self.shard)
         self._prefetch = ReplayPrefetch()
-        self._feeds = ReplayFeeds(self.shard, rank, size, self.settle, rate_limiter, rate_limit_timeout)
-        self._activity = ReplayActivity(self.shard, self.comm, self.transport, spec.step_bytes + 1)
+        self._feeds = ReplayFeeds(self.shard, rank, size, self.settle, rate_limiter, rate_limit_timeout,
+                                  writer_slack)
+        self._activity = ReplayActivity(self.shard, self.comm, self.transport, spec.step_bytes + 1, self._feeds)
 
     # ---- local operations -----------------------------------------------------------------
     @property
@@ -542,16 +545,17 @@ class Replay:
 
         Returns:
             ``{"ranks", "mode" (the default), "balance" (largest shard / mean shard, in items),
-            "total": {figure: sum}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}`` for the figures
-            of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight, inserted,
-            evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, windows_shared, windows_mpi, ingested,
-            writers, staged), plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"``
-            (counters for :func:`gear_mpi.stats.rates`: ``{"per_rank": ..., "total": ...}``).
+            "total": {figure: sum (ingested_age: the largest)}, "per_rank": {figure: [rank 0's, rank 1's, ...]}}``
+            for the figures of ``stats.REPLAY_FIGURES`` (items, live_steps, steps_used, capacity_steps, weight,
+            inserted, evicted, removed, sampled, stale_updates, stored_bytes, raw_bytes, reserved_bytes,
+            windows_shared, windows_mpi, ingested, writers, staged, staged_steps, writers_draining, ingested_age),
+            plus ``"sample_to_insert_ratio"``, ``"rate_limiter"`` (its repr) and ``"activity"`` (counters for
+            :func:`gear_mpi.stats.rates`: ``{"per_rank": ..., "total": ...}``).
         Raises:
             CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         Cost: drains this rank's writers (within the insert budget), then the head (status and call) and,
-        in flight with it, one allgather of 30 float64 per rank (17 figures and 13 activity counters).
+        in flight with it, one allgather of 37 float64 per rank (21 figures and 16 activity counters).
         """
         self._check_open()
         err = None

@@ -56,9 +56,19 @@ from .kernels import ring
 #: figures of one shard, in the order a replay gathers them; "weight" is a float, the rest are ints
 SHARD_FIGURES = ("items", "live_steps", "steps_used", "capacity_steps", "weight", "inserted", "evicted", "removed",
                  "sampled", "stale_updates", "stored_bytes", "raw_bytes", "reserved_bytes")
-#: figures of one rank of a replay: the shard's, then the windows this rank received by each path
-REPLAY_FIGURES = SHARD_FIGURES + ("windows_shared", "windows_mpi", "ingested", "writers", "staged")
-_FLOAT = frozenset({"weight"})
+#: figures of one rank of a replay: the shard's, then the windows this rank received by each path, then its feeds
+REPLAY_FIGURES = SHARD_FIGURES + ("windows_shared", "windows_mpi", "ingested", "writers", "staged", "staged_steps",
+                                  "writers_draining", "ingested_age")
+_FLOAT = frozenset({"weight", "ingested_age"})
+#: figures whose total is the largest rank's finite value (``inf``, "none", when no rank has one), not the sum:
+#: an age, ``inf`` on a rank that has ingested nothing from a writer
+LARGEST = frozenset({"ingested_age"})
+
+
+def _largest(values: Sequence[float]) -> float:
+    """The largest finite value of ``values`` (``inf`` when none is finite)."""
+    known = [v for v in values if math.isfinite(v)]
+    return max(known) if known else math.inf
 
 
 def _cast(name: str, value: float) -> float | int:
@@ -88,21 +98,27 @@ def combine(table: np.ndarray, mode: str, names: Sequence[str] = REPLAY_FIGURES)
         names: the figure names of the table's columns.
     Returns:
         ``{"ranks": P, "mode": mode, "balance": largest shard / mean shard in items (1.0 when empty),
-        "total": {figure: sum over ranks}, "per_rank": {figure: [value of rank r, ...]}}``.
+        "total": {figure: sum over ranks (for :data:`LARGEST`: the largest)}, "per_rank": {figure: [value of
+        rank r, ...]}}``.
     """
     per_rank = {k: [_cast(k, v) for v in table[:, i].tolist()] for i, k in enumerate(names)}
-    total = {k: _cast(k, sum(table[:, i].tolist())) for i, k in enumerate(names)}
+    total = {k: _cast(k, (_largest if k in LARGEST else sum)(table[:, i].tolist())) for i, k in enumerate(names)}
     items = table[:, names.index("items")] if "items" in names else np.zeros(1)
     balance = float(items.max() / items.mean()) if items.sum() else 1.0
     return {"ranks": int(table.shape[0]), "mode": mode, "balance": balance, "total": total, "per_rank": per_rank}
 
 
-#: one rank's activity counters, in gather order (all cumulative since the replay was built on that rank)
-ACTIVITY_FIGURES = ("uptime", "inserted", "inserted_bytes", "served", "received", "received_bytes", "sample_calls",
-                    "sample_seconds", "sample_wait_seconds", "copy_seconds", "update_calls", "update_seconds",
-                    "wait_seconds")
+#: one rank's activity counters, in gather order (cumulative since the replay was built on that rank), then
+#: its gauges (:data:`ACTIVITY_GAUGES`)
+ACTIVITY_COUNTERS = ("uptime", "inserted", "inserted_bytes", "served", "received", "received_bytes", "sample_calls",
+                     "sample_seconds", "sample_wait_seconds", "copy_seconds", "update_calls", "update_seconds",
+                     "wait_seconds")
+#: figures of now, not cumulative: episodes and steps staged in the rank's writers (ended, not ingested) and the
+#: age in seconds of the newest ingested step (``inf`` before any), as last counted at its collectives
+ACTIVITY_GAUGES = ("staged", "staged_steps", "ingested_age")
+ACTIVITY_FIGURES = ACTIVITY_COUNTERS + ACTIVITY_GAUGES
 _COUNTS = frozenset({"inserted", "inserted_bytes", "served", "received", "received_bytes", "sample_calls",
-                     "update_calls"})
+                     "update_calls", "staged", "staged_steps"})
 
 
 @dataclass
@@ -129,10 +145,11 @@ class ReplayActivity:
         comm: the replay's :class:`~gear_mpi.distributed.comm.MpiComm` (time waiting in collectives).
         transport: the replay's window transport (time copying windows: its ``copy_seconds``).
         step_bytes: a window step's bytes in a batch (the columns' and the mask's).
+        feeds: the replay's :class:`~gear_mpi.feeds.replay_feeds.ReplayFeeds` (its ``gauges()``), or None.
     """
 
-    def __init__(self, shard, comm: MpiComm, transport, step_bytes: int):
-        self.shard, self.comm, self.transport = shard, comm, transport
+    def __init__(self, shard, comm: MpiComm, transport, step_bytes: int, feeds=None):
+        self.shard, self.comm, self.transport, self.feeds = shard, comm, transport, feeds
         self.counts = Activity(step_bytes=step_bytes)
 
     def row(self) -> list[float]:
@@ -143,10 +160,11 @@ class ReplayActivity:
             The values as floats.
         """
         a, s = self.counts, self.shard
+        gauges = self.feeds.gauges() if self.feeds is not None else [0.0, 0.0, math.inf]
         return [time.perf_counter() - a.born, float(s.store.state[ring.INSERTED_TOTAL]), float(s.bytes_inserted),
                 float(s.samples_drawn), float(a.received), float(a.received_bytes), float(a.sample_calls),
                 a.sample_seconds, a.sample_wait_seconds, self.transport.copy_seconds, float(a.update_calls),
-                a.update_seconds, self.comm.waited]
+                a.update_seconds, self.comm.waited, *gauges]
 
     def count_sample(self, start: float, waited: float, batch) -> None:
         """Count one sample call begun at ``start`` (``time.perf_counter``) when the communicator had waited
@@ -197,7 +215,7 @@ def metered_update(method: Callable) -> Callable:
 
 def combine_activity(table: np.ndarray) -> dict[str, dict[str, Any]]:
     """Every rank's :meth:`ReplayActivity.row` (``Replay.activity_row``) as ``{"per_rank": {figure: [...]},
-    "total": {...}}`` (local). Totals are sums, except ``uptime``: the largest.
+    "total": {...}}`` (local). Totals are sums, except ``uptime`` and ``ingested_age``: the largest (finite) one.
 
     Args:
         table: ``[ranks, len(ACTIVITY_FIGURES)]``, row r from rank r.
@@ -205,7 +223,7 @@ def combine_activity(table: np.ndarray) -> dict[str, dict[str, Any]]:
     def cast(k, v):
         return int(v) if k in _COUNTS else float(v)
     per_rank = {k: [cast(k, v) for v in table[:, i].tolist()] for i, k in enumerate(ACTIVITY_FIGURES)}
-    total = {k: cast(k, table[:, i].max() if k == "uptime" else table[:, i].sum())
+    total = {k: cast(k, _largest(table[:, i].tolist()) if k in ("uptime", "ingested_age") else table[:, i].sum())
              for i, k in enumerate(ACTIVITY_FIGURES)}
     return {"per_rank": per_rank, "total": total}
 
@@ -226,14 +244,16 @@ def rates(before: dict, after: dict) -> dict[str, Any]:
         rest of it: selection, the rate limiter's back-off, the node fence), ``update_fraction``,
         ``wait_fraction`` (waiting in any collective of the replay), and ``sample_ms`` (mean time of a
         sample call; NaN without calls). Totals: rates summed over ranks (per second of the interval),
-        fractions averaged, ``sample_ms`` over every call.
+        fractions averaged, ``sample_ms`` over every call. Also the gauges of ``after``
+        (:data:`ACTIVITY_GAUGES`: ``staged``, ``staged_steps`` summed, ``ingested_age`` the largest rank's),
+        when it has them.
     Raises:
         ValueError: snapshots of different rank counts, or ``after`` not later than ``before`` on a rank.
     """
     b, a = before.get("activity", before)["per_rank"], after.get("activity", after)["per_rank"]
     if len(a["uptime"]) != len(b["uptime"]):
         raise ValueError("rates: the snapshots come from replays of different rank counts")
-    d = {k: np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64) for k in ACTIVITY_FIGURES}
+    d = {k: np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64) for k in ACTIVITY_COUNTERS}
     dt = d["uptime"]
     if (dt <= 0).any():
         raise ValueError("rates: `after` must be a later snapshot of the same replay than `before`")
@@ -257,6 +277,11 @@ def rates(before: dict, after: dict) -> dict[str, Any]:
     with np.errstate(divide="ignore", invalid="ignore"):
         per_rank["sample_ms"] = np.where(calls > 0, 1e3 * d["sample_seconds"] / calls, math.nan).tolist()
     total["sample_ms"] = float(1e3 * d["sample_seconds"].sum() / calls.sum()) if calls.sum() else math.nan
+    for name in ACTIVITY_GAUGES:
+        if name in a:
+            values = [float(v) for v in a[name]]
+            per_rank[name] = values
+            total[name] = _largest(values) if name == "ingested_age" else float(sum(values))
     return {"seconds": span, "ranks": len(dt), "total": total, "per_rank": per_rank}
 
 
@@ -278,14 +303,20 @@ def flatten(r: dict, prefix: str = "replay/", per_rank: bool = False) -> dict[st
 
 
 def describe(r: dict) -> str:
-    """One line of text saying what a :func:`rates` result holds (local)."""
+    """One line of text saying what a :func:`rates` result holds (local); with writers, it ends with their
+    backlog and the age of the newest ingested step."""
     t = r["total"]
-    return (f"replay, {r['ranks']} ranks, last {r['seconds']:.3g} s: {t['inserts_per_s']:.4g} inserts/s "
+    line = (f"replay, {r['ranks']} ranks, last {r['seconds']:.3g} s: {t['inserts_per_s']:.4g} inserts/s "
             f"({t['insert_bytes_per_s'] / 1e6:.4g} MB/s), {t['samples_per_s']:.4g} windows/s "
             f"({t['sample_bytes_per_s'] / 1e6:.4g} MB/s) in {t['sample_calls_per_s']:.4g} samples/s of "
             f"{t['sample_ms']:.3g} ms; time in sample {100 * t['sample_fraction']:.1f}% (waiting "
             f"{100 * t['sample_wait_fraction']:.1f}%, copying {100 * t['copy_fraction']:.1f}%), in updates "
             f"{100 * t['update_fraction']:.1f}%, waiting in collectives {100 * t['wait_fraction']:.1f}%")
+    age = t.get("ingested_age", math.inf)
+    if t.get("staged") or math.isfinite(age):
+        line += (f"; staged {int(t.get('staged', 0))} episodes ({int(t.get('staged_steps', 0))} steps), newest "
+                 f"ingested step {age:.3g} s old")
+    return line
 
 
 class RateMeter:
@@ -304,7 +335,7 @@ class RateMeter:
         ValueError: not exactly one of every/seconds, or a bad value. CollectiveTimeoutError: as the replay.
         CollectiveError: another rank is in another call of the replay (:mod:`gear_mpi.distributed.calls`).
     Cost: a head of the replay's (as a barrier) and a ``Dup`` of its communicator; per snapshot one allgather of
-    13 float64 a rank.
+    16 float64 a rank.
     """
 
     def __init__(self, replay, *, every: int | None = None, seconds: float | None = None,

@@ -15,5 +15,6 @@ def test_feeds_on_ranks(nprocs):
     run = run_pytest_mpi(nprocs, "test_feeds.py", mpiexec=nprocs > 1, timeout=300)
     ran = run.passed(0)
     assert any("test_rate_limiter_bounds_hold" in t for t in ran), sorted(ran)
+    assert any("test_the_rate_limiter_holds_fast_writers_back" in t for t in ran), sorted(ran)
     if nprocs > 1:
         assert any("test_actor_ranks_send_episodes_over_mpi" in t for t in ran), sorted(ran)

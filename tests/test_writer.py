@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.feeds import intake
+from gear_mpi.distributed import header
+from gear_mpi.feeds import intake, replay_feeds
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -316,3 +317,158 @@ def test_writer_slots_are_reaped_with_nothing_pending(owner):
         point.backlog()
     assert point.writers == {} and segments(point.address) == [point.address], "a zombie writer keeps its slot"
     zombie.wait()
+
+
+def one_step(seed: int, index: int) -> dict:
+    """The first step of episode ``index`` of writer ``seed``, as a one-step trajectory."""
+    return {k: v[:1] for k, v in episode(seed, index)[0].items()}
+
+
+def test_the_rate_limiter_holds_a_writer_at_its_share_of_the_insert_budget():
+    """Issue 30, item 7: with a rate limiter, a writer's staged episodes are capped at the rank's insert allowance
+    plus the slack; end_episode then waits (or raises after hold_timeout, the episode still open), and a sample
+    header, which gives the rank more allowance, lets it go on."""
+    lim = gm.SampleToInsertRatio(2.0, 10, 10.0)  # band [10, 30] windows; 15 items may enter before any sample
+    shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
+    feeds = replay_feeds.ReplayFeeds(shard, 0, 1, lambda: None, lim, 60.0)
+    try:
+        w = gm.Writer(feeds.writer_address(), hold_timeout=0.3)
+        assert feeds.slack == 1  # no sample call yet
+        for i in range(16):  # allowance 15 + slack 1
+            w.insert(one_step(1, i))
+        t0 = time.monotonic()
+        with pytest.raises(gm.WriterTimeoutError, match="held back by the replay's rate limiter for 0.3 s"):
+            w.insert(one_step(1, 16))
+        assert 0.25 < time.monotonic() - t0 < 5 and w.staged == 16 and w.held_seconds >= 0.25
+        assert feeds.feed() == 15  # the allowance; one stays staged until samples make room
+        fig = feeds.figures()
+        assert (fig["staged"], fig["staged_steps"], fig["writers"], fig["writers_draining"]) == (1, 1, 1, 0)
+        assert 0 <= fig["ingested_age"] < 5
+        w.append({k: v[0] for k, v in one_step(1, 16).items()})
+        with pytest.raises(gm.WriterTimeoutError, match="held back"):
+            w.end_episode()  # the episode stays open
+        w.hold_timeout = None  # now wait as long as the owner runs
+        done = threading.Event()
+        ender = threading.Thread(target=lambda: (w.end_episode(), done.set()))
+        ender.start()
+        time.sleep(0.3)
+        assert not done.is_set(), "a writer at its cap must wait"
+        head = np.zeros((1, header.HEADER_WIDTH))
+        head[0, [header.BATCH, header.INSERTED, header.ITEMS, header.SAMPLED, header.BACKLOG]] = 4, 15, 15, 20, 1
+        assert not feeds.admit(head)  # the call of 4 windows waits for inserts: 10 may enter now
+        assert feeds.slack == 4  # two calls of 4 windows at 2 samples per insert
+        ender.join(10)
+        assert done.is_set() and w.staged == 2
+        assert feeds.feed() == 2 and feeds.figures()["staged"] == 0
+        w.close()
+    finally:
+        feeds.close()
+        shard.close()
+    # writer_slack= sets the slack
+    shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
+    feeds = replay_feeds.ReplayFeeds(shard, 0, 1, lambda: None, lim, 60.0, writer_slack=5)
+    try:
+        with gm.Writer(feeds.writer_address(), hold_timeout=0.2) as w:
+            for i in range(20):
+                w.insert(one_step(2, i))
+            with pytest.raises(gm.WriterTimeoutError, match="held back"):
+                w.insert(one_step(2, 20))
+    finally:
+        feeds.close()
+        shard.close()
+    with pytest.raises(ValueError, match="writer_slack must be None or an integer >= 0"):
+        replay_feeds.ReplayFeeds(shard, 0, 1, lambda: None, lim, 60.0, writer_slack=-1)
+
+
+def test_no_hold_without_a_bounded_rate_limiter():
+    """Without a limiter, or with MinSize, writers are held only by a full staging area (as before)."""
+    for lim in (None, gm.MinSize(5)):
+        shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
+        feeds = replay_feeds.ReplayFeeds(shard, 0, 1, lambda: None, lim, 60.0)
+        try:
+            with gm.Writer(feeds.writer_address(), hold_timeout=0.2) as w:
+                for i in range(300):
+                    w.insert(one_step(2, i))
+                assert w.staged == 300 and w.held_seconds == 0
+            assert feeds.feed() == 300
+        finally:
+            feeds.close()
+            shard.close()
+
+
+def test_a_dead_writer_with_a_backlog_is_reported_draining(owner):
+    """Issue 30, item 7: a writer whose process died with ended episodes staged is counted apart from the live
+    writers until those episodes are in; the backlog (episodes, steps) and the age of the newest ingested step
+    are reported; close() says how many staged episodes it discards."""
+    shard, point = owner
+    live = actor(point.address, "--seed", "1", "--episodes", "4", "--no-flush", "--then-open", "1")
+    dead = actor(point.address, "--seed", "2", "--episodes", "5", "--no-flush", "--then-open", "1")
+    try:
+        check_draining(shard, point, live, dead)
+    finally:
+        for p in (live, dead):
+            p.kill()
+            p.wait()
+
+
+def check_draining(shard, point, live, dead):
+    for p in (live, dead):
+        assert [p.stdout.readline().strip() for _ in range(2)] == ["DONE", "READY"]
+    steps = sum(len(episode(s, i)[0]["r"]) for s, n in ((1, 4), (2, 5)) for i in range(n))
+    fig = point.figures()
+    assert (fig["writers"], fig["writers_draining"], fig["staged"], fig["staged_steps"]) == (2, 0, 9, steps)
+    assert fig["ingested_age"] == float("inf")  # nothing ingested yet
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait()
+    deadline = time.monotonic() + 5
+    while point.figures()["writers_draining"] == 0:
+        assert time.monotonic() < deadline, "a dead writer with a backlog is not reported draining"
+        time.sleep(0.05)
+    fig = point.figures()
+    assert (fig["writers"], fig["writers_draining"], fig["staged"]) == (1, 1, 9)
+    assert point.drain(np.inf) == 9
+    fig = point.figures()
+    assert (fig["writers"], fig["writers_draining"], fig["staged"], fig["staged_steps"]) == (1, 0, 0, 0)
+    assert 0 <= fig["ingested_age"] < 10
+    assert sorted(stored(shard)) == [(1, i) for i in range(4)] + [(2, i) for i in range(5)]
+    # a new writer stages two episodes that nobody ingests: closing the ingest point discards them
+    with gm.Writer(point.address) as w:
+        w.insert(one_step(3, 0))
+        w.insert(one_step(3, 1))
+        assert point.close() == 2
+
+
+def test_a_held_writer_ends_when_its_replay_closes_or_its_owner_dies(owner):
+    """A writer waiting in the rate limiter's hold (no hold_timeout) still gets WriterError at once when its
+    replay closes, and within 0.1 s of looking when its owner process dies; it never hangs."""
+    shard, point = owner
+    point.registry.set_hold(2)  # what a rank under a rate limiter publishes: each writer may stage 2 episodes
+    p = actor(point.address, "--episodes", "50", "--no-flush")
+    deadline = time.monotonic() + 20
+    while point.backlog() < 2:
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert point.backlog() == 2 and p.poll() is None, "a writer at its cap waits"
+    t0 = time.monotonic()
+    point.close()
+    out, _ = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert p.returncode == 3 and "ERROR WriterError" in out and "its replay was closed" in out, out
+
+    learner = owner_process("gm.Shard(spec, 1000)", "point.registry.set_hold(2)\ntime.sleep(600)")
+    address = learner.stdout.readline().strip()
+    try:
+        w = actor(address, "--episodes", "50", "--no-flush")
+        time.sleep(2.0)  # it starts, stages two episodes and waits
+        assert w.poll() is None
+        os.kill(learner.pid, signal.SIGKILL)
+        learner.wait()
+        t0 = time.monotonic()
+        out, _ = w.communicate(timeout=20)
+        assert time.monotonic() - t0 < 5
+        assert w.returncode == 3 and "ERROR WriterError" in out and "died" in out, out
+    finally:
+        learner.kill()
+        for name in segments(address):
+            os.unlink(os.path.join("/dev/shm", name))

@@ -5,6 +5,8 @@ It never imports mpi4py (a writer must work in any process of the node). It writ
 alternating ``append``/``end_episode`` and ``insert``, then flushes and prints ``DONE``.
 ``--then-open K``: afterwards append K steps of one more episode, print ``READY`` and
 sleep (a test kills it there). ``--step-sleep S``: sleep S seconds after each step.
+``--no-flush``: do not wait for the owner to ingest before DONE (the episodes stay staged).
+``--hold-timeout S``: the writer's ``hold_timeout`` (the rate limiter's hold).
 Errors are printed as ``ERROR <class>: <message>`` with exit status 3.
 """
 from __future__ import annotations
@@ -39,11 +41,14 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--staging-steps", type=int, default=None)
+    ap.add_argument("--no-flush", action="store_true")
+    ap.add_argument("--hold-timeout", type=float, default=None)
     a = ap.parse_args()
     import gear_mpi as gm
     assert "mpi4py.MPI" not in sys.modules
     try:
-        with gm.Writer(a.address, timeout=a.timeout, staging_steps=a.staging_steps) as w:
+        with gm.Writer(a.address, timeout=a.timeout, staging_steps=a.staging_steps,
+                       hold_timeout=a.hold_timeout) as w:
             for e in range(a.episodes):
                 cols, p = episode(a.seed, e)
                 if e % 2:
@@ -54,7 +59,8 @@ def main() -> int:
                         if a.step_sleep:
                             time.sleep(a.step_sleep)
                     w.end_episode(p)
-            w.flush()
+            if not a.no_flush:
+                w.flush()
             print("DONE", flush=True)
             print(f"TORCH {'imported' if 'torch' in sys.modules else 'not imported'}", file=sys.stderr, flush=True)
             if a.then_open:

@@ -8,12 +8,16 @@ up to ``budget`` episodes into the shard with one
 :meth:`~gear_mpi.shard.Shard.store_packed` call per writer -- a copy
 of at most two slices per column (the staging ring's wrap), no Python per step or
 per episode. Writers that closed or died are removed once their published episodes
-are in. Local: no communication.
+are in; until then they are *draining* (:attr:`WriterIntake.draining`), counted apart
+from the live writers. The intake also keeps what ``stats()`` reports of its writers:
+the episodes and steps staged (ended, not yet ingested) and the end time of the newest
+ingested episode (:meth:`WriterIntake.figures`). Local: no communication.
 """
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import secrets
 import time
@@ -47,7 +51,10 @@ class WriterIntake:
         self._finalizer = weakref.finalize(self, _remove_segments, self._address + "_w")
         atexit.register(self._finalizer)
         self.writers: dict[int, Staging] = {}
+        self.draining: set[int] = set()  # slots of writers that closed or died with episodes still to ingest
         self.ingested = 0
+        self.staged = self.staged_steps = 0  # as last counted (backlog, drain): readable from any thread
+        self.newest_ns = 0  # time.monotonic_ns() at the end of the newest ingested episode (0: none yet)
         self._reap_at = 0.0
         self._last = -1  # the slot of the writer served last: the next drain starts after it
 
@@ -76,7 +83,35 @@ class WriterIntake:
     def backlog(self) -> int:
         """Episodes ended by the writers and not yet ingested (attaches new writers first). O(writers)."""
         self._discover()
-        return sum(st.published() - int(st.header[S_CONSUMED]) for st in self.writers.values())
+        return self._count()
+
+    def _count(self) -> int:
+        """Count the staged episodes and steps into ``staged`` and ``staged_steps``; return the episodes."""
+        episodes = steps = 0
+        for st in self.writers.values():
+            e, n = st.pending()
+            episodes, steps = episodes + e, steps + n
+        self.staged, self.staged_steps = episodes, steps
+        return episodes
+
+    @property
+    def live(self) -> int:
+        """Writers attached that have neither closed nor died (as last looked: dead ones every 0.2 s). O(1)."""
+        return len(self.writers) - len(self.draining)
+
+    def age(self) -> float:
+        """Seconds since the newest ingested episode ended (in its writer); ``inf`` before any (no data is
+        infinitely old, and compares equal to itself, unlike NaN). O(1), any thread."""
+        t = self.newest_ns
+        return max(time.monotonic_ns() - t, 0) * 1e-9 if t else math.inf
+
+    def figures(self) -> dict[str, float]:
+        """What ``stats()`` reports of the writers (attaches new ones and counts first): ``writers`` (live),
+        ``writers_draining`` (closed or died, episodes still to ingest), ``staged``, ``staged_steps`` (ended,
+        not yet ingested) and ``ingested_age`` (:meth:`age`). O(writers)."""
+        staged = self.backlog()
+        return {"writers": self.live, "writers_draining": len(self.draining), "staged": staged,
+                "staged_steps": self.staged_steps, "ingested_age": self.age()}
 
     def drain(self, budget: float) -> int:
         """Move up to ``budget`` ended episodes into the shard (oldest first per writer; the writers round-robin,
@@ -106,6 +141,7 @@ class WriterIntake:
                 self._free(slot, st)
         self._reap()
         self.ingested += total
+        self._count()
         return total
 
     def _reap(self) -> None:
@@ -116,8 +152,11 @@ class WriterIntake:
             self._reap_at = now + _REAP_SECONDS
         for slot, st in list(self.writers.items()):
             # closed (or dead) first, then the count: a writer publishes its last episode before it closes
-            if (st.header[S_CLOSED] or (dead_too and st.writer_gone())) and st.published() == int(st.header[S_CONSUMED]):
-                self._free(slot, st)
+            if slot in self.draining or st.header[S_CLOSED] or (dead_too and st.writer_gone()):
+                if st.published() == int(st.header[S_CONSUMED]):
+                    self._free(slot, st)
+                else:
+                    self.draining.add(slot)
 
     def _drain_one(self, st: Staging, budget: float) -> int:
         done = int(st.header[S_CONSUMED])
@@ -149,6 +188,9 @@ class WriterIntake:
             columns = {name: np.concatenate([ring[a:], ring[:b - st.steps]]) for name, ring in st.columns.items()}
         self.shard.store_packed(columns, lengths, priorities)
         st.mark_consumed(done + n, stop)
+        ended = int(recs[n - 1, 3])  # the writer's clock reading (not trusted beyond "not in the future")
+        if ended > self.newest_ns:
+            self.newest_ns = min(ended, time.monotonic_ns())
         return n
 
     def _free(self, slot: int, st: Staging | None) -> None:
@@ -162,12 +204,21 @@ class WriterIntake:
             except FileNotFoundError:
                 pass
         self.writers.pop(slot, None)
+        self.draining.discard(slot)
 
-    def close(self) -> None:
-        """Tell the writers the replay is closed, remove every staging area and the registry. Idempotent."""
+    def close(self) -> int:
+        """Tell the writers the replay is closed, remove every staging area and the registry. Idempotent.
+
+        Returns:
+            Ended episodes discarded: staged and not ingested (logged at INFO level when any).
+        """
         if self.registry is None:
-            return
+            return 0
         publish(self.registry.words[R_CLOSED:R_CLOSED + 1], 1)  # writers raise WriterError from now on
+        discarded = self.backlog()
+        if discarded:
+            log.info("closing ingest point %s discards %d ended episodes (%d steps) its writers staged and it did "
+                     "not ingest", self.address, discarded, self.staged_steps)
         for slot in np.flatnonzero(self.registry.announce.copy()).tolist():
             self._free(slot, self.writers.get(slot))
         for slot, st in list(self.writers.items()):
@@ -175,6 +226,7 @@ class WriterIntake:
         self.registry.close()
         self.registry = None
         self._finalizer()
+        return discarded
 
     def __repr__(self) -> str:
         return f"WriterIntake({self.address!r}, writers={len(self.writers)}, ingested={self.ingested})"

@@ -20,9 +20,11 @@ Where gear_mpi differs from Reverb, and why:
   band ``max_diff - min_diff`` must hold a whole call: a call larger than the band can
   never run, and is refused with a ValueError on every rank instead of waiting forever.
 - **Inserts wait in the writers.** The owner moves staged episodes into its shard only
-  within the insert budget (split over the ranks by their backlog), so writers block on
-  full staging areas (backpressure) instead of in a server call. A rank's own
-  ``insert``/``insert_many`` calls are counted but never held back.
+  within the insert budget (split over the ranks by their backlog), and caps what its
+  writers may stage at its share of that budget plus a small slack, so a writer's
+  ``end_episode`` waits (the *hold*, :mod:`gear_mpi.feeds.replay_feeds`) instead of a
+  server call, and the data waiting in staging -- and its age -- stay bounded. A rank's
+  own ``insert``/``insert_many`` calls are counted but never held back.
 
 This module is pure logic over counts (local, O(1) per call); :mod:`gear_mpi.feeds.replay_feeds` applies it.
 """

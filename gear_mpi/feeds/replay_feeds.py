@@ -8,10 +8,26 @@ objects (actor ranks, after :meth:`~ReplayFeeds.accept_remote`) and the
 collectives (``sample``, ``update_priorities``, ``stats``) and at ``Replay.ingest``
 (:meth:`~ReplayFeeds.feed`), but only within the rank's *insert budget*: the replay's global
 budget (from the counts every sample header carries, :mod:`gear_mpi.distributed.header`) split
-over the ranks by their backlog (:func:`split_budget`), so the writers of a rank that runs ahead
-block on full staging areas. :meth:`~ReplayFeeds.admit` reads the agreed header and says whether
-a sample runs now (the header's agreement loops on it: :func:`gear_mpi.distributed.header.agree`).
-Everything here is local.
+over the ranks by their backlog (:func:`split_budget`). :meth:`~ReplayFeeds.admit` reads the agreed
+header and says whether a sample runs now (the header's agreement loops on it:
+:func:`gear_mpi.distributed.header.agree`).
+
+**The hold** (backpressure from the limiter to the actors). Draining only within the budget
+is not enough: an actor that runs flat out would pile ended episodes up in its staging area
+(thousands, many seconds old, thrown away at close). So after every drain and every admitted
+or refused sample the rank publishes in its registry how many ended episodes each of its live
+writers may have staged: ``ceil((allowance + slack) / live writers)``, at least 1, where the
+allowance is what is left of the rank's insert budget and the slack is ``Replay(writer_slack=)``,
+by default the items of two of the largest sample calls so far, per rank
+(``2 * ceil(windows / samples_per_insert / ranks)``; 1 before the first call). A writer with that
+many waits in ``end_episode`` (:mod:`gear_mpi.feeds.writer`). So a rank's local writers stage at
+most its allowance + slack + (live writers - 1) episodes -- when the actors outrun the learner the
+allowance is about one call's items, since each admitted call lets in what it sampled -- and the
+newest ingested step is about ``(slack + writers) / (the rank's ingest rate)`` seconds old. A
+larger slack rides out actors' jitter (episode resets, slow steps) at the cost of older data.
+Without a rate limiter, or with one that never limits inserts (``MinSize``: ``max_diff``
+infinite), there is no hold: only a full staging area blocks a writer. Actor ranks
+(``MpiWriter``) are bounded by their ``max_in_flight`` instead. Everything here is local.
 """
 from __future__ import annotations
 
@@ -28,13 +44,18 @@ from .rate_limit import RateLimiter
 from .remote import RemoteInbox
 
 
-def check_rate_limit(rate_limiter: RateLimiter | None, rate_limit_timeout: float) -> None:
+def check_rate_limit(rate_limiter: RateLimiter | None, rate_limit_timeout: float,
+                     writer_slack: int | None = None) -> None:
     """Check a Replay's rate-limiter arguments (local, O(1)).
 
     Raises:
         TypeError: ``rate_limiter`` is not a gear_mpi rate limiter (nor None).
-        ValueError: ``rate_limit_timeout`` is not a positive number.
+        ValueError: ``rate_limit_timeout`` is not a positive number, or ``writer_slack`` not None nor an
+            integer >= 0.
     """
+    if writer_slack is not None and (isinstance(writer_slack, bool) or not isinstance(writer_slack, (int, np.integer))
+                                     or writer_slack < 0):
+        raise ValueError(f"writer_slack must be None or an integer >= 0 (episodes), got {writer_slack!r}")
     if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
         raise TypeError(f"rate_limiter must be a gear_mpi rate limiter (MinSize(n), SampleToInsertRatio(...)) or "
                         f"None, got {rate_limiter!r}")
@@ -75,12 +96,13 @@ class ReplayFeeds:
         shard: this rank's shard, which the episodes enter.
         rank, ranks: this rank and the replay's rank count (to split the insert budget).
         settle: the replay's node fence (``Replay.settle``), called before episodes are written into the shard.
-        rate_limiter, rate_limit_timeout: as ``Replay`` takes them (checked: :func:`check_rate_limit`).
+        rate_limiter, rate_limit_timeout, writer_slack: as ``Replay`` takes them (checked:
+            :func:`check_rate_limit`).
     """
 
     def __init__(self, shard, rank: int, ranks: int, settle: Callable[[], None], rate_limiter: RateLimiter | None,
-                 rate_limit_timeout: float):
-        check_rate_limit(rate_limiter, rate_limit_timeout)
+                 rate_limit_timeout: float, writer_slack: int | None = None):
+        check_rate_limit(rate_limiter, rate_limit_timeout, writer_slack)
         self.shard, self.rank, self.settle = shard, rank, settle
         self.rate_limiter = rate_limiter
         self.rate_limit_timeout = float(rate_limit_timeout)
@@ -89,6 +111,11 @@ class ReplayFeeds:
         # until the first sample header, each rank may insert its share of an empty replay's budget
         self.budget = math.inf if rate_limiter is None else \
             float(split_budget(rate_limiter.insert_budget(0, 0, 0), np.zeros(ranks))[rank])
+        # the hold: only under a limiter that bounds inserts
+        self.holds = rate_limiter is not None and not math.isinf(rate_limiter.max_diff)
+        self.writer_slack = None if writer_slack is None else int(writer_slack)
+        self._call_items = 0  # items per rank of the largest sample call admitted so far
+        self._staged = 0  # this rank's backlog as last counted (read by gauges() from any thread)
 
     @property
     def idle(self) -> bool:
@@ -100,7 +127,29 @@ class ReplayFeeds:
         ``Replay.writer_address``."""
         if self.intake is None:
             self.intake = WriterIntake(self.shard)
+            self.hold()
         return self.intake.address
+
+    @property
+    def slack(self) -> int | None:
+        """Episodes this rank's writers may stage beyond its insert allowance (module docstring); None: no hold."""
+        if not self.holds:
+            return None
+        if self.writer_slack is not None:
+            return self.writer_slack
+        return max(1, 2 * math.ceil(self._call_items - 1e-9))
+
+    def hold(self) -> None:
+        """Publish the cap on each local writer's staged episodes (see the module docstring; nothing without a
+        hold). O(1): one store in the registry."""
+        ip = self.intake
+        if ip is None or not self.holds:
+            return
+        allowance = max(self.budget, 0.0)
+        if math.isinf(allowance):
+            ip.registry.set_hold(0)
+            return
+        ip.registry.set_hold(max(1, math.ceil((allowance + self.slack) / max(ip.live, 1))))
 
     def accept_remote(self, comm) -> None:
         """Take episodes from the actor ranks of ``comm`` from now on; see ``Replay.accept_remote``.
@@ -122,20 +171,22 @@ class ReplayFeeds:
         """
         if self.intake is None and not self.inboxes:
             return 0
-        if self.budget < 1 or not self.backlog():
-            return 0
-        self.settle()
         n = 0
-        for source in ([self.intake] if self.intake else []) + self.inboxes:
-            n += source.drain(self.budget - n)
-        if not math.isinf(self.budget):
-            self.budget -= n
+        if self.budget >= 1 and self.backlog():
+            self.settle()
+            for source in ([self.intake] if self.intake else []) + self.inboxes:
+                n += source.drain(self.budget - n)
+            if not math.isinf(self.budget):
+                self.budget -= n
+            self._staged = max(self._staged - n, 0)
+        self.hold()
         return n
 
     def backlog(self) -> int:
         """Episodes waiting in this rank's writers and inboxes (O(writers))."""
         n = self.intake.backlog() if self.intake is not None else 0
-        return n + sum(box.backlog() for box in self.inboxes)
+        self._staged = n + sum(box.backlog() for box in self.inboxes)
+        return self._staged
 
     def header_backlog(self) -> int:
         """The header's ``BACKLOG`` column: :meth:`backlog` with a rate limiter and something to drain, else 0."""
@@ -157,6 +208,8 @@ class ReplayFeeds:
         lim.check_call(n)
         budget = split_budget(lim.insert_budget(inserted, sampled, size), head[:, BACKLOG])
         self.budget = float(budget[self.rank if len(head) > 1 else 0])
+        self._call_items = max(self._call_items, n / lim.samples_per_insert / len(head))
+        self.hold()
         if n == 0 or lim.can_sample(inserted, sampled, size, n):
             return True
         waited = float(head[:, WAITED].max())
@@ -172,12 +225,26 @@ class ReplayFeeds:
         """Sleep before the next header round (exponential, at most 20 ms)."""
         time.sleep(min(1e-4 * (2 ** min(rounds, 10)), 0.02))
 
-    def figures(self) -> dict[str, int]:
-        """This rank's feed figures for ``stats()``: ``ingested``, ``writers``, ``staged``."""
+    def figures(self) -> dict[str, float]:
+        """This rank's feed figures for ``stats()`` (O(writers)): ``ingested``; ``writers`` (live local writers and
+        actor ranks) and ``writers_draining`` (local writers that closed or died, with episodes still to ingest);
+        ``staged`` (episodes ended and not ingested, actor ranks' included) and ``staged_steps`` (local writers'
+        steps of them); ``ingested_age`` (seconds since the newest episode ingested from a local writer ended;
+        ``inf`` before any)."""
         ip = self.intake
-        return {"ingested": (ip.ingested if ip else 0) + sum(b.ingested for b in self.inboxes),
-                "writers": (len(ip.writers) if ip else 0) + sum(len(b.actors) for b in self.inboxes),
-                "staged": self.backlog() if (ip or self.inboxes) else 0}
+        mine = ip.figures() if ip else {"writers": 0, "writers_draining": 0, "staged": 0, "staged_steps": 0,
+                                        "ingested_age": math.inf}
+        mine["ingested"] = (ip.ingested if ip else 0) + sum(b.ingested for b in self.inboxes)
+        mine["writers"] += sum(len(b.actors) for b in self.inboxes)
+        mine["staged"] += sum(box.backlog() for box in self.inboxes)
+        self._staged = mine["staged"]
+        return mine
+
+    def gauges(self) -> list[float]:
+        """``[staged, staged_steps, ingested_age]`` as last counted at this rank's collectives (for the activity
+        counters of :mod:`gear_mpi.stats`; O(1), safe from any thread: it only reads numbers)."""
+        ip = self.intake
+        return [float(max(self._staged, 0)), float(ip.staged_steps if ip else 0), ip.age() if ip else math.inf]
 
     def close(self) -> None:
         """Close the inboxes and the ingest point (local; idempotent)."""

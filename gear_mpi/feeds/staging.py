@@ -4,7 +4,8 @@ Two kinds of POSIX shared-memory segment (``/dev/shm``, names from a per-replay
 token, so :func:`gear_mpi.storage.arenas.cleanup` finds stale ones after a killed job):
 
 - the **registry** ``gear_mpi_in_<token>`` (one per rank, made by the owner; its
-  name is the *writer address*): the owner's pid, a closed flag, the spec as
+  name is the *writer address*): the owner's pid, a closed flag, the *hold* word
+  (the rate limiter's cap on each writer's staged episodes, 0: none), the spec as
   JSON, and one *announce* word per writer slot;
 - one **staging area** ``gear_mpi_in_<token>_w<k>`` per writer: a single-producer,
   single-consumer ring. The writer alone writes the steps, the episode records and
@@ -18,12 +19,19 @@ unlinking the segment, so a new writer can never be announced into a slot that i
 still being freed.
 
 Steps go into per-column rings of ``S`` steps; an ended episode gets a record
-``(first step, length, priority)`` in a ring of ``E`` records and becomes visible
+``(first step, length, priority, end time)`` in a ring of ``E`` records and becomes visible
 when the writer moves its published counter past it, after a full memory fence
 (:func:`gear_mpi.kernels.hints.publish`). So a writer killed mid-episode leaves its
 open steps unpublished: they are never read. The owner advances its consumed
 counters (after a fence) once the steps are copied out; the writer reuses room only
 behind them.
+
+The hold word is how the owner's rate limiter reaches the writers (issue 30, item 7):
+the owner stores ``k >= 1`` there when a writer may have at most ``k`` ended episodes
+staged and not yet ingested (its share of the rank's insert allowance plus slack;
+:mod:`gear_mpi.feeds.replay_feeds`), and each writer's ``end_episode`` waits while it has
+that many. The end time is ``time.monotonic_ns()`` at ``end_episode`` (one clock for
+every process of a node), so the owner can tell how old the newest ingested step is.
 
 Everything here is local. Cost: creating or attaching a segment is a few system
 calls and one mmap; the counters are plain loads and stores.
@@ -43,10 +51,10 @@ from ..spec import TrajectorySpec
 REGISTRY_PREFIX = SHM_PREFIX + "in_"
 MAX_WRITERS = 128  # writer slots per rank
 _MAGIC_REGISTRY = int.from_bytes(b"GEARREG1", "little")
-_MAGIC_STAGING = int.from_bytes(b"GEARSTG1", "little")
+_MAGIC_STAGING = int.from_bytes(b"GEARSTG2", "little")  # 2: records carry the end time
 
 # registry: int64 words
-R_MAGIC, R_OWNER_PID, R_CLOSED, R_SLOTS, R_SPEC_BYTES = range(5)
+R_MAGIC, R_OWNER_PID, R_CLOSED, R_SLOTS, R_SPEC_BYTES, R_HOLD = range(6)
 _ANNOUNCE_WORD = 64  # the announce words start at byte 512
 _SPEC_OFFSET = 4096
 _REGISTRY_BYTES = _SPEC_OFFSET + (60 << 10)
@@ -56,7 +64,7 @@ S_MAGIC, S_PID, S_STEPS, S_EPISODES, S_CLOSED, S_SPEC_HASH = range(6)
 S_PUBLISHED, S_PUBLISHED_STEPS = 8, 9  # written by the writer
 S_CONSUMED, S_CONSUMED_STEPS = 16, 17  # written by the owner
 _RECORDS_OFFSET = 256
-RECORD_WIDTH = 3  # first step, length, priority (float64 bits)
+RECORD_WIDTH = 4  # first step, length, priority (float64 bits), end time (time.monotonic_ns())
 
 
 def spec_hash(spec: TrajectorySpec) -> int:
@@ -162,6 +170,12 @@ class Registry:
             return f"its owner process (pid {int(self.words[R_OWNER_PID])}) died"
         return None
 
+    def set_hold(self, cap: int) -> None:
+        """The owner's cap on each writer's staged episodes: a writer with ``cap`` ended episodes not yet
+        ingested waits in ``end_episode``/``insert`` (0: no cap). O(1): one store, fenced when it changes."""
+        if int(self.words[R_HOLD]) != cap:
+            publish(self.words[R_HOLD:R_HOLD + 1], int(cap))
+
     def unlink(self) -> None:
         """Remove the registry's name (the owner does at close; a writer does when the owner died). Idempotent."""
         try:
@@ -246,6 +260,11 @@ class Staging:
         n = int(self.header[S_PUBLISHED])
         fence()
         return n
+
+    def pending(self) -> tuple[int, int]:
+        """Episodes and steps the writer has published that the owner has not consumed (never negative). O(1)."""
+        steps = int(self.header[S_PUBLISHED_STEPS]) - int(self.header[S_CONSUMED_STEPS])
+        return max(self.published() - int(self.header[S_CONSUMED]), 0), max(steps, 0)
 
     def writer_gone(self) -> bool:
         """Whether the writer closed, or its process no longer runs (exited, killed, or a zombie). O(1) syscalls."""

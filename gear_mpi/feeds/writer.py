@@ -20,6 +20,14 @@ Semantics (documented choices):
   what the replay's rate limiter allows) and raises WriterTimeoutError after
   ``timeout`` seconds; when the replay is closed or its owner died it raises
   WriterError, within ``timeout`` at the latest, never hanging.
+- With a rate limiter, the owner also caps how many ended episodes each writer may
+  have staged and not yet ingested (its share of the rank's insert allowance plus a
+  slack of one band; :mod:`gear_mpi.feeds.replay_feeds`): ``end_episode``/``insert``
+  wait (the *hold*) while the writer has that many, so an actor runs only as fast as
+  the limiter lets its episodes in and its data stays fresh. The hold lasts as long as
+  the owner runs (a learner that stops sampling legitimately holds its actors), or
+  ``hold_timeout`` seconds, then WriterTimeoutError with the episode still open. A
+  closed replay or dead owner ends it with WriterError, as above.
 """
 from __future__ import annotations
 
@@ -35,7 +43,8 @@ from ..distributed.deadline import poll
 from ..errors import InvalidPriorityError, InvalidTrajectoryError, WriterError, WriterTimeoutError
 from ..kernels.hints import publish
 from ..spec import TrajectorySpec, _castable, check_finite_columns
-from .staging import R_CLOSED, S_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, S_PUBLISHED, S_PUBLISHED_STEPS, Registry, Staging
+from .staging import (R_CLOSED, R_HOLD, S_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, S_PUBLISHED, S_PUBLISHED_STEPS,
+                      Registry, Staging)
 
 _STAGING_BYTES = 64 << 20  # default staging area: about 64 MiB of steps (at least 2 episodes)
 _OWNER_CHECK_SECONDS = 0.1  # how often end_episode/insert look whether the owner still runs (at most timeout / 4)
@@ -169,7 +178,9 @@ class EpisodeWriter:
         Raises:
             InvalidTrajectoryError: no step was appended since the last end.
             InvalidPriorityError: a bad priority (the episode stays open).
-            WriterTimeoutError, WriterError: as :meth:`append`.
+            WriterTimeoutError: as :meth:`append`, or held back by the rate limiter past ``hold_timeout``
+                (the episode stays open: call ``end_episode`` again).
+            WriterError: as :meth:`append`.
         """
         if self._closed:
             raise WriterError("end_episode: this writer is closed")
@@ -190,7 +201,7 @@ class EpisodeWriter:
             InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), an episode is open, or
                 (``check_finite``) a NaN or inf value, naming the column and step (nothing is staged).
             InvalidPriorityError: a bad priority.
-            WriterTimeoutError, WriterError: as :meth:`append`.
+            WriterTimeoutError, WriterError: as :meth:`end_episode` (nothing is added).
         """
         if self._closed:
             raise WriterError("insert: this writer is closed")
@@ -239,23 +250,32 @@ class Writer(EpisodeWriter):
         check_finite: refuse NaN and infinite step values in ``append`` and ``insert``, here in the actor,
             before anything is published (off by default, as in numpy: then it costs nothing; on: one
             ``isfinite`` per float column and step).
+        hold_timeout: seconds the rate limiter's hold may block ``end_episode``/``insert`` before
+            WriterTimeoutError (None: as long as the owner runs and its replay is open).
     Raises:
         WriterError: no such ingest point (closed replay, another node), or all writer slots taken.
         MemoryBudgetError: ``/dev/shm`` too small for the staging area.
-        ValueError: a bad ``timeout`` or ``staging_steps``.
-    Cost: one shared-memory segment of ``staging_steps * step_bytes`` (reserved at once) plus 24 bytes per
+        ValueError: a bad ``timeout``, ``staging_steps`` or ``hold_timeout``.
+    Attributes:
+        held_seconds: seconds this writer has waited in the rate limiter's hold so far.
+    Cost: one shared-memory segment of ``staging_steps * step_bytes`` (reserved at once) plus 32 bytes per
     staged episode; per step O(columns) Python and a copy; no system call on the fast path. Every
-    ``end_episode``/``insert`` reads the clock, and at most every 0.1 s (``timeout / 4`` when shorter) looks
-    whether the owner still runs, so a closed or dead owner (killed, exited without ``close()``, or a zombie)
-    gives :class:`~gear_mpi.errors.WriterError` at the next episode end, within the timeout; the writer of a
-    dead owner then removes its staging area and the owner's registry from ``/dev/shm``.
+    ``end_episode``/``insert`` reads the clock and the owner's hold word, and at most every 0.1 s
+    (``timeout / 4`` when shorter) looks whether the owner still runs, so a closed or dead owner (killed,
+    exited without ``close()``, or a zombie) gives :class:`~gear_mpi.errors.WriterError` at the next episode
+    end (or while held), within the timeout; the writer of a dead owner then removes its staging area and the
+    owner's registry from ``/dev/shm``.
     """
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None,
-                 check_finite: bool = False):
+                 check_finite: bool = False, hold_timeout: float | None = None):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if hold_timeout is not None and not (isinstance(hold_timeout, (int, float)) and hold_timeout > 0):
+            raise ValueError(f"hold_timeout must be None or a positive number of seconds, got {hold_timeout!r}")
         self.timeout = float(timeout)
+        self.hold_timeout = None if hold_timeout is None else float(hold_timeout)
+        self.held_seconds = 0.0
         self._registry = Registry.open(address)
         spec = self._registry.spec
         if staging_steps is None:
@@ -274,6 +294,8 @@ class Writer(EpisodeWriter):
         h = self._stage.header
         self._published = h[S_PUBLISHED:S_PUBLISHED + 1]
         self._published_steps = h[S_PUBLISHED_STEPS:S_PUBLISHED_STEPS + 1]
+        self._consumed = h[S_CONSUMED:S_CONSUMED + 1]
+        self._hold_word = self._registry.words[R_HOLD:R_HOLD + 1]
         self._written = 0  # steps written before the open episode (its first step's number)
         self._check_every = min(_OWNER_CHECK_SECONDS, self.timeout / 4)
         self._check_at = time.monotonic() + self._check_every
@@ -311,6 +333,42 @@ class Writer(EpisodeWriter):
                 f"rate limiter holds inserts back)")
         self._fits = int(h[S_CONSUMED_STEPS]) + st.steps - self._written
 
+    def _hold(self) -> None:
+        """Wait while this writer has as many ended episodes staged as the owner's hold word allows (the rate
+        limiter's backpressure), polling the counters (at most 1 ms apart) and, every ``_check_every`` seconds,
+        whether the owner still runs; ``hold_timeout`` bounds the wait.
+
+        Raises:
+            WriterTimeoutError: still held after ``hold_timeout``. WriterError: the owner is gone.
+        """
+        consumed, hold = self._consumed, self._hold_word
+
+        def released() -> bool:
+            cap = hold[0]
+            if not cap or self._episodes - consumed[0] < cap:
+                return True
+            now = time.monotonic()
+            if self._registry.words[R_CLOSED] or now >= self._check_at:
+                self._check_at = now + self._check_every
+                self._gone()
+            return False
+        start = time.monotonic()
+        try:
+            ok = poll(released, math.inf if self.hold_timeout is None else self.hold_timeout)
+        finally:
+            self.held_seconds += time.monotonic() - start
+        if not ok:
+            raise WriterTimeoutError(
+                f"writer of {self.address!r}: held back by the replay's rate limiter for {self.hold_timeout:g} s "
+                f"(hold_timeout): {self._episodes - int(consumed[0])} ended episodes of this writer wait to be "
+                f"ingested and its owner lets each writer stage {int(hold[0])}; the learner samples too little "
+                f"for its samples_per_insert, or not at all. Nothing was added (an open episode stays open)")
+
+    @property
+    def staged(self) -> int:
+        """Episodes this writer has ended that its owner has not ingested yet (O(1), local)."""
+        return self._episodes - int(self._consumed[0])
+
     def _rows(self, count: int) -> list[tuple[dict[str, np.ndarray], slice]]:
         s = self._stage.steps
         first = self._written % s
@@ -321,13 +379,17 @@ class Writer(EpisodeWriter):
         return pieces
 
     def _publish(self, length: int, priority: float) -> None:
-        now = time.monotonic()
+        ns = time.monotonic_ns()
+        now = ns * 1e-9
         if self._registry.words[R_CLOSED] or now >= self._check_at:  # a closed or dead owner is told now, not
             self._check_at = now + self._check_every                   # when the staging area fills
             self._gone()
+        cap = self._hold_word[0]
+        if cap and self._episodes - self._consumed[0] >= cap:
+            self._hold()
         self._room(0)  # a free record
         rec = self._stage.records[self._episodes % self._stage.episodes]
-        rec[0], rec[1] = self._written, length
+        rec[0], rec[1], rec[3] = self._written, length, ns
         rec[2:3].view(np.float64)[0] = priority
         self._written += length
         self._base = self._written % self._period
@@ -367,4 +429,4 @@ class Writer(EpisodeWriter):
 
     def __repr__(self) -> str:
         return (f"Writer({self.address!r}, episodes={self._episodes}, open_steps={self._open_steps}, "
-                f"staging_steps={self._stage.steps})")
+                f"staging_steps={self._stage.steps}, held_seconds={self.held_seconds:.3g})")

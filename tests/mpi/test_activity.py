@@ -66,6 +66,9 @@ def test_counters_and_rates():
     flat = gm.stats.flatten(r, per_rank=True)
     assert flat["replay/samples_per_s"] == r["total"]["samples_per_s"] and f"replay/rank{SIZE - 1}/sample_ms" in flat
     assert "windows/s" in gm.stats.describe(r)
+    # the gauges of the later snapshot: no writers here, so nothing staged and no age (inf), and no words on them
+    assert r["total"]["staged"] == 0 and r["total"]["staged_steps"] == 0 and r["total"]["ingested_age"] == np.inf
+    assert "staged" not in gm.stats.describe(r)
     with pytest.raises(ValueError, match="later snapshot"):
         gm.rates(after, before)
     replay.close()

@@ -7,6 +7,7 @@ Run by tests/test_feeds_mpi.py on 1 and 3 ranks; by hand:
 """
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -98,6 +99,56 @@ def test_rate_limiter_bounds_hold_with_writers_at_varying_speeds():
         assert calls >= 5 and max(diffs) <= hi
         # the ratio is held near the target: every admitted call kept diff >= lo
         assert total["sampled"] >= spi * (total["inserted"] - 15 * COMM.size) - hi - 3 * COMM.size
+
+
+def test_the_rate_limiter_holds_fast_writers_back():
+    """Issue 30, item 7: two actors per rank that would run flat out under SampleToInsertRatio(4, 20, 200). The
+    limiter's hold keeps the episodes staged in the writers within the documented bound (each rank: its insert
+    allowance + the slack + one per writer), so the newest ingested step stays young and close() has little
+    to discard; stats() and log_every report the backlog and that age."""
+    spi, min_size, writers, batch = 4.0, 20, 2, 4
+    lim = gm.SampleToInsertRatio(spi, min_size, 200.0)
+    slack = 2 * math.ceil(batch / spi)  # the default: the items of two calls, per rank
+    # the allowances of the ranks sum to at most the replay's insert budget: one band in items + min_size_to_sample
+    bound = (lim.max_diff - lim.min_diff) / spi + min_size + COMM.size * (slack + writers)
+    lines = []
+    with gm.Replay(SPEC, 40000, gm.Uniform(), max_items=5000, rate_limiter=lim, rate_limit_timeout=60,
+                   timeout=60) as replay:
+        seeds = [10 * COMM.rank + i for i in range(writers)]
+        procs = actors(replay.writer_address(), seeds, "--episodes", "1000000000")  # flat out, but for the hold
+        meter = gm.log_every(replay, seconds=1.0, log=lines.append)
+        try:
+            t0, calls, seen = time.monotonic(), 0, []
+            while COMM.bcast(time.monotonic() - t0 < 5.0):
+                replay.sample(batch, window=1)
+                meter.step()
+                calls += 1
+                if calls % 20 == 0:
+                    st = replay.stats()["total"]
+                    assert st["staged"] <= bound, (st["staged"], bound, time.monotonic() - t0)
+                    seen.append((time.monotonic() - t0, st["staged"], st["staged_steps"], st["ingested_age"]))
+                time.sleep(0.002)
+            assert all(p.poll() is None for p in procs), "the actors are held, not dead"
+            st = replay.stats()
+            total = st["total"]
+            assert max(s for _, s, _, _ in seen) <= bound, (bound, seen)
+            assert max(n for _, _, n, _ in seen) <= bound * MAX_LENGTH, (bound, seen)
+            late = [age for t, _, _, age in seen if t > 2.5]
+            assert late and max(late) < 2.0, seen  # seconds; flat out, the age grows with the run (issue: 17.5 s)
+            assert total["ingested"] >= 50, total
+            diff = total["inserted"] * spi - total["sampled"]  # the limiter still holds its band
+            assert lim.min_diff - batch * COMM.size <= diff <= lim.max_diff, (diff, total)
+            assert (total["writers"], total["writers_draining"]) == (writers * COMM.size, 0)
+            if COMM.rank == 0:
+                assert any("staged" in line and "newest ingested step" in line for line in lines), lines
+            assert meter.last["total"]["staged"] <= bound and meter.last["total"]["ingested_age"] < 2.0
+        finally:
+            meter.close()
+            for p in procs:
+                p.kill()
+                p.wait()
+        # what close() discards: no more than the bound (the actors are gone; their staged episodes are not)
+        assert replay.stats()["total"]["staged"] <= bound
 
 
 def test_rate_limit_timeout_raises_on_every_rank_and_the_replay_goes_on():
