@@ -18,7 +18,7 @@ from ..kernels import ring
 from ..selection.priority_index import PriorityIndex
 from . import store_insert
 from .store_insert import set_inserted_leaves
-from ..spec import TrajectorySpec, validate_priorities
+from ..spec import TrajectorySpec, check_casting, validate_priorities
 
 
 # a host index update of at least 1/REBUILD_FRACTION of its slots writes the leaves and rebuilds the levels
@@ -45,7 +45,8 @@ class ShardInserter:
         self.selector = selector
         self.bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
 
-    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None) -> np.ndarray:
+    def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None,
+                    casting: str = "safe") -> np.ndarray:
         """:meth:`Shard.insert_many <gear_mpi.shard.Shard.insert_many>`: validates each trajectory and the
         priorities (one bad one stores none), packs them, then :meth:`store_packed`.
 
@@ -59,7 +60,7 @@ class ShardInserter:
         if n == 0:
             return np.zeros(0, np.int64)
         pr = validate_priorities(np.ones(n) if priorities is None else priorities, n)
-        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory")
+        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory", casting=casting)
                    for i, t in enumerate(trajectories)]
         lengths = np.array([length for _, length in checked], np.int64)
         if n == 1:
@@ -68,15 +69,17 @@ class ShardInserter:
             columns = {c.name: np.concatenate([cols[c.name] for cols, _ in checked]) for c in self.spec.columns}
         return self.store_packed(columns, lengths, pr)
 
-    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None) -> np.ndarray:
+    def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None,
+                      casting: str = "safe") -> np.ndarray:
         """:meth:`Shard.insert_packed <gear_mpi.shard.Shard.insert_packed>`: checks the lengths, columns and
         priorities in whole-array operations (one bad input stores none), then :meth:`store_packed`.
 
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
         """
+        check_casting(casting)
         lengths, total = checked_lengths(lengths, self.spec.max_length)
-        arrays = check_packed_columns(self.spec, columns, total)
+        arrays = check_packed_columns(self.spec, columns, total, casting)
         n = len(lengths)
         # None: one shared 1.0 read n times (no n-element array to allocate)
         pr = np.broadcast_to(np.float64(1.0), (n,)) if priorities is None else checked_priorities(priorities, n)
@@ -231,7 +234,8 @@ def _first_bad_length(lengths, max_length):
     return -1, total
 
 
-def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps: int) -> dict[str, np.ndarray]:
+def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps: int,
+                         casting: str = "safe") -> dict[str, np.ndarray]:
     """The columns of a packed insert, checked against ``spec`` (dtype, shape, ``steps`` rows). Local, O(columns):
     nothing is copied or cast here (the ring copy casts).
 
@@ -239,13 +243,14 @@ def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps
         spec: the trajectory layout.
         columns: column name -> ``[steps, *shape]`` array-like.
         steps: the sum of the trajectory lengths.
+        casting: which dtypes a column takes (:data:`~gear_mpi.spec.CASTINGS`, checked by the caller).
     Returns:
         Column name -> numpy array (a view where the input was one; tensors via ``.cpu().numpy()``).
     Raises:
         InvalidTrajectoryError: not a mapping, a column missing or unknown, non-numeric or uncastable, of the
             wrong shape or of another step count than the others or than ``steps``.
     """
-    out, rows = spec.column_arrays(columns, "packed columns", rows="steps")
+    out, rows = spec.column_arrays(columns, "packed columns", rows="steps", casting=casting)
     if rows != steps:
         raise InvalidTrajectoryError(f"packed columns: the lengths sum to {steps} steps but the columns have {rows}")
     return out
