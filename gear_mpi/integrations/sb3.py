@@ -388,7 +388,7 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
 
     @property
     def beta(self) -> float:
-        """The importance-weight exponent, read at every sample; settable (a number in [0, 1]). O(1)."""
+        """The importance-weight exponent, read at every sample; settable (finite, >= 0; 1 corrects fully). O(1)."""
         return self.shard.selector.beta
 
     @beta.setter
