@@ -74,11 +74,18 @@ class Batch:
         self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
-        self.mask = torch.from_numpy(mask)
-        self.keys = torch.from_numpy(keys)
-        self.probabilities = torch.from_numpy(probabilities)
-        self.weights = torch.from_numpy(weights)
-        self.lengths = torch.from_numpy(lengths)
+        # mask, keys, probabilities, weights, lengths: wrapped at first use (__getattr__), then plain attributes
+
+    def __getattr__(self, name: str):
+        """The metadata tensors of a host batch, made at their first use (a small batch's sample pays one
+        ``torch.from_numpy`` per tensor it returns: about 1 us each) and kept as plain attributes."""
+        i = _META.get(name)
+        if i is None or "_meta_np" not in self.__dict__ or self.__dict__["_meta_np"] is None:
+            raise AttributeError(f"'Batch' object has no attribute {name!r}")
+        import torch
+        value = torch.from_numpy(self._mask_np if i < 0 else self._meta_np[i])
+        setattr(self, name, value)
+        return value
 
     @classmethod
     def from_tensors(cls, data: dict[str, torch.Tensor], mask: torch.Tensor, keys: torch.Tensor,
@@ -316,6 +323,9 @@ def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -
         at += nbytes
     return at, base, views
 
+
+#: the metadata tensors made at first use: name -> index in ``_meta_np`` (-1: the mask)
+_META = {"mask": -1, "keys": 0, "probabilities": 1, "weights": 2, "lengths": 3}
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}
 

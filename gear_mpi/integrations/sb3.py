@@ -297,14 +297,20 @@ class GearReplayBuffer(ReplayBuffer):
 
     def _samples(self, batch, env: VecNormalize | None) -> ReplayBufferSamples:
         d = batch.numpy()
+        done = d["done"]
+        if self.handle_timeout_termination:
+            done = done * (1.0 - d["timeout"])
+        if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
+            # the batch's own tensors: a fresh batch, nobody else's (the common case, the cheapest)
+            t = batch.data
+            return ReplayBufferSamples(t["obs"], t["action"], t["next_obs"], th.from_numpy(done), t["reward"])
         obs = d["obs"]
         next_obs = self._next_of(batch) if self.optimize_memory_usage else d["next_obs"]
-        dones = d["done"] * (1.0 - d["timeout"]) if self.handle_timeout_termination else d["done"]
         rewards = d["reward"]
         if env is not None:
             obs, next_obs = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
             rewards = self._normalize_reward(rewards, env)
-        data = (obs, d["action"], next_obs, dones, rewards)
+        data = (obs, d["action"], next_obs, done, rewards)
         if self.device.type == "cpu":  # a fresh batch: its arrays are nobody else's
             return ReplayBufferSamples(*(th.from_numpy(np.ascontiguousarray(a)) for a in data))
         return ReplayBufferSamples(*(th.as_tensor(a, device=self.device) for a in data))
