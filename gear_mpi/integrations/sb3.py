@@ -366,8 +366,8 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
     :class:`PrioritizedDQN` uses them. Exact: the shard's priority index draws from the priorities as given.
 
     Args:
-        buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
-        handle_timeout_termination, seed, memory: as :class:`GearReplayBuffer`.
+        buffer_size, observation_space, action_space, device, n_envs: as :class:`GearReplayBuffer`.
+        optimize_memory_usage, handle_timeout_termination, seed, memory: as :class:`GearReplayBuffer`.
         alpha: how much priorities count (0: uniform).
         beta: the importance-weight exponent (settable: anneal it towards 1).
     Raises:
