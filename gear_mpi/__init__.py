@@ -13,6 +13,7 @@ from .distributed.parallel import ParallelGroups, ReplicaSampler, parallel_group
 from .distributed import framework_groups as _framework_groups
 from .stats import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
+from .checkpoint.shard_archive import load_shard, save_shard, shard_arrays, shard_from_arrays
 from . import datasets
 
 # the groups a job already has (torch DeviceMesh, Megatron/DeepSpeed mpu, torch process groups), as
@@ -41,4 +42,5 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
            "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",
-           "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates", "init_torch_process_group"]
+           "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates", "init_torch_process_group",
+           "save_shard", "load_shard", "shard_arrays", "shard_from_arrays"]

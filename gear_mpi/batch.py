@@ -49,6 +49,10 @@ class Batch:
     - ``weights`` -- ``[B]`` float32 importance weights (1 unless prioritized);
     - ``lengths`` -- ``[B]`` int64, real steps in each window.
 
+    A *squeezed* batch (``squeezed``: one-step windows, ``W = 1``) holds each column as ``[B, *shape]``
+    instead of ``[B, 1, *shape]`` (the same bytes; ``mask`` stays ``[B, 1]``): what one-step transitions
+    (DQN, SAC) want. :meth:`squeeze` gives that view of any ``W = 1`` batch.
+
     Construction wraps the buffers: O(columns), no copy.
     Args:
         data: column name -> ``[B, W, *shape]`` numpy buffer.
@@ -57,22 +61,31 @@ class Batch:
         probabilities: ``[B]`` float64 numpy buffer.
         weights: ``[B]`` float32 numpy buffer.
         lengths: ``[B]`` int64 numpy buffer.
+        squeezed: whether ``data`` holds ``[B, *shape]`` one-step columns (``mask`` is ``[B, 1]``).
     """
 
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
-                 probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray):
+                 probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray, squeezed: bool = False):
         import torch
+        self.squeezed = bool(squeezed)
         self._np = data
         self._fits = None
         self._bytes = None
         self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
-        self.mask = torch.from_numpy(mask)
-        self.keys = torch.from_numpy(keys)
-        self.probabilities = torch.from_numpy(probabilities)
-        self.weights = torch.from_numpy(weights)
-        self.lengths = torch.from_numpy(lengths)
+        # mask, keys, probabilities, weights, lengths: wrapped at first use (__getattr__), then plain attributes
+
+    def __getattr__(self, name: str):
+        """The metadata tensors of a host batch, made at their first use (a small batch's sample pays one
+        ``torch.from_numpy`` per tensor it returns: about 1 us each) and kept as plain attributes."""
+        i = _META.get(name)
+        if i is None or "_meta_np" not in self.__dict__ or self.__dict__["_meta_np"] is None:
+            raise AttributeError(f"'Batch' object has no attribute {name!r}")
+        import torch
+        value = torch.from_numpy(self._mask_np if i < 0 else self._meta_np[i])
+        setattr(self, name, value)
+        return value
 
     @classmethod
     def from_tensors(cls, data: dict[str, torch.Tensor], mask: torch.Tensor, keys: torch.Tensor,
@@ -90,6 +103,7 @@ class Batch:
             The batch.
         """
         self = cls.__new__(cls)
+        self.squeezed = False
         self._np = None
         self._fits = None
         self._bytes = None
@@ -100,20 +114,36 @@ class Batch:
         return self
 
     @classmethod
-    def empty(cls, spec: TrajectorySpec, batch_size: int, window: int) -> "Batch":
-        """Fresh, uninitialised host buffers, aligned (:func:`aligned_empty`). O(B W step_bytes) memory.
+    def empty(cls, spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool = False) -> "Batch":
+        """Fresh, uninitialised host buffers, aligned as :func:`aligned_empty` aligns one (a column of a page
+        or more on a page boundary, smaller ones on a cache line), carved from one allocation whose layout
+        is computed once per spec and size (a small batch's allocation is the per-call cost of a sample that
+        returns a new batch: one numpy allocation and one tensor per buffer). O(B W step_bytes) memory.
 
         Args:
             spec: the columns.
             batch_size: windows (``B``).
             window: steps per window (``W``).
+            squeeze: columns as ``[B, *shape]`` (``window`` must be 1; see the class docstring).
         Returns:
             The batch.
+        Raises:
+            ValueError: ``squeeze`` with a window other than 1.
         """
-        data = {c.name: aligned_empty((batch_size, window) + c.shape, c.dtype) for c in spec.columns}
-        return cls(data, np.empty((batch_size, window), np.bool_), np.empty(batch_size, np.int64),
-                   np.empty(batch_size, np.float64), np.empty(batch_size, np.float32),
-                   np.empty(batch_size, np.int64))
+        if squeeze and window != 1:
+            raise ValueError(f"squeeze=True takes one-step windows (window=1), got window={window}")
+        layouts = spec.__dict__.get("_batch_layouts")  # kept on the spec: a spec is not hashable
+        if layouts is None or len(layouts) > _MAX_LAYOUTS:
+            layouts = spec.__dict__["_batch_layouts"] = {}
+        plan = layouts.get((batch_size, window, squeeze))
+        if plan is None:
+            plan = layouts[(batch_size, window, squeeze)] = _layout(spec, batch_size, window, squeeze)
+        total, align, views = plan
+        raw = np.empty(total + align, np.uint8)
+        off = (-raw.ctypes.data) % align
+        arrays = [raw[off + at:off + at + nbytes].view(dtype).reshape(shape) for at, nbytes, dtype, shape in views]
+        names = spec.names
+        return cls(dict(zip(names, arrays)), *arrays[len(names):], squeezed=squeeze)
 
     def byte_views(self) -> tuple[np.ndarray, ...]:
         """Each column buffer as a flat uint8 array, for the gather kernels. Built once, then O(1).
@@ -221,7 +251,7 @@ class Batch:
         counts.extend(sys.getrefcount(a.base) for a in arrays if a.base is not None)
         return tuple(counts)
 
-    def matches(self, spec: TrajectorySpec, batch_size: int, window: int) -> bool:
+    def matches(self, spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool = False) -> bool:
         """Whether this batch's buffers can take the windows of a sample, as ``out=``. O(columns), then O(1).
 
         The last spec it fitted is remembered, so a reused ``out=`` batch is checked once.
@@ -229,22 +259,73 @@ class Batch:
             spec: the columns.
             batch_size: windows wanted.
             window: steps per window.
+            squeeze: whether the sample wants squeezed columns (:meth:`empty`).
         Returns:
-            True when it is a host batch of ``batch_size`` windows of ``window`` steps of ``spec``'s columns.
+            True when it is a host batch of ``batch_size`` windows of ``window`` steps of ``spec``'s columns,
+            squeezed exactly when ``squeeze`` is.
         """
-        if self._fits is not None and self._fits[0] is spec and self._fits[1:] == (batch_size, window):
+        if self._fits is not None and self._fits[0] is spec and self._fits[1:] == (batch_size, window, squeeze):
             return True
-        ok = (self._np is not None and tuple(self.data) == spec.names and self.batch_size == batch_size and self.window == window
-                and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[2:] == c.shape
-                        for c in spec.columns))
+        lead = 1 if self.squeezed else 2
+        ok = (self._np is not None and self.squeezed == bool(squeeze) and tuple(self.data) == spec.names
+              and self.batch_size == batch_size and self.window == window
+              and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[lead:] == c.shape
+                      for c in spec.columns))
         if ok:
-            self._fits = (spec, batch_size, window)
+            self._fits = (spec, batch_size, window, bool(squeeze))
         return ok
+
+    def squeeze(self) -> "Batch":
+        """This batch with one-step columns as ``[B, *shape]`` (a batch over the same memory; itself when
+        already squeezed). Host or device. O(columns), no copy.
+
+        Returns:
+            The squeezed batch (mask, keys, probabilities, weights and lengths are the same tensors).
+        Raises:
+            ValueError: a window other than 1.
+        """
+        if self.squeezed:
+            return self
+        if self.window != 1:
+            raise ValueError(f"squeeze() takes a batch of one-step windows (W=1), this one has W={self.window}")
+        if self._np is None:
+            out = Batch.from_tensors({k: v[:, 0] for k, v in self.data.items()}, self.mask, self.keys,
+                                     self.probabilities, self.weights, self.lengths)
+            out.squeezed = True
+            return out
+        return Batch({k: v[:, 0] for k, v in self._np.items()}, self._mask_np, *self._meta_np, squeezed=True)
 
     def __repr__(self) -> str:
         cols = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.data.items())
-        return f"Batch(B={self.batch_size}, W={self.window}, {cols})"
+        return f"Batch(B={self.batch_size}, W={self.window}, {cols}{', squeezed' if self.squeezed else ''})"
 
+
+#: Batch.empty keeps this many layouts per spec (by batch size, window, squeeze), then starts afresh
+_MAX_LAYOUTS = 64
+
+
+def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -> tuple[int, int, list]:
+    """Where each buffer of a batch lies in one allocation: ``(bytes, base alignment, [(offset, nbytes, dtype,
+    shape)])``, the columns in spec order, then mask, keys, probabilities, weights, lengths. A buffer of a page
+    or more starts on a page boundary, a smaller one on a cache line (as :func:`aligned_empty`). O(columns)."""
+    lead = (batch_size,) if squeeze else (batch_size, window)
+    shapes = [(lead + c.shape, c.dtype) for c in spec.columns]
+    shapes += [((batch_size, window), np.dtype(np.bool_)), ((batch_size,), np.dtype(np.int64)),
+               ((batch_size,), np.dtype(np.float64)), ((batch_size,), np.dtype(np.float32)),
+               ((batch_size,), np.dtype(np.int64))]
+    views, at, base = [], 0, LINE_ALIGN
+    for shape, dtype in shapes:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        align = PAGE_ALIGN if nbytes >= PAGE_ALIGN else LINE_ALIGN
+        base = max(base, align)
+        at += (-at) % align
+        views.append((at, nbytes, dtype, shape))
+        at += nbytes
+    return at, base, views
+
+
+#: the metadata tensors made at first use: name -> index in ``_meta_np`` (-1: the mask)
+_META = {"mask": -1, "keys": 0, "probabilities": 1, "weights": 2, "lengths": 3}
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}
 

@@ -269,13 +269,13 @@ class Replay:
         return self.shard.insert_many(trajectories, priorities, check_finite=check_finite)
 
     def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None, *,
-                      check_finite: bool = False) -> np.ndarray:
+                      check_finite: bool = False, casting: str = "safe") -> np.ndarray:
         """Add trajectories laid end to end (one ``[sum(lengths), *shape]`` array per column) to this rank's
-        shard: local, as :meth:`Shard.insert_packed` (its arguments, checks and errors, ``check_finite`` as
-        :meth:`insert`; nothing is added on an error), after the node fence (:meth:`insert`). Returns their
-        keys (int64)."""
+        shard: local, as :meth:`Shard.insert_packed` (its arguments, ``casting`` included, checks and errors,
+        ``check_finite`` as :meth:`insert`; nothing is added on an error), after the node fence (:meth:`insert`).
+        Returns their keys (int64)."""
         self.settle()
-        return self.shard.insert_packed(columns, lengths, priorities, check_finite=check_finite)
+        return self.shard.insert_packed(columns, lengths, priorities, check_finite=check_finite, casting=casting)
 
     # ---- feeds: writers and actor ranks (gear_mpi.feeds.replay_feeds) -------------------------
     def writer_address(self) -> str:
@@ -501,6 +501,26 @@ class Replay:
         if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
             return int(self.shard.apply_priorities(keys, pr).sum())
         return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred)
+
+    def clear(self) -> None:
+        """Collective: empty every rank's shard (:meth:`Shard.clear`): every key issued so far is stale, the
+        memory is kept, the counters go on (items cleared count as removed). What this rank's writers had
+        staged before the call is drained first and cleared with the rest.
+
+        Raises:
+            RuntimeError: the replay is closed (on this rank).
+            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+        Cost: one agreement (an allgather of 8 bytes a rank), the node fence, O(items held) table work.
+        """
+        self._check_open()
+        err = None
+        try:
+            self._feeds.feed()
+        except Exception as e:  # agreed below, so every rank raises it
+            err = e
+        self.comm.agree(err, "clear")
+        self.settle()
+        self.shard.clear()
 
     # ---- trajectories by key ----------------------------------------------------------------------
     def get(self, key: int) -> dict[str, np.ndarray]:

@@ -148,7 +148,8 @@ class Shard:
         """Bytes of the steps ever stored in this shard, by every insert path (:mod:`gear_mpi.stats`). O(1)."""
         return self.inserter.bytes_inserted
 
-    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0, *, check_finite: bool = False) -> int:
+    def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0, *, check_finite: bool = False,
+               casting: str = "safe") -> int:
         """Add one trajectory; evicts the oldest (FIFO) when full. Cost: O(L) copy of the steps,
         O(1 + evictions) table work, one index update.
 
@@ -157,16 +158,17 @@ class Shard:
             priority: its priority (finite, >= 0).
             check_finite: refuse NaN and infinite step values (off by default, as in numpy; on: one more
                 read of the float columns' steps).
+            casting: as :meth:`insert_many`.
         Returns:
             Its key (int).
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as :meth:`insert_many`.
             RuntimeError: the shard is closed.
         """
-        return int(self.insert_many([trajectory], [priority], check_finite=check_finite)[0])
+        return int(self.insert_many([trajectory], [priority], check_finite=check_finite, casting=casting)[0])
 
     def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None, *,
-                    check_finite: bool = False) -> np.ndarray:
+                    check_finite: bool = False, casting: str = "safe") -> np.ndarray:
         """Add several trajectories, evicting the oldest (FIFO) to make room; one bad one stores none.
         Cost: one ring copy per column, O(n + evictions) table work in a kernel, one batched index update.
 
@@ -174,21 +176,25 @@ class Shard:
             trajectories: a sequence of trajectories (each as :meth:`insert` takes it).
             priorities: one priority per trajectory (None: all 1).
             check_finite: as :meth:`insert`.
+            casting: which dtypes a column takes: ``"safe"`` (safe casts, plus any number into a float
+                column), ``"same_kind"`` or ``"unsafe"`` (any number into any numeric column, truncating or
+                wrapping as numpy's assignment does, as Stable-Baselines3's buffers store).
         Returns:
             Their keys (int64), in order.
         Raises:
             InvalidTrajectoryError: a bad trajectory (see ``TrajectorySpec.validate``), a mapping, or too many;
                 with ``check_finite``, a NaN or inf step value (naming the trajectory, column and step).
             InvalidPriorityError: a NaN, infinite or negative priority, or the wrong number of them.
+            ValueError: an unknown ``casting``.
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         self._check_open()
         with self.hold():
-            return self.inserter.insert_many(trajectories, priorities, check_finite)
+            return self.inserter.insert_many(trajectories, priorities, check_finite, casting)
 
     def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None, *,
-                      check_finite: bool = False) -> np.ndarray:
+                      check_finite: bool = False, casting: str = "safe") -> np.ndarray:
         """Add many trajectories laid end to end: one array per column holding all their steps, and their
         lengths. Checked as :meth:`insert_many` checks a list (the same error classes; one bad input stores
         none), but in whole-array operations: no Python loop over the trajectories.
@@ -204,9 +210,11 @@ class Shard:
             lengths: the steps of each trajectory, in order (integers, each in ``[1, max_length]``).
             priorities: one priority per trajectory (None: all 1).
             check_finite: refuse NaN and infinite step values, as given (see :meth:`insert`).
+            casting: as :meth:`insert_many` (``"unsafe"``: the ring copy casts as numpy's assignment).
         Returns:
             Their keys (int64), in order.
         Raises:
+            ValueError: an unknown ``casting``.
             InvalidTrajectoryError: a column missing or unknown, of a non-numeric, uncastable dtype or of the
                 wrong shape; columns of different step counts; lengths that are not integers, one out of
                 ``[1, max_length]``, or a sum other than the columns' steps; too many steps or trajectories;
@@ -217,7 +225,7 @@ class Shard:
         """
         self._check_open()
         with self.hold():
-            return self.inserter.insert_packed(columns, lengths, priorities, check_finite)
+            return self.inserter.insert_packed(columns, lengths, priorities, check_finite, casting)
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
@@ -245,6 +253,41 @@ class Shard:
         self._check_open()
         with self.hold():
             return self.inserter.store_packed(columns, lengths, priorities, steps)
+
+    def clear(self) -> None:
+        """Remove every item: the shard is as new (empty, its ring starting again at step 0), its keys
+        stale, its memory kept (counted as removed in :meth:`stats`; streams and counters go on). Local.
+        Cost: O(items held) table work, one index update.
+
+        Raises:
+            RuntimeError: the shard is closed.
+        """
+        self._check_open()
+        live = self.store.clear()
+        if self.index is not None and len(live):
+            self.index.set(live, np.zeros(len(live)))
+
+    def columns(self, writable: bool = False) -> dict[str, np.ndarray]:
+        """The column rings as numpy arrays over the shard's memory, no copy: column name ->
+        ``[capacity_steps, *shape]``, row ``s`` holding ring step ``s`` (a key's steps start at
+        ``locate(key)[0]`` and wrap around; rows that hold no live step hold whatever was last written).
+        Valid until :meth:`close`. Local. O(columns).
+
+        Args:
+            writable: views that write the shard's steps in place (no key, priority or selection changes;
+                a Replay's node peers may be reading them); default read-only.
+        Returns:
+            Column name -> array.
+        Raises:
+            RuntimeError: the shard is closed.
+        """
+        self._check_open()
+        out = {}
+        for name, col in self.store.columns.items():
+            view = col.view()
+            view.flags.writeable = bool(writable) and col.flags.writeable
+            out[name] = view
+        return out
 
     # ---- checkpoint state (ShardCheckpointState) ------------------------------------------
     @property
@@ -431,15 +474,18 @@ class Shard:
             self.index.set(removed, np.zeros(len(removed)))
 
     def sample(self, batch_size: int, window: int | None = None, align: str = "random",
-               out: Batch | None = None) -> Batch:
+               out: Batch | None = None, squeeze: bool = False) -> Batch:
         """Sample windows; shorter trajectories are zero-padded (at the end, or at the front for ``"tail"``)
-        and ``mask`` marks real steps. Cost: :meth:`select` plus one parallel copy of ``B * W`` steps.
+        and ``mask`` marks real steps. Cost: :meth:`select` plus one parallel copy of ``B * W`` steps; a new
+        batch is one allocation (:meth:`Batch.empty <gear_mpi.batch.Batch.empty>`).
 
         Args:
             batch_size: windows to sample (>= 0).
             window: steps per window (None: ``max_length``).
             align: ``"random"`` (start uniform over the windows inside the trajectory), ``"head"`` or ``"tail"``.
             out: a batch to fill and reuse (None: a new one).
+            squeeze: one-step windows as ``[B, *shape]`` columns (a squeezed batch; ``window`` must be 1, or
+                None on a spec of ``max_length`` 1).
         Returns:
             The :class:`~gear_mpi.batch.Batch` (``out`` when given).
         Raises:
@@ -449,11 +495,14 @@ class Shard:
         self._check_open()
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
-        if out is not None and not out.matches(self.spec, batch_size, window):
-            raise ValueError(f"out= does not fit batch_size={batch_size}, window={window} of this spec: {out!r}")
+        if squeeze and window != 1:
+            raise ValueError(f"squeeze=True takes one-step windows (window=1), got window={window}")
+        if out is not None and not out.matches(self.spec, batch_size, window, squeeze):
+            raise ValueError(f"out= does not fit batch_size={batch_size}, window={window}, squeeze={bool(squeeze)} "
+                             f"of this spec: {out!r}")
         if batch_size > 0:
             self.check_can_sample()
-        batch = out if out is not None else Batch.empty(self.spec, batch_size, window)
+        batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
         with self.hold():
             if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
                 return self._sample_one_call(batch, batch_size, window, code)

@@ -34,11 +34,28 @@ class Column:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def _castable(src: np.dtype, dst: np.dtype) -> bool:
-    """Safe casts, plus any integer or float into a float column (RL data is often float64)."""
-    if np.can_cast(src, dst, casting="safe"):
+#: what an insert's ``casting`` may be: "safe" (the default: safe casts, plus any integer or float into a float
+#: column), "same_kind" (numpy's, plus that), "unsafe" (any numeric into any numeric column, as numpy's
+#: assignment casts: what Stable-Baselines3's buffers do)
+CASTINGS = ("safe", "same_kind", "unsafe")
+
+
+def _castable(src: np.dtype, dst: np.dtype, casting: str = "safe") -> bool:
+    """Safe casts (or ``casting``'s), plus any integer or float into a float column (RL data is often float64)."""
+    if np.can_cast(src, dst, casting=casting):
         return True
     return src.kind in "biuf" and dst.kind == "f"
+
+
+def check_casting(casting: str) -> str:
+    """Returns ``casting`` if it is one of :data:`CASTINGS`. O(1).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {list(CASTINGS)}, got {casting!r}")
+    return casting
 
 
 class TrajectorySpec:
@@ -123,7 +140,8 @@ class TrajectorySpec:
         """
         return cls({k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}, d["max_length"])
 
-    def column_arrays(self, columns: Mapping[str, Any], where: str, rows: str = "length") -> tuple[dict[str, np.ndarray], int]:
+    def column_arrays(self, columns: Mapping[str, Any], where: str, rows: str = "length",
+                      casting: str = "safe") -> tuple[dict[str, np.ndarray], int]:
         """Each column of ``columns`` as an array checked against the spec, not cast or copied (the checks of
         :meth:`validate` and of packed inserts). O(columns).
 
@@ -131,6 +149,7 @@ class TrajectorySpec:
             columns: column name -> ``[rows, *shape]`` array-like (numpy, torch, lists).
             where: how error messages name the input.
             rows: how error messages name the leading axis.
+            casting: which dtypes a column takes (:data:`CASTINGS`; already checked by the caller).
         Returns:
             ``(column name -> array, rows)``.
         Raises:
@@ -154,9 +173,10 @@ class TrajectorySpec:
             arr = np.asarray(value)
             if arr.dtype.hasobject or arr.dtype.kind not in "biufc":
                 raise InvalidTrajectoryError(f"{where}: column {c.name!r} has non-numeric dtype {arr.dtype}")
-            if not _castable(arr.dtype, c.dtype):
+            if not _castable(arr.dtype, c.dtype, casting):
                 raise InvalidTrajectoryError(
-                    f"{where}: column {c.name!r} has dtype {arr.dtype}, which cannot be cast safely to {c.dtype}")
+                    f"{where}: column {c.name!r} has dtype {arr.dtype}, which cannot be cast safely to {c.dtype}"
+                    + (" (casting='unsafe' allows lossy casts)" if casting == "safe" else f" (casting={casting!r})"))
             if arr.ndim != 1 + len(c.shape) or tuple(arr.shape[1:]) != c.shape:
                 raise InvalidTrajectoryError(
                     f"{where}: column {c.name!r} has shape {tuple(arr.shape)}; expected ({rows}, *{c.shape})")
@@ -168,13 +188,15 @@ class TrajectorySpec:
             out[c.name] = arr
         return out, int(count)
 
-    def validate(self, trajectory: Mapping[str, Any], where: str = "trajectory") -> tuple[dict[str, np.ndarray], int]:
+    def validate(self, trajectory: Mapping[str, Any], where: str = "trajectory",
+                 casting: str = "safe") -> tuple[dict[str, np.ndarray], int]:
         """Check one trajectory and convert its columns to the spec's dtypes.
 
         Cost: O(L) for a dtype cast, O(1) otherwise (no copy when dtypes already match).
         Args:
             trajectory: column name -> ``[L, *shape]`` array (numpy, torch, or anything ``np.asarray`` takes).
             where: how error messages name the trajectory.
+            casting: which dtypes a column takes (:data:`CASTINGS`).
         Returns:
             ``(columns, length)``: column name -> C-contiguous array of the column's dtype, and ``L``.
         Raises:
@@ -182,7 +204,7 @@ class TrajectorySpec:
                 unknown, a non-numeric or uncastable dtype, a wrong shape, lengths that differ, or a
                 length of 0 or over ``max_length``.
         """
-        arrays, length = self.column_arrays(trajectory, where)
+        arrays, length = self.column_arrays(trajectory, where, casting=check_casting(casting))
         out = {name: np.ascontiguousarray(arr, dtype=self[name].dtype) for name, arr in arrays.items()}
         if length == 0:
             raise InvalidTrajectoryError(f"{where}: trajectory has length 0")

@@ -26,7 +26,12 @@ def test_quick_json_lines():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     sections = {r["section"] for r in rows}
-    assert {"memcpy", "window", "priority", "storage", "targets"} <= sections, sections
+    assert {"memcpy", "window", "priority", "storage", "percall", "targets"} <= sections, sections
+    percall = {(r["case"], r["B"]) for r in rows if r["section"] == "percall"}
+    for b in (32, 64, 256):
+        assert {("Shard.sample(B, 1), new batch", b), ("SB3 ReplayBuffer.sample(B)", b),
+                ("GearReplayBuffer.sample(B)", b), ("Shard(Prioritized) sample+update", b)} <= percall
+    assert all(r["us"] > 0 for r in rows if r["section"] == "percall")
     window = [r for r in rows if r["section"] == "window"]
     assert all(r["GBps"] > 0 and r["batch_bytes"] > 0 and r["pct_memcpy"] > 0 for r in window)
     prio = [r for r in rows if r["section"] == "priority" and r["case"] == "PriorityIndex draw+set"]

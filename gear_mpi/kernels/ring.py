@@ -362,3 +362,27 @@ def seq_numbers(state, order, hwm):
     for j in range(count):
         out[order[(state[ORDER_HEAD] + j) % n_slots]] = base + j
     return out
+
+
+@njit(cache=True, nogil=True)
+def clear_table(table, capacity):
+    """Release every trajectory of ``table``, oldest first, as a FIFO eviction releases one (each slot's
+    generation moves on, so keys issued before stay stale), counting the live ones as removed; then put the
+    ring's and the order ring's heads back at 0, so the next insert starts at ring step 0 as in a new table.
+
+    Returns the slots that were live (their index weights must be zeroed). Cost: O(trajectories held).
+    """
+    start, length, status, stamp, times_sampled, order, state = table
+    n_slots = order.shape[0]
+    out = np.empty(state[ORDER_COUNT], dtype=np.int64)
+    k = 0
+    while state[ORDER_COUNT] > 0:
+        slot, was_live = _evict_oldest(state, capacity, n_slots, start, length, status, order)
+        if was_live:  # _evict_oldest counted it as evicted: a clear removes it
+            state[EVICTED_TOTAL] -= 1
+            state[REMOVED_TOTAL] += 1
+            out[k] = slot
+            k += 1
+    state[STEP_HEAD] = 0
+    state[ORDER_HEAD] = 0
+    return out[:k]

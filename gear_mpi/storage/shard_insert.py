@@ -18,7 +18,7 @@ from ..kernels import ring
 from ..selection.priority_index import PriorityIndex
 from . import store_insert
 from .store_insert import set_inserted_leaves
-from ..spec import TrajectorySpec, check_finite_columns, validate_priorities
+from ..spec import TrajectorySpec, check_casting, check_finite_columns, validate_priorities
 
 
 # a host index update of at least 1/REBUILD_FRACTION of its slots writes the leaves and rebuilds the levels
@@ -46,7 +46,7 @@ class ShardInserter:
         self.bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
 
     def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None,
-                    check_finite: bool = False) -> np.ndarray:
+                    check_finite: bool = False, casting: str = "safe") -> np.ndarray:
         """:meth:`Shard.insert_many <gear_mpi.shard.Shard.insert_many>`: validates each trajectory and the
         priorities (one bad one stores none; ``check_finite``: a NaN or inf too), packs them, then
         :meth:`store_packed`.
@@ -61,7 +61,7 @@ class ShardInserter:
         if n == 0:
             return np.zeros(0, np.int64)
         pr = validate_priorities(np.ones(n) if priorities is None else priorities, n)
-        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory")
+        checked = [self.spec.validate(t, where=f"trajectory {i}" if n > 1 else "trajectory", casting=casting)
                    for i, t in enumerate(trajectories)]
         if check_finite:
             for i, (cols, _) in enumerate(checked):
@@ -74,7 +74,7 @@ class ShardInserter:
         return self.store_packed(columns, lengths, pr)
 
     def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None,
-                      check_finite: bool = False) -> np.ndarray:
+                      check_finite: bool = False, casting: str = "safe") -> np.ndarray:
         """:meth:`Shard.insert_packed <gear_mpi.shard.Shard.insert_packed>`: checks the lengths, columns and
         priorities (``check_finite``: and the values) in whole-array operations (one bad input stores none),
         then :meth:`store_packed`.
@@ -82,8 +82,9 @@ class ShardInserter:
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
         """
+        check_casting(casting)
         lengths, total = checked_lengths(lengths, self.spec.max_length)
-        arrays = check_packed_columns(self.spec, columns, total)
+        arrays = check_packed_columns(self.spec, columns, total, casting)
         if check_finite:
             check_finite_columns(arrays, "insert_packed", lengths)
         n = len(lengths)
@@ -240,7 +241,8 @@ def _first_bad_length(lengths, max_length):
     return -1, total
 
 
-def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps: int) -> dict[str, np.ndarray]:
+def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps: int,
+                         casting: str = "safe") -> dict[str, np.ndarray]:
     """The columns of a packed insert, checked against ``spec`` (dtype, shape, ``steps`` rows). Local, O(columns):
     nothing is copied or cast here (the ring copy casts).
 
@@ -248,13 +250,14 @@ def check_packed_columns(spec: TrajectorySpec, columns: Mapping[str, Any], steps
         spec: the trajectory layout.
         columns: column name -> ``[steps, *shape]`` array-like.
         steps: the sum of the trajectory lengths.
+        casting: which dtypes a column takes (:data:`~gear_mpi.spec.CASTINGS`, checked by the caller).
     Returns:
         Column name -> numpy array (a view where the input was one; tensors via ``.cpu().numpy()``).
     Raises:
         InvalidTrajectoryError: not a mapping, a column missing or unknown, non-numeric or uncastable, of the
             wrong shape or of another step count than the others or than ``steps``.
     """
-    out, rows = spec.column_arrays(columns, "packed columns", rows="steps")
+    out, rows = spec.column_arrays(columns, "packed columns", rows="steps", casting=casting)
     if rows != steps:
         raise InvalidTrajectoryError(f"packed columns: the lengths sum to {steps} steps but the columns have {rows}")
     return out

@@ -466,6 +466,17 @@ class TrajectoryStore:
             return _NONE_REMOVED
         return ring.count_samples(self._arrays, self.capacity, slots, max_times)
 
+    def clear(self) -> np.ndarray:
+        """Remove every trajectory (counted as removed), generations moved on so that earlier keys are stale,
+        and the ring's head put back at step 0 (the next insert starts there, as in a new store). The
+        columns' bytes stay as they were until overwritten; the pages stay committed.
+
+        Returns:
+            The slots that were live (int64), whose index weights the caller zeroes. Cost: O(trajectories
+            held), one kernel.
+        """
+        return ring.clear_table(self._arrays, self.capacity)
+
     # ---- keys -----------------------------------------------------------------------
     def keys_of(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The keys of ``slots``.

@@ -13,6 +13,9 @@ bandwidth, in the style of nccl-tests / the OSU micro-benchmarks):
   cpprb      the same cases on cpprb.PrioritizedReplayBuffer (sample + update_priorities),
              interleaved with the gear_mpi runs; ratio = cpprb time / gear_mpi time
   storage    stored bytes (Shard.stored_bytes) against raw bytes (Shard.raw_bytes)
+  percall    small batches of one-step transitions, per call: sample(B, window=1) (+ update_priorities)
+             for B = 32, 64, 256 beside SB3's ReplayBuffer.sample, gear_mpi's SB3 adapter and cpprb; one
+             step's insert beside SB3's add (scripts/bench/bench_percall.py)
 
 Times are the best of the repetitions (the median is printed too): on a shared
 machine the best is the figure least disturbed by other work. --json prints one
@@ -36,6 +39,7 @@ import numpy as np
 
 import gear_mpi as gm
 from gear_mpi.selection import PriorityIndex
+from scripts.bench import bench_percall
 
 GB = 1e9
 MIB = 1 << 20
@@ -442,8 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per case, on its own line")
     ap.add_argument("--reps", type=int, default=None,
                     help="repetitions per timing, scaled up for small cases (default 20; 5 with --quick)")
-    ap.add_argument("--sections", default="memcpy,window,priority,storage",
-                    help="comma-separated subset of memcpy,window,priority,storage (window measures memcpy too)")
+    ap.add_argument("--sections", default="memcpy,window,priority,storage,percall",
+                    help="comma-separated subset of memcpy,window,priority,storage,percall (window measures memcpy "
+                         "too)")
     ap.add_argument("--no-cpprb", action="store_true", help="do not run the cpprb comparison")
     args = ap.parse_args(argv)
     if args.reps is None:
@@ -471,11 +476,20 @@ def main(argv=None) -> int:
         priority = bench_priority(rep, args.quick, args.reps, not args.no_cpprb)
     if "storage" in sections:
         storage = bench_storage(rep, args.quick)
-    report_targets(rep, window, priority, storage)
+    percall = []
+    if "percall" in sections:
+        percall = bench_percall.bench_percall(10_000 if args.quick else 100_000, rounds=max(3, args.reps),
+                                              use_cpprb=not args.no_cpprb)
+        rep.table("percall", [("case", "case", ""), ("B", "B", "{:d}"), ("N", "N", "{:d}"), ("us", "us/call", "{:.1f}"),
+                              ("med_us", "med_us", "{:.1f}")], percall)
+        rep.comment(f"percall: one-step transitions; best of rounds of {bench_percall.CALLS} consecutive calls, "
+                    "the cases interleaved round by round")
+    report_targets(rep, window, priority, storage, percall)
     return 0
 
 
-def report_targets(rep: Report, window: list[dict], priority: list[dict], storage: list[dict]) -> None:
+def report_targets(rep: Report, window: list[dict], priority: list[dict], storage: list[dict],
+                   percall: list[dict] = ()) -> None:
     """The issue's targets, checked on this run's figures."""
     rows = []
 
@@ -497,6 +511,9 @@ def report_targets(rep: Report, window: list[dict], priority: list[dict], storag
     for r in storage:
         if r["case"] == "hopper, T=1000":
             add("stored bytes within 5% of raw (hopper, T=1000)", r["overhead_pct"], abs(r["overhead_pct"]) <= 5, "%")
+    if percall:
+        for target, value, ok in bench_percall.targets(list(percall)):
+            add(target, value, ok, "x")
     if rows:
         rep.table("targets", [("case", "target", ""), ("value", "value", "{:.2f}"), ("unit", "", ""),
                               ("met", "met", "")], rows)

@@ -209,3 +209,23 @@ def test_sample_out_refills_the_callers_batch_with_what_a_new_one_would_hold(mod
         expect_same_error(lambda: a.sample(ask, 6, out=wrong), ValueError, "out= must be a host batch")
     a.close()
     b.close()
+
+
+def test_clear_empties_every_shard_and_later_inserts_sample_alone(force):
+    """``clear()`` is collective: afterwards every shard is empty, the old keys are stale everywhere, the
+    counters say the items were removed, and a sample draws only what was inserted after it."""
+    with make_replay(gm.Prioritized(0.6, 0.4), force=force) as replay:
+        ref = fill(replay, shard_sizes()[RANK], seed=5)
+        before = replay.stats()["total"]
+        replay.clear()
+        assert len(replay) == 0
+        after = replay.stats()["total"]
+        assert after["items"] == 0 and after["removed"] - before["removed"] == before["items"]
+        expect_same_error(lambda: replay.sample(4, 3), gm.EmptyReplayError, "empty")
+        old = np.array(sorted(ref), np.int64)
+        assert replay.update_priorities(old[[owner_of(k) == RANK for k in old]], np.ones(
+            sum(owner_of(k) == RANK for k in old))) == 0  # stale: nothing applied
+        new = fill(replay, 2, seed=6)
+        batch = replay.sample(16, 3)
+        assert set(batch.keys.numpy().tolist()) <= set(new)
+        check_windows(batch, new, 3, "random")

@@ -1,0 +1,11 @@
+"""Adapters that plug gear_mpi into the frameworks where RL code already lives.
+
+Each adapter is a module of its own, imported by name, and imports its framework (an optional
+dependency, never a core one) when it is imported itself: importing this package imports nothing.
+
+- :mod:`gear_mpi.integrations.sb3`: Stable-Baselines3 (``GearReplayBuffer``, ``GearPrioritizedReplayBuffer``,
+  ``PrioritizedDQN``); needs ``stable-baselines3`` (the ``sb3`` extra).
+"""
+from __future__ import annotations
+
+__all__: list[str] = []

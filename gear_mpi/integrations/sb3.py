@@ -1,0 +1,506 @@
+"""Stable-Baselines3 replay buffers backed by a gear_mpi :class:`~gear_mpi.shard.Shard`.
+
+``DQN(..., replay_buffer_class=GearReplayBuffer)`` (or SAC, TD3, DDPG, QR-DQN, any off-policy algorithm
+that takes SB3's ``ReplayBuffer``) runs unchanged: the buffer keeps SB3's semantics -- ``n_envs``
+environments per ``add``, FIFO overwrite when full, ``handle_timeout_termination``, the ``device`` of the
+returned tensors, ``optimize_memory_usage``, ``VecNormalize`` at sample time, ``reset``, pickling through
+``save_replay_buffer``/``load_replay_buffer`` -- and SB3's storage model: ``observations``, ``actions``,
+``rewards``, ``dones``, ``timeouts`` (and ``next_observations``) are ``[buffer_size, n_envs, ...]`` arrays,
+here views of the shard's column rings, so code that reads or writes them (SB3's own ``_setup_learn``
+does) sees what SB3's buffer would hold. :class:`GearPrioritizedReplayBuffer` adds what SB3 lacks:
+proportional prioritized replay with importance weights (:class:`PrioritizedDQN` uses them).
+
+How it is stored. Every environment step of every environment is one one-step item of a
+:class:`~gear_mpi.shard.Shard` of ``buffer_size * n_envs`` steps; the ``t``-th transition lies at ring step
+``t mod (buffer_size * n_envs)``, which is SB3's position ``pos * n_envs + env``. A sample draws
+``batch_size`` items uniformly (or in proportion to their priorities) among the live ones, with
+replacement, as SB3 draws a position and an environment; the draws come from the shard's own random
+stream (seeded from NumPy's global generator at construction, so ``set_random_seed`` makes runs repeat).
+
+Why a ``Shard`` and not a one-rank ``Replay``: SB3 trains in one process; a shard has no collective layer
+to pass through (a one-rank ``Replay.sample`` adds its header and agreement to every call) and offers
+``sample(..., squeeze=True)``, whose one allocation per batch is the cost that decides a small batch.
+
+Per-call cost. ``add`` writes the step into small staging arrays (numpy's assignment, which casts as
+SB3's does); the staged steps enter the shard together, one packed insert per :data:`STAGE_ADDS` adds
+or before anything reads the buffer (``sample``, the storage views, ``reset``, pickling): a sample never
+misses a step added before it. ``sample`` is one shard sample into a fresh squeezed batch whose tensors
+are returned as they are (on the CPU) or copied to ``device``.
+
+``optimize_memory_usage=True`` stores each observation once, as SB3 does: there is no ``next_obs``
+column; a transition's next observation is the ring row of the same environment one position later,
+and the shard keeps one position fewer than ``buffer_size`` live (``max_items``), so the position whose
+row the newest ``next_obs`` overwrites is never drawn (SB3 skips it when sampling).
+
+Several ranks. SB3 runs one process. A job of several learner processes that share experience (one SB3
+model per rank, say, each with its own environments) would use a :class:`~gear_mpi.replay.Replay` over
+their communicator instead: each rank inserts its transitions as one-step items (``replay.insert_packed``
+with ``lengths=1``) and every rank calls ``replay.sample(batch_size, window=1)`` collectively, the same
+number of times (SB3's ``train`` calls ``sample`` ``gradient_steps`` times per rollout, so ranks that
+roll out in step stay in step), then ``batch.squeeze()``; see docs/guide/integrations/sb3.md.
+
+Threads: numba's worker threads are set to sleep when idle (``OMP_WAIT_POLICY=PASSIVE`` unless already
+set; see :func:`quiet_threads`) before gear_mpi's kernels first run in this process, so that they do not
+spin beside torch's threads between the buffer's calls.
+
+Needs ``stable-baselines3`` (the ``sb3`` extra); importing this module imports it, torch and gymnasium.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from gymnasium import spaces
+from stable_baselines3 import DQN
+from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from ..checkpoint.shard_archive import shard_arrays, shard_from_arrays
+from ..selection.selectors import Prioritized, Uniform
+from ..shard import Shard
+from ..spec import TrajectorySpec
+
+_SCALARS = ("reward", "done", "timeout")  # one float a transition: [buffer_size, n_envs] in SB3's storage
+
+#: ``add`` calls staged before their steps enter the shard in one packed insert (fewer when the buffer is smaller)
+STAGE_ADDS = 256
+
+__all__ = ["GearReplayBuffer", "GearPrioritizedReplayBuffer", "PrioritizedReplayBufferSamples", "PrioritizedDQN",
+           "STAGE_ADDS", "quiet_threads"]
+
+
+def quiet_threads() -> None:
+    """Let idle numba worker threads sleep instead of spinning beside torch: sets ``OMP_WAIT_POLICY=PASSIVE``
+    for numba's OpenMP threading layer, unless the variable is already set (the user's choice wins). It acts
+    only before numba's thread pool first starts in the process; called when this module is imported. O(1)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+quiet_threads()
+
+
+class PrioritizedReplayBufferSamples(NamedTuple):
+    """SB3's ``ReplayBufferSamples`` fields, then what prioritized replay adds.
+
+    ``weights``: ``[B, 1]`` float32 importance weights on the buffer's device (``(min p / p)^beta``, at most
+    1); ``keys``: ``[B]`` int64 numpy keys to give back to
+    :meth:`GearPrioritizedReplayBuffer.update_priorities`.
+    """
+
+    observations: th.Tensor
+    actions: th.Tensor
+    next_observations: th.Tensor
+    dones: th.Tensor
+    rewards: th.Tensor
+    discounts: th.Tensor | None
+    weights: th.Tensor
+    keys: np.ndarray
+
+
+class GearReplayBuffer(ReplayBuffer):
+    """SB3's ``ReplayBuffer``, backed by a :class:`~gear_mpi.shard.Shard` (see the module docstring).
+
+    Memory: ``buffer_size * step_bytes`` of columns (observation twice, or once with
+    ``optimize_memory_usage``) plus the shard's table (about 20 bytes a transition) and :data:`STAGE_ADDS`
+    staged adds. Not thread-safe, as SB3's buffer.
+
+    Args:
+        buffer_size: transitions kept (over all environments, as SB3: ``buffer_size // n_envs`` positions).
+        observation_space: a gymnasium space other than ``Dict`` (use SB3's ``DictReplayBuffer`` there).
+        action_space: the action space (float64 actions are stored as float32, as SB3 stores them).
+        device: where sampled tensors go (``"auto"``: CUDA when available).
+        n_envs: environments stepped together (one ``add`` stores one transition of each).
+        optimize_memory_usage: store each observation once (not with ``handle_timeout_termination``).
+        handle_timeout_termination: a step cut by a time limit (``infos[i]["TimeLimit.truncated"]``) is
+            sampled as not done.
+        seed: the seed of the shard's random stream (None: drawn from NumPy's global generator).
+        memory: the shard's memory (``"private"`` or ``"shm"``; see :class:`~gear_mpi.shard.Shard`).
+    Raises:
+        ValueError: ``optimize_memory_usage`` with ``handle_timeout_termination``, or with fewer than 2
+            positions.
+        NotImplementedError: a ``Dict`` observation space, or an action space SB3 does not support.
+    """
+
+    _selector_args: dict = {}
+
+    def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
+                 device: th.device | str = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
+                 handle_timeout_termination: bool = True, *, seed: int | None = None, memory: str = "private"):
+        if isinstance(observation_space, spaces.Dict):
+            raise NotImplementedError("GearReplayBuffer takes array observations; a Dict observation space needs "
+                                      "SB3's DictReplayBuffer")
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        if optimize_memory_usage and handle_timeout_termination:
+            raise ValueError("ReplayBuffer does not support optimize_memory_usage = True "
+                             "and handle_timeout_termination = True simultaneously.")
+        if optimize_memory_usage and self.buffer_size < 2:
+            raise ValueError(f"optimize_memory_usage needs at least 2 positions, got buffer_size={buffer_size} "
+                             f"for n_envs={n_envs}")
+        self.optimize_memory_usage = optimize_memory_usage
+        self.handle_timeout_termination = handle_timeout_termination
+        self._memory = memory
+        self._seed = int(np.random.randint(0, 2**31 - 1)) if seed is None else int(seed)
+        self._build(None)
+
+    # ---- the shard, its views and the staging arrays -----------------------------------------------
+    def _spec(self) -> TrajectorySpec:
+        cols = {"obs": (self.obs_shape, self.observation_space.dtype)}
+        if not self.optimize_memory_usage:
+            cols["next_obs"] = (self.obs_shape, self.observation_space.dtype)
+        cols["action"] = ((self.action_dim,), self._maybe_cast_dtype(self.action_space.dtype))
+        for name in ("reward", "done", "timeout"):
+            cols[name] = ((1,), np.float32)
+        return TrajectorySpec(cols, max_length=1)
+
+    def _selector(self):
+        return Uniform()
+
+    def _build(self, saved: dict | None) -> None:
+        """The shard (new, or from ``saved`` arrays), its column views in SB3's layout and the staging arrays."""
+        n, cap = self.n_envs, self.buffer_size * self.n_envs
+        if saved is None:
+            max_items = cap - n if self.optimize_memory_usage else cap
+            self.shard = Shard(self._spec(), cap, self._selector(), max_items=max_items, seed=self._seed,
+                               memory=self._memory)
+        else:
+            self.shard = shard_from_arrays(saved, memory=self._memory)
+        spec = self.shard.spec
+        rings = self.shard.columns(writable=True)
+        shapes = {c.name: (() if c.name in _SCALARS else c.shape) for c in spec.columns}  # SB3's layout
+        self._views = {c.name: rings[c.name].reshape((self.buffer_size, n) + shapes[c.name]) for c in spec.columns}
+        self._stage_adds = min(STAGE_ADDS, self.buffer_size - (1 if self.optimize_memory_usage else 0))
+        self._stage = {c.name: np.zeros((self._stage_adds, n) + shapes[c.name], c.dtype) for c in spec.columns}
+        self._packed = {c.name: (self._stage[c.name], (-1,) + c.shape) for c in spec.columns}
+        self._lengths = np.ones(self._stage_adds * n, np.int64)
+        self._staged = 0
+        self._next_obs = None  # optimize_memory_usage: the newest next_obs, for the row after the newest position
+        self._synced = (self.pos, self.full)
+
+    # ---- SB3's storage, as views of the shard's rings ------------------------------------------------
+    @property
+    def observations(self) -> np.ndarray:
+        """``[buffer_size, n_envs, *obs_shape]``: the shard's ``obs`` ring (writable). Staged adds go in first."""
+        self._flush()
+        return self._views["obs"]
+
+    @property
+    def next_observations(self) -> np.ndarray:
+        """``[buffer_size, n_envs, *obs_shape]`` (absent with ``optimize_memory_usage``, as in SB3)."""
+        if self.optimize_memory_usage:
+            raise AttributeError("next_observations is not stored with optimize_memory_usage=True")
+        self._flush()
+        return self._views["next_obs"]
+
+    @property
+    def actions(self) -> np.ndarray:
+        """``[buffer_size, n_envs, action_dim]``."""
+        self._flush()
+        return self._views["action"]
+
+    @property
+    def rewards(self) -> np.ndarray:
+        """``[buffer_size, n_envs]`` float32."""
+        self._flush()
+        return self._views["reward"]
+
+    @property
+    def dones(self) -> np.ndarray:
+        """``[buffer_size, n_envs]`` float32."""
+        self._flush()
+        return self._views["done"]
+
+    @property
+    def timeouts(self) -> np.ndarray:
+        """``[buffer_size, n_envs]`` float32 (all 0 without ``handle_timeout_termination``)."""
+        self._flush()
+        return self._views["timeout"]
+
+    # ---- add --------------------------------------------------------------------------------------------
+    def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
+            done: np.ndarray, infos: list[dict[str, Any]]) -> None:
+        """Store one transition of each environment (SB3's arguments: ``[n_envs, ...]`` arrays and the
+        ``infos`` list). Values are cast to the stored dtypes as SB3's buffer casts them (numpy's assignment).
+        Cost: one small array assignment per column; every :data:`STAGE_ADDS` calls, one packed insert
+        into the shard (about 70 us for 256 transitions of CartPole)."""
+        if isinstance(self.observation_space, spaces.Discrete):
+            obs = np.asarray(obs).reshape((self.n_envs, *self.obs_shape))
+            next_obs = np.asarray(next_obs).reshape((self.n_envs, *self.obs_shape))
+        k = self._staged
+        stage = self._stage
+        stage["obs"][k] = obs
+        if self.optimize_memory_usage:
+            self._next_obs = np.array(next_obs)
+        else:
+            stage["next_obs"][k] = next_obs
+        stage["action"][k] = np.asarray(action).reshape((self.n_envs, self.action_dim))
+        stage["reward"][k] = reward
+        stage["done"][k] = done
+        if self.handle_timeout_termination:
+            stage["timeout"][k] = [info.get("TimeLimit.truncated", False) for info in infos]
+        else:
+            stage["timeout"][k] = 0.0
+        self._staged = k + 1
+        self.pos += 1
+        if self.pos == self.buffer_size:
+            self.full = True
+            self.pos = 0
+        self._synced = (self.pos, self.full)
+        if self._staged == self._stage_adds:
+            self._flush()
+
+    def _priorities(self, m: int) -> np.ndarray:
+        return np.broadcast_to(np.float64(1.0), (m,))
+
+    def _flush(self) -> None:
+        """The staged adds into the shard, in one packed insert (their positions are the next ring steps)."""
+        k = self._staged
+        if k == 0:
+            return
+        self._staged = 0
+        m = k * self.n_envs
+        cols = {name: stage[:k].reshape(shape) for name, (stage, shape) in self._packed.items()}
+        self.shard.store_packed(cols, self._lengths[:m], self._priorities(m), steps=m)
+        if self._next_obs is not None:  # SB3 writes next_obs into the row of the position after the newest
+            self._views["obs"][self.pos] = self._next_obs
+
+    # ---- sample -----------------------------------------------------------------------------------------
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
+        """``batch_size`` transitions drawn uniformly with replacement among those held (SB3's
+        distribution: a position and an environment, each uniform), as tensors on ``device``.
+
+        If ``pos``/``full`` were set by hand to something other than what the adds made them (SB3's
+        ``test_buffer_dtypes`` marks an empty buffer full), the draw follows SB3's storage model instead:
+        positions below ``pos`` (all when ``full``) of the arrays, whatever they hold.
+
+        Args:
+            batch_size: transitions to draw.
+            env: a ``VecNormalize`` whose statistics normalize observations and rewards (None: as stored).
+        Returns:
+            SB3's ``ReplayBufferSamples`` (``[B, *obs_shape]``, ``[B, action_dim]``, ``[B, *obs_shape]``,
+            ``[B, 1]``, ``[B, 1]``); new tensors, not shared with the buffer.
+        Raises:
+            gear_mpi.EmptyReplayError: nothing was added.
+        Cost: one shard sample into a fresh batch (one allocation, one kernel call), a product for the
+        timeout-masked dones, and the copies to ``device`` when it is not the CPU.
+        """
+        self._flush()
+        if (self.pos, self.full) != self._synced:
+            return ReplayBuffer.sample(self, batch_size, env)
+        batch = self.shard.sample(batch_size, 1, squeeze=True)
+        return self._samples(batch, env)
+
+    def _samples(self, batch, env: VecNormalize | None) -> ReplayBufferSamples:
+        d = batch.numpy()
+        done = d["done"]
+        if self.handle_timeout_termination:
+            done = done * (1.0 - d["timeout"])
+        if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
+            # the batch's own tensors: a fresh batch, nobody else's (the common case, the cheapest)
+            t = batch.data
+            return ReplayBufferSamples(t["obs"], t["action"], t["next_obs"], th.from_numpy(done), t["reward"])
+        obs = d["obs"]
+        next_obs = self._next_of(batch) if self.optimize_memory_usage else d["next_obs"]
+        rewards = d["reward"]
+        if env is not None:
+            obs, next_obs = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
+            rewards = self._normalize_reward(rewards, env)
+        data = (obs, d["action"], next_obs, done, rewards)
+        if self.device.type == "cpu":  # a fresh batch: its arrays are nobody else's
+            return ReplayBufferSamples(*(th.from_numpy(np.ascontiguousarray(a)) for a in data))
+        return ReplayBufferSamples(*(th.as_tensor(a, device=self.device) for a in data))
+
+    def _next_of(self, batch) -> np.ndarray:
+        """optimize_memory_usage: each item's next observation, the ring row one position (``n_envs`` steps) on."""
+        start, _ = self.shard.locate(batch.keys.numpy())
+        ring = self.shard.columns()["obs"]
+        return ring[(start + self.n_envs) % ring.shape[0]]
+
+    # ---- reset, pickling, close -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the buffer (SB3's ``reset``): staged adds dropped, the shard cleared, ``pos`` 0. O(items held)."""
+        self._staged = 0
+        self._next_obs = None
+        self.shard.clear()
+        super().reset()
+        self._synced = (self.pos, self.full)
+
+    def close(self) -> None:
+        """Release the shard's memory now (otherwise when the buffer is collected). Idempotent."""
+        self.shard.close()
+
+    def __getstate__(self) -> dict:
+        """Pickled as SB3 pickles its buffer (``save_replay_buffer``): everything, the shard's contents as
+        :func:`~gear_mpi.checkpoint.shard_archive.shard_arrays` (the staged adds entered first)."""
+        self._flush()
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("shard", "_views", "_stage", "_packed", "_lengths")}
+        state["_shard_arrays"] = shard_arrays(self.shard)
+        if self.optimize_memory_usage:  # the position after the newest: no live item's, but the newest next_obs
+            state["_next_row"] = {name: view[self.pos].copy() for name, view in self._views.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        saved = state.pop("_shard_arrays")
+        next_row = state.pop("_next_row", None)
+        synced, next_obs = state["_synced"], state["_next_obs"]
+        self.__dict__.update(state)
+        if self._memory not in ("private", "shm"):
+            self._memory = "private"
+        self._build(saved)
+        self._synced, self._next_obs = synced, next_obs
+        for name, row in (next_row or {}).items():
+            self._views[name][self.pos] = row
+
+
+class GearPrioritizedReplayBuffer(GearReplayBuffer):
+    """:class:`GearReplayBuffer` with proportional prioritized replay (Schaul et al. 2016): transition ``i``
+    is drawn with probability ``p_i^alpha / sum_j p_j^alpha``; samples carry importance weights
+    ``(min_j P(j) / P(i))^beta`` and keys (:class:`PrioritizedReplayBufferSamples`); new transitions get the
+    largest priority given so far (1 at first). SB3's algorithms ignore the extra fields;
+    :class:`PrioritizedDQN` uses them. Exact: the shard's priority index draws from the priorities as given.
+
+    Args:
+        buffer_size, observation_space, action_space, device, n_envs: as :class:`GearReplayBuffer`.
+        optimize_memory_usage, handle_timeout_termination, seed, memory: as :class:`GearReplayBuffer`.
+        alpha: how much priorities count (0: uniform).
+        beta: the importance-weight exponent (settable: anneal it towards 1).
+    Raises:
+        ValueError: as :class:`GearReplayBuffer`, or ``alpha``/``beta`` outside what
+            :class:`~gear_mpi.selection.selectors.Prioritized` takes.
+    """
+
+    def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
+                 device: th.device | str = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
+                 handle_timeout_termination: bool = True, *, alpha: float = 0.6, beta: float = 0.4,
+                 seed: int | None = None, memory: str = "private"):
+        self._prioritized = Prioritized(alpha, beta)  # checks alpha and beta before anything is built
+        self.max_priority = 1.0
+        super().__init__(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
+                         handle_timeout_termination, seed=seed, memory=memory)
+
+    def _selector(self):
+        return self._prioritized
+
+    @property
+    def alpha(self) -> float:
+        """The priority exponent. O(1)."""
+        return self.shard.selector.alpha
+
+    @property
+    def beta(self) -> float:
+        """The importance-weight exponent, read at every sample; settable (finite, >= 0; 1 corrects fully). O(1)."""
+        return self.shard.selector.beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        Prioritized(self.alpha, value)  # the selector's own checks
+        self.shard.selector.beta = float(value)
+
+    def _priorities(self, m: int) -> np.ndarray:
+        return np.broadcast_to(np.float64(self.max_priority), (m,))
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> PrioritizedReplayBufferSamples:
+        """``batch_size`` transitions drawn in proportion to ``priority^alpha``, with replacement.
+
+        Args:
+            batch_size, env: as :meth:`GearReplayBuffer.sample`.
+        Returns:
+            :class:`PrioritizedReplayBufferSamples` (storage-model samples, when ``pos``/``full`` were set by
+            hand, have weights 1 and keys -1).
+        Raises:
+            gear_mpi.EmptyReplayError: nothing was added, or every priority is 0.
+        Cost: as :meth:`GearReplayBuffer.sample`, the draw O(B log N) in the shard's index.
+        """
+        self._flush()
+        if (self.pos, self.full) != self._synced:
+            base = ReplayBuffer.sample(self, batch_size, env)
+            return PrioritizedReplayBufferSamples(*base[:5], None, th.ones((batch_size, 1), device=self.device),
+                                                  np.full(batch_size, -1, np.int64))
+        batch = self.shard.sample(batch_size, 1, squeeze=True)
+        base = self._samples(batch, env)
+        weights = batch.weights.reshape(-1, 1)
+        if self.device.type != "cpu":
+            weights = weights.to(self.device)
+        return PrioritizedReplayBufferSamples(*base[:5], None, weights, batch.keys.numpy())
+
+    def update_priorities(self, keys: Any, priorities: Any) -> int:
+        """Give sampled transitions new priorities (e.g. ``|TD error| + eps``); keys of transitions already
+        overwritten are skipped. Later transitions start at the largest priority given so far.
+
+        Args:
+            keys: ``samples.keys`` (or a part of them).
+            priorities: one finite, non-negative number per key (array or tensor).
+        Returns:
+            How many were applied.
+        Raises:
+            gear_mpi.InvalidKeyError, gear_mpi.InvalidPriorityError: a key of another buffer; a bad priority
+                (nothing changes).
+        Cost: O(B) plus one batched index update.
+        """
+        if isinstance(priorities, th.Tensor):
+            priorities = priorities.detach().cpu().numpy()
+        pr = np.asarray(priorities, np.float64).reshape(-1)
+        applied = self.shard.update_priorities(keys, pr)
+        if len(pr):
+            self.max_priority = max(self.max_priority, float(pr.max()))
+        return applied
+
+
+class PrioritizedDQN(DQN):
+    """SB3's DQN trained from a :class:`GearPrioritizedReplayBuffer`: each sample's Huber losses are weighted
+    by its importance weights, and the sampled transitions get ``|TD error| + priority_eps`` as their new
+    priorities; ``beta`` goes linearly from the buffer's initial value to ``beta_final`` over training.
+    Everything else is DQN's (its arguments; ``replay_buffer_class`` defaults to the prioritized buffer).
+
+    Args:
+        *args, **kwargs: DQN's.
+        priority_eps: added to each ``|TD error|`` so that no transition stops being drawn.
+        beta_final: ``beta`` at the end of training (None: kept as the buffer's).
+    """
+
+    def __init__(self, *args, priority_eps: float = 1e-6, beta_final: float | None = 1.0, **kwargs):
+        kwargs.setdefault("replay_buffer_class", GearPrioritizedReplayBuffer)
+        self.priority_eps = float(priority_eps)
+        self.beta_final = beta_final
+        self._beta_start = None
+        super().__init__(*args, **kwargs)
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        buffer = self.replay_buffer
+        if not isinstance(buffer, GearPrioritizedReplayBuffer):
+            raise TypeError(f"PrioritizedDQN needs a GearPrioritizedReplayBuffer, got {type(buffer).__name__}")
+        if self.beta_final is not None:
+            if self._beta_start is None:
+                self._beta_start = buffer.beta
+            done = 1.0 - self._current_progress_remaining
+            buffer.beta = self._beta_start + (self.beta_final - self._beta_start) * min(1.0, max(0.0, done))
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        losses = []
+        for _ in range(gradient_steps):
+            data = buffer.sample(batch_size, env=self._vec_normalize_env)
+            with th.no_grad():
+                best_next = self.q_net_target(data.next_observations).max(dim=1).values.reshape(-1, 1)
+                target = data.rewards + (1 - data.dones) * self.gamma * best_next
+            q = th.gather(self.q_net(data.observations), dim=1, index=data.actions.long())
+            per_item = F.smooth_l1_loss(q, target, reduction="none")
+            loss = (data.weights * per_item).mean()
+            losses.append(loss.item())
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            self.policy.optimizer.step()
+            td = (q.detach() - target).abs().reshape(-1).cpu().numpy().astype(np.float64)
+            if (data.keys >= 0).all():
+                buffer.update_priorities(data.keys, td + self.priority_eps)
+            else:
+                warnings.warn("samples drawn by SB3's storage model carry no keys: priorities not updated")
+        self._n_updates += gradient_steps
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/loss", float(np.mean(losses)))

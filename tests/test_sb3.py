@@ -1,0 +1,229 @@
+"""gear_mpi's Stable-Baselines3 buffers against SB3's own: the same storage after the same adds, SB3's sampling
+semantics (distribution, FIFO overwrite, timeouts, optimize_memory_usage, VecNormalize, device), pickling and
+reset, the prioritized variant, and SB3's DQN training with it (a short run: no learning asserted).
+SB3's own buffer tests, run on these classes, are tests/test_sb3_buffers.py."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch as th
+from gymnasium import spaces
+from stable_baselines3 import DQN
+from stable_baselines3.common.buffers import ReplayBuffer
+
+import gear_mpi as gm
+from gear_mpi.integrations import sb3 as gsb3
+
+OBS = spaces.Box(-10, 10, (3,), np.float32)
+SPACES = {"discrete": spaces.Discrete(4), "box64": spaces.Box(-1, 1, (2,), np.float64)}
+STORAGE = ("observations", "actions", "rewards", "dones", "timeouts")
+
+
+def random_steps(n_envs: int, count: int, action_space, seed: int = 0):
+    """``count`` adds' arguments: random observations, actions, rewards, dones, time limits."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        obs = rng.standard_normal((n_envs, 3)).astype(np.float32)
+        next_obs = rng.standard_normal((n_envs, 3))  # float64: cast to the space's float32, as SB3 casts
+        action = np.array([action_space.sample() for _ in range(n_envs)])
+        reward = rng.standard_normal(n_envs)
+        done = rng.random(n_envs) < 0.2
+        infos = [{"TimeLimit.truncated": bool(t)} for t in rng.random(n_envs) < 0.3]
+        yield obs, next_obs, action, reward, done, infos
+
+
+def assert_same_storage(ours, theirs, where: str = "") -> None:
+    names = STORAGE + (() if theirs.optimize_memory_usage else ("next_observations",))
+    for name in names:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, name, a.dtype, b.dtype, a.shape, b.shape)
+        np.testing.assert_array_equal(a, b, err_msg=f"{where} {name}")
+    assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()), where
+
+
+@pytest.mark.parametrize("cls", [gsb3.GearReplayBuffer, gsb3.GearPrioritizedReplayBuffer])
+@pytest.mark.parametrize("n_envs,optimize", [(1, False), (3, False), (2, True)])
+@pytest.mark.parametrize("space", list(SPACES))
+def test_storage_equals_sb3s_after_every_add(cls, n_envs, optimize, space):
+    kw = dict(n_envs=n_envs, optimize_memory_usage=optimize, handle_timeout_termination=not optimize, device="cpu")
+    theirs = ReplayBuffer(21, OBS, SPACES[space], **kw)
+    ours = cls(21, OBS, SPACES[space], **kw)
+    for t, step in enumerate(random_steps(n_envs, 45, SPACES[space])):  # past full twice: FIFO overwrite
+        theirs.add(*step)
+        ours.add(*step)
+        assert_same_storage(ours, theirs, f"add {t}")
+    assert len(ours.shard) == (ours.buffer_size - optimize) * n_envs
+
+
+def held_transitions(buf: ReplayBuffer) -> set[tuple]:
+    """Every transition SB3's sampling may return from ``buf``: (obs, action, next_obs, done, reward) as bytes."""
+    positions = range(buf.buffer_size) if buf.full else range(buf.pos)
+    out = set()
+    for p in positions:
+        if buf.optimize_memory_usage and buf.full and p == buf.pos:
+            continue  # SB3 never samples it
+        for e in range(buf.n_envs):
+            nxt = buf.observations[(p + 1) % buf.buffer_size, e] if buf.optimize_memory_usage \
+                else buf.next_observations[p, e]
+            done = buf.dones[p, e] * (1 - buf.timeouts[p, e]) if buf.handle_timeout_termination else buf.dones[p, e]
+            out.add((buf.observations[p, e].tobytes(), buf.actions[p, e].tobytes(), nxt.tobytes(),
+                     np.float32(done).tobytes(), np.float32(buf.rewards[p, e]).tobytes()))
+    return out
+
+
+@pytest.mark.parametrize("n_envs,optimize,adds", [(1, False, 7), (2, False, 40), (2, True, 9), (3, True, 40)])
+def test_samples_are_what_sb3_could_draw_and_cover_it_uniformly(n_envs, optimize, adds):
+    kw = dict(n_envs=n_envs, optimize_memory_usage=optimize, handle_timeout_termination=not optimize, device="cpu")
+    theirs = ReplayBuffer(24, OBS, SPACES["discrete"], **kw)
+    ours = gsb3.GearReplayBuffer(24, OBS, SPACES["discrete"], seed=4, **kw)
+    for step in random_steps(n_envs, adds, SPACES["discrete"], seed=adds):
+        theirs.add(*step)
+        ours.add(*step)
+    held = held_transitions(theirs)
+    s = ours.sample(12000)
+    assert s.observations.shape == (12000, 3) and s.actions.shape == (12000, 1) and s.dones.shape == (12000, 1)
+    rows = [(o.tobytes(), a.tobytes(), n.tobytes(), d.tobytes(), r.tobytes()) for o, a, n, d, r in
+            zip(s.observations.numpy(), s.actions.numpy(), s.next_observations.numpy(), s.dones.numpy()[:, 0],
+                s.rewards.numpy()[:, 0])]
+    assert set(rows) == held  # every held transition drawn, nothing else
+    counts = np.unique(np.array([hash(r) for r in rows]), return_counts=True)[1]
+    expected = 12000 / len(held)
+    assert abs(counts - expected).max() < 5 * np.sqrt(expected)  # uniform (about 5 sigma)
+
+
+def test_dones_cut_by_time_limits_are_sampled_as_not_done():
+    ours = gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], device="cpu")
+    obs = np.zeros((1, 3), np.float32)
+    ours.add(obs, obs, np.array([0]), np.array([1.0]), np.array([True]), [{"TimeLimit.truncated": True}])
+    assert ours.sample(20).dones.sum() == 0
+    plain = gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], device="cpu", handle_timeout_termination=False)
+    plain.add(obs, obs, np.array([0]), np.array([1.0]), np.array([True]), [{"TimeLimit.truncated": True}])
+    assert plain.sample(20).dones.sum() == 20 and plain.timeouts.sum() == 0
+
+
+def test_samples_are_new_tensors_and_follow_the_device():
+    ours = gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], device="cpu")
+    for step in random_steps(1, 5, SPACES["discrete"]):
+        ours.add(*step)
+    a = ours.sample(8)
+    before = a.observations.clone()
+    ours.sample(8)
+    ours.observations[:] = 0  # the storage views write the ring; earlier samples keep their values
+    assert th.equal(a.observations, before)
+    assert all(t.device.type == "cpu" for t in a[:5])
+
+
+def test_empty_buffer_raises_and_bad_options_are_refused():
+    ours = gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], device="cpu")
+    with pytest.raises(gm.EmptyReplayError):
+        ours.sample(4)
+    with pytest.raises(ValueError, match="simultaneously"):
+        gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], optimize_memory_usage=True)
+    with pytest.raises(ValueError, match="at least 2 positions"):
+        gsb3.GearReplayBuffer(1, OBS, SPACES["discrete"], optimize_memory_usage=True,
+                              handle_timeout_termination=False)
+    with pytest.raises(NotImplementedError, match="DictReplayBuffer"):
+        gsb3.GearReplayBuffer(10, spaces.Dict({"a": OBS}), SPACES["discrete"])
+    with pytest.raises(ValueError):
+        gsb3.GearPrioritizedReplayBuffer(10, OBS, SPACES["discrete"], alpha=-1.0)
+
+
+@pytest.mark.parametrize("cls", [gsb3.GearReplayBuffer, gsb3.GearPrioritizedReplayBuffer])
+@pytest.mark.parametrize("optimize", [False, True])
+def test_pickle_and_reset_keep_sb3s_semantics(cls, optimize):
+    kw = dict(n_envs=2, optimize_memory_usage=optimize, handle_timeout_termination=not optimize, device="cpu")
+    theirs = ReplayBuffer(16, OBS, SPACES["discrete"], **kw)
+    ours = cls(16, OBS, SPACES["discrete"], seed=9, **kw)
+    steps = list(random_steps(2, 30, SPACES["discrete"]))
+    for step in steps[:13]:
+        theirs.add(*step)
+        ours.add(*step)
+    back = pickle.loads(pickle.dumps(ours))  # what SB3's save_replay_buffer / load_replay_buffer do
+    assert_same_storage(back, theirs, "unpickled")
+    a, b = ours.sample(32), back.sample(32)  # the same stream: the same draws
+    assert all(th.equal(x, y) for x, y in zip(a[:5], b[:5]))
+    for step in steps[13:]:
+        for buf in (theirs, ours, back):
+            buf.add(*step)
+    assert_same_storage(back, theirs, "unpickled, then added to")
+    ours.reset()
+    theirs.reset()
+    assert len(ours.shard) == 0 and ours.size() == 0
+    with pytest.raises(gm.EmptyReplayError):
+        ours.sample(2)
+    for step in steps[:3]:
+        theirs.add(*step)
+        ours.add(*step)
+    assert len(held_transitions(theirs)) == 6  # 3 positions of 2 environments, not full
+    s = ours.sample(400)
+    assert len(set(s.observations.numpy()[:, 0].tolist())) == 6  # only what came after reset
+
+
+def test_prioritized_draws_follow_priorities_and_weights_correct_for_them():
+    ours = gsb3.GearPrioritizedReplayBuffer(8, OBS, SPACES["discrete"], alpha=1.0, beta=1.0, device="cpu", seed=2)
+    for i in range(4):
+        o = np.full((1, 3), i, np.float32)
+        ours.add(o, o, np.array([0]), np.array([0.0]), np.array([False]), [{}])
+    s = ours.sample(8)
+    assert s.weights.shape == (8, 1) and s.keys.shape == (8,) and np.allclose(s.weights.numpy(), 1.0)
+    first = {int(o): int(k) for o, k in zip(s.observations.numpy()[:, 0], s.keys)}
+    keys = np.array([first.get(i, -1) for i in range(4)])
+    assert (keys >= 0).all()  # 8 draws among 4 equal items: all seen (seeded)
+    assert ours.update_priorities(keys, np.array([1.0, 1.0, 1.0, 9.0])) == 4
+    assert ours.max_priority == 9.0
+    s = ours.sample(12000)
+    freq = np.bincount(s.observations.numpy()[:, 0].astype(int), minlength=4) / 12000
+    np.testing.assert_allclose(freq, [1 / 12, 1 / 12, 1 / 12, 9 / 12], atol=0.02)
+    w = dict(zip(s.observations.numpy()[:, 0].astype(int), s.weights.numpy()[:, 0]))
+    np.testing.assert_allclose([w[0], w[3]], [1.0, 1 / 9], rtol=1e-6)  # (min P / P)^beta
+    ours.beta = 0.5
+    w = dict(zip(*(lambda s: (s.observations.numpy()[:, 0].astype(int), s.weights.numpy()[:, 0]))(ours.sample(64))))
+    np.testing.assert_allclose(w[3], (1 / 9) ** 0.5, rtol=1e-6)
+    o = np.full((1, 3), 7, np.float32)
+    ours.add(o, o, np.array([0]), np.array([0.0]), np.array([False]), [{}])  # enters at the largest priority: 9
+    freq = np.bincount(ours.sample(12000).observations.numpy()[:, 0].astype(int), minlength=8)[[3, 7]] / 12000
+    np.testing.assert_allclose(freq, [9 / 21, 9 / 21], atol=0.02)
+    with pytest.raises(gm.InvalidPriorityError):
+        ours.update_priorities(keys[:1], [-1.0])
+    with pytest.raises(ValueError):
+        ours.beta = -0.5
+
+
+class MirroredBuffer(gsb3.GearReplayBuffer):
+    """A GearReplayBuffer that hands every add to an SB3 ReplayBuffer too: the same transitions in both."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mirror = ReplayBuffer(*args, **kwargs)
+
+    def add(self, *args, **kwargs):
+        self.mirror.add(*args, **kwargs)
+        super().add(*args, **kwargs)
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_sb3_dqn_trains_with_it_and_it_holds_what_sb3s_buffer_holds(n_envs):
+    from stable_baselines3.common.env_util import make_vec_env
+    env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=0)
+    model = DQN("MlpPolicy", env, buffer_size=1500, learning_starts=200, batch_size=32, train_freq=8,
+                gradient_steps=2, target_update_interval=100, replay_buffer_class=MirroredBuffer,
+                policy_kwargs=dict(net_arch=[32]), seed=0, device="cpu")
+    model.learn(total_timesteps=2400)  # wraps the buffer: FIFO overwrite under training
+    buf = model.replay_buffer
+    assert isinstance(buf, gsb3.GearReplayBuffer) and buf.full and model._n_updates > 0
+    assert_same_storage(buf, buf.mirror, "after DQN.learn")
+    assert len(buf.shard) == 1500 // n_envs * n_envs
+
+
+def test_prioritized_dqn_trains_and_updates_priorities():
+    model = gsb3.PrioritizedDQN("MlpPolicy", "CartPole-v1", buffer_size=1000, learning_starts=100, batch_size=32,
+                                train_freq=8, gradient_steps=2, replay_buffer_kwargs=dict(alpha=0.6, beta=0.4),
+                                policy_kwargs=dict(net_arch=[32]), seed=1, device="cpu")
+    model.learn(total_timesteps=600)
+    buf = model.replay_buffer
+    assert isinstance(buf, gsb3.GearPrioritizedReplayBuffer) and model._n_updates > 0
+    live = buf.shard.live_keys()
+    assert len(np.unique(buf.shard.priorities(live))) > 10  # TD errors, not the initial 1
+    assert 0.4 < buf.beta <= 1.0  # annealed towards 1
