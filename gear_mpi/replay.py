@@ -509,8 +509,10 @@ class Replay:
 
         Raises:
             RuntimeError: the replay is closed (on this rank).
+            CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        Cost: one agreement (an allgather of 8 bytes a rank), the node fence, O(items held) table work.
+        Cost: the head (status and call: one allgather, or a row on the node board), the node fence,
+        O(items held) table work.
         """
         self._check_open()
         err = None
@@ -518,7 +520,7 @@ class Replay:
             self._feeds.feed()
         except Exception as e:  # agreed below, so every rank raises it
             err = e
-        self.comm.agree(err, "clear")
+        self.calls.agree(err, "clear")
         self.settle()
         self.shard.clear()
 

@@ -19,7 +19,8 @@ from mpi_util import default_runtime, remove_leaked_mpi_leftovers, run_mpi
 
 SCENARIOS = ["update-vs-stats", "stats-vs-update", "getmany-vs-stats", "stats-vs-getmany", "sample-vs-stats",
              "stats-vs-sample", "updatekeys-vs-sample", "sampleout-vs-getmany", "localsample-vs-update",
-             "save-vs-stats", "meter-vs-update", "batches-extra-update", "batches-update-vs-stats"]
+             "save-vs-stats", "meter-vs-update", "batches-extra-update", "batches-update-vs-stats",
+             "clear-vs-sample"]
 
 
 def _run(nprocs: int, transport: str, scenarios: list[str]) -> None:

@@ -52,11 +52,12 @@ SCENARIOS = {
     "meter-vs-update": ("meter", "update_priorities"),
     "batches-extra-update": ("batches_update", "batches"),
     "batches-update-vs-stats": ("batches_update", "batch_then_stats"),  # two payloads behind their heads
+    "clear-vs-sample": ("clear", "sample"),
 }
 CALLED = {"update_priorities": "update_priorities", "update_keys": "update_priorities", "stats": "stats",
           "get_many": "get_many", "sample": "sample", "sample_out": "sample", "sample_local": "sample",
           "save": "save", "meter": "RateMeter", "batches_update": "update_priorities (batches)",
-          "batches": "sample", "batch_then_stats": "stats"}
+          "batches": "sample", "batch_then_stats": "stats", "clear": "clear"}
 
 
 def say(word: str, name: str, text: str = "") -> None:
@@ -96,6 +97,8 @@ def call(replay: gm.Replay, what: str, batch, folder: str):
         return replay.save(os.path.join(folder, "cp"), progress=False)
     if what == "meter":
         return gm.RateMeter(replay, every=1)
+    if what == "clear":
+        return replay.clear()
     # batches: rank 0 gives an update the others do not; its thread applies it (prefetch=0: before the
     # second sample) while theirs run the second sample, or (batch_then_stats) call stats after one batch
     with replay.batches(4, prefetch=0, limit=1 if what == "batch_then_stats" else 3) as it:
