@@ -471,6 +471,21 @@ class Replay:
             return int(self.shard.apply_priorities(keys, pr).sum())
         return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred)
 
+    def clear(self) -> int:
+        """Empty this rank's shard (local: the other shards keep theirs; :meth:`Shard.clear`). Keys issued for
+        its trajectories go stale; episodes still staged by writers are not touched.
+
+        Returns:
+            How many trajectories were removed here.
+        Raises:
+            RuntimeError: the replay is closed, or a batches() iterator owns it.
+            CollectiveTimeoutError: a node peer never finished reading the last sample (node fence).
+        Cost: the node fence, then O(trajectories of the shard).
+        """
+        self._check_open()
+        self.settle()
+        return self.shard.clear()
+
     # ---- trajectories by key ----------------------------------------------------------------------
     def get(self, key: int) -> dict[str, np.ndarray]:
         """A trajectory of this rank's shard (local, O(length) copy; any rank's keys: :meth:`get_many`).

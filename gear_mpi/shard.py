@@ -567,6 +567,22 @@ class Shard:
             self.index.set(slots[:applied], self.selector.weights(values[:applied]))
         return live
 
+    def clear(self) -> int:
+        """Remove every trajectory, as if each were removed: keys issued before go stale, ``len`` is 0, and
+        ``stats()`` counts them under ``removed``; the capacity, the key tag and the counters stay. Local.
+
+        Returns:
+            How many live trajectories were removed.
+        Raises:
+            RuntimeError: the shard is closed.
+        Cost: O(trajectories held) in one kernel, plus one index update of the live slots.
+        """
+        self._check_open()
+        live = self.store.clear()
+        if self.index is not None and len(live):
+            self.index.set(live, np.zeros(len(live)))
+        return int(len(live))
+
     def get(self, key: int) -> dict[str, np.ndarray]:
         """A copy of the whole stored trajectory behind ``key``. O(L).
 

@@ -251,6 +251,28 @@ def _trim_ends(state, capacity, start, length, status, order):
 
 
 @njit(cache=True, nogil=True)
+def clear_all(table, capacity):
+    """Remove every trajectory of ``table``: each live one counts as removed, every slot is released (dead, next
+    generation: its keys go stale) and the ring's steps are freed. Returns the slots that were live (their index
+    weights must be zeroed). Cost: O(trajectories in the order ring), one pass."""
+    start, length, status, stamp, times_sampled, order, state = table
+    n_slots = order.shape[0]
+    live = np.empty(state[LIVE_COUNT], dtype=np.int64)
+    k = 0
+    while state[ORDER_COUNT] > 0:
+        slot = order[state[ORDER_HEAD]]
+        if alive_of(status, slot) == LIVE:
+            _set_alive(status, slot, REMOVED)
+            state[LIVE_COUNT] -= 1
+            state[LIVE_STEPS] -= length[slot]
+            state[REMOVED_TOTAL] += 1
+            live[k] = slot
+            k += 1
+        _evict_oldest(state, capacity, n_slots, start, length, status, order)
+    return live[:k]
+
+
+@njit(cache=True, nogil=True)
 def count_samples(table, capacity, slots, max_times):
     """Add one use to each sampled slot of ``table``; remove those that reached ``max_times`` (> 0).
 

@@ -466,6 +466,15 @@ class TrajectoryStore:
             return _NONE_REMOVED
         return ring.count_samples(self._arrays, self.capacity, slots, max_times)
 
+    def clear(self) -> np.ndarray:
+        """Remove every trajectory: the live ones count as removed, their slots are released (their keys go
+        stale) and the ring is empty. The columns are not touched.
+
+        Returns:
+            The slots that were live (their index weights must be zeroed). Cost: O(trajectories), one kernel.
+        """
+        return ring.clear_all(self._arrays, self.capacity)
+
     # ---- keys -----------------------------------------------------------------------
     def keys_of(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The keys of ``slots``.
