@@ -435,14 +435,19 @@ class GearStorage(Storage):
         return (self._comm or MPI.COMM_WORLD).Get_size()
 
     def _read(self, keys: np.ndarray, single: bool) -> Any:
-        """Items of this rank by key: one-step items stacked ``[n, ...]``, trajectories' steps concatenated."""
+        """Items of this rank by key: one-step items stacked ``[n, ...]``, trajectories' steps concatenated; a
+        TensorDict carries each step's key under ``"index"``."""
         shard = self._replay.shard
         items = [shard.get(int(k)) for k in keys]
         names = self._replay.spec.names
         cols = {n: torch.from_numpy(np.concatenate([it[n] for it in items]) if items
                                     else np.zeros((0,) + c.shape, c.dtype))
                 for n, c in zip(names, self._replay.spec.columns)}
-        data = self._layout.build(cols, (int(cols[names[0]].shape[0]),))
+        steps = int(cols[names[0]].shape[0])
+        data = self._layout.build(cols, (steps,))
+        if self._layout.kind == "tensordict":
+            data.set("index", torch.from_numpy(np.repeat(keys, [len(it[names[0]]) for it in items]).astype(np.int64)
+                                               if items else np.zeros(0, np.int64)))
         return data[0] if single and not self.trajectories else data
 
 
