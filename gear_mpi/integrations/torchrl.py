@@ -29,4 +29,6 @@ from .torchrl_layout import Layout
 from .torchrl_samplers import GearSampler, GearSliceSampler
 from .torchrl_storage import GearStorage, GearWriter
 
+GearStorage.default_sampler = GearSampler  # a buffer given a GearStorage and no sampler draws with GearSampler
+
 __all__ = ["GearStorage", "GearSampler", "GearSliceSampler", "GearWriter", "Layout"]

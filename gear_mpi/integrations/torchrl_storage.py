@@ -7,14 +7,16 @@ saves and loads it; :class:`GearWriter` hands TorchRL's writes to it and returns
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 from torchrl.data.replay_buffers.storages import Storage
-from torchrl.data.replay_buffers.writers import Writer
+from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter, Writer
 
 from ..distributed.comm import MpiComm
 from ..errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
@@ -55,6 +57,9 @@ class GearStorage(Storage):
     Raises:
         ValueError: neither ``max_size`` nor ``replay``, or a bad ``max_length``.
     """
+
+    #: the sampler of a buffer given no sampler (set to GearSampler by :mod:`gear_mpi.integrations.torchrl`)
+    default_sampler: Any = None
 
     def __init__(self, max_size: int | None = None, *, replay: Replay | None = None, selector: Selector | None = None,
                  max_length: int | None = None, end_keys=None, traj_key=None, layout: Layout | None = None,
@@ -103,8 +108,10 @@ class GearStorage(Storage):
 
     # ---- TorchRL's hooks ---------------------------------------------------------------------
     def attach(self, buffer: Any) -> None:
-        """Register ``buffer`` (TorchRL calls this when the buffer is built): its default collate function
-        becomes the identity (a batch is already collated), and TorchRL's prefetch is refused on several ranks.
+        """Register ``buffer`` (TorchRL calls this as it builds the buffer, before its sampler, writer and collate
+        function): the defaults it would take follow the storage -- :attr:`default_sampler` for no sampler,
+        :class:`GearWriter` for no writer (or TensorDictReplayBuffer's default one), the identity for no collate
+        function (a batch comes collated) -- and TorchRL's prefetch is refused on several ranks.
 
         Raises:
             ValueError: ``prefetch`` on a buffer of a replay over more than one rank.
@@ -113,8 +120,14 @@ class GearStorage(Storage):
             raise ValueError("GearStorage: TorchRL's prefetch threads would issue the collective samples in a "
                              "different order on each rank; build the buffer without prefetch (or prefetch with "
                              "replay.batches())")
-        if getattr(buffer, "_init_collate_fn", None) is None and hasattr(buffer, "_init_collate_fn"):
+        if hasattr(buffer, "_init_collate_fn") and buffer._init_collate_fn is None:
             buffer._init_collate_fn = _identity
+        if hasattr(buffer, "_init_sampler") and buffer._init_sampler is None and self.default_sampler is not None:
+            buffer._init_sampler = self.default_sampler
+        writer = getattr(buffer, "_init_writer", GearWriter)
+        if writer is None or (isinstance(writer, functools.partial) and writer.func is TensorDictRoundRobinWriter
+                              and not writer.args and set(writer.keywords) <= {"compilable"}):
+            buffer._init_writer = GearWriter
         super().attach(buffer)
 
     def set(self, cursor, data, *, set_cursor: bool = True):
@@ -448,7 +461,9 @@ class GearStorage(Storage):
         if self._layout.kind == "tensordict":
             data.set("index", torch.from_numpy(np.repeat(keys, [len(it[names[0]]) for it in items]).astype(np.int64)
                                                if items else np.zeros(0, np.int64)))
-        return data[0] if single and not self.trajectories else data
+        if not single or self.trajectories:
+            return data
+        return pytree.tree_map(lambda x: x[0], data) if self._layout.kind == "pytree" else data[0]
 
 
 class GearWriter(Writer):
