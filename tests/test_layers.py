@@ -39,6 +39,7 @@ FLOORS = {
     # checkpoint/: a shard's state exporter low, the files and protocol above the shard, the replay's on top
     "checkpoint": 4, "checkpoint.shard_state": 2, "checkpoint.replay_state": 5,
     "datasets": 7,  # builds Replays; gear_mpi/__init__.py re-exports the package
+    "integrations": 7,  # frameworks' replay interfaces over Replays (imported by users, never by gear_mpi)
 }
 #: no module of gear_mpi passes this many lines: one concept per module, as long as it needs to be
 MAX_LINES = 800

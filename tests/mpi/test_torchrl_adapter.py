@@ -289,3 +289,28 @@ def test_a_rank_that_never_wrote_cannot_join_and_says_so(storages):
     rb = buffer(storages(20))
     with pytest.raises(RuntimeError, match="nothing has been written on this rank"):
         rb.storage.draw(1, 1, None)
+
+
+@pytest.mark.parametrize("reduction", ["max", "min", "mean", "median"])
+def test_items_with_their_own_batch_dims_and_update_tensordict_priority(storages, reduction):
+    """``[3, 4]`` data: 3 items of 4 steps each (TorchRL's ndim=1 storage); a ``[B, 4]`` td_error is reduced to
+    one priority per item by ``reduction``, through TensorDictReplayBuffer.update_tensordict_priority."""
+    rb = buffer(storages(100), gtrl.GearSampler(alpha=1.0, beta=0.9, reduction=reduction), batch_size=3,
+                priority_key="td_error")
+    rb.extend(TensorDict({"obs": torch.randn(3, 4, 5), "actions": torch.randn(3, 4, 2)}, [3, 4]))
+    s = rb.sample()
+    assert s.batch_size == (3, 4) and s["obs"].shape == (3, 4, 5)
+    error = torch.rand(3, 4) + 0.1
+    s.set("td_error", error)
+    rb.update_tensordict_priority(s)  # collective: routed to each row's owner
+    expected = {"max": error.amax(1), "min": error.amin(1), "mean": error.mean(1),
+                "median": error.median(1).values}[reduction]
+    keys = s["index"][:, 0]
+    sent = [kv for ks, vs in COMM.allgather((keys.tolist(), expected.tolist())) for kv in zip(ks, vs)]
+    once = {k for k, _ in sent if sum(kk == k for kk, _ in sent) == 1}  # a key drawn twice: its values combined
+    for k, v in sent:
+        if k in once and owner_of(k) == RANK:  # the owner holds what was sent
+            assert rb.storage.replay.shard.priorities([k])[0] == pytest.approx(v + 1e-8, rel=1e-6)
+    assert once
+    s = rb.sample()
+    assert (s["priority_weight"] > 0).all() and s.batch_size == (3, 4)

@@ -25,7 +25,9 @@ from torchrl.data import (
 )
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from gear_mpi.integrations.torchrl import GearStorage
+from gear_mpi.integrations import torchrl as gtrl
+
+GearStorage = gtrl.GearStorage
 
 
 @pytest.mark.parametrize(

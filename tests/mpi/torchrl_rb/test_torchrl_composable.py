@@ -47,7 +47,9 @@ from torchrl.data.replay_buffers.writers import (
     TensorDictMaxValueWriter,
 )
 from torchrl.testing import capture_log_records
-from gear_mpi.integrations.torchrl import GearSampler, GearStorage, GearWriter
+from gear_mpi.integrations import torchrl as gtrl
+
+GearSampler, GearStorage, GearWriter = gtrl.GearSampler, gtrl.GearStorage, gtrl.GearWriter
 
 
 

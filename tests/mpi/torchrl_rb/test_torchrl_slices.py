@@ -17,7 +17,9 @@ from torchrl.data import TensorDictReplayBuffer
 from torchrl.modules import GRUModule, set_recurrent_mode
 
 # the storage and sampler the tests build by name are gear_mpi's
-from gear_mpi.integrations.torchrl import GearSliceSampler as SliceSampler, GearStorage as LazyTensorStorage
+from gear_mpi.integrations import torchrl as gtrl
+
+SliceSampler, LazyTensorStorage = gtrl.GearSliceSampler, gtrl.GearStorage
 
 
 class TestSamplers:

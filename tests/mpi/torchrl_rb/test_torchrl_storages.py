@@ -19,7 +19,9 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 # the storages the test builds by name are gear_mpi's
-from gear_mpi.integrations.torchrl import GearStorage as LazyMemmapStorage, GearStorage as LazyTensorStorage
+from gear_mpi.integrations import torchrl as gtrl
+
+LazyMemmapStorage = LazyTensorStorage = gtrl.GearStorage
 
 
 class TestStorages:
