@@ -295,6 +295,46 @@ class Batch:
             return out
         return Batch({k: v[:, 0] for k, v in self._np.items()}, self._mask_np, *self._meta_np, squeezed=True)
 
+    def to_tensordict(self, batch_dims: int = 2, separator: str | None = None):
+        """The batch as a ``tensordict.TensorDict`` over the same tensors (tensordict is imported here).
+
+        Every column goes in under its name (split into a nested key at each ``separator`` when one is given:
+        ``"next.obs"`` with ``"."`` becomes ``("next", "obs")``), beside the metadata ``"mask"`` ([B, W]) and
+        ``"keys"``, ``"probabilities"``, ``"weights"``, ``"lengths"`` (one per window).
+
+        Args:
+            batch_dims: 2 (default): ``batch_size=[B, W]``, the per-window metadata expanded along ``W`` (a
+                stride-0 view); 1: ``batch_size=[B]``, the metadata ``[B]``, columns and mask ``[B, W, ...]``.
+            separator: a string that splits column names into nested keys (None: keys are the names).
+        Returns:
+            The TensorDict, on the batch's device.
+        Raises:
+            ValueError: ``batch_dims`` not 1 or 2, or a column whose key is one of the metadata names
+                (or a prefix of one, or has one as its prefix).
+            ModuleNotFoundError: tensordict is not installed (``pip install gear-mpi[torchrl]``).
+        Cost: O(columns); no copy.
+        """
+        from tensordict import TensorDict
+
+        if batch_dims not in (1, 2):
+            raise ValueError(f"batch_dims must be 1 ([B]) or 2 ([B, W]), got {batch_dims!r}")
+        b, w = self.batch_size, self.window
+        meta = {"keys": self.keys, "probabilities": self.probabilities, "weights": self.weights,
+                "lengths": self.lengths}
+        if batch_dims == 2:
+            meta = {k: v[:, None].expand(b, w) for k, v in meta.items()}
+        out = {"mask": self.mask, **meta}
+        for name, tensor in self.data.items():
+            key = tuple(name.split(separator)) if separator else (name,)
+            if key[0] in out or any(not part for part in key):
+                raise ValueError(f"to_tensordict: column {name!r} would be the key {key}, which is empty or clashes "
+                                 f"with the batch's metadata {sorted(out)}; rename the column")
+            out[key if len(key) > 1 else key[0]] = tensor
+        td = TensorDict(batch_size=[b, w][:batch_dims], device=self.device)
+        for key, tensor in out.items():  # nested keys: the sub-TensorDicts are made on the way
+            td.set(key, tensor)
+        return td
+
     def __repr__(self) -> str:
         cols = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.data.items())
         return f"Batch(B={self.batch_size}, W={self.window}, {cols}{', squeezed' if self.squeezed else ''})"

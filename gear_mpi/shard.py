@@ -254,11 +254,13 @@ class Shard:
         with self.hold():
             return self.inserter.store_packed(columns, lengths, priorities, steps)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
         """Remove every item: the shard is as new (empty, its ring starting again at step 0), its keys
         stale, its memory kept (counted as removed in :meth:`stats`; streams and counters go on). Local.
         Cost: O(items held) table work, one index update.
 
+        Returns:
+            How many live items were removed.
         Raises:
             RuntimeError: the shard is closed.
         """
@@ -266,6 +268,7 @@ class Shard:
         live = self.store.clear()
         if self.index is not None and len(live):
             self.index.set(live, np.zeros(len(live)))
+        return int(len(live))
 
     def columns(self, writable: bool = False) -> dict[str, np.ndarray]:
         """The column rings as numpy arrays over the shard's memory, no copy: column name ->

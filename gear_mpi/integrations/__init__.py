@@ -5,6 +5,8 @@ dependency, never a core one) when it is imported itself: importing this package
 
 - :mod:`gear_mpi.integrations.sb3`: Stable-Baselines3 (``GearReplayBuffer``, ``GearPrioritizedReplayBuffer``,
   ``PrioritizedDQN``); needs ``stable-baselines3`` (the ``sb3`` extra).
+- :mod:`gear_mpi.integrations.torchrl`: TorchRL's storage, samplers and writer over a gear_mpi ``Replay``
+  (``from gear_mpi.integrations import torchrl as gtrl``); needs ``torchrl`` (the ``torchrl`` extra).
 """
 from __future__ import annotations
 
