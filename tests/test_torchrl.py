@@ -5,12 +5,18 @@
 - tests/mpi/torchrl_rb/: TorchRL's own replay-buffer tests (pytorch/rl v0.14.0, MIT), run on GearStorage,
   GearSampler, GearSliceSampler and GearWriter; which were copied, what was changed and which do not apply,
   and why, is in tests/mpi/torchrl_rb/conftest.py.
+- docs/guide/integrations/torchrl.md's complete example runs on 2 ranks.
 """
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
-from mpi_util import run_pytest_mpi
+from mpi_util import ROOT, mpiexec_path, run_pytest_mpi
 
 pytest.importorskip("torchrl")
 
@@ -49,3 +55,19 @@ def test_torchrls_own_replay_buffer_tests(nprocs):
     if nprocs == 1:
         assert "TestStorages::test_storage_state_dict" in _names(passed)
     assert len(passed) >= 390, len(passed)
+
+
+def test_the_guide_example_runs_on_two_ranks(tmp_path):
+    """docs/guide/integrations/torchrl.md's complete example, as the page says to run it."""
+    page = (ROOT / "docs" / "guide" / "integrations" / "torchrl.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+    assert blocks, "no ```python block in the TorchRL guide"
+    program = tmp_path / "torchrl_replay.py"
+    program.write_text(blocks[0])
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", str(program)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"the guide's example failed on 2 ranks:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    for rank in (0, 1):
+        assert f"rank {rank}: 100 here, drew rows written by ranks [0, 1]" in r.stdout, r.stdout

@@ -17,6 +17,9 @@ Three parts plug into ``ReplayBuffer(storage=..., sampler=..., writer=...)`` and
   at its first, ``("collector", "mask")`` with ``pad_output=True``).
 - :class:`GearWriter` -- the writer that hands data to the storage and returns the keys it got.
 
+A buffer given a ``GearStorage`` and no sampler or writer takes ``GearSampler`` and ``GearWriter``.
+Guide: docs/guide/integrations/torchrl.md.
+
 Collective calls (every rank, in the same order): the first write, ``rb.sample()``, ``rb.update_priority``
 (except priorities given with the data by ``extend``), ``rb.can_sample()``, ``rb.dumps``/``rb.loads``,
 ``storage.close()``. Local: everything else, ``len(rb)`` included (this rank's items). TorchRL's
