@@ -94,7 +94,10 @@ class Layout:
                 raise InvalidTrajectoryError(f"expected a TensorDict with at least {lead} batch dimension(s), got "
                                              f"batch_size={tuple(data.batch_size)}")
             keys, names, shapes, dtypes = [], [], [], []
-            for key, leaf in data.items(include_nested=True, leaves_only=True):
+            # in one order on every rank: a TensorDict's own order follows how it was built (a collector's
+            # batch orders its entries by which came first, which may differ from rank to rank)
+            leaves = sorted(data.items(include_nested=True, leaves_only=True), key=lambda kv: _sort_key(kv[0]))
+            for key, leaf in leaves:
                 if _metadata(key):
                     continue
                 if not isinstance(leaf, torch.Tensor):
@@ -229,6 +232,10 @@ def trajectory_lengths(data: Any, rows: int, steps: int, max_length: int, end_ke
         out[np.cumsum(pieces) - 1] = lengths - (pieces - 1) * max_length
         lengths = out
     return lengths.astype(np.int64)
+
+
+def _sort_key(key) -> tuple:
+    return tuple(key) if isinstance(key, tuple) else (key,)
 
 
 def _metadata(key) -> bool:

@@ -315,3 +315,17 @@ def test_items_with_their_own_batch_dims_and_update_tensordict_priority(storages
     assert once
     s = rb.sample()
     assert (s["priority_weight"] > 0).all() and s.batch_size == (3, 4)
+
+
+def test_ranks_whose_data_lists_entries_in_another_order_build_one_replay(storages):
+    """A TensorDict's entry order follows how it was built (a collector's batch can differ from rank to rank):
+    the layout is in one order on every rank."""
+    n = 4
+    parts = [("obs", torch.zeros(n, 2)), ("next", TensorDict({"reward": torch.ones(n), "done": torch.zeros(n)}, [n])),
+             ("rank", torch.full((n,), RANK))]
+    if RANK % 2:
+        parts.reverse()
+    rb = buffer(storages(20))
+    rb.extend(TensorDict(dict(parts), [n]))
+    s = rb.sample()
+    assert (s["next", "reward"] == 1).all() and set(s["rank"].tolist()) <= set(range(SIZE))
