@@ -515,11 +515,7 @@ class Replay:
         O(items held) table work.
         """
         self._check_open()
-        err = None
-        try:
-            self._feeds.feed()
-        except Exception as e:  # agreed below, so every rank raises it
-            err = e
+        err = self._drain_writers()
         self.calls.agree(err, "clear")
         self.settle()
         self.shard.clear()
@@ -560,6 +556,15 @@ class Replay:
         with self.shard.hold(strict=False) as problem:  # mapped columns: see sample()
             return routing.get_many(self.calls, self.shard, keys, problem)
 
+    def _drain_writers(self) -> Exception | None:
+        """Drain this rank's writers (:meth:`ReplayFeeds.feed`) before a collective; returns the error instead of
+        raising it, for the caller to agree so that every rank raises it. Local."""
+        try:
+            self._feeds.feed()
+        except Exception as e:
+            return e
+        return None
+
     # ---- stats and lifetime -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Collective: every rank's figures, their totals and the balance (the schema of
@@ -580,11 +585,7 @@ class Replay:
         in flight with it, one allgather of 37 float64 per rank (21 figures and 16 activity counters).
         """
         self._check_open()
-        err = None
-        try:
-            self._feeds.feed()
-        except Exception as e:  # agreed below, so every rank raises it
-            err = e
+        err = self._drain_writers()
         mine = self.shard.stats()
         mine.update(windows_shared=self._state.windows_shared, windows_mpi=self._state.windows_mpi,
                     **self._feeds.figures())
