@@ -106,11 +106,10 @@ def check_against_parallel_groups(got: gm.ParallelGroups, tensor: int, pipeline:
 # ---- DeviceMesh ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape,names,tensor,pipeline,order", [
+    # (kept to three layouts for CI time: tensor only, pipeline outermost of three axes, data outside pipeline)
     ((2, 2), ("dp", "tp"), 2, 1, "tp-dp-pp"),
-    ((2, 2), ("pp", "dp"), 1, 2, "tp-dp-pp"),
     ((2, 2), ("dp", "pp"), 1, 2, "tp-pp-dp"),
     ((2, 1, 2), ("pp", "dp", "tp"), 2, 2, "tp-dp-pp"),
-    ((4,), ("dp",), 1, 1, "tp-dp-pp"),
 ])
 def test_device_mesh_gives_what_parallel_groups_builds(dist, shape, names, tensor, pipeline, order):
     from torch.distributed.device_mesh import init_device_mesh
@@ -149,8 +148,6 @@ def test_adopted_groups_drive_a_replica_sampler(dist):
 # ---- Megatron-core and DeepSpeed ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tensor,pipeline,megatron_order,order", [
-    (2, 1, "tp-cp-ep-dp-pp", "tp-dp-pp"),
-    (1, 2, "tp-cp-ep-dp-pp", "tp-dp-pp"),
     (2, 2, "tp-cp-ep-dp-pp", "tp-dp-pp"),
     (1, 2, "tp-cp-ep-pp-dp", "tp-pp-dp"),
 ])
@@ -208,7 +205,7 @@ def grid_groups(dist, pipe: int, data: int, model: int) -> dict:
     return mine
 
 
-@pytest.mark.parametrize("pipe,data,model", [(2, 1, 2), (1, 2, 2), (2, 2, 1)])
+@pytest.mark.parametrize("pipe,data,model", [(2, 1, 2), (2, 2, 1)])
 def test_deepspeed_style_mpu(dist, pipe, data, model):
     mpu = _GridMpu(grid_groups(dist, pipe, data, model))
     got = gm.parallel_groups.from_mpu(mpu, COMM, timeout=TIMEOUT)
