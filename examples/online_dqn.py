@@ -30,8 +30,10 @@ update, one update per 4 environment steps, the target network copied every 100 
 When to stop. CartPole-v1 is solved at a mean return of 475 over 100 consecutive episodes. Every
 ``eval_every`` (5) seconds the learners play 100 episodes greedily (no exploration; 50 a rank, on
 gymnasium's vectorized CartPole-v1, the same dynamics and 500-step limit) with the current network;
-the run stops when their mean reaches 475 -- or when the mean of the last 100 *training* episodes
-(epsilon-greedy, by policies of the recent past) does -- or at the step or time budget. The curve
+the run stops when their mean reaches 475 in ``eval_passes`` (3) evaluations in a row, while training
+goes on between them (one lucky network does not count: a greedy policy that happens to balance
+the pole early is common on CartPole) -- or when the mean of the last 100 *training* episodes
+(epsilon-greedy, by policies of the recent past) reaches 475 -- or at the step or time budget. The curve
 -- environment steps, episodes, the training mean of the last 100 episodes, the latest greedy
 evaluation, wall time -- is printed as it goes, and a plot of return vs environment steps is saved.
 """
@@ -85,6 +87,7 @@ class Config:
     target_return: float = SOLVED
     eval_every: float = 5.0          # seconds between greedy evaluations (0: none)
     eval_episodes: int = 100         # episodes of one greedy evaluation, split over the learner ranks
+    eval_passes: int = 3             # consecutive greedy evaluations at target_return that stop the run
     log_every: float = 2.0           # seconds between curve lines
     seed: int = 0
     plot: str | None = DEFAULT_PLOT
@@ -120,6 +123,8 @@ def parse_config(argv=None) -> Config:
         setattr(cfg, name, kind(value))
     if cfg.actors < 1:
         p.error("--actors must be >= 1")
+    if cfg.eval_every > 0 and (cfg.eval_episodes < 1 or cfg.eval_passes < 1):
+        p.error("eval_episodes and eval_passes must be >= 1 (or eval_every=0: no greedy evaluation)")
     cfg.plot = cfg.plot or None
     return cfg
 
@@ -346,6 +351,7 @@ def run(cfg: Config) -> dict:
         import gymnasium as gym
         eval_env = gym.make_vec("CartPole-v1", num_envs=my_evals, vectorization_mode="vector_entry_point")
     next_eval, stop_reason, eval_seed, solved = cfg.eval_every, "budget", 10**6 + cfg.seed * 10**5, False
+    passes = 0  # consecutive greedy evaluations at the target so far
     curve: list[tuple[int, int, float, float]] = []  # (env steps, episodes, mean of the last 100, wall s)
     seen = np.zeros(cfg.actors, np.int64)
     updates, max_priority, steps, mean100, wall, failure = 0, 1.0, 0, 0.0, 0.0, None
@@ -410,7 +416,8 @@ def run(cfg: Config) -> dict:
                                                                    eval_seed + len(evals) * cfg.eval_episodes
                                                                    + rank * (my_evals + 1))) for x in r]
                 evals.append((steps, float(np.mean(greedy)), wall))
-                if evals[-1][1] >= cfg.target_return:
+                passes = passes + 1 if evals[-1][1] >= cfg.target_return else 0
+                if passes >= cfg.eval_passes:
                     solved, stop_reason = True, "greedy"
             done = solved or steps >= cfg.max_steps or wall >= cfg.max_seconds
             if wall >= next_log or done:
