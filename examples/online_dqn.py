@@ -359,7 +359,9 @@ def run(cfg: Config) -> dict:
     next_log = cfg.log_every
     if rank == 0:
         print(f"online_dqn: {size} learners x {cfg.actors} actors, CartPole-v1, {limiter!r}; budget "
-              f"{cfg.max_steps} env steps / {cfg.max_seconds:g} s; stops at mean return {cfg.target_return:g}",
+              f"{cfg.max_steps} env steps / {cfg.max_seconds:g} s; stops at mean return {cfg.target_return:g} (of the "
+              f"last 100 training episodes" + (f", or of {cfg.eval_episodes} greedy ones {cfg.eval_passes} times in "
+                                               f"a row" if cfg.eval_every > 0 else "") + ")",
               flush=True)
         print(f"{'env_steps':>10} {'episodes':>8} {'mean100':>8} {'greedy':>7} {'updates':>8} {'smp/ins':>7} "
               f"{'wall_s':>7}",
@@ -449,11 +451,11 @@ def run(cfg: Config) -> dict:
             a.join()
     state.close()
     dist.destroy_process_group()
+    if eval_env is not None:
+        eval_env.close()
     if failure:
         raise RuntimeError(failure)
     last = [x for _, x in episodes[-20:]]
-    if eval_env is not None:
-        eval_env.close()
     return {"solved": bool(solved), "solved_by": stop_reason if solved else None, "env_steps": steps,
             "episodes": len(episodes), "mean100": round(mean100, 1),
             "last20": round(float(np.mean(last)) if last else 0.0, 1), "updates": updates,
