@@ -1,6 +1,6 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
 from .batch import Batch
-from .errors import CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError, RateLimitTimeoutError, StaleKeyError, StorageError, WriterError, WriterTimeoutError
+from .errors import CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError, RateLimitTimeoutError, StaleKeyError, StorageError, WriterError, WriterTimeoutError, RecoveryError
 from .feeds.rate_limit import MinSize, RateLimiter, SampleToInsertRatio
 from .selection.selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
@@ -10,6 +10,7 @@ from .storage.columns import attach_columns
 from .feeds.writer import EpisodeWriter, Writer
 from .feeds.remote import MpiWriter
 from .distributed.parallel import ParallelGroups, ReplicaSampler, parallel_groups
+from .distributed.recovery import Recovery
 from .distributed import framework_groups as _framework_groups
 from .stats import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
@@ -43,4 +44,4 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
            "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",
            "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates", "init_torch_process_group",
-           "save_shard", "load_shard", "shard_arrays", "shard_from_arrays"]
+           "save_shard", "load_shard", "shard_arrays", "shard_from_arrays", "RecoveryError", "Recovery"]

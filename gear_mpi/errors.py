@@ -67,3 +67,9 @@ class MemoryBudgetError(GearError, MemoryError):
 class StorageError(GearError, OSError):
     """A file-backed shard's files cannot be made: ``path`` missing, not a directory or not
     writable, a file in the way, or not enough disk (checked when the shard is built)."""
+
+
+class RecoveryError(CollectiveError):
+    """``Replay.recover`` cannot survive a dead rank here: the MPI library has no ULFM (MPICH, or Open MPI
+    started without ``mpiexec --with-ft ulfm``), or the survivors did not all call it; restart the job from
+    the newest checkpoint instead (``Replay.load``; docs/guide/faults.md)."""

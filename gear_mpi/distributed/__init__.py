@@ -15,7 +15,9 @@ Lowest first:
 - :mod:`.prefetch` -- ``replay.batches()``: samples on a background thread, same order on every rank;
 - :mod:`.parallel` -- tensor/pipeline/data-parallel groups and one batch per model replica;
 - :mod:`.framework_groups` -- those groups read from a torch DeviceMesh, a Megatron/DeepSpeed mpu or torch
-  process groups (``gm.parallel_groups.from_device_mesh``, ``from_mpu``, ``from_process_groups``).
+  process groups (``gm.parallel_groups.from_device_mesh``, ``from_mpu``, ``from_process_groups``);
+- :mod:`.recovery` -- surviving a dead rank where MPI has ULFM: revoke and shrink to the survivors
+  (``Replay.recover``).
 
 The package's ``__init__`` imports none of them: a process that never communicates
 (an actor's writer) does not load mpi4py.

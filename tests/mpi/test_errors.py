@@ -8,6 +8,8 @@ with rank 0's value and the first differing rank's.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import gear_mpi as gm
@@ -84,3 +86,20 @@ def test_replay_inserts_refuse_nan_and_inf_with_check_finite():
             assert len(replay) == 1  # unchanged
         replay.insert(bad)  # off by default
         assert len(replay) == 2
+
+
+def test_recover_without_ulfm_refuses_at_once_and_changes_nothing():
+    """Without ULFM (MPICH; Open MPI started without ``mpiexec --with-ft ulfm``, as tests/test_openmpi.py runs
+    this module) ``Replay.recover`` raises RecoveryError at once on every rank, saying why and pointing to a
+    restart from the newest checkpoint; nothing is revoked and the replay goes on (tests/test_faults.py
+    recovers under ULFM)."""
+    replay = make_replay(gm.Uniform())
+    fill(replay, shard_sizes()[RANK], seed=3)
+    t0 = time.monotonic()
+    expect_same_error(lambda: replay.recover("no-such-checkpoint"), gm.RecoveryError,
+                      "restart the job from the newest checkpoint")
+    assert time.monotonic() - t0 < 5.0
+    assert not replay.closed and replay.comm.broken is None
+    assert len(replay.sample(3, 2)) == 3
+    assert replay.stats()["total"]["items"] == sum(shard_sizes())
+    replay.close()

@@ -26,6 +26,13 @@ Scenarios:
   install the new checkpoint. Done by wrapping ``write_file`` and ``rename`` of
   gear_mpi.checkpoint.files (the protocol calls them through that module) here,
   so the library carries no test hook.
+- ``recover DIR TIMEOUT EXPECT``: every rank inserts, checkpoints ``DIR/ck-1`` and ``DIR/ck-2``,
+  inserts a third batch (lost by the recovery), samples; the last rank dies (SIGKILL) inside the next
+  ``sample()``. The survivors see it fail, find the newest checkpoint and call ``replay.recover``:
+  EXPECT ``recovered`` (ULFM: Open MPI ``--with-ft ulfm``): the new replay over the survivors holds
+  every trajectory of ``ck-2`` bit for bit, samples, and its draws pass a chi-square test against the
+  priorities (``PASS recovered`` with the times taken); EXPECT ``refused`` (MPICH): RecoveryError at
+  once, pointing to resuming from a checkpoint (``PASS recover-refused``).
 - ``verify DIR NAME...``: a later job loads each ``DIR/NAME`` (on however many
   ranks it runs: resharding when that differs) and compares every trajectory bit
   for bit, and every priority, with what was inserted before the save.
@@ -181,12 +188,103 @@ def scenario_verify(base: str, names: list[str]) -> None:
         say("PASS", f"verify/{name}/{expect['ranks']}to{SIZE}")
 
 
+
+def newest_checkpoint(base: str) -> str:
+    """The highest-numbered complete checkpoint ``base/ck-N`` (a manifest is written last)."""
+    done = [n for n in os.listdir(base) if n.startswith("ck-") and os.path.isfile(os.path.join(base, n, "MANIFEST.json"))]
+    return os.path.join(base, max(done, key=lambda n: int(n.split("-")[1])))
+
+
+def live_ids(replay: gm.Replay) -> list[int]:
+    """Every rank's live trajectories (checked bit for bit against traj/priority), as sorted ids on every rank."""
+    st = replay.shard.store
+    mine = []
+    for key in st.keys_of(ring.live_in_order(st.state, st.alive, st.order, False, len(st))).tolist():
+        got = replay.get(key)
+        ident = int(got["id"][0])
+        want = traj(ident)
+        for c in SPEC.names:
+            assert got[c].dtype == want[c].dtype and got[c].tobytes() == want[c].tobytes(), (ident, c)
+        assert replay.shard.priorities([key])[0] == priority(ident), ident
+        mine.append(ident)
+    return sorted(i for part in replay.comm.comm.allgather(mine) for i in part)
+
+
+def scenario_recover(base: str, timeout: float, expect: str) -> None:
+    from scipy import stats as sps
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=7, timeout=timeout)
+    for b in (1, 2):
+        insert_batch(replay, b)
+        replay.save(os.path.join(base, f"ck-{b}"))
+    insert_batch(replay, 3)  # after the newest checkpoint: lost by the recovery
+    for _ in range(3):
+        replay.sample(4, 3)
+    say("PASS", "sampled-before-kill")
+    if RANK == SIZE - 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        replay._exchange = die  # dies inside sample(), after its first collective
+    t0 = time.monotonic()
+    try:
+        replay.sample(4, 3)
+        say("WRONG", "sample returned although a rank is dead")
+        os._exit(0)
+    except gm.CollectiveError:
+        failed = time.monotonic() - t0
+    try:
+        t1 = time.monotonic()
+        rec = replay.recover(newest_checkpoint(base))
+    except gm.RecoveryError as e:
+        took = time.monotonic() - t1
+        ok = expect == "refused" and took < 1.0 and "restart the job from the newest checkpoint" in str(e) \
+            and ("no ULFM" in str(e) or "without fault tolerance" in str(e)) and replay.comm.broken is not None and not replay.closed
+        print(f"{'PASS' if ok else 'WRONG'} recover-refused rank={RANK} took={took:.3f}s error={e}", flush=True)
+        os._exit(0)
+    except BaseException as e:
+        say("WRONG", f"recover: {type(e).__name__}: {e}")
+        os._exit(0)
+    new = rec.replay
+    problems = []
+    if expect != "recovered":
+        problems.append("recovered although MPI has no ULFM")
+    if (rec.dead, rec.survivors, new.ranks, new.rank) != ([SIZE - 1], list(range(SIZE - 1)), SIZE - 1, RANK):
+        problems.append(f"dead={rec.dead} survivors={rec.survivors} ranks={new.ranks} rank={new.rank}")
+    if not replay.closed:
+        problems.append("the old replay is still open")
+    want = sorted(i for b in (1, 2) for r in range(SIZE) for i in ids_of(r, b))
+    got = live_ids(new)
+    if got != want:
+        problems.append(f"holds {len(got)} trajectories, the checkpoint {len(want)}")
+    t2 = time.monotonic()
+    new.sample(4, 3)
+    first = time.monotonic() - t2
+    # the draws: P(item) = priority / total priority (alpha 1) over the restored items
+    counts = dict.fromkeys(want, 0)
+    for _ in range(80):
+        for ident in new.sample(64, 1)["id"][:, 0].tolist():
+            counts[int(ident)] += 1
+    drawn = np.sum(rec.comm.allgather(np.array([counts[i] for i in want])), axis=0)
+    p = np.array([priority(i) for i in want])
+    pvalue = sps.chisquare(drawn, drawn.sum() * p / p.sum()).pvalue
+    if pvalue < 1e-3:
+        problems.append(f"chi-square p={pvalue:.2g}")
+    new.close()
+    if problems:
+        say("WRONG", "; ".join(problems))
+    else:
+        print(f"PASS recovered rank={RANK} failed={failed:.2f}s shrink={rec.shrink_seconds:.4f}s "
+              f"load={rec.load_seconds:.3f}s first_sample={first:.4f}s items={len(got)} lost="
+              f"{sum(len(ids_of(r, 3)) for r in range(SIZE))} pvalue={pvalue:.3f}", flush=True)
+    os._exit(0)
+
 if __name__ == "__main__":
     scenario, base = sys.argv[1], sys.argv[2]
     if scenario == "kill":
         scenario_kill(base, float(sys.argv[3]), sys.argv[4])
     elif scenario == "crash-save":
         scenario_crash_save(base, sys.argv[3])
+    elif scenario == "recover":
+        scenario_recover(base, float(sys.argv[3]), sys.argv[4])
     elif scenario == "verify":
         scenario_verify(base, sys.argv[3:])
     else:
