@@ -23,7 +23,7 @@ from .storage import table as table_layout
 from .storage.store import TrajectoryStore
 from .storage.file_guard import Hold
 from .storage.columns import column_addresses
-from .storage.derived import context_of, rebuild_derived
+from .storage.derived import context_of, rebuild_local
 
 _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
@@ -519,9 +519,9 @@ class Shard:
                                               probabilities)
             if self.spec.derived:  # frame stacks and next steps, from this shard's ring
                 fields = gather_kernels.choice_records(choices)
-                rebuild_derived(self.spec, self.column_addresses()[0], self.store.capacity, fields["start"],
-                                self.frame_context(slots, choices), fields["valid"], fields["pad_front"],
-                                np.arange(batch_size, dtype=np.int64), batch.derived_views(), window)
+                rebuild_local(self.spec, self.store, self.column_addresses()[0], fields["start"],
+                              self.frame_context(slots, choices), fields["valid"], fields["pad_front"],
+                              np.arange(batch_size, dtype=np.int64), batch.derived_views(), window)
         weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
         return batch

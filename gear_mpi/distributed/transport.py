@@ -178,7 +178,8 @@ class WindowTransport:
                 fields = gather_kernels.choice_records(choices)
                 send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
                                                             self.shard.capacity_steps, fields["start"][pick],
-                                                            context[pick], fields["valid"][pick], window)
+                                                            context[pick], fields["valid"][pick], window,
+                                                            self.shard.store)
                 e = derived_columns.context_steps(spec, window)
                 for name, sendbuf in send_buffers.items():
                     row_bytes = e * spec[name].step_bytes
@@ -196,7 +197,10 @@ class WindowTransport:
         rows = np.arange(nb, dtype=np.int64)
         for o in range(self.comm.size):
             lo, hi = row_of_owner[o], row_of_owner[o + 1]
-            if hi > lo and node.direct[o]:
+            if hi > lo and o == self.comm.rank:  # this rank's own windows (through context windows if compressed)
+                derived_columns.rebuild_local(spec, self.shard.store, node.column_addrs[o], starts[lo:hi],
+                                              got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
+            elif hi > lo and node.direct[o]:  # a node peer's ring, read in place
                 derived_columns.rebuild_derived(spec, node.column_addrs[o], self.shard.capacity_steps, starts[lo:hi],
                                                 got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
         if len(remote_rows):

@@ -70,8 +70,15 @@ def sources(spec: TrajectorySpec) -> tuple[str, ...]:
     return tuple(n for n in spec.names if n in used)
 
 
+def compressed_sources(spec: TrajectorySpec) -> bool:
+    """Whether a derived column's source is stored compressed (``Column.compression``, where this gear_mpi
+    has compressed columns): its ring holds no raw frames to read in place, so the frames are first
+    decompressed into context windows (:func:`pack_context`). O(columns)."""
+    return any(getattr(spec[name], "compression", None) is not None for name in sources(spec))
+
+
 def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np.ndarray, before: np.ndarray,
-                 n_valid: np.ndarray, window: int) -> dict[str, np.ndarray]:
+                 n_valid: np.ndarray, window: int, store=None) -> dict[str, np.ndarray]:
     """Owner side, for requesters on other nodes: each window's context window of each source column,
     ``before + n_valid + tail`` ring steps from ``win_start - before``, in rows of :func:`context_steps`
     steps (zero after the real ones). Cost: one gather per source column; local.
@@ -82,6 +89,7 @@ def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np
         capacity: steps in the ring.
         win_start, before, n_valid: int64, one per window sent.
         window: steps per window.
+        store: the shard's store, for a compressed source (decompressed by its ``gather_compressed``).
     Returns:
         Source column name -> flat uint8 buffer of ``len(win_start) * context_steps * step_bytes`` bytes.
     """
@@ -93,11 +101,33 @@ def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np
     for name in sources(spec):
         sb = spec[name].step_bytes
         buf = np.empty(n * e * sb, np.uint8)
-        if n:
+        if n and getattr(spec[name], "compression", None) is not None:
+            store.gather_compressed(starts, valid, np.zeros(n, np.int64), np.arange(n, dtype=np.int64), {name: buf}, e)
+        elif n:
             gather_kernels.gather_windows(views[name], capacity, sb, starts, valid, np.zeros(n, np.int64),
                                           np.arange(n, dtype=np.int64), buf, e)
         out[name] = buf
     return out
+
+
+def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start: np.ndarray, before: np.ndarray,
+                  n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
+                  window: int) -> None:
+    """The derived columns of rows ``rows`` from this process's own store: read in place from the rings
+    (:func:`rebuild_derived`), or, when a source is compressed, through context windows decompressed first
+    (:func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
+
+    Args:
+        spec: the columns; store: the shard's store (its ``capacity`` and views).
+        addresses: the address of each stored column's ring (``Shard.column_addresses()[0]``).
+        win_start, before, n_valid, pad_front, rows: int64, one per window.
+        outs: the batch's derived columns as flat bytes; window: steps per window.
+    """
+    if not compressed_sources(spec):
+        rebuild_derived(spec, addresses, store.capacity, win_start, before, n_valid, pad_front, rows, outs, window)
+        return
+    buffers = pack_context(spec, store.byte_views(), store.capacity, win_start, before, n_valid, window, store)
+    rebuild_from_context(spec, buffers, before, n_valid, pad_front, rows, outs, window)
 
 
 def rebuild_from_context(spec: TrajectorySpec, buffers: dict[str, np.ndarray], before: np.ndarray,
