@@ -12,13 +12,14 @@ in one process, one core's share of the machine, in the same run:
   ``next_obs = NextStep("obs")`` rebuilt at sample time;
 - ``gear frames-once+zstd``: the same with the frame column ``gm.Compressed()`` (when this gear_mpi has it);
 - ``torchrl CompressedListStorage`` (its default level, 3) and ``torchrl LazyTensorStorage``, each transition
-  a TensorDict of ``obs``, ``("next", "obs")``, action, reward, done;
+  a TensorDict of ``obs``, ``next_obs``, action, reward, done (flat keys: CompressedListStorage 0.14 compresses
+  the top-level tensors of an item only and would keep a nested ``("next", "obs")`` raw);
 - ``cpprb stack_compress+next_of``: cpprb's ReplayBuffer with ``obs`` ``[84, 84, 4]``, ``next_of="obs"``,
   ``stack_compress="obs"``.
 
 Bytes per transition: gear_mpi's ``stored_bytes()`` (ring steps in use + table rows); TorchRL's
-``storage.bytes()`` (compressed) or its tensors' ``nbytes`` (lazy); cpprb: the growth of the process's
-resident memory while it is filled (its buffers are allocated inside the extension). The ratio column is
+``storage.bytes()`` (compressed) or its tensors' ``nbytes`` (lazy); cpprb: the numpy memory its buffers hold
+(``tracemalloc``, which numpy reports to, measured around construction and fill, temporaries freed). The ratio column is
 against storing stacked obs and next_obs raw (``2 * 4 * 84 * 84`` bytes a transition). Gear samples pick
 an episode uniformly, then a step (W=1) or an 8-step window (W=8); the peers pick transitions uniformly
 (W=8: not run for them). A hopper-like float32 case (11 observations, 3 actions, episodes of 1000 steps,
@@ -113,7 +114,7 @@ def torchrl_data(stacked: dict, channels_last=False):
     n = len(stacked["action"])
     return TensorDict({"obs": torch.from_numpy(stacked["obs"]), "action": torch.from_numpy(stacked["action"]),
                        "reward": torch.from_numpy(stacked["reward"]), "done": torch.from_numpy(stacked["done"]),
-                       "next": {"obs": torch.from_numpy(stacked["next_obs"])}}, batch_size=[n])
+                       "next_obs": torch.from_numpy(stacked["next_obs"])}, batch_size=[n])
 
 
 def bench_torchrl(name, stacked, calls, compressed):
@@ -136,8 +137,10 @@ def bench_torchrl(name, stacked, calls, compressed):
 
 
 def bench_cpprb(name, episodes, transitions, calls):
+    import tracemalloc
+
     import cpprb
-    before = rss()
+    tracemalloc.start()
     rb = cpprb.ReplayBuffer(transitions + 8, {"obs": {"shape": FRAME + (DEPTH,), "dtype": np.uint8},
                                               "action": {"dtype": np.int64}, "reward": {}, "done": {}},
                             next_of="obs", stack_compress="obs")
@@ -145,10 +148,12 @@ def bench_cpprb(name, episodes, transitions, calls):
     for e in episodes:
         st = np.moveaxis(stack(e["frame"]), 1, -1)
         done = e["terminated"][:-1] | e["truncated"][:-1]
-        rb.add(obs=st[:-1], next_obs=st[1:], action=e["action"][:-1], reward=e["reward"][:-1], done=done)
+        rb.add(obs=st[:-1], next_obs=st[1:], action=e["action"][:-1, None], reward=e["reward"][:-1, None],
+               done=done[:, None].astype(np.float32))
         rb.on_episode_end()
     insert_s = time.perf_counter() - t
-    per = (rss() - before) / transitions
+    per = tracemalloc.get_traced_memory()[0] / transitions
+    tracemalloc.stop()
     rows = []
     for b in (32, 256):
         s = timed_calls(lambda: rb.sample(b), calls)
