@@ -23,7 +23,7 @@ def test_quick_json_rows():
               "cpprb stack_compress+next_of"):
         assert ("Pong", s) in stores, stores
     assert ("hopper-like", "gear next-step") in stores
-    once = [r for r in rows if r.get("store") == "gear frames-once" and r["case"] == "Pong"]
+    once = [r for r in rows if r["section"] == "store" and r["store"] == "gear frames-once" and r["case"] == "Pong"]
     assert {(r["B"], r["W"]) for r in once} == {(32, 1), (256, 1), (32, 8), (256, 8)}
     # one frame a step instead of two stacks of four: about 8x less
     assert all(r["ratio_vs_raw_stacks"] > 6 and r["transitions_per_s"] > 0 for r in once)
