@@ -6,6 +6,7 @@ from .selection.selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritiz
 from .replay import Replay
 from .shard import Shard
 from .spec import TrajectorySpec
+from .frames import FrameStack, NextStep
 from .storage.columns import attach_columns
 from .feeds.writer import EpisodeWriter, Writer
 from .feeds.remote import MpiWriter
@@ -39,7 +40,7 @@ def __getattr__(name: str):
 
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
-           "MinPriority", "Prioritized", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
+           "MinPriority", "Prioritized", "FrameStack", "NextStep", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
            "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",

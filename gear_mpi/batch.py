@@ -71,6 +71,7 @@ class Batch:
         self._np = data
         self._fits = None
         self._bytes = None
+        self._stored = None  # columns the gather kernels fill (the stored ones, first); None: all
         self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
@@ -107,6 +108,7 @@ class Batch:
         self._np = None
         self._fits = None
         self._bytes = None
+        self._stored = None
         self._meta_np = None
         self._mask_np = None
         self.data, self.mask, self.keys = dict(data), mask, keys
@@ -142,20 +144,35 @@ class Batch:
         raw = np.empty(total + align, np.uint8)
         off = (-raw.ctypes.data) % align
         arrays = [raw[off + at:off + at + nbytes].view(dtype).reshape(shape) for at, nbytes, dtype, shape in views]
-        names = spec.names
-        return cls(dict(zip(names, arrays)), *arrays[len(names):], squeezed=squeeze)
+        names = spec.batch_names
+        batch = cls(dict(zip(names, arrays)), *arrays[len(names):], squeezed=squeeze)
+        batch._stored = len(spec.names)
+        return batch
 
     def byte_views(self) -> tuple[np.ndarray, ...]:
-        """Each column buffer as a flat uint8 array, for the gather kernels. Built once, then O(1).
+        """Each stored column's buffer as a flat uint8 array, for the gather kernels. Built once, then O(1).
 
         Returns:
-            One view per column, in column order (same memory as the tensors).
+            One view per stored column, in column order (same memory as the tensors); a spec's derived
+            columns (:mod:`gear_mpi.frames`) are in :meth:`derived_views`.
         Raises:
             RuntimeError: a device batch.
         """
         if self._bytes is None:
-            self._bytes = tuple(a.reshape(-1).view(np.uint8) for a in self.numpy().values())
-        return self._bytes
+            views = tuple(a.reshape(-1).view(np.uint8) for a in self.numpy().values())
+            n = len(views) if self._stored is None else self._stored
+            self._bytes = views[:n], views[n:]
+        return self._bytes[0]
+
+    def derived_views(self) -> tuple[np.ndarray, ...]:
+        """Each derived column's buffer (after the stored ones) as a flat uint8 array, for the frame
+        rebuild kernel (:mod:`gear_mpi.kernels.frames`). O(1) after :meth:`byte_views`' first call.
+
+        Raises:
+            RuntimeError: a device batch.
+        """
+        self.byte_views()
+        return self._bytes[1]
 
     def meta_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The per-item metadata as numpy arrays (same memory as the tensors). O(1).
@@ -267,10 +284,12 @@ class Batch:
         if self._fits is not None and self._fits[0] is spec and self._fits[1:] == (batch_size, window, squeeze):
             return True
         lead = 1 if self.squeezed else 2
-        ok = (self._np is not None and self.squeezed == bool(squeeze) and tuple(self.data) == spec.names
+        ok = (self._np is not None and self.squeezed == bool(squeeze) and tuple(self.data) == spec.batch_names
               and self.batch_size == batch_size and self.window == window
               and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[lead:] == c.shape
-                      for c in spec.columns))
+                      for c in spec.batch_columns))
+        if ok and self._stored is None:  # a batch made from arrays: the stored columns come first
+            self._stored = len(spec.names)
         if ok:
             self._fits = (spec, batch_size, window, bool(squeeze))
         return ok
@@ -293,7 +312,9 @@ class Batch:
                                      self.probabilities, self.weights, self.lengths)
             out.squeezed = True
             return out
-        return Batch({k: v[:, 0] for k, v in self._np.items()}, self._mask_np, *self._meta_np, squeezed=True)
+        out = Batch({k: v[:, 0] for k, v in self._np.items()}, self._mask_np, *self._meta_np, squeezed=True)
+        out._stored = self._stored
+        return out
 
     def to_tensordict(self, batch_dims: int = 2, separator: str | None = None):
         """The batch as a ``tensordict.TensorDict`` over the same tensors (tensordict is imported here).
@@ -349,7 +370,7 @@ def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -
     shape)])``, the columns in spec order, then mask, keys, probabilities, weights, lengths. A buffer of a page
     or more starts on a page boundary, a smaller one on a cache line (as :func:`aligned_empty`). O(columns)."""
     lead = (batch_size,) if squeeze else (batch_size, window)
-    shapes = [(lead + c.shape, c.dtype) for c in spec.columns]
+    shapes = [(lead + c.shape, c.dtype) for c in spec.batch_columns]
     shapes += [((batch_size, window), np.dtype(np.bool_)), ((batch_size,), np.dtype(np.int64)),
                ((batch_size,), np.dtype(np.float64)), ((batch_size,), np.dtype(np.float32)),
                ((batch_size,), np.dtype(np.int64))]

@@ -128,6 +128,9 @@ class Replay:
         if size > keyspace.MAX_RANKS:
             raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
         device_kind, _ = parse_device(device)
+        if device_kind == "cuda" and spec.derived:
+            raise ValueError("derived columns (FrameStack, NextStep) are rebuilt on the host: use device='cpu' "
+                             "and move the batch (batch.to(...)), or store the columns")
         if memory is not None:
             memory = memory_kind(memory, stacklevel=2)
         signature = {"spec": spec.to_dict(), "capacity_steps": capacity_steps, "max_items": max_items,
@@ -410,8 +413,9 @@ class Replay:
         """Owners make the choices of the items they serve, the transport delivers choices and windows,
         and the owners count the uses of what they served."""
         choices = self.shard.make_choices(plan.slots, window, code, plan.mass, plan.min_weight)
+        context = self.shard.frame_context(plan.slots, choices) if self.spec.derived else None
         batch = self.transport.exchange(choices, plan.send_counts, plan.recv_counts, window,
-                                        local=mode == "local", out=out, counts=plan.counts)
+                                        local=mode == "local", out=out, counts=plan.counts, context=context)
         self._state.count_windows(int(plan.recv_counts @ self.node.peer_direct),
                                   int(plan.recv_counts @ self.node.remote))
         self.shard.after_sampling(plan.slots)

@@ -23,6 +23,7 @@ from .storage import table as table_layout
 from .storage.store import TrajectoryStore
 from .storage.file_guard import Hold
 from .storage.columns import column_addresses
+from .storage.derived import context_of, rebuild_local
 
 _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
@@ -461,7 +462,7 @@ class Shard:
         pad_front = np.empty(b, np.int64)
         uniforms = self.rng.random(b) if align_code == 0 else _NO_UNIFORMS  # read only by "random"
         gather_kernels.place_slots(np.ascontiguousarray(slots, np.int64), st.start, st.length, st.capacity, window,
-                                   align_code, uniforms, win_start, n_valid, pad_front)
+                                   align_code, uniforms, win_start, n_valid, pad_front, self.spec.tail_steps)
         return win_start, n_valid, pad_front
 
     def after_sampling(self, slots: np.ndarray) -> None:
@@ -516,16 +517,36 @@ class Shard:
                                               self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
                                               choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
                                               probabilities)
+            if self.spec.derived:  # frame stacks and next steps, from this shard's ring
+                fields = gather_kernels.choice_records(choices)
+                rebuild_local(self.spec, self.store, self.column_addresses()[0], fields["start"],
+                              self.frame_context(slots, choices), fields["valid"], fields["pad_front"],
+                              np.arange(batch_size, dtype=np.int64), batch.derived_views(), window)
         weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
         return batch
+
+    def frame_context(self, slots: np.ndarray, choices: np.ndarray) -> np.ndarray:
+        """Each chosen window's *context*: how many steps of its trajectory before it the derived columns may
+        read (its offset in the trajectory, capped at ``spec.context_before``; :mod:`gear_mpi.storage.derived`).
+        O(B), one kernel; local.
+
+        Args:
+            slots: the chosen slots (int64), as :meth:`make_choices` took them.
+            choices: their choices, as :meth:`make_choices` returned them.
+        Returns:
+            int64, one per choice.
+        """
+        return context_of(self.spec, slots, gather_kernels.choice_records(choices)["start"], self.store.start,
+                          self.store.capacity)
 
     def _one_call(self) -> bool:
         """Whether a sample can go through one kernel (:mod:`~gear_mpi.kernels.local_sample`): a host index,
         Uniform or Prioritized exactly (their weights are known), no use limit, memory columns."""
         if self._fused is None:
             self._fused = (isinstance(self.index, PriorityIndex) and type(self.selector) in (Uniform, Prioritized)
-                           and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped"))
+                           and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped")
+                           and not self.spec.derived)  # derived columns: the kernel does not rebuild them
         return self._fused
 
     def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
@@ -568,7 +589,7 @@ class Shard:
         leaves = self.index.leaves if on_host else _NO_UNIFORMS
         gather_kernels.fill_choices(np.ascontiguousarray(slots, np.int64), st.start, st.length, st.generation,
                                     key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code,
-                                    uniforms, leaves, total, choices, w)
+                                    uniforms, leaves, total, choices, w, self.spec.tail_steps)
         if proportional and not on_host:
             w = self.index.weights_of(slots)
             fields["probability"] = w / total
@@ -751,7 +772,7 @@ def warm_kernels(spec: TrajectorySpec, sampler) -> None:
         return
     scratch = Shard(spec, 2 * spec.max_length, copy.copy(sampler), max_items=4)  # room for the 2-item insert_many
     try:
-        zeros = {c.name: np.zeros((1,) + c.shape, c.dtype) for c in spec.columns}
+        zeros = {c.name: np.zeros((spec.min_length,) + c.shape, c.dtype) for c in spec.columns}
         scratch.insert(zeros, 1.0)
         for align in ("random", "head", "tail"):
             batch = scratch.sample(2, 1, align)

@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 from .errors import InvalidPriorityError, InvalidTrajectoryError
+from .frames import DERIVED_TYPES, DerivedColumn, derived_from_dict, derived_to_dict, resolve_derived
 from .keys import tensor_numpy
 
 ShapeLike = Sequence[int] | int
@@ -62,12 +63,19 @@ class TrajectorySpec:
     """The columns of a trajectory and the longest trajectory allowed.
 
     A trajectory of length ``L`` holds, for every column, an array of shape ``(L, *per_step_shape)``.
+    A column may instead be *derived* (:mod:`gear_mpi.frames`): ``name -> FrameStack(source, frames, pad)``
+    or ``name -> NextStep(of)``; it takes no storage and batches hold it, rebuilt from the stored frames
+    (:attr:`derived`; a spec with a NextStep stores each trajectory's final observation as one more step,
+    :attr:`tail_steps`).
     Construction: O(columns).
     Args:
-        columns: column name -> ``(per_step_shape, dtype)`` (a shape may be an int); numeric dtypes only.
-        max_length: the most steps a trajectory may have (a positive integer).
+        columns: column name -> ``(per_step_shape, dtype)`` (a shape may be an int; numeric dtypes only), or
+            a :class:`~gear_mpi.frames.FrameStack` / :class:`~gear_mpi.frames.NextStep`.
+        max_length: the most steps a trajectory may have (a positive integer; with a NextStep column, the
+            stored steps: transitions + 1).
     Raises:
-        ValueError: an empty mapping, a bad name, shape, dtype or ``max_length``.
+        ValueError: an empty mapping, a bad name, shape, dtype or ``max_length``; a derived column over no
+            stored column, or a NextStep spec of ``max_length`` 1.
     """
 
     def __init__(self, columns: Mapping[str, tuple[ShapeLike, Any]], max_length: int):
@@ -75,10 +83,13 @@ class TrajectorySpec:
             raise ValueError("TrajectorySpec needs a non-empty mapping of column name -> (shape, dtype)")
         if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
             raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
-        cols = []
+        cols, declared = [], {}
         for name, entry in columns.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"column names must be non-empty strings, got {name!r}")
+            if isinstance(entry, DERIVED_TYPES):
+                declared[name] = entry
+                continue
             try:
                 shape, dtype = entry
             except (TypeError, ValueError):
@@ -98,11 +109,32 @@ class TrajectorySpec:
         self.names: tuple[str, ...] = tuple(c.name for c in cols)
         self.step_bytes_array = np.array([c.step_bytes for c in cols], np.int64)  # for the gather kernel
         self.step_bytes_array.flags.writeable = False
+        if not cols:
+            raise ValueError("TrajectorySpec needs at least one stored column (derived columns are made of them)")
+        #: the derived columns (:mod:`gear_mpi.frames`), in declaration order; not stored
+        self.derived: tuple[DerivedColumn, ...] = resolve_derived(
+            declared, {c.name: (c.shape, c.dtype) for c in cols})
+        #: steps a trajectory stores after its last transition (1 with a NextStep column, else 0)
+        self.tail_steps = max((d.tail for d in self.derived), default=0)
+        if self.tail_steps >= self.max_length:
+            raise ValueError(f"a spec with a NextStep column stores its final observation as one more step: "
+                             f"max_length must be at least 2, got {self.max_length}")
+        #: steps before a window's first step that the derived columns read (frame stacks: frames - 1)
+        self.context_before = max((d.before for d in self.derived), default=0)
+        #: the columns of a batch: the stored ones, then the derived ones
+        self.batch_columns: tuple[Column | DerivedColumn, ...] = self.columns + self.derived
+        self.batch_names: tuple[str, ...] = tuple(c.name for c in self.batch_columns)
 
     @property
     def step_bytes(self) -> int:
         """Bytes of one step over all columns. O(columns)."""
         return sum(c.step_bytes for c in self.columns)
+
+    @property
+    def min_length(self) -> int:
+        """The fewest steps a trajectory may have: 1, or 2 with a NextStep column (a transition and the final
+        observation). O(1)."""
+        return 1 + self.tail_steps
 
     def __getitem__(self, name: str) -> Column:
         for c in self.columns:
@@ -112,20 +144,25 @@ class TrajectorySpec:
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, TrajectorySpec) and self.columns == other.columns
-                and self.max_length == other.max_length)
+                and self.max_length == other.max_length and self.derived == other.derived)
 
     def __repr__(self) -> str:
-        cols = ", ".join(f"{c.name!r}: ({c.shape}, {c.dtype.name!r})" for c in self.columns)
+        cols = ", ".join([f"{c.name!r}: ({c.shape}, {c.dtype.name!r})" for c in self.columns]
+                         + [f"{d.name!r}: {d.declaration()!r}" for d in self.derived])
         return f"TrajectorySpec({{{cols}}}, max_length={self.max_length})"
 
     def to_dict(self) -> dict:
         """A JSON-able description (used by checkpoints and shared-memory attach). O(columns).
 
         Returns:
-            ``{"columns": {name: [shape, dtype string]}, "max_length": int}``.
+            ``{"columns": {name: [shape, dtype string]}, "max_length": int}``, and ``"derived": {name:
+            {"kind": ..., ...}}`` when the spec has derived columns.
         """
-        return {"columns": {c.name: [list(c.shape), c.dtype.str] for c in self.columns},
-                "max_length": self.max_length}
+        d = {"columns": {c.name: [list(c.shape), c.dtype.str] for c in self.columns},
+             "max_length": self.max_length}
+        if self.derived:
+            d["derived"] = {c.name: derived_to_dict(c) for c in self.derived}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "TrajectorySpec":
@@ -138,7 +175,9 @@ class TrajectorySpec:
         Raises:
             KeyError, ValueError: a field missing, or a description no spec accepts.
         """
-        return cls({k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}, d["max_length"])
+        columns = {k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}
+        columns.update({k: derived_from_dict(v) for k, v in d.get("derived", {}).items()})
+        return cls(columns, d["max_length"])
 
     def column_arrays(self, columns: Mapping[str, Any], where: str, rows: str = "length",
                       casting: str = "safe") -> tuple[dict[str, np.ndarray], int]:
@@ -163,7 +202,9 @@ class TrajectorySpec:
             raise InvalidTrajectoryError(f"{where}: missing column(s) {missing}; the spec has {list(self.names)}")
         extra = [k for k in columns if k not in self.names]
         if extra:
-            raise InvalidTrajectoryError(f"{where}: unknown column(s) {extra}; the spec has {list(self.names)}")
+            derived = [k for k in extra if k in self.batch_names]
+            note = f" ({derived} are derived: samples rebuild them from the stored columns)" if derived else ""
+            raise InvalidTrajectoryError(f"{where}: unknown column(s) {extra}; the spec stores {list(self.names)}{note}")
         out: dict[str, np.ndarray] = {}
         count = None
         for c in self.columns:
@@ -208,6 +249,10 @@ class TrajectorySpec:
         out = {name: np.ascontiguousarray(arr, dtype=self[name].dtype) for name, arr in arrays.items()}
         if length == 0:
             raise InvalidTrajectoryError(f"{where}: trajectory has length 0")
+        if length < self.min_length:
+            raise InvalidTrajectoryError(
+                f"{where}: trajectory has length {length}; a spec with a NextStep column stores at least one "
+                f"transition and the final observation ({self.min_length} steps)")
         if length > self.max_length:
             raise InvalidTrajectoryError(f"{where}: trajectory has length {length}, longer than max_length={self.max_length}")
         return out, int(length)

@@ -26,6 +26,7 @@ from .comm import MpiComm, displacements
 from ..kernels import gather as gather_kernels
 from .node import CHOICE_CAPACITY, NodeView
 from ..shard import Shard
+from ..storage import derived as derived_columns
 
 _WIDTH = gather_kernels.CHOICE_WIDTH
 
@@ -58,7 +59,8 @@ class WindowTransport:
             self.torch_comm = TorchComm(comm, backend, comm.timeout, process_group=process_group)
 
     def exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
-                 local: bool = False, out: Batch | None = None, counts: np.ndarray | None = None) -> Batch:
+                 local: bool = False, out: Batch | None = None, counts: np.ndarray | None = None,
+                 context: np.ndarray | None = None) -> Batch:
         """Deliver the choices and windows of one sample into a batch, in owner order.
 
         Collective unless ``local``. Cost: one alltoallv of 48 bytes per item, in flight together with
@@ -73,6 +75,8 @@ class WindowTransport:
             counts: ``[ranks, ranks]``, items owner o serves requester r at ``[r, o]``, when every rank knows
                 them (None: unknown). With a node board and no owner serving more than it holds, the choices
                 travel through the board (no MPI message; :class:`~gear_mpi.distributed.node.NodeBoard`).
+            context: a spec with derived columns (host replays): each served window's context
+                (``Shard.frame_context``); then one more alltoallv round (:meth:`_derived_exchange`).
         Returns:
             The :class:`~gear_mpi.batch.Batch` of ``sum(recv_counts)`` windows (on the device for a device replay).
         Raises:
@@ -81,12 +85,13 @@ class WindowTransport:
         """
         start, waited = time.perf_counter(), self.comm.waited
         try:
-            return self._exchange(choices, send_counts, recv_counts, window, local, out, counts)
+            return self._exchange(choices, send_counts, recv_counts, window, local, out, counts, context)
         finally:  # packing, the batch's pages and the window copies: everything but the collectives' waits
             self.copy_seconds += time.perf_counter() - start - (self.comm.waited - waited)
 
     def _exchange(self, choices: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, window: int,
-                  local: bool, out: Batch | None, counts: np.ndarray | None = None) -> Batch:
+                  local: bool, out: Batch | None, counts: np.ndarray | None = None,
+                  context: np.ndarray | None = None) -> Batch:
         node, size = self.node, self.comm.size
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
@@ -128,6 +133,9 @@ class WindowTransport:
                                               self.shard.capacity_steps, node.direct, row_of_owner, got,
                                               batch.byte_views(), window, mask, keys, lengths, probabilities)
             weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
+            if self.spec.derived:
+                self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
+                                       local)
             return batch
         got_fields = gather_kernels.choice_records(got)
         g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
@@ -147,6 +155,57 @@ class WindowTransport:
                                    torch.from_numpy(g_valid).to(dev))
         self.device.synchronize()
         return batch
+
+    def _derived_exchange(self, choices: np.ndarray, context: np.ndarray, send_counts: np.ndarray,
+                          recv_counts: np.ndarray, row_of_owner: np.ndarray, got: np.ndarray, batch: Batch,
+                          window: int, local: bool) -> None:
+        """The derived columns (frame stacks, next steps) of a host batch, rebuilt by this requester: each
+        window's context (one int64) travels in one alltoallv; the frames of windows whose owner's memory
+        this rank reads (itself, node peers) are read there, those of other owners travel as context
+        windows (``context_before + W + tail`` source steps each, one alltoallv per source column: fewer
+        bytes than the rebuilt columns' ``frames`` steps per window step and column). Collective unless
+        ``local``. Cost: these exchanges, then :func:`~gear_mpi.storage.derived.rebuild_derived`."""
+        spec, node, nb = self.spec, self.node, int(row_of_owner[-1])
+        got_ctx = context
+        buffers, remote_rows = {}, np.zeros(0, np.int64)
+        if not local:
+            got_ctx = np.empty(nb, np.int64)
+            requests = [self.comm.ialltoallv(np.ascontiguousarray(context, np.int64), send_counts, got_ctx,
+                                             recv_counts)]
+            send_buffers = {}
+            if node.any_remote:
+                recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
+                fields = gather_kernels.choice_records(choices)
+                send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
+                                                            self.shard.capacity_steps, fields["start"][pick],
+                                                            context[pick], fields["valid"][pick], window,
+                                                            self.shard.store)
+                e = derived_columns.context_steps(spec, window)
+                for name, sendbuf in send_buffers.items():
+                    row_bytes = e * spec[name].step_bytes
+                    buffers[name] = np.empty(int(recv_from.sum()) * row_bytes, np.uint8)
+                    requests.append(self.comm.ialltoallv(sendbuf, send_to * row_bytes, buffers[name],
+                                                         recv_from * row_bytes))
+                remote_rows = np.concatenate(
+                    [np.arange(row_of_owner[o], row_of_owner[o + 1]) for o in range(self.comm.size)
+                     if not node.direct[o]] + [np.zeros(0, np.int64)]).astype(np.int64)
+            self.comm.wait_all(requests, "sample (frame context)")
+            del send_buffers
+        fields = gather_kernels.choice_records(got)
+        starts, valid, pad = fields["start"], fields["valid"], fields["pad_front"]
+        outs = batch.derived_views()
+        rows = np.arange(nb, dtype=np.int64)
+        for o in range(self.comm.size):
+            lo, hi = row_of_owner[o], row_of_owner[o + 1]
+            if hi > lo and o == self.comm.rank:  # this rank's own windows (through context windows if compressed)
+                derived_columns.rebuild_local(spec, self.shard.store, node.column_addrs[o], starts[lo:hi],
+                                              got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
+            elif hi > lo and node.direct[o]:  # a node peer's ring, read in place
+                derived_columns.rebuild_derived(spec, node.column_addrs[o], self.shard.capacity_steps, starts[lo:hi],
+                                                got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
+        if len(remote_rows):
+            derived_columns.rebuild_from_context(spec, buffers, got_ctx[remote_rows], valid[remote_rows],
+                                                 pad[remote_rows], remote_rows, outs, window)
 
     def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
         """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""

@@ -181,12 +181,13 @@ def _place_one_values(i, start, length, window, align_code, uniforms, win_start,
 
 
 @njit(cache=True, nogil=True)
-def place_slots(slots, start, length, capacity, window, align_code, uniforms, win_start, n_valid, pad_front):
+def place_slots(slots, start, length, capacity, window, align_code, uniforms, win_start, n_valid, pad_front, tail=0):
     """:func:`place_windows` for table ``slots`` (their ``start`` and ``length`` read here), with
-    ``win_start`` wrapped into the ring. O(B), serial (one pass, no temporaries)."""
+    ``win_start`` wrapped into the ring; ``tail`` steps at each trajectory's end are not covered (as
+    :func:`fill_choices`). O(B), serial (one pass, no temporaries)."""
     for i in range(slots.shape[0]):
         s = slots[i]
-        _place_one_values(i, start[s], length[s], window, align_code, uniforms, win_start, n_valid, pad_front)
+        _place_one_values(i, start[s], length[s] - tail, window, align_code, uniforms, win_start, n_valid, pad_front)
         win_start[i] %= capacity
 
 
@@ -230,11 +231,13 @@ def choice_records(words: np.ndarray) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def fill_choices(slots, start, length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
-                 uniforms, leaves, total, choices, weights):
+                 uniforms, leaves, total, choices, weights, tail=0):
     """Owner side: the choice of each chosen slot in ``choices`` (``[B, CHOICE_WIDTH]`` int64): key,
     placement (ring start, real steps, leading padding) and probability ``w / total``; and the index
     weight ``w`` of each in ``weights`` (``leaves`` empty: ordered selectors, probability 1). The
-    importance weights (field ``weight``) are the caller's. O(B), one pass."""
+    importance weights (field ``weight``) are the caller's. ``tail``: steps at the end of each trajectory
+    that windows do not cover (1 for a spec whose last step holds the final observation,
+    :mod:`gear_mpi.frames`). O(B), one pass."""
     proportional = leaves.shape[0] > 0
     b = slots.shape[0]
     for i in range(b):
@@ -246,7 +249,7 @@ def fill_choices(slots, start, length, generation, key_head, gen_shift, gen_mask
         s = slots[i]
         choices[i, KEY] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
         u = uniforms[i] if align_code == 0 else 0.0
-        ws, nv, pf = _placement(start[s], length[s], window, align_code, u)
+        ws, nv, pf = _placement(start[s], length[s] - tail, window, align_code, u)
         choices[i, START] = ws % capacity
         choices[i, VALID] = nv
         choices[i, PAD_FRONT] = pf

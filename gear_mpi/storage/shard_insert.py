@@ -83,7 +83,7 @@ class ShardInserter:
             InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents.
         """
         check_casting(casting)
-        lengths, total = checked_lengths(lengths, self.spec.max_length)
+        lengths, total = checked_lengths(lengths, self.spec.max_length, self.spec.min_length)
         arrays = check_packed_columns(self.spec, columns, total, casting)
         if check_finite:
             check_finite_columns(arrays, "insert_packed", lengths)
@@ -204,11 +204,12 @@ def check_lengths(lengths: Any, max_length: int) -> np.ndarray:
     return checked_lengths(lengths, max_length)[0]
 
 
-def checked_lengths(lengths: Any, max_length: int) -> tuple[np.ndarray, int]:
+def checked_lengths(lengths: Any, max_length: int, min_length: int = 1) -> tuple[np.ndarray, int]:
     """:func:`check_lengths` and the lengths' sum, from one pass over them. Local; O(n).
 
     Args:
         lengths, max_length: as :func:`check_lengths` takes them.
+        min_length: the spec's shortest trajectory (``TrajectorySpec.min_length``: 2 with a NextStep column).
     Returns:
         (the C-contiguous int64 lengths, their sum).
     Raises:
@@ -221,21 +222,24 @@ def checked_lengths(lengths: Any, max_length: int) -> tuple[np.ndarray, int]:
         raise InvalidTrajectoryError(
             f"lengths must be a 1-D array of integers, got shape {arr.shape} and dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, np.int64)
-    i, total = _first_bad_length(arr, max_length)
+    i, total = _first_bad_length(arr, max_length, min_length)
     if i >= 0:
         too_long = f", longer than max_length={max_length}" if arr[i] > max_length else ""
+        if 1 <= arr[i] < min_length:
+            too_long = (f"; a spec with a NextStep column stores at least one transition and the final "
+                        f"observation ({min_length} steps)")
         raise InvalidTrajectoryError(f"trajectory {i}: trajectory has length {int(arr[i])}{too_long}")
     return arr, int(total)
 
 
 @njit(cache=True, nogil=True)
-def _first_bad_length(lengths, max_length):
-    """(the index of the first length outside ``[1, max_length]`` or -1, the sum of the lengths before it):
+def _first_bad_length(lengths, max_length, min_length):
+    """(the index of the first length outside ``[min_length, max_length]`` or -1, the sum of the lengths before it):
     one pass, no temporaries. Lengths within bounds cannot overflow the int64 sum."""
     total = 0
     for i in range(lengths.shape[0]):
         v = lengths[i]
-        if v < 1 or v > max_length:
+        if v < min_length or v > max_length:
             return i, total
         total += v
     return -1, total

@@ -1,0 +1,154 @@
+"""Derived columns of a sample: where their frames come from, and their rebuild into a batch.
+
+A spec's derived columns (:mod:`gear_mpi.frames`) are rebuilt by the process that fills the batch,
+from a source it can read: its own ring or a node peer's mapped one (given by the choices and each
+window's *context*, how many of its trajectory's steps before it may be read), or the context windows
+an owner on another node sent (:func:`pack_context`): a window's ``before + n_valid + tail`` source steps,
+fewer bytes than the rebuilt stacks (``context_steps`` against ``frames`` steps per window step and column).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels import frames as frame_kernels
+from ..kernels import gather as gather_kernels
+from ..spec import TrajectorySpec
+
+
+def context_of(spec: TrajectorySpec, slots: np.ndarray, choice_start: np.ndarray, traj_start: np.ndarray,
+               capacity: int) -> np.ndarray:
+    """Owner side: each window's context, ``min(its offset in its trajectory, spec.context_before)``. O(B), local.
+
+    Args:
+        spec: the columns.
+        slots: the slot of each window's trajectory (int64).
+        choice_start: each window's first ring step (int64, in the ring).
+        traj_start: the table's ring start of every slot.
+        capacity: steps in the ring.
+    Returns:
+        int64, one per window.
+    """
+    out = np.empty(len(slots), np.int64)
+    frame_kernels.context_before(np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(choice_start, np.int64),
+                                 traj_start, capacity, spec.context_before, out)
+    return out
+
+
+def rebuild_derived(spec: TrajectorySpec, addresses: np.ndarray, capacity: int, win_start: np.ndarray,
+                    before: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray,
+                    outs: tuple[np.ndarray, ...], window: int) -> None:
+    """Fill the derived columns of batch rows ``rows`` from a source ring (one kernel call per column).
+
+    Cost: per derived column, ``frames`` step copies per real window step (parallel over windows); local.
+    Args:
+        spec: the columns.
+        addresses: the address of each stored column's source ring (int64, in column order; kept mapped).
+        capacity: steps in the source rings.
+        win_start, before, n_valid, pad_front, rows: int64, one per window (see :mod:`gear_mpi.kernels.frames`).
+        outs: the batch's derived columns as flat bytes (``Batch.derived_views``).
+        window: steps per window.
+    Raises:
+        ValueError: a window outside the source or the batch (nothing written for that column).
+    """
+    if len(rows) == 0:
+        return
+    args = [np.ascontiguousarray(a, np.int64) for a in (win_start, before, n_valid, pad_front, rows)]
+    for d, out in zip(spec.derived, outs):
+        src = spec.names.index(d.source)
+        frame_kernels.rebuild_frames(int(addresses[src]), capacity, spec[d.source].step_bytes, *args, d.frames,
+                                     d.offset, d.pad == "zeros", out, window)
+
+
+def context_steps(spec: TrajectorySpec, window: int) -> int:
+    """Source steps a context window holds: ``context_before + window + tail_steps``. O(1)."""
+    return spec.context_before + window + spec.tail_steps
+
+
+def sources(spec: TrajectorySpec) -> tuple[str, ...]:
+    """The stored columns the derived ones are made of, in column order. O(columns)."""
+    used = {d.source for d in spec.derived}
+    return tuple(n for n in spec.names if n in used)
+
+
+def compressed_sources(spec: TrajectorySpec) -> bool:
+    """Whether a derived column's source is stored compressed (``Column.compression``, where this gear_mpi
+    has compressed columns): its ring holds no raw frames to read in place, so the frames are first
+    decompressed into context windows (:func:`pack_context`). O(columns)."""
+    return any(getattr(spec[name], "compression", None) is not None for name in sources(spec))
+
+
+def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np.ndarray, before: np.ndarray,
+                 n_valid: np.ndarray, window: int, store=None) -> dict[str, np.ndarray]:
+    """Owner side, for requesters on other nodes: each window's context window of each source column,
+    ``before + n_valid + tail`` ring steps from ``win_start - before``, in rows of :func:`context_steps`
+    steps (zero after the real ones). Cost: one gather per source column; local.
+
+    Args:
+        spec: the columns.
+        views: stored column name -> the ring as flat bytes.
+        capacity: steps in the ring.
+        win_start, before, n_valid: int64, one per window sent.
+        window: steps per window.
+        store: the shard's store, for a compressed source (decompressed by its ``gather_compressed``).
+    Returns:
+        Source column name -> flat uint8 buffer of ``len(win_start) * context_steps * step_bytes`` bytes.
+    """
+    e = context_steps(spec, window)
+    n = len(win_start)
+    starts = (np.asarray(win_start, np.int64) - before) % capacity
+    valid = np.where(n_valid > 0, before + n_valid + spec.tail_steps, 0).astype(np.int64)
+    out = {}
+    for name in sources(spec):
+        sb = spec[name].step_bytes
+        buf = np.empty(n * e * sb, np.uint8)
+        if n and getattr(spec[name], "compression", None) is not None:
+            store.gather_compressed(starts, valid, np.zeros(n, np.int64), np.arange(n, dtype=np.int64), {name: buf}, e)
+        elif n:
+            gather_kernels.gather_windows(views[name], capacity, sb, starts, valid, np.zeros(n, np.int64),
+                                          np.arange(n, dtype=np.int64), buf, e)
+        out[name] = buf
+    return out
+
+
+def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start: np.ndarray, before: np.ndarray,
+                  n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
+                  window: int) -> None:
+    """The derived columns of rows ``rows`` from this process's own store: read in place from the rings
+    (:func:`rebuild_derived`), or, when a source is compressed, through context windows decompressed first
+    (:func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
+
+    Args:
+        spec: the columns; store: the shard's store (its ``capacity`` and views).
+        addresses: the address of each stored column's ring (``Shard.column_addresses()[0]``).
+        win_start, before, n_valid, pad_front, rows: int64, one per window.
+        outs: the batch's derived columns as flat bytes; window: steps per window.
+    """
+    if not compressed_sources(spec):
+        rebuild_derived(spec, addresses, store.capacity, win_start, before, n_valid, pad_front, rows, outs, window)
+        return
+    buffers = pack_context(spec, store.byte_views(), store.capacity, win_start, before, n_valid, window, store)
+    rebuild_from_context(spec, buffers, before, n_valid, pad_front, rows, outs, window)
+
+
+def rebuild_from_context(spec: TrajectorySpec, buffers: dict[str, np.ndarray], before: np.ndarray,
+                         n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
+                         window: int) -> None:
+    """Requester side: the derived columns of rows ``rows`` from received context windows (row ``i`` of each
+    buffer is window ``i``'s, as :func:`pack_context` made it). Cost: as :func:`rebuild_derived`; local.
+
+    Args:
+        spec: the columns.
+        buffers: source column name -> the received context windows (flat bytes, C-contiguous).
+        before, n_valid, pad_front, rows: int64, one per received window.
+        outs: the batch's derived columns as flat bytes.
+        window: steps per window.
+    """
+    n = len(rows)
+    if n == 0:
+        return
+    e = context_steps(spec, window)
+    addresses = np.zeros(len(spec.names), np.int64)
+    for name, buf in buffers.items():
+        addresses[spec.names.index(name)] = buf.ctypes.data
+    rebuild_derived(spec, addresses, n * e, np.arange(n, dtype=np.int64) * e + before, before, n_valid,
+                    pad_front, rows, outs, window)

@@ -1,0 +1,62 @@
+"""Frames stored once on K ranks: a Replay's FrameStack / NextStep columns equal a naive reconstruction.
+
+Run by tests/test_frame_stack.py on 2 ranks (``--force-alltoallv``: each remote owner sends its
+windows' context frames through MPI and the requester rebuilds; otherwise the requester reads the
+node peer's ring). By hand: ``mpiexec -n 2 python -m pytest tests/mpi/test_frames.py``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gear_mpi as gm
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.rank, COMM.size
+FRAME = (4, 3)
+SPEC = gm.TrajectorySpec({"frame": (FRAME, "uint8"), "t": ((), "int64"), "ep": ((), "int64"),
+                          "obs": gm.FrameStack("frame", 4, "first"), "next_obs": gm.NextStep("obs"),
+                          "zobs": gm.FrameStack("frame", 3, "zeros")}, max_length=30)
+
+
+def episode(ident: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(ident)
+    n = 2 + ident % 17
+    return {"frame": rng.integers(0, 256, (n,) + FRAME, dtype=np.uint8), "t": np.arange(n, dtype=np.int64),
+            "ep": np.full(n, ident, np.int64)}
+
+
+def stack(frames, t, depth, pad):
+    return np.stack([frames[s] if s >= 0 else (frames[0] if pad == "first" else np.zeros_like(frames[0]))
+                     for s in range(t - depth + 1, t + 1)])
+
+
+@pytest.mark.parametrize("mode", ["decentralized", "centralized"])
+@pytest.mark.parametrize("window,align", [(1, "random"), (4, "random"), (6, "tail")])
+def test_replay_frames_match_naive(mode, window, align, force):
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), mode=mode, seed=11, timeout=60, force_alltoallv=force)
+    try:
+        idents = [1000 * RANK + i for i in range(20)]
+        for i in idents:
+            replay.insert(episode(i), priority=1.0 + i % 5)
+        for _ in range(3):
+            b = replay.sample(24 + 8 * RANK, window, align)
+            d, mask = b.numpy(), b.mask.numpy()
+            owners = set()
+            for i in range(mask.shape[0]):
+                for j in range(mask.shape[1]):
+                    if not mask[i, j]:
+                        assert not d["obs"][i, j].any() and not d["zobs"][i, j].any()
+                        continue
+                    ep, t = int(d["ep"][i, j]), int(d["t"][i, j])
+                    owners.add(ep // 1000)
+                    frames = episode(ep)["frame"]
+                    assert t < len(frames) - 1
+                    np.testing.assert_array_equal(d["obs"][i, j], stack(frames, t, 4, "first"))
+                    np.testing.assert_array_equal(d["next_obs"][i, j], stack(frames, t + 1, 4, "first"))
+                    np.testing.assert_array_equal(d["zobs"][i, j], stack(frames, t, 3, "zeros"))
+            if SIZE > 1:
+                assert len(owners) > 1  # windows of other ranks' episodes were rebuilt here
+    finally:
+        replay.close()
