@@ -26,6 +26,11 @@ RESUME = re.compile(r"^resume: from (ckpt-\d+) \(steps 0\.\.(-?\d+), (\d+) items
                     r"lost (\d+) items", re.M)
 
 
+def launch(mpi, n: int, cmd: list[str]) -> list[str]:
+    """``mpiexec -n N cmd`` (no -prepend-rank: the output is read line by line)."""
+    return [mpi.mpiexec, *mpi.args, "-n", str(n), *cmd]
+
+
 def ledger(run: Path, first_run_only: bool = False) -> set[int]:
     """The ids the ranks recorded as inserted (of the job's first run only: its earliest ledger files)."""
     found = sorted(run.glob("ledger-*-rank-*.txt"))
@@ -63,7 +68,7 @@ def test_resume_after_a_rank_is_killed_under_mpiexec(tmp_path):
     steps = 30
     cmd = [sys.executable, "-m", "mpi4py", "-m", "scripts.slurm.resume_train", "--dir", str(run), "--steps", str(steps),
            "--every", "4", "--step-seconds", "0.03", "--timeout", "5"]
-    job = subprocess.Popen(mpi.command(2, *cmd), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    job = subprocess.Popen(launch(mpi, 2, cmd), cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -88,7 +93,7 @@ def test_resume_after_a_rank_is_killed_under_mpiexec(tmp_path):
             job.wait()
     before = ledger(run)
     newest = max(p.name for p in (run / "checkpoints").iterdir() if (p / "MANIFEST.json").exists())
-    again = subprocess.run(mpi.command(3, *cmd), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    again = subprocess.run(launch(mpi, 3, cmd), cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, timeout=120)
     assert again.returncode == 0, again.stdout[-3000:]
     check_resumed(again.stdout, run, before, newest, 3, steps)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = gm.TrajectorySpec({"obs": ((args.step_bytes,), "uint8")}, max_length=1)
     steps = int(args.gb * 1e9 / args.step_bytes / size)
     grow = int(steps * args.grow)
-    replay = gm.Replay(spec, steps + grow + 1024, gm.Uniform(), seed=rank, timeout=120.0)
+    replay = gm.Replay(spec, steps + grow + 1024, gm.Uniform(), seed=1, timeout=120.0)
     chunk = 4096
     block = np.random.default_rng(rank).integers(0, 256, (chunk, args.step_bytes), dtype=np.uint8)
     t0 = time.perf_counter()
