@@ -109,6 +109,7 @@ def test_keep_and_interrupted_checkpoints(shared_dir):
     COMM.Barrier()
     names = sorted(n for n in os.listdir(shared_dir) if n.startswith("ckpt-"))
     assert len(names) == 2 and newest.name == names[-1], names
+    COMM.Barrier()
     if RANK == 0:  # a checkpoint killed while writing: a newer directory without a manifest
         os.makedirs(os.path.join(shared_dir, ck.series.dir_name(99), ck.rank_dir(0)))
     COMM.Barrier()
