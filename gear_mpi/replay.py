@@ -180,6 +180,8 @@ class Replay:
         self._state = ReplayState(self.rng, self.shared_rng, mode=mode, comm=self.comm,
                                   force_alltoallv=self.force_alltoallv, device=self.device, shard=self.shard)
         self._prefetch = ReplayPrefetch()
+        self._checkpoints = None  # checkpoint.background.BackgroundCheckpoints, from checkpoint_every
+        self.loaded_from = None  # the checkpoint load_latest read (a pathlib.Path), else None
         self._feeds = ReplayFeeds(self.shard, rank, size, self.settle, rate_limiter, rate_limit_timeout,
                                   writer_slack)
         self._activity = ReplayActivity(self.shard, self.comm, self.transport, spec.step_bytes + 1, self._feeds)
@@ -349,7 +351,7 @@ class Replay:
 
         First the rank's writers are drained (within its insert budget); with a rate limiter that does
         not admit the call, every rank repeats drain + header allgather, backing off, until it does.
-        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 104 bytes
+        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 112 bytes
         per rank (the head: status, call, header), then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per
         column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI call, both
         rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter published at the end (read by an
@@ -380,15 +382,21 @@ class Replay:
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
         # the writers drain; the header is agreed (over the node board when there is one), again while the
         # rate limiter holds the call
-        head = header.agree(self._feeds, self.shard, self.calls, err, batch_size, window, code, mcode)
+        ck = self._checkpoints  # background checkpoints: the vote rides in the header, the start follows it
+        head = header.agree(self._feeds, self.shard, self.calls, err, batch_size, window, code, mcode,
+                            0.0 if ck is None else ck.vote())
         if header.check_mode(head) == "local":  # agreed: each rank samples its own shard
-            return self._sample_local(batch_size, window, align, out)
-        self.node.begin_sample()
-        try:
-            header.check_header(head, self.selector.proportional)
-            return self._exchange(self.plans[mode].assign(head), window, code, mode, out)
-        finally:
-            self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
+            batch = self._sample_local(batch_size, window, align, out)
+        else:
+            self.node.begin_sample()
+            try:
+                header.check_header(head, self.selector.proportional)
+                batch = self._exchange(self.plans[mode].assign(head), window, code, mode, out)
+            finally:
+                self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
+        if ck is not None:
+            ck.after_sample(head, header.CHECKPOINT)
+        return batch
 
     def _check_out(self, out: Batch | None, batch_size: int, window: int) -> None:
         if out is not None and (self.device is not None or not out.matches(self.spec, batch_size, window)):
@@ -657,6 +665,52 @@ class Replay:
         """
         checkpoint.save(self, path, progress)
 
+    def checkpoint_every(self, directory, seconds: float | None = 60.0, keep: int = 2, *,
+                         segment_bytes: int = 16 << 20, copy_limit: int = 1 << 30):
+        """Collective: take incremental checkpoints in the background, about every ``seconds``, into
+        ``directory/ckpt-NNNNNNNN`` (:mod:`gear_mpi.checkpoint.background`; docs/guide/faults.md).
+
+        The decision rides on ``sample``'s header; after the sample that starts one, each rank copies what
+        changed (ring segments of ``segment_bytes``, the table, the index) and a thread writes the files
+        (no MPI), hard-linking unchanged segments to the previous checkpoint. Each is complete on its own
+        once its manifest exists; the newest ``keep`` are kept.
+
+        Args:
+            directory: created if missing; on a file system every rank sees.
+            seconds: the interval (None: only ``handle.now()``). keep: complete checkpoints kept (>= 1).
+            segment_bytes: the size of a ring segment file. copy_limit: bytes of changed segments copied
+                for the thread per checkpoint; past it the sample that starts one writes them itself.
+        Returns:
+            The :class:`~gear_mpi.checkpoint.background.BackgroundCheckpoints` handle (``now``, ``wait``, ``stop``).
+        Raises:
+            TypeError, ValueError: bad or differing arguments, or a handle already attached (every rank).
+            CheckpointError: the directory cannot be created.
+        Cost: one head allgather; per insert an O(1) note of the segments it writes.
+        """
+        self._check_open()
+        return checkpoint.background.start(self, directory, seconds, keep, segment_bytes, copy_limit)
+
+    @classmethod
+    def load_latest(cls, directory, comm=None, **overrides):
+        """Collective: load the newest complete checkpoint in ``directory`` (see :meth:`checkpoint_every`), on
+        this communicator's ranks (any number: the same resharding as :meth:`load`).
+
+        Args:
+            directory: a directory of checkpoints; comm, overrides: as :meth:`load`.
+        Returns:
+            ``(replay, key_map)`` as :meth:`load` (``replay.loaded_from`` is the checkpoint's path), or
+            ``(None, None)`` on every rank when the directory holds no complete checkpoint yet.
+        Raises:
+            CheckpointError: the ranks see different newest checkpoints, or it is damaged (every rank).
+        Cost: a directory listing and manifest reads, one small allgather, then :meth:`load`.
+        """
+        path = checkpoint.agree_latest(directory, comm, overrides.get("timeout", 60.0))
+        if path is None:
+            return None, None
+        replay, key_map = checkpoint.load(path, comm, cls, **overrides)
+        replay.loaded_from = path
+        return replay, key_map
+
     @classmethod
     def load(cls, path, comm=None, **overrides) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
         """Collective: restore a checkpoint onto ``comm`` (any number of ranks).
@@ -697,6 +751,8 @@ class Replay:
         if self.closed:
             return
         self._prefetch.close()  # an active batches() iterator finishes its allowed samples first
+        if self._checkpoints is not None:  # a checkpoint being written finishes (bounded: a dead peer's never)
+            self._checkpoints.detach(self.comm.timeout)
         self.closed = True
         try:
             if self.comm.broken is None and self.ranks > 1:

@@ -36,6 +36,12 @@ def test_checkpoints_on_two_ranks():
     run_modules(2, "test_checkpoint_restore.py", "test_checkpoint_fixture.py", "test_checkpoint_deadline.py")
 
 
+def test_background_checkpoints_on_two_ranks():
+    """Replay.checkpoint_every / load_latest (tests/mpi/test_checkpoint_background.py: incremental, hard links,
+    keep, the schedule carried by sample, failures agreed, resharding onto one rank)."""
+    run_modules(2, "test_checkpoint_background.py")
+
+
 def test_reshard_onto_three_ranks():
     run_modules(3, "test_checkpoint_restore.py::test_reshard_onto_more_ranks",
                 "test_checkpoint_restore.py::test_reshard_onto_fewer_ranks_fails_unless_drops_are_allowed")

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ from scripts.slurm import local_slurm  # the repository root is on sys.path (pyp
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "slurm" / "replay_sample.sbatch"
+RESUME_SBATCH = REPO / "slurm" / "resume_replay.sbatch"
+RESUME_TIMEOUT_S = 150   # both runs of the requeued job (the requeue delay skipped)
 JOB_TIMEOUT_S = 120      # sbatch --wait, whole job
 LINE = re.compile(r"^rank (\d+) of (\d+): sampled (\d+), total (\d+)$", re.M)
 SKIP_VAR = "GEAR_MPI_SKIP_SLURM"              # =1: skip the real-Slurm tests
@@ -123,6 +126,50 @@ def test_replay_sample_job_two_ranks(cluster, launcher):
     assert "slurm_smoke: api=" in text and "ranks=2" in text, text
     assert f"python={sys.executable} " in text, f"the job did not run this interpreter ({sys.executable}):\n{text}"
     assert f"launcher {launcher} " in text, text
+
+
+def test_resume_job_requeued_after_a_rank_is_killed(cluster):
+    """slurm/resume_replay.sbatch (sbatch --requeue): rank 1 SIGKILLs itself at step 14 of the first run, srun
+    ends the step, the script requeues the job (scontrol requeue), and the second run resumes from the newest
+    complete background checkpoint and reports as lost exactly the ledger's ids that checkpoint lacks."""
+    from test_resume import check_resumed, ledger
+    run = cluster / "resume-run"
+    env = clean_env(cluster)
+    env.update(GEAR_PYTHON=sys.executable, GEAR_REPO=str(REPO), GEAR_RUN_DIR=str(run))
+    out = cluster / "resume-%j.out"
+    cmd = ["sbatch", "--parsable", "--time=4", f"--chdir={REPO}", f"--output={out}", "--export=ALL",
+           str(RESUME_SBATCH), "--steps", "30", "--every", "4", "--kill-rank", "1", "--kill-at", "14",
+           "--step-seconds", "0.03", "--timeout", "5"]
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout
+    job_id = r.stdout.strip().splitlines()[0].split(";")[0]
+    # sbatch --wait returns at the requeue; the job's state is polled instead. Slurm holds a requeued batch
+    # job for about two minutes (its begin time) before it may start again: once it is pending after its
+    # first restart, the test lets it start at once
+    deadline = time.monotonic() + RESUME_TIMEOUT_S
+    released, state = False, ""
+    while time.monotonic() < deadline:
+        show = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True,
+                              timeout=10).stdout
+        state = (re.search(r"JobState=(\w+)", show) or [None, ""])[1]
+        restarts = int((re.search(r"Restarts=(\d+)", show) or [None, "0"])[1])
+        if state == "PENDING" and restarts >= 1 and not released:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=10, check=True)
+            released = True
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") and restarts >= 1:
+            break
+        time.sleep(0.2)
+    path = Path(str(out).replace("%j", job_id))
+    text = path.read_text(errors="replace") if path.exists() else "(no output file)"
+    if state != "COMPLETED":
+        subprocess.run(["scancel", job_id], env=env, timeout=10)
+    assert state == "COMPLETED", f"job {job_id} ended {state!r} (or not within {RESUME_TIMEOUT_S} s):\n{text}"
+    assert released, f"the job was never seen pending after a requeue:\n{text}"
+    assert "# attempt 1 " in text and "# attempt 2 " in text and "requeueing job" in text, text
+    first_run = ledger(run, first_run_only=True)
+    newest_then = re.search(r"^resume: from (ckpt-\d+)", text, re.M)
+    assert newest_then, text
+    check_resumed(text, run, first_run, newest_then[1], 2, 30)
 
 
 def test_open_mpi_job_under_srun_pmix(cluster):

@@ -60,6 +60,10 @@ restores its own state through its ``state()``/``load_state()``/``sections()``):
 - :mod:`~gear_mpi.checkpoint.protocol`: save and load as collectives, the crash-safe install;
 - :mod:`~gear_mpi.checkpoint.reshard`: dealing the trajectories to another number of ranks;
 - :mod:`~gear_mpi.checkpoint.arena_file`: the version-3 ``columns.bin`` (written, read, mapped, verified);
+- :mod:`~gear_mpi.checkpoint.segment_file`: version 4's ring segment files (background checkpoints);
+- :mod:`~gear_mpi.checkpoint.incremental`: one rank's snapshot of what changed, and its files;
+- :mod:`~gear_mpi.checkpoint.series`: a directory of numbered checkpoints: newest complete, install, prune;
+- :mod:`~gear_mpi.checkpoint.background`: ``Replay.checkpoint_every``: the schedule carried by ``sample``;
 - :mod:`~gear_mpi.checkpoint.arrival`: deadlines scaled by the bytes each rank moves, heartbeats,
   slow ranks told from absent ones, all on a duplicate of the replay's communicator.
 """
@@ -69,6 +73,10 @@ from ..errors import CheckpointError
 from .files import CHUNK_BYTES, FORMAT, FORMAT_VERSION, MANIFEST, rank_dir, read_manifest, resolve
 from .protocol import LOAD_OPTIONS, load, save, verify
 from .reshard import remap
+from . import background
+from .background import BackgroundCheckpoints
+from .series import agree_latest, latest
 
-__all__ = ["CHUNK_BYTES", "CheckpointError", "FORMAT", "FORMAT_VERSION", "LOAD_OPTIONS", "MANIFEST", "load",
-           "rank_dir", "read_manifest", "remap", "resolve", "save", "verify"]
+__all__ = ["BackgroundCheckpoints", "CHUNK_BYTES", "CheckpointError", "FORMAT", "FORMAT_VERSION", "LOAD_OPTIONS",
+           "MANIFEST", "agree_latest", "background", "latest", "load", "rank_dir", "read_manifest", "remap",
+           "resolve", "save", "verify"]

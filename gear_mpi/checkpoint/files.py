@@ -26,7 +26,8 @@ from ..errors import CheckpointError
 
 FORMAT = "gear_mpi-checkpoint"
 FORMAT_VERSION = 3  # 2: the priority index has line sums (l0_sum); 3: one columns.bin laid out as the arena
-READABLE_VERSIONS = (2, 3)  # what load reads (version 2: a column-NNN.bin per column, oldest step first)
+SEGMENTED_VERSION = 4  # background (incremental) checkpoints: seg-NNNNN.bin files (checkpoint.segment_file)
+READABLE_VERSIONS = (2, 3, 4)  # what load reads (version 2: a column-NNN.bin per column, oldest step first)
 MANIFEST = "MANIFEST.json"
 SHARD_JSON = "shard.json"
 TABLE = "table.bin"
@@ -156,20 +157,23 @@ def canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write_manifest(directory: str, body: dict) -> dict[str, Any]:
+def write_manifest(directory: str, body: dict, version: int = FORMAT_VERSION,
+                   filename: str = MANIFEST) -> dict[str, Any]:
     """Write ``MANIFEST.json`` (format, version, ``body``, the sha256 of its canonical form); one fsync.
 
     Args:
         directory: the checkpoint directory being assembled.
         body: JSON-able description of the checkpoint (see :mod:`gear_mpi.checkpoint.protocol`).
+        version: the format version it declares (4 for a background checkpoint's segments).
+        filename: the name to write (a temporary name, renamed to ``MANIFEST.json`` by the caller).
     Returns:
         The manifest file's size and sha256.
     Raises:
         OSError: the file system refused.
     """
-    doc = {"format": FORMAT, "version": FORMAT_VERSION, "sha256": hashlib.sha256(canonical(body)).hexdigest(),
+    doc = {"format": FORMAT, "version": int(version), "sha256": hashlib.sha256(canonical(body)).hexdigest(),
            "body": body}
-    return write_file(os.path.join(directory, MANIFEST), [json.dumps(doc, indent=1).encode()])
+    return write_file(os.path.join(directory, filename), [json.dumps(doc, indent=1).encode()])
 
 
 # ---- reading -------------------------------------------------------------------------------------

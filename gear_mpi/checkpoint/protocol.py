@@ -364,7 +364,7 @@ def _wants_map(mmap: bool, exact: bool, version: int, body: dict, ranks: int) ->
         raise TypeError(f"mmap must be True or False, got {mmap!r}")
     if not mmap:
         return False
-    if version < 3:
+    if version != 3:
         warnings.warn(f"load(mmap=True): this checkpoint has format version {version}, whose column files "
                       f"cannot be mapped; its steps are read (copied) instead", stacklevel=4)
         return False

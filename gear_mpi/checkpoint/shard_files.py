@@ -11,6 +11,9 @@ A rank's directory holds (format version 3)::
     shard.json      ring counters, sizes, index kind, the shard's and the rank's random
                     streams and counters; ``"column_layout": "arena"`` (absent in version 2)
 
+Version 4 (background checkpoints, :mod:`~gear_mpi.checkpoint.segment_file`) has ``seg-NNNNN.bin``
+files instead of ``columns.bin``, ``"column_layout": "segments"``.
+
 Version 2 (still read) had ``column-NNN.bin`` per column instead of ``columns.bin``: the
 ring steps in use, oldest first (``steps_used * step_bytes``).
 
@@ -29,7 +32,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..kernels import ring
 from ..spec import TrajectorySpec
-from . import arena_file, files
+from . import arena_file, files, segment_file
 from .files import SHARD_JSON, TABLE, CheckedFile, column_file, rank_dir, read_json, slices
 
 
@@ -50,25 +53,35 @@ def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str
     :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES` straight from the shard's memory,
     plus the table sections (about 70 bytes per slot in use).
     """
-    state = shard.state()
     out = {arena_file.COLUMNS: arena_file.write(os.path.join(directory, arena_file.COLUMNS), shard)}
     sections = shard.sections()
+    meta = rank_meta(shard.state(), rank_state, sections)
+    out[TABLE] = files.write_file(os.path.join(directory, TABLE), (np.ascontiguousarray(a) for _, a in sections))
+    out[SHARD_JSON] = files.write_file(os.path.join(directory, SHARD_JSON),
+                                       [json.dumps(meta, sort_keys=True).encode()])
+    return out
+
+
+def rank_meta(state: Mapping[str, Any], rank_state: Mapping[str, Any], sections) -> dict[str, Any]:
+    """A rank's ``shard.json`` (version-3 arena layout) from the shard's state and sections. O(sections).
+
+    Args:
+        state: :meth:`Shard.state`; rank_state: :meth:`Replay.state`; sections: :meth:`Shard.sections`.
+    Returns:
+        The JSON-able description (callers may change ``column_layout`` and add to it).
+    """
     layout: list[list] = []  # consecutive sections of one name (the order ring's two halves) are one entry
     for name, arr in sections:
         if layout and layout[-1][0] == name:
             layout[-1][2] += len(arr)
         else:
             layout.append([name, arr.dtype.str, len(arr)])
-    out[TABLE] = files.write_file(os.path.join(directory, TABLE), (np.ascontiguousarray(a) for _, a in sections))
-    meta = {"rank": state["rank"], "state": [int(v) for v in state["ring"]], "hwm": int(state["hwm"]),
+    return {"rank": state["rank"], "state": [int(v) for v in state["ring"]], "hwm": int(state["hwm"]),
             "max_items": state["max_items"], "capacity_steps": state["capacity_steps"], "table_layout": layout,
             "index": state["index"], "rng_shard": state["rng"], "rng_replay": rank_state["rng"],
             "samples_drawn": int(state["samples_drawn"]), "stale_updates": int(state["stale_updates"]),
             "windows_shared": int(rank_state.get("windows_shared", 0)),
             "windows_mpi": int(rank_state.get("windows_mpi", 0)), "column_layout": "arena"}
-    out[SHARD_JSON] = files.write_file(os.path.join(directory, SHARD_JSON),
-                                       [json.dumps(meta, sort_keys=True).encode()])
-    return out
 
 
 def bytes_to_write(shard) -> int:
@@ -201,6 +214,10 @@ def check_columns(where: str, body: dict, r: int, meta: dict, spec: TrajectorySp
     Raises:
         CheckpointError: a column file missing, of the wrong size, or damaged.
     """
+    if meta.get("column_layout") == segment_file.LAYOUT:
+        d, entries = rank_files(where, body, r)
+        segment_file.verify_rank(d, entries, meta, spec)
+        return
     if is_arena(meta):
         d, entries = rank_files(where, body, r)
         arena_file.verify_file(os.path.join(d, arena_file.COLUMNS), entries.get(arena_file.COLUMNS), spec,
@@ -238,6 +255,8 @@ def map_column(where: str, r: int, meta: dict, index: int, spec: TrajectorySpec)
     Raises:
         OSError, ValueError: the file is missing or too short.
     """
+    if meta.get("column_layout") == segment_file.LAYOUT:
+        return segment_file.ring_reader(os.path.join(where, rank_dir(r)), spec, meta, index)
     if is_arena(meta):
         return arena_file.ring_reader(os.path.join(where, rank_dir(r), arena_file.COLUMNS), spec,
                                       int(meta["capacity_steps"]), meta, index)
@@ -307,6 +326,8 @@ def restore_rank(shard, where: str, body: dict, r: int, mapped: bool = False, ve
     if mapped:
         if verify:
             arena_file.verify_file(columns, entries.get(arena_file.COLUMNS), shard.spec, shard.capacity_steps, meta)
+    elif meta.get("column_layout") == segment_file.LAYOUT:
+        segment_file.read_into(d, entries, shard, meta, verify)
     elif is_arena(meta):
         arena_file.read_into(columns, entries.get(arena_file.COLUMNS), shard, meta, verify)
     else:

@@ -20,8 +20,8 @@ every rank compares the calls before it reads anything else of the table: when t
 raises the same :class:`~gear_mpi.errors.CollectiveError`, which names each rank's call -- ``collective
 mismatch: rank 0 called update_priorities (call #7), rank 1 called stats (call #7); ...`` -- instead
 of reading another call's numbers as its own (before, such ranks returned wrong results, raised
-``ValueError``s, or timed out). It costs no message: a sample's allgather carries 104 bytes a rank
-instead of 96 (the call), an update's or a fetch's 104 instead of 16 or 8 (a fixed size), and on one
+``ValueError``s, or timed out). It costs no message: a sample's allgather carries 112 bytes a rank
+instead of 104 (the call), an update's or a fetch's 112 instead of 16 or 8 (a fixed size), and on one
 node every head is a row of the node board (no MPI call; before, only a sample's was).
 
 Calls with more to share than a head holds (``stats``' row of figures, a deferred update's counts and
@@ -50,10 +50,11 @@ from .. import errors
 from .comm import MpiComm, error_code
 
 #: the replay's collectives, by the names their heads carry (a head's operation is the index here)
-OPS = ("sample", "update_priorities", "update_priorities (batches)", "get_many", "stats", "save", "RateMeter", "clear")
+OPS = ("sample", "update_priorities", "update_priorities (batches)", "get_many", "stats", "save", "RateMeter", "clear",
+       "checkpoints")
 #: the calls that post a payload behind their head
 PAYLOADS = ("update_priorities (batches)", "stats")
-VALUES = 11  # numbers a head carries besides its status and call: a sample's header (distributed.header)
+VALUES = 12  # numbers a head carries besides its status and call: a sample's header (distributed.header)
 WIDTH = 2 + VALUES
 _SPAN = 64  # a head's call: number * _SPAN + operation
 SHOWN = 8   # different calls a mismatch's message names (the rest are counted)

@@ -9,7 +9,9 @@ The header is a ``[ranks, HEADER_WIDTH]`` float64 table, row r from rank r (the 
 - ``MASS``, ``ITEMS``, ``MIN_WEIGHT``: the rank's shard: its selection mass, live items and smallest weight;
 - ``INSERTED``, ``SAMPLED``, ``BACKLOG``, ``WAITED``: the rate limiter's counts (items ever inserted, windows
   ever served, episodes waiting in the rank's writers, seconds this call has waited;
-  :mod:`gear_mpi.feeds.replay_feeds` reads them).
+  :mod:`gear_mpi.feeds.replay_feeds` reads them);
+- ``CHECKPOINT``: 1 when the rank's background checkpoints (:mod:`gear_mpi.checkpoint.background`) are due
+  and its previous one is written, else 0; a checkpoint starts after the sample when every rank says 1.
 
 :func:`agree` builds this rank's row (:func:`build_row`) and agrees it as a ``"sample"`` head -- one
 allgather over the communicator, or the node board's shared memory when every rank is on one node -- repeating while
@@ -26,8 +28,8 @@ import numpy as np
 from ..errors import EmptyReplayError
 from ..kernels import ring
 
-BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE, INSERTED, SAMPLED, BACKLOG, WAITED = range(11)
-HEADER_WIDTH = 11
+BATCH, WINDOW, ALIGN, MASS, ITEMS, MIN_WEIGHT, MODE, INSERTED, SAMPLED, BACKLOG, WAITED, CHECKPOINT = range(12)
+HEADER_WIDTH = 12
 MODES = ("decentralized", "centralized", "local")
 
 
@@ -46,23 +48,25 @@ def mode_code(mode: str) -> int:
     return MODES.index(mode)
 
 
-def build_row(shard, batch_size: int, window: int, code: int, mcode: int, backlog: int, waited: float) -> list[float]:
+def build_row(shard, batch_size: int, window: int, code: int, mcode: int, backlog: int, waited: float,
+              checkpoint: float = 0.0) -> list[float]:
     """This rank's row of the header (local, O(1)).
 
     Args:
         shard: this rank's :class:`~gear_mpi.shard.Shard` (its mass, live items, smallest weight and counters).
         batch_size, window, code, mcode: the call's batch size, window, align code and mode code.
         backlog: episodes waiting in this rank's writers (0 without a rate limiter); waited: seconds this
-            call has waited for the rate limiter.
+            call has waited for the rate limiter; checkpoint: the rank's vote for a background checkpoint.
     Returns:
         ``HEADER_WIDTH`` numbers in column order.
     """
     return [batch_size, window, code, shard.total_weight, len(shard), shard.min_weight, mcode,
-            float(shard.store.state[ring.INSERTED_TOTAL]), float(shard.samples_drawn), float(backlog), waited]
+            float(shard.store.state[ring.INSERTED_TOTAL]), float(shard.samples_drawn), float(backlog), waited,
+            checkpoint]
 
 
 def agree(feeds, shard, calls, err: BaseException | None, batch_size: int, window: int, code: int,
-          mcode: int) -> np.ndarray:
+          mcode: int, checkpoint: float = 0.0) -> np.ndarray:
     """The sample's agreed header, once the rate limiter admits the call.
 
     Each round drains the writers (``feeds.feed()``; its error is agreed like ``err``), builds this rank's
@@ -76,7 +80,7 @@ def agree(feeds, shard, calls, err: BaseException | None, batch_size: int, windo
         calls: the replay's :class:`~gear_mpi.distributed.calls.ReplayCalls` (each round is a ``"sample"``
             head, the row its values), or None for this rank's row alone (a local sample).
         err: this rank's error with the call's arguments (then the other arguments are 0), or None.
-        batch_size, window, code, mcode: as :func:`build_row`.
+        batch_size, window, code, mcode, checkpoint: as :func:`build_row`.
     Returns:
         ``[ranks, HEADER_WIDTH]`` float64 (``[1, HEADER_WIDTH]``: this rank's row, when ``calls`` is None).
     Raises:
@@ -90,7 +94,8 @@ def agree(feeds, shard, calls, err: BaseException | None, batch_size: int, windo
             feeds.feed()
         except Exception as e:  # agreed below, so every rank raises it
             err = err or e
-        row = build_row(shard, batch_size, window, code, mcode, feeds.header_backlog(), time.monotonic() - start)
+        row = build_row(shard, batch_size, window, code, mcode, feeds.header_backlog(), time.monotonic() - start,
+                        checkpoint)
         if calls is None:
             if err is not None:
                 raise err

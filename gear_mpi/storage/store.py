@@ -127,6 +127,9 @@ class TrajectoryStore:
         self._byte_views: dict[str, np.ndarray] | None = None
         self._insert_scratch = store_insert.InsertScratch()  # insert's slots and evictions, reused
         self.ring_touched = 0  # ring steps from 0 ever written by an insert (see reaches_fresh)
+        # called as on_write(first, steps) before every insert writes ``steps`` ring steps from ring step ``first``
+        # (wrapping): a background checkpoint's record of what changed (gear_mpi.checkpoint.incremental)
+        self.on_write: Callable[[int, int], None] | None = None
         self._collapser = None  # page_collapse.Collapser of the last large first fill
         for c in spec.columns:
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
@@ -288,6 +291,8 @@ class TrajectoryStore:
             if after_chunk is not None:
                 after_chunk(lo, hi)
 
+        if self.on_write is not None:
+            self.on_write(first, total)
         fresh = total * self.spec.step_bytes >= store_insert.OVERLAP_BYTES and self.reaches_fresh(first + total)
         with small_pages(self.fresh_arrays() if fresh else ()) as pages:
             evicted_all = self._insert_chunks(columns, lengths, priorities, slots_out, on_evicted, first, total,

@@ -1,0 +1,252 @@
+"""Checkpoints that do not stop the job: ``replay.checkpoint_every(directory, seconds, keep)``.
+
+The schedule rides on the collectives the training loop already makes. Each rank's row of every
+``sample``'s header (:mod:`gear_mpi.distributed.header`) carries a vote: 1 when ``seconds`` have
+passed since this rank's last checkpoint began and its previous one is written (rank 0: installed),
+else 0. When every rank votes 1 -- the agreed header is the same table on every rank, so every rank
+decides alike -- each rank takes its snapshot right after that sample returns its batch
+(:func:`~gear_mpi.checkpoint.incremental.snapshot`: changed segments and the table copied, unchanged
+segments to be linked) and hands it to a thread of its own, which writes the files without MPI. Rank
+0's thread then waits for every rank's ``done.json``, writes the manifest (the checkpoint is complete
+from that moment) and deletes all but the newest ``keep``
+(:mod:`~gear_mpi.checkpoint.series`). No collective is ever made from a thread, and no sample waits
+for a file.
+
+What a checkpoint holds: every shard as it was after the sample that started it (the same moment on
+every rank: between two collectives), exactly as ``Replay.save`` would have written it then. A job
+killed at any moment loses what was inserted after the newest complete checkpoint began; an
+interrupted checkpoint is never read (no manifest).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..progress import human, log
+from . import incremental, segment_file, series
+from .arrival import assumed_rate
+from .files import SEGMENTED_VERSION, rank_dir
+
+
+class BackgroundCheckpoints:
+    """The handle ``Replay.checkpoint_every`` returns; see the module docstring.
+
+    Attributes:
+        directory: the directory of checkpoints (``ckpt-NNNNNNNN`` inside).
+        seconds: the interval (None: only :meth:`now` starts one). keep: complete checkpoints kept.
+        started: checkpoints this handle began; completed: those it saw complete (rank 0 installs them;
+            on the other ranks, those whose files this rank finished and every rank agreed on in
+            :meth:`wait`); last: figures of this rank's last snapshot (bytes copied, linked, written in
+            the loop, seconds the loop spent).
+    """
+
+    def __init__(self, replay, directory: str, seconds: float | None, keep: int, segment_bytes: int,
+                 copy_limit: int, first: int):
+        self.replay = replay
+        self.directory = directory
+        self.seconds = seconds
+        self.keep = keep
+        self.copy_limit = copy_limit
+        self.k = segment_file.steps_per_segment(replay.spec, segment_bytes)
+        self.changes = incremental.Changes(self.k, replay.shard.capacity_steps)
+        self.seq = first                      # the next checkpoint's number (the same on every rank)
+        self.started = 0
+        self.completed = 0
+        self.last: dict = {}
+        self._base: incremental.Base | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._clock = time.monotonic()
+        replay.shard.store.on_write = self.changes
+
+    # ---- the vote and the start (training thread) -------------------------------------------------
+    def vote(self) -> float:
+        """This rank's header value: 1.0 when a checkpoint is due and the previous one is written. O(1)."""
+        if self.seconds is None or time.monotonic() - self._clock < self.seconds:
+            return 0.0
+        return 1.0 if self.idle else 0.0
+
+    @property
+    def idle(self) -> bool:
+        """Whether no checkpoint of this rank is being written (rank 0: or installed). O(1)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def after_sample(self, head: np.ndarray, column: int) -> None:
+        """Start a checkpoint when every rank voted for it in the agreed header ``head``. Local."""
+        if head.shape[0] and float(head[:, column].min()) >= 1.0:
+            self._start()
+
+    def _start(self) -> None:
+        self._join(None)
+        seq, self.seq = self.seq, self.seq + 1
+        self._clock = time.monotonic()
+        path = os.path.join(self.directory, series.dir_name(seq))
+        replay = self.replay
+        t0 = time.perf_counter()
+        body = None
+        try:
+            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit)
+            if replay.rank == 0:
+                from .protocol import _manifest_body  # the body save() writes, with this moment's streams
+                body = _manifest_body(replay, [])
+                body["sequence"] = seq
+        except Exception as e:  # the next checkpoint writes everything again
+            self._base = None
+            self._error = self._error or CheckpointError(f"background checkpoint {path}: {e}")
+            log.warning("background checkpoint %s: snapshot failed on rank %d: %s", path, replay.rank, e)
+            try:
+                series.write_marker(os.path.join(path, rank_dir(replay.rank)), series.FAILED,
+                                    {"rank": replay.rank, "error": str(e)})
+            except Exception:
+                pass
+            return
+        self.started += 1
+        self.last = {"sequence": seq, "copied": snap.copied, "linked": snap.linked,
+                     "written_in_loop": snap.written_now, "to_write": snap.to_write,
+                     "loop_seconds": time.perf_counter() - t0}
+        deadline = replay.comm.timeout + 4.0 * (snap.to_write + snap.written_now) / assumed_rate()
+        self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline),
+                                        name=f"gear_mpi-checkpoint-{seq}", daemon=True)
+        self._thread.start()
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
+        t0 = time.monotonic()
+        try:
+            _, self._base = incremental.write(snap)
+            if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
+                shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
+                body["shards"] = shards
+                body["items"] = sum(int(s["items"]) for s in shards)
+                series.install(path, body, SEGMENTED_VERSION)
+                series.prune(self.directory, self.keep, busy=seq)
+            self.completed += 1
+            self.last["thread_seconds"] = time.monotonic() - t0
+            log.info("background checkpoint %s: rank %d wrote %s, linked %s in %.2f s", path, snap.rank,
+                     human(snap.to_write + snap.written_now), human(snap.linked), time.monotonic() - t0)
+        except BaseException as e:
+            self._base = None if self._base is None or not os.path.isdir(self._base.directory) else self._base
+            self._error = self._error or (e if isinstance(e, CheckpointError) else
+                                          CheckpointError(f"background checkpoint {path}: {type(e).__name__}: {e}"))
+            log.warning("background checkpoint %s failed on rank %d: %s", path, snap.rank, e)
+
+    def _join(self, timeout: float | None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._thread = None
+
+    # ---- collective calls -------------------------------------------------------------------------
+    def now(self) -> int:
+        """Collective: start a checkpoint now (after the previous one is written), whatever the clock says.
+
+        Returns:
+            Its number (the directory ``ckpt-NNNNNNNN``).
+        Raises:
+            CheckpointError: an earlier background checkpoint failed on some rank (every rank; that one
+                is not started again; this one starts nonetheless).
+            CollectiveTimeoutError, CollectiveError: as every collective of the replay.
+        Cost: waits for this rank's previous checkpoint; one head allgather; a snapshot (:meth:`after_sample`).
+        """
+        self._join(None)
+        err, self._error = self._error, None
+        seq = self.seq
+        try:
+            self.replay.calls.agree(err, "checkpoints", [seq])
+        except CheckpointError:  # an earlier one failed (agreed): this one starts all the same
+            self._start()
+            raise
+        self._start()
+        return seq
+
+    def wait(self) -> Path | None:
+        """Collective: wait until the checkpoint being written (if any) is complete on every rank.
+
+        Returns:
+            The newest complete checkpoint in the directory (the same on every rank), or None.
+        Raises:
+            CheckpointError: a background checkpoint failed on some rank since the last ``wait`` or ``now``
+                (the same on every rank; the checkpoints before it stay complete and loadable).
+            CollectiveTimeoutError, CollectiveError: as every collective of the replay.
+        Cost: blocks for this rank's thread (rank 0: until the manifest is written); one head allgather.
+        """
+        self._join(None)
+        err, self._error = self._error, None
+        self.replay.calls.agree(err, "checkpoints", [0])
+        return series.latest(self.directory)
+
+    def stop(self) -> Path | None:
+        """Collective: :meth:`wait`, then stop taking checkpoints (the replay forgets this handle).
+
+        Returns:
+            As :meth:`wait`.
+        Raises:
+            As :meth:`wait` (the handle is stopped nonetheless).
+        """
+        try:
+            return self.wait()
+        finally:
+            self.detach()
+
+    def detach(self, timeout: float | None = None) -> None:
+        """Local: stop recording changes and forget the replay (``Replay.close`` calls it), waiting at most
+        ``timeout`` seconds (None: no limit) for this rank's checkpoint in flight. Idempotent."""
+        self._join(timeout)
+        replay = self.replay
+        if replay is None:
+            return
+        if replay.shard.store is not None and replay.shard.store.on_write is self.changes:
+            replay.shard.store.on_write = None
+        if getattr(replay, "_checkpoints", None) is self:
+            replay._checkpoints = None
+
+    def __repr__(self) -> str:
+        return (f"BackgroundCheckpoints({self.directory!r}, seconds={self.seconds}, keep={self.keep}, "
+                f"started={self.started}, completed={self.completed})")
+
+
+def start(replay, directory, seconds: float | None, keep: int, segment_bytes: int,
+          copy_limit: int) -> BackgroundCheckpoints:
+    """Collective: check the arguments alike on every rank and attach a :class:`BackgroundCheckpoints`.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or different ones on different ranks (every rank).
+        CheckpointError: the directory cannot be created on some rank (every rank).
+    """
+    err, first = None, 0
+    try:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not seconds >= 0):
+            raise ValueError(f"seconds must be a number >= 0 or None, got {seconds!r}")
+        if seconds is not None and replay.mode == "local":
+            raise ValueError("checkpoint_every: a replay built with mode='local' makes no collective sample to "
+                             "carry the schedule; pass seconds=None and call .now() between steps")
+        for name, v, low in (("keep", keep, 1), ("segment_bytes", segment_bytes, 1), ("copy_limit", copy_limit, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if getattr(replay, "_checkpoints", None) is not None:
+            raise ValueError("checkpoint_every: this replay already has background checkpoints; stop() them first")
+        directory = os.path.abspath(os.fspath(directory))
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint_every: cannot create {directory}: {e}") from None
+        first = series.next_number(directory)
+    except Exception as e:
+        err = e
+    values = [-1.0 if seconds is None else float(seconds), float(keep), float(segment_bytes), float(first)]
+    table = replay.calls.agree(err, "checkpoints", values)
+    if len({tuple(row) for row in table[:, :3].tolist()}) > 1:
+        raise ValueError(f"checkpoint_every: seconds, keep and segment_bytes must be the same on every rank, got "
+                         f"{table[:, :3].tolist()} (rank r's at position r)")
+    handle = BackgroundCheckpoints(replay, os.path.abspath(os.fspath(directory)), seconds, int(keep),
+                                   int(segment_bytes), int(copy_limit), int(table[:, 3].max()))
+    replay._checkpoints = handle
+    return handle

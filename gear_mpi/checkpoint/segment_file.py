@@ -1,0 +1,177 @@
+"""An incremental checkpoint's columns: ``seg-NNNNN.bin`` files, each one fixed range of ring steps.
+
+Checkpoints written by :mod:`~gear_mpi.checkpoint.background` (format version 4) cut each rank's ring
+into segments of ``K`` steps (``shard.json``'s ``"segment_steps"``): segment ``s`` covers ring steps
+``[s*K, min((s+1)*K, capacity))`` and its file holds, for each column in the spec's order, the bytes of
+those steps back to back -- the whole range, steps in use or not. A rank's directory holds the segments
+that held steps in use when the checkpoint was taken (``shard.json``'s ``"segments"``), each listed in
+the manifest with its size and sha256. A step's bytes change only when an insert writes it, so a segment
+no insert has touched since the previous checkpoint is that checkpoint's file again: a hard link to it,
+not a copy.
+
+Reading is what a version-3 ``columns.bin`` allows except mapping: :func:`read_into` (an exact restore),
+:func:`verify_rank` (the sha256 of every segment) and :func:`ring_reader` (resharding).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..kernels import ring
+from ..spec import TrajectorySpec
+from .files import CheckedFile, slices
+
+LAYOUT = "segments"  # shard.json's "column_layout"
+SEGMENT_BYTES = 16 << 20  # the default size of a segment file
+
+
+def name(s: int) -> str:
+    """The file name of segment ``s`` inside a rank's directory (``seg-00000.bin``). O(1)."""
+    return f"seg-{s:05d}.bin"
+
+
+def steps_per_segment(spec: TrajectorySpec, segment_bytes: int) -> int:
+    """Ring steps per segment: as many as ``segment_bytes`` hold (at least one). O(1)."""
+    return max(1, int(segment_bytes) // spec.step_bytes)
+
+
+def bounds(s: int, k: int, capacity: int) -> tuple[int, int]:
+    """The ring steps ``[a, b)`` of segment ``s`` (``k`` steps per segment). O(1)."""
+    return s * k, min((s + 1) * k, capacity)
+
+
+def in_use(head: int, used: int, capacity: int, k: int) -> list[int]:
+    """The segments holding ring steps in use (``used`` steps from ``head``), ascending. O(segments)."""
+    out: set[int] = set()
+    for a, b in ring.ring_segments(head, used, capacity):
+        out.update(range(a // k, (b - 1) // k + 1))
+    return sorted(out)
+
+
+def touched(first: int, steps: int, capacity: int, k: int) -> range | list[int]:
+    """The segments an insert of ``steps`` steps from ring step ``first`` writes (wrapping). O(segments)."""
+    if steps >= capacity:
+        return range(0, (capacity - 1) // k + 1)
+    end = first + steps
+    if end <= capacity:
+        return range(first // k, (end - 1) // k + 1)
+    return list(range(first // k, (capacity - 1) // k + 1)) + list(range(0, (end - capacity - 1) // k + 1))
+
+
+def nbytes(spec: TrajectorySpec, a: int, b: int) -> int:
+    """The size of the file of a segment of ring steps ``[a, b)``. O(1)."""
+    return (b - a) * spec.step_bytes
+
+
+def pieces(views: dict[str, np.ndarray], spec: TrajectorySpec, a: int, b: int) -> Iterator[np.ndarray]:
+    """The bytes of a segment of ring steps ``[a, b)`` in file order, as views of the columns (no copy).
+
+    Args:
+        views: the store's flat byte view of each column's ring (``TrajectoryStore.byte_views``).
+        spec: the spec; a, b: the segment's ring steps.
+    Returns:
+        Views of at most :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES` each.
+    """
+    for c in spec.columns:
+        sb = c.step_bytes
+        yield from slices(views[c.name][a * sb:b * sb])
+
+
+def copy(views: dict[str, np.ndarray], spec: TrajectorySpec, a: int, b: int) -> np.ndarray:
+    """A private copy of the bytes of segment ``[a, b)`` in file order. O(bytes)."""
+    out = np.empty(nbytes(spec, a, b), np.uint8)
+    pos = 0
+    for part in pieces(views, spec, a, b):
+        out[pos:pos + len(part)] = part
+        pos += len(part)
+    return out
+
+
+def _check_size(chk: CheckedFile, spec: TrajectorySpec, a: int, b: int) -> None:
+    if chk.size != nbytes(spec, a, b):
+        chk.close()
+        raise CheckpointError(f"{chk.filename}: {chk.size} bytes, but ring steps [{a}, {b}) of this spec "
+                              f"hold {nbytes(spec, a, b)}")
+
+
+def _segments(meta: dict) -> tuple[int, list[int]]:
+    return int(meta["segment_steps"]), [int(s) for s in meta["segments"]]
+
+
+def read_into(directory: str, entries: dict, shard, meta: dict, verify: bool = True) -> None:
+    """Read every saved segment into ``shard``'s ring at its place (the table already restored).
+
+    Args:
+        directory: the rank's directory; entries: its manifest entries; shard: the new shard;
+        meta: the rank's ``shard.json``; verify: compare each file's sha256.
+    Raises:
+        CheckpointError: a segment missing, of the wrong size, truncated or (``verify``) corrupted.
+    Cost: one sequential read of each segment file straight into the ring.
+    """
+    spec, cap = shard.spec, shard.capacity_steps
+    k, segs = _segments(meta)
+    views = shard.store.byte_views()
+    for s in segs:
+        a, b = bounds(s, k, cap)
+        with CheckedFile(os.path.join(directory, name(s)), entries.get(name(s))) as chk:
+            _check_size(chk, spec, a, b)
+            for part in pieces(views, spec, a, b):
+                chk.read_into(part)
+            if verify:
+                chk.finish()
+
+
+def verify_rank(directory: str, entries: dict, meta: dict, spec: TrajectorySpec) -> None:
+    """Check the size and sha256 of every segment of a rank. Local; reads each file once.
+
+    Raises:
+        CheckpointError: a segment missing, of the wrong size, or corrupted (named).
+    """
+    k, segs = _segments(meta)
+    cap = int(meta["capacity_steps"])
+    for s in segs:
+        a, b = bounds(s, k, cap)
+        with CheckedFile(os.path.join(directory, name(s)), entries.get(name(s))) as chk:
+            _check_size(chk, spec, a, b)
+            chk.finish()
+
+
+def ring_reader(directory: str, spec: TrajectorySpec, meta: dict, index: int) -> Callable[[int, int], np.ndarray]:
+    """Steps of column ``index`` by their place after the oldest step in use, from the segment files.
+
+    Args:
+        directory: the rank's directory (checked first: :func:`verify_rank`); spec: the saved spec;
+        meta: its ``shard.json``; index: the column's position in the spec.
+    Returns:
+        ``steps(offset, length)`` -> ``[length, *shape]`` (a view of one mapped segment, else a copy).
+    """
+    k, _ = _segments(meta)
+    cap = int(meta["capacity_steps"])
+    head = int(meta["state"][ring.STEP_HEAD])
+    c = spec.columns[index]
+    before = sum(x.step_bytes for x in spec.columns[:index])
+    maps: dict[int, np.ndarray] = {}
+
+    def segment(s: int) -> np.ndarray:
+        if s not in maps:
+            a, b = bounds(s, k, cap)
+            maps[s] = np.memmap(os.path.join(directory, name(s)), dtype=c.dtype, mode="r",
+                                offset=(b - a) * before, shape=(b - a,) + c.shape)
+        return maps[s]
+
+    def steps(offset: int, length: int) -> np.ndarray:
+        parts, p, left = [], (head + offset) % cap, length
+        while left > 0:
+            s = p // k
+            a, b = bounds(s, k, cap)
+            n = min(left, b - p)
+            parts.append(segment(s)[p - a:p - a + n])
+            left -= n
+            p = 0 if p + n == cap else p + n
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty((0,) + c.shape, c.dtype)
+    return steps

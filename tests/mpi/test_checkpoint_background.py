@@ -1,0 +1,204 @@
+"""Background, incremental checkpoints (``Replay.checkpoint_every``) and ``Replay.load_latest`` on K ranks.
+
+Run by tests/test_checkpoint_background.py on 2 ranks (``mpiexec -n 2 python -m pytest
+tests/mpi/test_checkpoint_background.py`` by hand).
+
+- a checkpoint taken by ``now()`` while sampling goes on restores exactly: the loaded replay draws the
+  very batches the running one drew after the checkpoint;
+- the second checkpoint writes only the segments inserts touched: the others are hard links to the
+  first one's files; each checkpoint loads on its own, also after the other is deleted;
+- ``keep``: only the newest complete checkpoints stay; an interrupted one (no manifest) is passed over;
+- the schedule rides on ``sample``: with ``seconds=0`` the sample after the previous one finished starts one;
+- a failure on one rank is raised by ``wait()`` on every rank, and the checkpoints before it still load;
+- ``load_latest`` onto fewer ranks reshards: every live trajectory of the newest checkpoint arrives;
+- bad arguments raise the same error on every rank.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from checkpoint_checks import COMM, RANK, SIZE, SPEC, drive, fill, same_batch, shared_dir, sub_comm  # noqa: F401
+from gear_mpi import checkpoint as ck
+
+SEG = 7 * SPEC.step_bytes  # 7 ring steps a segment: a ring of 60 has 9
+
+
+def make(**kw) -> gm.Replay:
+    return gm.Replay(SPEC, 60, gm.Prioritized(0.7, 0.5), seed=3, timeout=30.0, **kw)
+
+
+def ids_of(replay: gm.Replay) -> set[int]:
+    return {int(replay.get(k)["id"][0]) for k in replay.shard.live_keys().tolist()}
+
+
+def test_exact_restore_from_a_background_checkpoint(shared_dir):
+    replay = make()
+    fill(replay, 14 + 5 * RANK, base=1)  # the ring wraps
+    drive(replay, 3, seed=5)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
+    seq = handle.now()
+    expect = drive(replay, 4, seed=9)  # sampling goes on while the files are written
+    fill(replay, 3, base=500)
+    path = handle.wait()
+    assert path is not None and path.name == ck.series.dir_name(seq), path
+    loaded, key_map = gm.Replay.load_latest(shared_dir)
+    assert loaded.loaded_from == path
+    assert np.array_equal(key_map[0], key_map[1])
+    got = drive(loaded, 4, seed=9)
+    for i, (a, b) in enumerate(zip(expect, got)):
+        same_batch(a, b, f"batch {i}")
+    handle.stop()
+    assert replay._checkpoints is None and replay.shard.store.on_write is None
+    loaded.close()
+    replay.close()
+
+
+def test_second_checkpoint_links_what_did_not_change(shared_dir):
+    replay = make()
+    fill(replay, 6, base=1)  # 1 + i % 9 steps each: about 21 steps, 3-4 segments, no wrap
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
+    first = handle.now()
+    one = handle.wait()
+    assert handle.last["linked"] == 0 and handle.last["copied"] > 0
+    ids_first = ids_of(replay)
+    replay.insert(ck_traj := {"obs": np.ones((2, 3), np.float32), "id": np.full(2, 7777 + RANK, np.int64),
+                              "flag": np.zeros((2, 2), np.uint8)})
+    del ck_traj
+    handle.now()
+    two = handle.wait()
+    assert two.name == ck.series.dir_name(first + 1)
+    last = handle.last
+    assert last["linked"] > 0, last
+    assert last["copied"] <= 2 * SEG, last  # the segment(s) the insert wrote, not the whole ring
+    mine = two / ck.rank_dir(RANK)
+    segs = sorted(p.name for p in mine.glob("seg-*.bin"))
+    linked = [n for n in segs if os.stat(mine / n).st_nlink > 1]
+    assert linked and len(linked) < len(segs), (segs, linked)
+    for n in linked:
+        assert os.path.samefile(mine / n, one / ck.rank_dir(RANK) / n)
+    ck.verify(one)
+    ck.verify(two)
+    # each loads on its own: the first one's data is the first one's
+    a, _ = gm.Replay.load(one)
+    assert ids_of(a) == ids_first
+    a.close()
+    COMM.Barrier()
+    if RANK == 0:
+        import shutil
+        shutil.rmtree(one)
+    COMM.Barrier()
+    b, _ = gm.Replay.load_latest(shared_dir)
+    assert b.loaded_from == two and ids_of(b) == ids_first | {7777 + RANK}
+    b.close()
+    handle.stop()
+    replay.close()
+
+
+def test_keep_and_interrupted_checkpoints(shared_dir):
+    replay = make()
+    fill(replay, 5, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
+    for i in range(4):
+        fill(replay, 1, base=100 + i)
+        handle.now()
+    newest = handle.wait()
+    COMM.Barrier()
+    names = sorted(n for n in os.listdir(shared_dir) if n.startswith("ckpt-"))
+    assert len(names) == 2 and newest.name == names[-1], names
+    COMM.Barrier()
+    if RANK == 0:  # a checkpoint killed while writing: a newer directory without a manifest
+        os.makedirs(os.path.join(shared_dir, ck.series.dir_name(99), ck.rank_dir(0)))
+    COMM.Barrier()
+    assert ck.latest(shared_dir) == newest
+    loaded, _ = gm.Replay.load_latest(shared_dir)
+    assert loaded.loaded_from == newest and ids_of(loaded) == ids_of(replay)
+    loaded.close()
+    handle.stop()
+    replay.close()
+
+
+def test_the_schedule_rides_on_sample(shared_dir):
+    replay = make()
+    fill(replay, 8, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=0.0, keep=3, segment_bytes=SEG)
+    assert ck.latest(shared_dir) is None
+    replay.sample(4, 2)  # every rank votes 1 (due, nothing in flight): it starts after this sample
+    assert handle.started == 1
+    first = handle.wait()
+    assert first is not None
+    handle.seconds = 3600.0
+    replay.sample(4, 2)
+    assert handle.started == 1  # not due
+    assert handle.stop() == first
+    replay.sample(4, 2)  # detached: no vote, no start
+    assert handle.started == 1
+    replay.close()
+
+
+def test_a_failure_is_raised_everywhere_and_the_previous_one_stays(shared_dir, monkeypatch):
+    replay = make()
+    fill(replay, 8, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
+    handle.now()
+    good = handle.wait()
+    if RANK == SIZE - 1:
+        real = ck.files.write_file
+
+        def broken(filename, chunks):
+            if filename.endswith("table.bin"):
+                raise OSError(28, "No space left on device")
+            return real(filename, chunks)
+        monkeypatch.setattr(ck.files, "write_file", broken)
+    fill(replay, 2, base=300)
+    handle.now()
+    with pytest.raises(gm.CheckpointError, match="No space left"):
+        handle.wait()
+    monkeypatch.undo()
+    assert ck.latest(shared_dir) == good
+    handle.now()  # the next one writes everything again, and completes
+    newest = handle.wait()
+    assert newest != good and ck.latest(shared_dir) == newest
+    ck.verify(newest)
+    handle.stop()
+    replay.close()
+
+
+def test_load_latest_onto_fewer_ranks_and_when_there_is_none(shared_dir):
+    empty = os.path.join(shared_dir, "none")
+    assert gm.Replay.load_latest(empty) == (None, None)
+    replay = make()
+    fill(replay, 9 + RANK, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=1, segment_bytes=SEG)
+    handle.now()
+    handle.wait()
+    every = set().union(*COMM.allgather(ids_of(replay)))
+    handle.stop()
+    replay.close()
+    sub = sub_comm(1)
+    if sub is not None:
+        loaded, key_map = gm.Replay.load_latest(shared_dir, sub, capacity_steps=200)
+        assert len(key_map[0]) == len(every)
+        assert ids_of(loaded) == every
+        loaded.sample(3, 2)
+        loaded.close()
+    COMM.Barrier()
+
+
+def test_bad_arguments_fail_on_every_rank(shared_dir):
+    replay = make()
+    with pytest.raises(ValueError, match="keep must be an integer >= 1"):
+        replay.checkpoint_every(shared_dir, keep=0 if RANK == 0 else 2)
+    with pytest.raises(ValueError, match="the same on every rank"):
+        replay.checkpoint_every(shared_dir, seconds=10.0 + RANK)
+    replay._checkpoints.detach() if replay._checkpoints is not None else None
+    with pytest.raises(TypeError, match="directory must be"):
+        replay.checkpoint_every(3)
+    handle = replay.checkpoint_every(shared_dir, seconds=None)
+    with pytest.raises(ValueError, match="already has background checkpoints"):
+        replay.checkpoint_every(shared_dir)
+    handle.stop()
+    replay.close()
