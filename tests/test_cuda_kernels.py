@@ -64,7 +64,7 @@ def _weights(rng, n):
     w[64 * 5:64 * 7] = 0.0          # two empty level-1 blocks
     w[4096:2 * 4096] = 0.0          # an empty level-2 block
     w[-3:] = 0.0                    # the last leaves empty
-    from gear_mpi.kernels.priority_tree import leaf_values
+    from gear_mpi.kernels import leaf_values
     return leaf_values(w)           # float32 values: what the host index's leaves hold
 
 
@@ -188,7 +188,7 @@ def draw_rounding_fallbacks():
 @check
 def updates_match_cpu():
     import numpy as np
-    from gear_mpi.kernels.priority_tree import leaf_values
+    from gear_mpi.kernels import leaf_values
     from gear_mpi.selection import DevicePriorityIndex, PriorityIndex
     rng = _rng(4)
     n = N_TREE

@@ -79,7 +79,7 @@ def test_uniform_distribution_after_evictions(shard_factory, spec, make_traj):
 def held(p, alpha):
     """The index weights of priorities ``p``, as the index holds them (``p ** alpha`` rounded to float32)."""
     from gear_mpi.kernels import power_weights
-    from gear_mpi.kernels.priority_tree import leaf_values
+    from gear_mpi.kernels import leaf_values
     return leaf_values(power_weights(np.asarray(p, np.float64), alpha))
 
 
