@@ -75,7 +75,8 @@ class Shard:
         self.store = TrajectoryStore(spec, capacity_steps, max_items, memory, rank,
                                      secrets.randbits(8) if tag is None else tag, path=path,
                                      max_times_sampled=self.max_times_sampled, priority_row=not derived,
-                                     lazy_priority=sampler.proportional)  # their draws ignore raw priorities
+                                     lazy_priority=sampler.proportional,  # their draws ignore raw priorities
+                                     stamp_row=table_layout.stamps_per_item(sampler))
         self.device_context = device_context
         if not sampler.proportional:
             self.index = None
@@ -443,7 +444,7 @@ class Shard:
         """
         leaves = self.index.host_leaves(int(self.store.state[ring.NEXT_FRESH]))
         slots = np.flatnonzero(leaves > 0.0).astype(np.int64)
-        return slots, leaves[slots]
+        return slots, leaves[slots].astype(np.float64)  # a host index's leaves are float32
 
     def place(self, slots: np.ndarray, window: int, align_code: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ring coordinates of each window. O(B), one kernel.

@@ -64,7 +64,8 @@ def _weights(rng, n):
     w[64 * 5:64 * 7] = 0.0          # two empty level-1 blocks
     w[4096:2 * 4096] = 0.0          # an empty level-2 block
     w[-3:] = 0.0                    # the last leaves empty
-    return w
+    from gear_mpi.kernels import leaf_values
+    return leaf_values(w)           # float32 values: what the host index's leaves hold
 
 
 def _index_pair(w, threads=64):
@@ -187,6 +188,7 @@ def draw_rounding_fallbacks():
 @check
 def updates_match_cpu():
     import numpy as np
+    from gear_mpi.kernels import leaf_values
     from gear_mpi.selection import DevicePriorityIndex, PriorityIndex
     rng = _rng(4)
     n = N_TREE
@@ -229,7 +231,8 @@ def updates_match_cpu():
         for sl, v in zip(slots, values):
             last[int(sl)] = v
         got = host["leaves"][list(last)]
-        assert np.array_equal(got, np.array(list(last.values()))), f"round {k}: the last duplicate did not win"
+        want = leaf_values(np.array(list(last.values())))  # both indexes hold each weight rounded to float32
+        assert np.array_equal(got, want), f"round {k}: the last duplicate did not win"
         assert dev.total == idx.total, f"round {k}: total {dev.total} vs {idx.total}"
         assert dev.min_positive == idx.min_positive
     # the updated structure equals a CPU rebuild from its leaves, bit for bit

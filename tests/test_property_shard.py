@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
+from gear_mpi.kernels import leaf_values
 
 SPEC = gm.TrajectorySpec({"t": ((), "int64"), "obs": ((2,), "float32"), "u": ((), "uint8")}, max_length=5)
 TAG = 7
@@ -202,8 +203,8 @@ class ShardMachine(RuleBasedStateMachine):
         self.model.after_sampling(keys)
 
     def weights(self, live: list[Entry]) -> list[float]:
-        if isinstance(self.selector, gm.Prioritized):
-            return [e.priority ** self.selector.alpha for e in live]
+        if isinstance(self.selector, gm.Prioritized):  # as the index holds them: rounded to float32
+            return leaf_values(np.array([e.priority ** self.selector.alpha for e in live], np.float64)).tolist()
         return [1.0] * len(live)
 
     def ordered_pick(self, live: list[Entry], batch: int) -> list[int]:

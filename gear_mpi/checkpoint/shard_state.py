@@ -108,6 +108,6 @@ class ShardCheckpointState:
         slots, live = self.store.resolve(keys)
         if not live.all():
             raise StaleKeyError(f"key {int(keys[np.flatnonzero(~live)[0]])}: its trajectory is gone")
-        self.store.stamp[slots] = np.asarray(stamps, np.int64)
+        self.store.layout.set_stamps(slots, np.asarray(stamps, np.int64))
         if self.store.counts_uses:  # a store without a use limit does not count uses
             self.store.times_sampled[slots] = np.asarray(times_sampled, np.int64)

@@ -18,8 +18,8 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage.store`,
   twins of the priority and gather kernels, same results (imported only for ``device="cuda"``
   and by the tests; they need numba-cuda, see :mod:`gear_mpi.kernels.cuda_support`).
 """
-from .priority_tree import TREE_FIELDS, Tree
+from .priority_tree import LEAF_DTYPE, TREE_FIELDS, Tree, leaf_values
 from .ring import ring_segments
 from .weights import PARALLEL_MIN, power_weights
 
-__all__ = ["TREE_FIELDS", "Tree", "ring_segments", "PARALLEL_MIN", "power_weights"]
+__all__ = ["LEAF_DTYPE", "TREE_FIELDS", "Tree", "leaf_values", "ring_segments", "PARALLEL_MIN", "power_weights"]

@@ -38,9 +38,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import float32, float64
 
 from .cuda_support import blocks_for, cuda_module, simulator_enabled
-from .priority_tree import FANOUT, FANOUT2, LINE
+from .priority_tree import FANOUT, FANOUT2, LEAF_MAX, LEAF_TINY, LINE
 
 cuda = cuda_module()  # ImportError with the install hint when numba-cuda is missing
 
@@ -153,13 +154,24 @@ def _claim_kernel(leaf_bits, slots):
         cuda.atomic.max(leaf_bits, slots[i], CLAIM_MARK + i)
 
 
+@cuda.jit(device=True)
+def _leaf_value(v):
+    """:func:`priority_tree.leaf_value` on the device: ``v`` rounded to float32, a positive one kept in
+    ``[LEAF_TINY, LEAF_MAX]`` (held in a float64 leaf: the host index's value, bit for bit)."""
+    if v > LEAF_MAX:
+        return LEAF_MAX
+    if v > 0.0 and v < LEAF_TINY:
+        return LEAF_TINY
+    return float64(float32(v))
+
+
 @cuda.jit
 def _write_kernel(leaves, leaf_bits, slots, values):
     i = cuda.grid(1)
     if i < slots.shape[0]:
         s = slots[i]
         if leaf_bits[s] == CLAIM_MARK + i:  # the last update of this slot
-            leaves[s] = values[i]
+            leaves[s] = _leaf_value(values[i])
 
 
 @cuda.jit

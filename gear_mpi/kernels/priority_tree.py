@@ -7,7 +7,8 @@ both in :mod:`~gear_mpi.kernels.cuda_priority`. The kernels take the structure a
 Layout, for ``n`` leaves, lines of ``LINE = 8`` leaves (one 64-byte cache line) and
 blocks of ``FANOUT = 64`` leaves (8 lines)::
 
-    leaves  float64[n]                  the weights (priority ** alpha, 1 for uniform, 0 when empty)
+    leaves  float32[n]                  the weights (priority ** alpha, 1 for uniform, 0 when empty),
+                                        each rounded to float32 as it is written (:func:`leaf_value`)
     l0_sum  float64[ceil(n / 8)]        sum of each line of 8 leaves
     l1_sum  float64[ceil(n / 64)]       sum of each block's 8 line sums
     l1_min  float64[ceil(n / 64)]       smallest positive leaf of each block (inf if none)
@@ -34,7 +35,13 @@ flags, the next group's lines (leaves, line sums, level-1 sums and minima)
 prefetched. Results are bit-identical to :func:`rebuild` (and to the CUDA twins
 in ``cuda_priority``).
 
-Memory: ``8 n (1 + 1/8 + 2/64 + 2/4096) + n/64 + n/4096`` bytes, about 9.27 bytes per leaf.
+Leaves are float32 (half of the structure's bytes), every level above them float64: a weight is
+rounded to float32 when it is written (:func:`leaf_value`: nearest, clamped to float32's positive
+range, so a positive weight stays positive and finite), and every sum above is computed in float64
+from those float32 values, in the same order as before. The draws are exact with respect to the
+stored leaves; a weight differs from the one given by at most half a float32 ulp (2**-24 relative).
+
+Memory: ``4 n + 8 n (1/8 + 2/64 + 2/4096) + n/64 + n/4096`` bytes, about 5.27 bytes per leaf.
 """
 from __future__ import annotations
 
@@ -45,13 +52,16 @@ from numba import njit, prange
 
 from .hints import prefetch as _prefetch
 
-LINE = 8                      # leaves per line (one 64-byte cache line of float64)
+LINE = 8                      # leaves per line (a 32-byte half cache line of float32; a line sum is 8 bytes)
 FANOUT = 64                   # leaves per level-1 block (8 lines)
 FANOUT2 = FANOUT * FANOUT     # leaves per level-2 block
 
 # The structure's arrays, in this order everywhere (the layout above; a checkpoint stores them in it).
 TREE_FIELDS = ("leaves", "l0_sum", "l1_sum", "l1_min", "l2_sum", "l2_min", "prefix")
 Tree = namedtuple("Tree", TREE_FIELDS)
+LEAF_DTYPE = np.dtype(np.float32)  # the leaves' type (every level above: float64)
+LEAF_MAX = float(np.finfo(np.float32).max)  # leaf_value's clamps: the largest float32 ...
+LEAF_TINY = float(np.finfo(np.float32).smallest_subnormal)  # ... and the smallest positive one
 Tree.__doc__ = """The arrays of one priority structure (host numpy arrays here, device arrays for
 :mod:`~gear_mpi.kernels.cuda_priority`). Built once by its index.
 
@@ -71,6 +81,27 @@ def level_sizes(n: int) -> tuple[int, int]:
 def line_count(n: int) -> int:
     """Return the length of level 0 (line sums) for ``n`` leaves."""
     return max(1, -(-n // LINE))
+
+
+@njit(cache=True, inline="always")
+def leaf_value(v):
+    """The value a leaf holds for weight ``v`` (float64 in, float64 out): ``v`` rounded to float32, to
+    nearest, except that a positive ``v`` stays positive and finite (clamped to ``[LEAF_TINY, LEAF_MAX]``)."""
+    if v > LEAF_MAX:
+        return LEAF_MAX
+    if v > 0.0 and v < LEAF_TINY:
+        return LEAF_TINY
+    return np.float64(np.float32(v))
+
+
+def leaf_values(weights: np.ndarray) -> np.ndarray:
+    """:func:`leaf_value` of each weight (a new float64 array). O(n)."""
+    w = np.asarray(weights, np.float64)
+    with np.errstate(over="ignore"):
+        out = w.astype(np.float32).astype(np.float64)
+    out[w > LEAF_MAX] = LEAF_MAX
+    out[(w > 0.0) & (w < LEAF_TINY)] = LEAF_TINY
+    return out
 
 
 @njit(cache=True, inline="always")
@@ -143,7 +174,7 @@ def _recompute_l1_min(leaves, l1_min, b, n):
     lo = b * FANOUT
     m = np.inf
     for i in range(lo, min(lo + FANOUT, n)):
-        v = leaves[i]
+        v = np.float64(leaves[i])
         if v > 0.0 and v < m:
             m = v
     l1_min[b] = m
@@ -159,11 +190,12 @@ def _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, c, n1):
 
 @njit(cache=True, inline="always")
 def _write_leaf(leaves, l1_min, flags1, s, v):
-    """``leaves[s] = v``, keeping the minimum of its block exact: lowered at once when ``v`` is a
-    new smallest positive value; the block is marked for a recount (flag 2) when the value
+    """``leaves[s] = leaf_value(v)``, keeping the minimum of its block exact: lowered at once when the
+    value is a new smallest positive one; the block is marked for a recount (flag 2) when the value
     replaced was its minimum. Returns True the first time the block is touched (flag 0 -> 1)."""
     b = s // FANOUT
-    old = leaves[s]
+    v = leaf_value(v)
+    old = np.float64(leaves[s])
     leaves[s] = v
     first = flags1[b] == 0
     if first:

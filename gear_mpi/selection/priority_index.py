@@ -21,17 +21,18 @@ from ..kernels.cuda_support import as_device, cuda_module, is_device_array, simu
 from ..kernels import priority_draw
 from ..kernels.hints import staggered_rows
 from ..kernels import priority_tree as tree_kernels
-from ..kernels.priority_tree import TREE_FIELDS, Tree
+from ..kernels.priority_tree import LEAF_DTYPE, TREE_FIELDS, Tree, leaf_values
 
 SET_SCRATCH_KEEP = 1 << 20  # set: batches up to this many slots keep their scratch (24 bytes a slot)
 _NO_INTS, _NO_FLOATS = np.empty((2, 0), np.int64), np.empty(0, np.float64)
 LEVEL_FIELDS = TREE_FIELDS[1:]  # everything but the leaves: what a checkpoint may carry to skip a rebuild
 
 
-def _aligned_zeros(n: int, fill: float = 0.0) -> np.ndarray:
-    """A float64 array of ``n`` entries starting on a 64-byte (cache-line) boundary."""
-    raw = np.empty(n + 8, np.float64)
-    skip = (-raw.ctypes.data % 64) // 8
+def _aligned_zeros(n: int, fill: float = 0.0, dtype=np.float64) -> np.ndarray:
+    """An array of ``n`` entries of ``dtype`` (float64 or float32) starting on a 64-byte (cache-line) boundary."""
+    size = np.dtype(dtype).itemsize
+    raw = np.empty(n + 64 // size, dtype)
+    skip = (-raw.ctypes.data % 64) // size
     out = raw[skip:skip + n]
     out.fill(fill)
     return out
@@ -45,13 +46,22 @@ def _set_rows(nb: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _leaves_section(sections: Mapping[str, np.ndarray], count: int) -> np.ndarray:
+    """The saved leaves: float32 (what a host index saves) or float64 (a device index's, and every
+    checkpoint written before the leaves were float32)."""
     leaves = sections.get("leaves")
     if leaves is None:
         raise ValueError("section 'leaves' is missing")
     leaves = np.asarray(leaves)
-    if leaves.shape != (count,) or leaves.dtype != np.float64:
-        raise ValueError(f"section 'leaves' has {leaves.shape} x {leaves.dtype}, expected ({count},) x float64")
+    if leaves.shape != (count,) or leaves.dtype not in (np.float32, np.float64):
+        raise ValueError(f"section 'leaves' has {leaves.shape} x {leaves.dtype}, expected ({count},) x float32 "
+                         f"or float64")
     return leaves
+
+
+def _leaves_as_held(leaves: np.ndarray) -> bool:
+    """Whether saved leaves are exactly what an index holds (each its own ``leaf_value``), so that saved
+    level arrays computed from them may be taken as they are. O(count)."""
+    return leaves.dtype == np.float32 or bool(np.array_equal(leaf_values(leaves), leaves))
 
 
 def _levels_fit(sections: Mapping[str, np.ndarray], tree: Tree) -> bool:
@@ -66,8 +76,9 @@ def _levels_fit(sections: Mapping[str, np.ndarray], tree: Tree) -> bool:
 class PriorityIndex:
     """Per-slot weights in the blocked sum/min structure of :mod:`gear_mpi.kernels.priority_tree`.
 
-    Memory: about 9.3 bytes per slot. ``set``: O(B + n / 4096) (each update recounts
-    one cache line of leaves and one of line sums). ``draw``: O(B (log(n / 4096) + 80)),
+    Memory: about 5.3 bytes per slot (float32 leaves, float64 levels above them: a weight is held
+    rounded to float32, see :func:`~gear_mpi.kernels.priority_tree.leaf_value`). ``set``: O(B + n / 4096)
+    (each update recounts one line of leaves and one of line sums). ``draw``: O(B (log(n / 4096) + 80)),
     two cache misses per draw, parallel.
 
     Args:
@@ -78,7 +89,7 @@ class PriorityIndex:
 
     def __init__(self, n: int):
         n1, n2 = tree_kernels.level_sizes(n)
-        self.tree = Tree(leaves=_aligned_zeros(n), l0_sum=_aligned_zeros(tree_kernels.line_count(n)),
+        self.tree = Tree(leaves=_aligned_zeros(n, dtype=LEAF_DTYPE), l0_sum=_aligned_zeros(tree_kernels.line_count(n)),
                          l1_sum=_aligned_zeros(n1), l1_min=np.full(n1, np.inf), l2_sum=np.zeros(n2, np.float64),
                          l2_min=np.full(n2, np.inf), prefix=np.zeros(n2 + 1, np.float64))
         self._arrays = tuple(self.tree)  # what the kernels get: a plain tuple dispatches faster (see Tree)
@@ -103,12 +114,13 @@ class PriorityIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the structure's arrays (about 9.3 a slot). O(1)."""
+        """Bytes of the structure's arrays (about 5.3 a slot). O(1)."""
         return sum(int(a.nbytes) for a in self.tree) + int(getattr(self, "_flags1", np.zeros(0)).nbytes) \
             + int(getattr(self, "_flags2", np.zeros(0)).nbytes)
 
     def set(self, slots: np.ndarray, values: np.ndarray) -> None:
-        """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins).
+        """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins), each rounded to float32
+        (:func:`~gear_mpi.kernels.priority_tree.leaf_value`).
 
         Args:
             slots: int slots in ``[0, n)`` (not checked: the kernel trusts them).
@@ -161,12 +173,12 @@ class PriorityIndex:
             slots: int slots in ``[0, n)``.
 
         Returns:
-            A new host float64 array, one weight per slot.
+            A new host float64 array, one weight per slot (as held: rounded to float32).
 
         Raises:
             IndexError: a slot out of range.
         """
-        return self.tree.leaves[slots]
+        return self.tree.leaves[slots].astype(np.float64)
 
     def host_leaves(self, count: int) -> np.ndarray:
         """The first ``count`` weights as a host array. O(1).
@@ -175,7 +187,7 @@ class PriorityIndex:
             count: how many (at most ``n``).
 
         Returns:
-            A view of the leaves (no copy).
+            A view of the leaves (no copy; float32).
         """
         return self.tree.leaves[:count]
 
@@ -187,7 +199,7 @@ class PriorityIndex:
             count: the slots in use (the store's high-water mark): only ``leaves[:count]`` is given.
 
         Returns:
-            ``("leaves", leaves[:count])`` then every level array whole (``LEVEL_FIELDS``).
+            ``("leaves", leaves[:count])`` (float32) then every level array whole (``LEVEL_FIELDS``).
             Views, no copy: write them out before the index changes.
         """
         return [("leaves", self.tree.leaves[:count])] + [(name, getattr(self.tree, name)) for name in LEVEL_FIELDS]
@@ -196,18 +208,20 @@ class PriorityIndex:
         """Load the state :meth:`sections` described, into this new (all-zero) index.
 
         Uses the level arrays when every one is given with this index's length and
-        dtype (a copy, O(n / 8)); otherwise sets the ``count`` leaves, which recomputes
-        the levels (O(count)). Leaves past ``count`` are left as they are (zero in a new index).
+        dtype and the leaves are as an index holds them (float32 values: a copy, O(n / 8));
+        otherwise sets the ``count`` leaves, which recomputes the levels (O(count)): float64
+        leaves of checkpoints written before the leaves were float32 are rounded then.
+        Leaves past ``count`` are left as they are (zero in a new index).
 
         Args:
-            sections: ``"leaves"`` (float64, ``count`` entries) and optionally the level arrays.
+            sections: ``"leaves"`` (float32 or float64, ``count`` entries) and optionally the level arrays.
             count: the slots in use.
 
         Raises:
-            ValueError: ``"leaves"`` is missing or not ``count`` float64 values (nothing changed).
+            ValueError: ``"leaves"`` is missing or not ``count`` float values (nothing changed).
         """
         leaves = _leaves_section(sections, count)
-        if _levels_fit(sections, self.tree):
+        if _levels_fit(sections, self.tree) and _leaves_as_held(leaves):
             self.tree.leaves[:count] = leaves
             for name in LEVEL_FIELDS:
                 getattr(self.tree, name)[:] = sections[name]
@@ -234,8 +248,8 @@ class DevicePriorityIndex:
 
     ``set``/``draw`` take host arrays (copied to the device) or device arrays /
     CUDA tensors (used in place); ``draw`` returns a device int64 array (call
-    ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory, no
-    scratch. ``set``: six launches, O(B * 64 + n / 4096). ``draw``: one thread per
+    ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory (float64 leaves
+    holding the host index's float32-rounded values), no scratch. ``set``: six launches, O(B * 64 + n / 4096). ``draw``: one thread per
     draw, O(log(n / 4096) + 128) reads each.
 
     Args:
@@ -396,18 +410,19 @@ class DevicePriorityIndex:
         """Load a checkpoint's index state into this new (all-zero) index.
 
         Copies the level arrays to the device when every one is given with this
-        index's lengths (O(n / 8) over the bus), else sets the ``count`` leaves (O(count)).
+        index's lengths and the leaves are as an index holds them (O(n / 8) over the bus),
+        else sets the ``count`` leaves (O(count)).
 
         Args:
-            sections: ``"leaves"`` (float64, ``count`` entries) and optionally the level arrays.
+            sections: ``"leaves"`` (float32 or float64, ``count`` entries) and optionally the level arrays.
             count: the slots in use.
 
         Raises:
-            ValueError: ``"leaves"`` is missing or not ``count`` float64 values (nothing changed).
+            ValueError: ``"leaves"`` is missing or not ``count`` float values (nothing changed).
         """
         leaves = _leaves_section(sections, count)
-        if _levels_fit(sections, self.tree) and count:
-            self.tree.leaves[:count].copy_to_device(np.ascontiguousarray(leaves))
+        if _levels_fit(sections, self.tree) and count and _leaves_as_held(leaves):
+            self.tree.leaves[:count].copy_to_device(np.ascontiguousarray(leaves, np.float64))
             for name in LEVEL_FIELDS:
                 getattr(self.tree, name).copy_to_device(np.ascontiguousarray(sections[name], np.float64))
         else:

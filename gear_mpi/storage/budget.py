@@ -16,7 +16,7 @@ import warnings
 from ..errors import MemoryBudgetError
 from ..progress import human
 from .arenas import column_layout
-from .table import bytes_per_slot
+from .table import bytes_per_slot, derives_priority, stamps_per_item
 
 
 
@@ -92,15 +92,20 @@ def check(per_rank: int, node_ranks: int, memory: str) -> str | None:
     return None
 
 
-def shard_bytes(spec, capacity_steps: int, max_items: int | None, proportional: bool, memory: str = "private") -> int:
+def shard_bytes(spec, capacity_steps: int, max_items: int | None, proportional: bool, memory: str = "private",
+                sampler=None) -> int:
     """Bytes of RAM one rank's shard reserves: the step ring, the trajectory table and the priority index
-    (``memory="file"``: the index alone, the rest is on disk; ``"mapped"``: the table and the index)."""
+    (``memory="file"``: the index alone, the rest is on disk; ``"mapped"``: the table and the index).
+    Without ``sampler``, the widest table these sizes allow and 10 bytes a slot of index; with it, the rows
+    its shard keeps (raw priorities and stamps only where they are rows; a use limit counted) and 6 bytes a
+    slot of index (float32 leaves, float64 levels: about 5.3). O(1)."""
     slots = int(capacity_steps if max_items is None else max_items)
-    index = slots * (10 if proportional else 0)
+    index = slots * ((10 if sampler is None else 6) if proportional else 0)
     if memory == "file":
         return index
-    # the widest table these sizes allow (a use limit counted, raw priorities stored)
-    table = slots * bytes_per_slot(int(capacity_steps), slots, spec.max_length, 1, True)
+    priority_row = sampler is None or not derives_priority(sampler)
+    stamp_row = sampler is None or stamps_per_item(sampler)
+    table = slots * bytes_per_slot(int(capacity_steps), slots, spec.max_length, 1, priority_row, stamp_row)
     return index + table + (0 if memory == "mapped" else column_layout(spec, int(capacity_steps))[1])
 
 
@@ -112,7 +117,8 @@ def enforce(comm, spec, capacity_steps: int, max_items: int | None, sampler, mem
         MemoryBudgetError: some node cannot hold its shards (on every rank), unless ``lazy`` (then a warning).
     """
     try:
-        problem = check(shard_bytes(spec, capacity_steps, max_items, sampler.proportional, memory), node_ranks, memory)
+        problem = check(shard_bytes(spec, capacity_steps, max_items, sampler.proportional, memory, sampler), node_ranks,
+                        memory)
     except (TypeError, ValueError):  # a bad size: the shard's own check names it
         problem = None
     if problem is not None and lazy:

@@ -72,6 +72,8 @@ class TrajectoryStore:
             written (``priority_constant``, :meth:`~gear_mpi.storage.table.TableLayout.keep_priorities`): for
             selectors whose draws ignore raw priorities (``Uniform``, ``Prioritized(alpha=0)``), so that a
             batch at one priority writes no row.
+        stamp_row: whether each slot keeps its insertion stamp (``Fifo``/``Lifo`` shards: they are merged by
+            it); False: one per insert, in ``layout.stamp_log`` (:mod:`gear_mpi.storage.stamps`).
 
     Raises:
         ValueError: a size or rank out of range, an unknown ``memory``, a ``path`` it does not take,
@@ -81,7 +83,8 @@ class TrajectoryStore:
 
     def __init__(self, spec: TrajectorySpec, capacity_steps: int, max_items: int | None = None,
                  memory: str = "private", rank: int = 0, tag: int = 0, arena=None, path=None,
-                 max_times_sampled: int = 0, priority_row: bool = True, lazy_priority: bool = False):
+                 max_times_sampled: int = 0, priority_row: bool = True, lazy_priority: bool = False,
+                 stamp_row: bool = True):
         if isinstance(capacity_steps, bool) or not isinstance(capacity_steps, (int, np.integer)) or capacity_steps < 1:
             raise ValueError(f"capacity_steps must be a positive integer, got {capacity_steps!r}")
         if capacity_steps < spec.max_length:
@@ -99,7 +102,7 @@ class TrajectoryStore:
         self.offsets, nbytes = column_layout(spec, self.capacity)
         memory = memory_kind(memory, stacklevel=3)
         fields = table_layout.stored_fields(
-            table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled)), max_items,
+            table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled), stamp_row), max_items,
             priority_row)  # what a file holding the table must carve
         self._table_arena = None
         self.prefetch_windows = True  # file-backed columns: see prefetch()
@@ -138,7 +141,7 @@ class TrajectoryStore:
         # committed as slots are first used
         carved = file_memory.carve(self._table_arena.buffer, fields) if self._table_arena is not None else None
         self.layout = table_layout.TableLayout(self.capacity, max_items, spec.max_length, int(max_times_sampled),
-                                               priority_row, lazy_priority, carved)
+                                               priority_row, lazy_priority, carved, stamp_row)
         self.table = self.layout.rows
         self.table_bytes = self.layout.nbytes
         self._arrays = self.layout.arrays  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
@@ -294,9 +297,11 @@ class TrajectoryStore:
         if self.on_write is not None:
             self.on_write(first, total)
         fresh = total * self.spec.step_bytes >= store_insert.OVERLAP_BYTES and self.reaches_fresh(first + total)
+        first_seq = int(self.state[ring.NEXT_SEQ])
         with small_pages(self.fresh_arrays() if fresh else ()) as pages:
             evicted_all = self._insert_chunks(columns, lengths, priorities, slots_out, on_evicted, first, total,
                                               now, finish_chunk, fresh)
+        self.layout.record_stamp(first_seq, now)
         self.ring_touched = self.capacity if first + total >= self.capacity else max(self.ring_touched, first + total)
         if pages.maps:  # 4 KiB pages were committed: merged into huge pages now, in the background (opt-in)
             self.collapse_written()

@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels import ring
+from ..kernels.priority_tree import leaf_value
 from .arenas import anonymous_pages, commit_pages
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
@@ -240,7 +241,8 @@ def set_inserted_leaves(leaves, slots, weights, evicted, status, alive_shift, de
     Args:
         leaves: the index's leaf weights (written in place; the levels above are not touched: rebuild them).
         slots: the new trajectories' slots.
-        weights: their weights, one each, or one shared by all (a 1-element array).
+        weights: their weights, one each, or one shared by all (a 1-element array); each leaf holds
+            its weight's ``priority_tree.leaf_value`` (rounded to float32), as ``PriorityIndex.set`` writes it.
         evicted: the slots of the live trajectories the batch evicted.
         status: the store's ``status`` row (after the insert), its alive code above ``alive_shift`` bits;
             ``dead``: the code of a free slot.
@@ -250,7 +252,7 @@ def set_inserted_leaves(leaves, slots, weights, evicted, status, alive_shift, de
     changed = zero_evicted_leaves(leaves, evicted, status, alive_shift, dead)
     shared = weights.shape[0] == 1
     for i in range(slots.shape[0]):
-        w = weights[0] if shared else weights[i]
+        w = leaf_value(weights[0] if shared else weights[i])
         if leaves[slots[i]] != w:
             leaves[slots[i]] = w
             changed += 1

@@ -1,25 +1,28 @@
 """The trajectory table's memory layout: row dtypes chosen from a shard's ranges, and :class:`TableLayout`,
 the table a store holds: its rows, its raw priorities and its checkpoint sections.
 
-A shard's table costs a few bytes per slot (:func:`bytes_per_slot`; 12 for one-step items in a
-ring of up to 2**32 steps, plus the insertion stamp, plus the raw priorities when the priority index
-cannot give them back), because each row takes the narrowest type its range allows, fixed at
-construction:
+A shard's table costs a few bytes per slot (:func:`bytes_per_slot`; 10 for one-step items in a
+ring of up to 2**32 steps, plus 8 for the insertion stamp under ``Fifo``/``Lifo``, plus the raw
+priorities when the priority index cannot give them back), because each row takes the narrowest type
+its range allows, fixed at construction, and a row that can be derived is not stored:
 
 - ``start`` uint32 while the ring has at most 2**32 steps, else int64;
 - ``length`` uint8 / uint16 / uint32 / int64, the narrowest that holds ``spec.max_length``; not stored
   at all (one element seen through a zero stride) when every trajectory is one step;
 - ``status`` uint16: the generation (modulo ``2**keys.GEN_BITS``, exactly the bits a key carries, so
   keys behave as with a wider counter) and the alive code (:mod:`~gear_mpi.kernels.ring`);
-- ``stamp`` int64 (ns insertion time);
+- ``stamp`` int64 (ns insertion time) only for the selectors that merge shards by it (``Fifo``, ``Lifo``:
+  :func:`stamps_per_item`); every other table keeps its stamps along the insertion order in a
+  :class:`~gear_mpi.storage.stamps.StampLog` (one anchor per insert, bounded at 16 bytes per 64 slots),
+  the row then one element seen through a zero stride;
 - ``times_sampled`` uint32 (int64 above 2**32 - 1 uses) only when ``max_times_sampled`` is set:
   without a limit, uses are not counted (a checkpoint then holds zeros);
 - ``order`` int32 (a shard has at most ``keys.MAX_SLOTS`` = 2**27 slots);
 - the free-slot stack is linked through the free slots' ``start`` entries, the insertion sequence is
   each trajectory's place in the order ring: neither is stored;
 - ``priority`` float64 only where the index cannot give it back: a :class:`~gear_mpi.selection.selectors.Prioritized`
-  index holds ``p ** alpha`` (alpha > 0), so ``p`` is read back as ``leaf ** (1 / alpha)``
-  (:class:`DerivedPriority`, within a few ulps of the value set); ordered selectors, ``Uniform`` and
+  index holds ``p ** alpha`` (alpha > 0) rounded to float32, so ``p`` is read back as ``leaf ** (1 / alpha)``
+  (:class:`DerivedPriority`, within float32 precision of the value set); ordered selectors, ``Uniform`` and
   alpha 0 keep the row.
 
 Checkpoints keep the old section names (``ring.TABLE_ROWS`` then ``order`` and ``free``), each in its
@@ -34,9 +37,11 @@ import numpy as np
 from numba import njit
 
 from ..kernels import ring
+from ..kernels.priority_tree import leaf_values
 from ..kernels.weights import power_weights
 from ..keys import GEN_MASK
 from .arenas import anonymous_pages
+from .stamps import StampLog
 
 _ROW_STAGGER = 320  # bytes: rows at k * 320 past a page boundary all fall in different 4 KiB offsets
 _STAMP_DTYPE = np.dtype(np.int64)
@@ -50,7 +55,8 @@ def _narrowest(limit: int) -> np.dtype:
     return np.dtype(np.int64)
 
 
-def row_types(capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int) -> dict:
+def row_types(capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int,
+              stamp_row: bool = True) -> dict:
     """The table's arrays for these ranges: name -> (entries allocated, dtype, broadcast). O(1).
 
     Args:
@@ -58,6 +64,8 @@ def row_types(capacity_steps: int, max_items: int, max_length: int, max_times_sa
         max_items: table slots.
         max_length: the spec's longest trajectory.
         max_times_sampled: uses before removal (0: not counted).
+        stamp_row: whether each slot keeps its insertion stamp (False: a :class:`~gear_mpi.storage.stamps.StampLog`
+            holds them, one per insert; :func:`stamps_per_item`).
     Returns:
         ``ring.TABLE_FIELDS`` in order; ``broadcast`` rows are one element seen ``max_items`` times.
     """
@@ -67,23 +75,23 @@ def row_types(capacity_steps: int, max_items: int, max_length: int, max_times_sa
     return {"start": (max_items, start, False),
             "length": (1 if one_step else max_items, _narrowest(max_length), one_step),
             "status": (max_items, np.dtype(np.uint16), False),
-            "stamp": (max_items, _STAMP_DTYPE, False),
+            "stamp": (max_items if stamp_row else 1, _STAMP_DTYPE, not stamp_row),
             "times_sampled": (max_items if max_times_sampled else 1, times, not max_times_sampled),
             "order": (max_items, np.dtype(np.int32), False),
             "state": (ring.STATE_LEN, np.dtype(np.int64), False)}
 
 
 def bytes_per_slot(capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int = 0,
-                   priority_row: bool = True) -> int:
+                   priority_row: bool = True, stamp_row: bool = True) -> int:
     """Table bytes per slot for these ranges (the priority index's are apart). O(1).
 
     Args:
-        capacity_steps, max_items, max_length, max_times_sampled: as for :func:`row_types`.
+        capacity_steps, max_items, max_length, max_times_sampled, stamp_row: as for :func:`row_types`.
         priority_row: whether raw priorities are stored (8 bytes).
     Returns:
         The bytes.
     """
-    rows = row_types(capacity_steps, max_items, max_length, max_times_sampled)
+    rows = row_types(capacity_steps, max_items, max_length, max_times_sampled, stamp_row)
     per = sum(dt.itemsize for name, (_, dt, bc) in rows.items() if name != "state" and not bc)
     return per + (8 if priority_row else 0)
 
@@ -161,7 +169,8 @@ def all_equal(values, v):
     return True
 
 
-_NEAR = 3  # float64 patterns tried on each side of w ** (1 / alpha)
+_NEAR = 3  # float32 patterns tried on each side of w ** (1 / alpha)
+_F32_INF_BITS = 0x7F800000  # the bits of float32 inf: patterns below it (and >= 0) are finite non-negative
 
 
 def _trailing_zeros(bits: np.ndarray) -> np.ndarray:
@@ -174,9 +183,11 @@ def _trailing_zeros(bits: np.ndarray) -> np.ndarray:
 
 
 class DerivedPriority:
-    """Raw priorities read back from a priority index holding ``p ** alpha`` (alpha > 0): ``p = w ** (1 / alpha)``,
-    within a few ulps of what was set (exact for alpha 1). Indexed like the row it replaces; writes are
-    ignored (the index is set by the shard).
+    """Raw priorities read back from a priority index holding ``leaf_value(p ** alpha)`` (alpha > 0; float32
+    leaves, :func:`~gear_mpi.kernels.priority_tree.leaf_value`): ``p`` is a value whose weight is the leaf,
+    within float32 precision of what was set (about ``2**-24 / alpha`` relative; a priority with a short
+    mantissa, such as 0.5 or 3, reads back exactly). Indexed like the row it replaces; writes are ignored
+    (the index is set by the shard).
 
     Args:
         index: the shard's priority index (``weights_of``, ``host_leaves``).
@@ -188,50 +199,59 @@ class DerivedPriority:
         self.alpha = float(alpha)
         self.inverse = 1.0 / self.alpha
 
+    def _held(self, priorities: np.ndarray) -> np.ndarray:
+        """The leaf each priority gives: ``leaf_value(power_weights(p))``, as the shard sets it."""
+        return leaf_values(power_weights(priorities, self.alpha))
+
     def _raw(self, weights: np.ndarray) -> np.ndarray:
-        """The priorities whose ``** alpha`` (as the selector computes weights: :func:`~gear_mpi.kernels.weights.power_weights`,
-        the C library's ``pow``, which numpy's SIMD ``np.power`` may differ from in the last bit) is ``w``: of the few float64
-        values near ``w ** (1 / alpha)`` that give ``w`` back, the one with the shortest mantissa (so a
-        priority set as 0.5 or 0.625 reads back exactly; one with a full mantissa within an ulp or two).
-        Reading back, setting again (a reshard re-inserts them) and reading back again gives the very
-        same weight and value. O(n): 2 * _NEAR + 1 powers per value, plus a bisection (about 40 steps)
-        for the rare value whose neighbourhood holds no such pattern (extreme magnitudes)."""
+        """The priorities whose held weight (``leaf_value`` of ``p ** alpha`` as the selector computes it:
+        :func:`~gear_mpi.kernels.weights.power_weights`, the C library's ``pow``) is the leaf ``w``: of the
+        float32 values next to ``w ** (1 / alpha)`` that give ``w`` back, the one with the shortest
+        mantissa (so a priority set as 0.5 or 0.625 reads back exactly). Reading back, setting again (a
+        reshard re-inserts them) and reading back again gives the very same weight and value. O(n):
+        2 * _NEAR + 1 powers per value; the float64 guess itself, or a bisection (about 40 steps), for
+        the rare value with no float32 neighbour that fits (weights clamped at float32's ends, alpha > 1)."""
         w = np.asarray(weights, np.float64)
         if self.inverse == 1.0:
-            return w.copy()
+            return w.copy()  # the leaf is leaf_value(p): its own preimage
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
             p = np.power(w, self.inverse)
-            guess = p.view(np.int64)  # positive floats: bit patterns sort as the values
+            guess = p.astype(np.float32).view(np.int32).astype(np.int64)  # positive floats sort as their bits
             best = np.full(len(w), -1, np.int64)
             best_zeros = np.full(len(w), -1, np.int64)
             for d in range(-_NEAR, _NEAR + 1):
                 cand = guess + d
-                hit = (power_weights(cand.view(np.float64), self.alpha) == w) & (cand >= 0)
+                ok = (cand >= 0) & (cand < _F32_INF_BITS)
+                values = np.where(ok, cand, 0).astype(np.int32).view(np.float32).astype(np.float64)
+                hit = ok & (self._held(values) == w)
                 zeros = _trailing_zeros(cand)
                 take = hit & (zeros > best_zeros)
                 best = np.where(take, cand, best)
                 best_zeros = np.where(take, zeros, best_zeros)
             found = best >= 0
-            p[found] = best[found].view(np.float64)
-            bad = np.flatnonzero(~found & (w > 0) & np.isfinite(p))
-            if len(bad):
-                p[bad] = self._bisect(p[bad], w[bad])
-        return p
+            out = p.copy()
+            out[found] = best[found].astype(np.int32).view(np.float32).astype(np.float64)
+            rest = np.flatnonzero(~found & (w > 0) & np.isfinite(p))
+            if len(rest):
+                bad = rest[self._held(p[rest]) != w[rest]]
+                if len(bad):
+                    out[bad] = self._bisect(p[bad], w[bad])
+        return out
 
     def _bisect(self, p: np.ndarray, target: np.ndarray) -> np.ndarray:
-        """The smallest value within 1e-9 of ``p`` whose power reaches ``target`` (``p`` where none is equal)."""
-        lo = (p * (1 - 1e-9)).view(np.int64)
-        hi = (p * (1 + 1e-9)).view(np.int64)
+        """The smallest value within 1e-6 of ``p`` whose held weight reaches ``target`` (``p`` where none is equal)."""
+        lo = (p * (1 - 1e-6)).view(np.int64)
+        hi = (p * (1 + 1e-6)).view(np.int64)
         while True:
             go = lo < hi
             if not go.any():
                 break
             mid = lo + (hi - lo) // 2
-            below = power_weights(mid.view(np.float64), self.alpha) < target
+            below = self._held(mid.view(np.float64)) < target
             lo = np.where(go & below, mid + 1, lo)
             hi = np.where(go & ~below, mid, hi)
         found = lo.view(np.float64)
-        return np.where(power_weights(found, self.alpha) == target, found, p)
+        return np.where(self._held(found) == target, found, p)
 
     def __getitem__(self, slots) -> np.ndarray:
         if isinstance(slots, slice) and slots.start in (None, 0) and slots.step in (None, 1) and slots.stop is not None:
@@ -242,6 +262,13 @@ class DerivedPriority:
 
     def __setitem__(self, slots, values) -> None:
         pass
+
+
+def stamps_per_item(selector) -> bool:
+    """Whether ``selector`` needs each trajectory's own insertion stamp (``Fifo``, ``Lifo``: shards are merged by
+    it); every other selector's table keeps them in a :class:`~gear_mpi.storage.stamps.StampLog`. O(1)."""
+    from ..selection.selectors import Fifo, Lifo
+    return isinstance(selector, (Fifo, Lifo))
 
 
 def derives_priority(selector) -> bool:
@@ -270,22 +297,27 @@ class TableLayout:
         capacity_steps: ring steps; max_items: table slots; max_length: the spec's longest trajectory;
             max_times_sampled: uses before removal (0: not counted) -- as for :func:`row_types`.
         priority_row: whether to keep raw priorities in a row.
+        stamp_row: whether to keep each slot's insertion stamp in a row (False: ``stamp_log``, a
+            :class:`~gear_mpi.storage.stamps.StampLog`, one anchor per insert, bounded).
         lazy_priority: whether that row may stand for one value (for selectors whose draws ignore raw
             priorities: a batch at one priority writes no row).
         carved: name -> array laid out in a file (``file_arenas.carve`` of :func:`stored_fields`), or None:
             staggered rows in memory, committed as slots are first used.
     Attributes:
         rows: the :class:`~gear_mpi.kernels.ring.Table`; arrays: the same as a plain tuple (what the kernels
-            get: it dispatches faster); nbytes: the table's bytes; priority, priority_constant: as above.
+            get: it dispatches faster); nbytes: the table's bytes; priority, priority_constant: as above;
+            stamp_log: None, or the :class:`~gear_mpi.storage.stamps.StampLog` standing for the stamp row.
     """
 
     def __init__(self, capacity_steps: int, max_items: int, max_length: int, max_times_sampled: int = 0,
                  priority_row: bool = True, lazy_priority: bool = False,
-                 carved: Mapping[str, np.ndarray] | None = None):
+                 carved: Mapping[str, np.ndarray] | None = None, stamp_row: bool = True):
         self.capacity = int(capacity_steps)
         self.max_items = int(max_items)
         self.max_length = int(max_length)
-        types = row_types(self.capacity, self.max_items, self.max_length, int(max_times_sampled))
+        types = row_types(self.capacity, self.max_items, self.max_length, int(max_times_sampled), stamp_row)
+        # None: the stamp row holds each slot's stamp; else the anchors that stand for them
+        self.stamp_log = None if stamp_row else StampLog(self.max_items)
         self.nbytes = sum(c * np.dtype(d).itemsize for c, d in stored_fields(types, self.max_items,
                                                                               priority_row).values())
         self.rows = build(types, self.max_items, carved)
@@ -339,6 +371,26 @@ class TableLayout:
             return np.full(len(slots), self.priority_constant)
         return np.asarray(self.priority[slots], np.float64)
 
+    def set_stamps(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        """Give ``slots`` (live) the insertion stamps ``stamps`` (ns): into the row, or the log's anchors
+        (one per run of equal stamps). O(len(slots)) with a row, else O(high-water mark)."""
+        stamps = np.asarray(stamps, np.int64)
+        if self.stamp_log is None:
+            self.rows.stamp[slots] = stamps
+            return
+        t = self.rows
+        seq = ring.seq_numbers(t.state, t.order, int(t.state[ring.NEXT_FRESH]))
+        self.stamp_log.assign(seq[np.asarray(slots, np.int64)], np.broadcast_to(stamps, (len(slots),)),
+                              int(t.state[ring.NEXT_SEQ] - t.state[ring.ORDER_COUNT]))
+
+    def record_stamp(self, first_seq: int, now: int) -> None:
+        """After an insert that took the sequence numbers from ``first_seq`` on, at ``now``: an anchor where
+        the log wants one (nothing with a stamp row). O(1) amortized."""
+        if self.stamp_log is not None:
+            state = self.rows.state
+            end = int(state[ring.NEXT_SEQ])
+            self.stamp_log.record(int(first_seq), end, int(now), end - int(state[ring.ORDER_COUNT]))
+
     def written_rows(self) -> list[np.ndarray]:
         """The per-slot rows that inserts write (a row standing for one value left out), and the raw
         priorities' where kept. O(1)."""
@@ -354,12 +406,14 @@ class TableLayout:
         t = self.rows
         hwm = int(t.state[ring.NEXT_FRESH])
         status = t.status[:hwm]
+        seq = ring.seq_numbers(t.state, t.order, hwm)
         rows = {"start": t.start[:hwm],
                 "length": t.length[:hwm] if t.length.strides[0] else np.ones(hwm, t.length.dtype),
                 "priority": self.raw_priorities(np.arange(hwm)) if self.priority_constant is not None
                 else np.ascontiguousarray(self.priority[:hwm], np.float64),
                 "generation": (status & GEN_MASK).astype(np.uint16),
-                "seq": ring.seq_numbers(t.state, t.order, hwm), "stamp": t.stamp[:hwm],
+                "seq": seq, "stamp": t.stamp[:hwm] if self.stamp_log is None
+                else np.where(status >> ring.ALIVE_SHIFT == ring.DEAD, 0, self.stamp_log.stamps_of(seq)),
                 "times_sampled": t.times_sampled[:hwm] if t.times_sampled.strides[0]
                 else np.zeros(hwm, t.times_sampled.dtype),
                 "alive": (status >> ring.ALIVE_SHIFT).astype(np.uint8)}
@@ -421,8 +475,13 @@ class TableLayout:
             t.length[hwm:old_hwm] = 0
         t.status[:hwm] = (got["generation"].astype(np.int64) & GEN_MASK) | (alive << ring.ALIVE_SHIFT)
         t.status[hwm:old_hwm] = 0
-        t.stamp[:hwm] = got["stamp"]
-        t.stamp[hwm:old_hwm] = 0
+        if self.stamp_log is None:
+            t.stamp[:hwm] = got["stamp"]
+            t.stamp[hwm:old_hwm] = 0
+        else:  # one anchor per run of equal stamps along the trajectories in the order ring
+            held = np.asarray(got["order"], np.int64)
+            self.stamp_log.clear()
+            self.stamp_log.assign(got["seq"][held], got["stamp"][held], int(state[ring.NEXT_SEQ]) - o_count)
         if t.times_sampled.strides[0]:
             t.times_sampled[:hwm] = got["times_sampled"]
             t.times_sampled[hwm:old_hwm] = 0

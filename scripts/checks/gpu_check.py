@@ -195,7 +195,8 @@ class Checker:
         z, cp, rep = self.z, self.cp, self.report
         n, b = z.parity_n, z.parity_b
         size = f"N={human(n)} B={human(b)}"
-        w = self.host_weights(n)
+        from gear_mpi.kernels import leaf_values
+        w = leaf_values(self.host_weights(n))  # float32 values: what the host index's leaves hold
         idx = PriorityIndex(n)
         idx.leaves[:] = w
         idx.rebuild()

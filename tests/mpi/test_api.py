@@ -173,7 +173,8 @@ def test_stats_schema_and_names_of_counts(force):
         assert len(values) == SIZE and st["total"][k] == pytest.approx(sum(values), rel=1e-12), k
     assert (st["total"]["staged"], st["total"]["staged_steps"], st["total"]["writers_draining"]) == (0, 0, 0)
     assert st["per_rank"]["items"] == shard_sizes() and st["total"]["items"] == len(ref)
-    assert st["total"]["weight"] == pytest.approx(sum(p for _, p in ref.values()), rel=1e-12)
+    # index weights are held rounded to float32 (issue 34): their sum within float32 precision
+    assert st["total"]["weight"] == pytest.approx(sum(p for _, p in ref.values()), rel=2.0 ** -22)
     assert st["total"]["sampled"] == 3 * SIZE
     # a shard reports the same figures under the same names
     own = replay.shard.stats()

@@ -86,8 +86,10 @@ def test_exact_restore_of_the_fixture(ref):
     for align, want in zip(nb["aligns"], nb["per_rank"][RANK]):
         b = replay.sample(2 + RANK, nb["window"], align)
         assert b.keys.numpy().tolist() == want["keys"] and b.lengths.numpy().tolist() == want["lengths"]
-        assert b.probabilities.numpy().tolist() == want["probabilities"]
-        assert b.weights.numpy().tolist() == want["weights"]
+        # the fixture was written when the index held float64 weights; it now holds them rounded to float32
+        # (issue 34): the same draws, probabilities and importance weights within float32 precision
+        np.testing.assert_allclose(b.probabilities.numpy(), want["probabilities"], rtol=2.0 ** -21, atol=0)
+        np.testing.assert_allclose(b.weights.numpy(), want["weights"], rtol=2.0 ** -21, atol=0)
         assert b.mask.numpy().astype(int).tolist() == want["mask"]
         assert b["id"].numpy().tolist() == want["id"]
         assert np.array_equal(b["obs"].numpy(), np.array(want["obs"], np.float32))

@@ -44,8 +44,9 @@ def test_invalid_arguments_fail_on_every_rank(force):
     # nothing was changed by the failed calls, and the replay still works
     before = {k: p for k, (_, p) in ref.items() if owner_of(k) == RANK}
     if before:
-        # a Prioritized index gives raw priorities back within an ulp or two (gear_mpi.storage.table)
-        np.testing.assert_allclose(replay.shard.priorities(list(before)), list(before.values()), rtol=1e-15, atol=0)
+        # a Prioritized index gives raw priorities back within float32 precision (gear_mpi.storage.table)
+        np.testing.assert_allclose(replay.shard.priorities(list(before)), list(before.values()), rtol=2.0 ** -20,
+                                   atol=0)
     batch = replay.sample(3, 4)
     assert len(batch) == 3
     replay.close()

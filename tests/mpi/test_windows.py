@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
+from gear_mpi.kernels import leaf_values
 from replay_checks import COMM, RANK, SIZE, check_windows, fill, make_replay, owner_of, shard_sizes
 
 SELECTORS = {"Uniform": lambda: gm.Uniform(), "Prioritized": lambda: gm.Prioritized(0.7, 0.5),
@@ -36,7 +37,9 @@ def test_exact_windows_weights_and_order(mode, selector, force):
         rows = COMM.allgather(list(zip(batch.keys.tolist(), batch.probabilities.tolist(), batch.weights.tolist())))
         flat = [r for part in rows for r in part]
         if sel.proportional:
-            w = {k: (1.0 if not sel.uses_importance_weights else p ** sel.alpha) for k, (_, p) in ref.items()}
+            # the weights as the index holds them: p ** alpha rounded to float32 (gear_mpi.kernels.leaf_values)
+            w = {k: (1.0 if not sel.uses_importance_weights else float(leaf_values(np.array([p ** sel.alpha]))[0]))
+                 for k, (_, p) in ref.items()}
             total = sum(w.values())
             for k, prob, weight in flat:
                 assert abs(prob - w[k] / total) < 1e-12, (k, prob, w[k] / total)
