@@ -163,6 +163,8 @@ class Replay:
             raise
         self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
         self.calls = ReplayCalls(self.comm, self.node.board)  # the heads of its collectives (distributed.calls)
+        # one rank on the host: a sample is its shard's (every mode draws from the one shard, nothing to agree)
+        self._solo = size == 1 and self.device is None
         if self.device is None:  # the first sample then costs what later ones do (gear_mpi.shard.warm_kernels)
             warm_kernels(spec, sampler)
             none = np.zeros(size, np.int64)
@@ -365,6 +367,12 @@ class Replay:
         if self.mode == "local" and mode in (None, "local"):  # no communication
             if problem is not None:
                 raise problem
+            return self._sample_local(batch_size, window, align, out)
+        if self._solo:  # one rank on the host: its shard is the whole replay and nobody can disagree
+            if problem is not None:
+                raise problem
+            header.mode_code(self.mode if mode is None else mode)  # a bad mode: ValueError, as agreed ones
+            self._check_out(out, check_batch_size(batch_size), check_window(self.spec, window, align)[0])
             return self._sample_local(batch_size, window, align, out)
         err, mode = problem, self.mode if mode is None else mode
         try:
