@@ -354,7 +354,9 @@ class Replay:
         owner before it next writes its shard; see the module docstring) keeps owners
         from overwriting windows that node peers still copy.
         Selection on the owner: O(items log n); copies: each delivered byte once
-        on a node, twice (pack + MPI) across nodes.
+        on a node, twice (pack + MPI) across nodes. One rank on the host: no header, plan or exchange --
+        the arguments are checked, the writers drained and the rate limiter asked as above, then the shard
+        samples itself (:meth:`Shard.sample <gear_mpi.shard.Shard.sample>`), in every mode.
         """
         self._check_open()
         # mapped columns (load(mmap=True)): a writer of the file waits until the call ends; once one came, the
