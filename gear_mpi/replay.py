@@ -373,8 +373,11 @@ class Replay:
         if self._solo:  # one rank on the host: its shard is the whole replay and nobody can disagree
             if problem is not None:
                 raise problem
-            header.mode_code(self.mode if mode is None else mode)  # a bad mode: ValueError, as agreed ones
-            self._check_out(out, check_batch_size(batch_size), check_window(self.spec, window, align)[0])
+            try:
+                header.mode_code(self.mode if mode is None else mode)
+                self._check_out(out, check_batch_size(batch_size), check_window(self.spec, window, align)[0])
+            except (ValueError, TypeError) as e:  # worded as an agreed error (MpiComm.raise_agreed)
+                raise type(e)(f"sample: rank 0: {e}") from e
             return self._sample_local(batch_size, window, align, out)
         err, mode = problem, self.mode if mode is None else mode
         try:

@@ -230,7 +230,8 @@ class Shard:
     def append_step(self, step: Mapping[str, Any], priority: float = 1.0) -> int:
         """Add one one-step trajectory (an environment step, as SB3's or CleanRL's buffers add them): the fast
         path of :meth:`insert_packed` for one step. Each column is checked only for what a step needs -- present
-        and not unknown, numeric and castable safely to the column's dtype (a cached answer per dtype pair),
+        and not unknown, numeric and castable safely to the column's dtype (any number into a float column, as
+        :meth:`insert_packed`; a cached answer per dtype pair),
         the column's shape or that shape with a leading 1 -- and the priority, if not the default 1.0; a bad
         step raises before anything is stored. Values are not checked for NaN (use ``insert_packed(...,
         check_finite=True)`` for that). Cost: O(columns) checks, then as :meth:`store_packed` for one item.

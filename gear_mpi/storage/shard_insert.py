@@ -123,8 +123,9 @@ class ShardInserter:
             arr = value if type(value) is np.ndarray else _as_array(value)
             ok = _STEP_CASTS.get((arr.dtype, dtype))
             if ok is None:
-                ok = _STEP_CASTS[(arr.dtype, dtype)] = (not arr.dtype.hasobject and arr.dtype.kind in "biufc"
-                                                        and np.can_cast(arr.dtype, dtype, "safe"))
+                kind = arr.dtype.kind  # insert_packed's rule: safe casts, and any number into a float column
+                ok = _STEP_CASTS[(arr.dtype, dtype)] = (not arr.dtype.hasobject and kind in "biufc" and (
+                    np.can_cast(arr.dtype, dtype, "safe") or (kind in "biuf" and dtype.kind == "f")))
             if not ok:
                 raise InvalidTrajectoryError(f"append_step: column {name!r} has dtype {arr.dtype}, which cannot be "
                                              f"cast safely to {dtype}")
