@@ -1,4 +1,8 @@
 """gear_mpi: a distributed, GPU-centric experience replay as SPMD collectives on MPI and NCCL."""
+from . import threads as _threads
+
+_threads.apply_defaults()  # before numba loads its threading layer: idle workers sleep (see gear_mpi.threads)
+
 from .batch import Batch
 from .errors import CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError, RateLimitTimeoutError, StaleKeyError, StorageError, WriterError, WriterTimeoutError, RecoveryError
 from .feeds.rate_limit import MinSize, RateLimiter, SampleToInsertRatio
@@ -17,6 +21,7 @@ from .stats import RateMeter, log_every, rates
 from .checkpoint import save as save_checkpoint
 from .checkpoint.shard_archive import load_shard, save_shard, shard_arrays, shard_from_arrays
 from . import datasets
+from .threads import get_threads, set_threads
 
 # the groups a job already has (torch DeviceMesh, Megatron/DeepSpeed mpu, torch process groups), as
 # gm.parallel_groups.from_device_mesh(mesh) etc.: the same ParallelGroups that parallel_groups builds
@@ -45,4 +50,5 @@ __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayErr
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
            "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",
            "ReplicaSampler", "parallel_groups", "RateMeter", "log_every", "rates", "init_torch_process_group",
-           "save_shard", "load_shard", "shard_arrays", "shard_from_arrays", "RecoveryError", "Recovery"]
+           "save_shard", "load_shard", "shard_arrays", "shard_from_arrays", "RecoveryError", "Recovery",
+           "set_threads", "get_threads"]

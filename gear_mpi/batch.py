@@ -72,6 +72,7 @@ class Batch:
         self._fits = None
         self._bytes = None
         self._stored = None  # columns the gather kernels fill (the stored ones, first); None: all
+        self._addresses = None
         self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
@@ -109,6 +110,7 @@ class Batch:
         self._fits = None
         self._bytes = None
         self._stored = None
+        self._addresses = None
         self._meta_np = None
         self._mask_np = None
         self.data, self.mask, self.keys = dict(data), mask, keys
@@ -140,14 +142,33 @@ class Batch:
         plan = layouts.get((batch_size, window, squeeze))
         if plan is None:
             plan = layouts[(batch_size, window, squeeze)] = _layout(spec, batch_size, window, squeeze)
-        total, align, views = plan
+        total, align, views, column_offsets = plan
         raw = np.empty(total + align, np.uint8)
-        off = (-raw.ctypes.data) % align
-        arrays = [raw[off + at:off + at + nbytes].view(dtype).reshape(shape) for at, nbytes, dtype, shape in views]
+        base = raw.ctypes.data
+        off = (-base) % align
+        # one ndarray constructor per buffer (a slice, a view and a reshape cost about 3x as much)
+        arrays = [np.ndarray(shape, dtype, raw, off + at) for at, nbytes, dtype, shape in views]
         names = spec.batch_names
         batch = cls(dict(zip(names, arrays)), *arrays[len(names):], squeezed=squeeze)
         batch._stored = len(spec.names)
+        batch._addresses = column_offsets + (base + off)  # contiguous and sized by construction
         return batch
+
+    def column_addresses(self) -> np.ndarray:
+        """The address of each stored column's buffer (int64, in column order; derived columns are not included), for kernels that take addresses
+        (``gather.out_addresses``); valid while the batch lives. Computed once, then O(1).
+
+        Raises:
+            RuntimeError: a device batch.
+            ValueError: a column buffer that is not C-contiguous (a batch built over foreign arrays).
+        """
+        if self._addresses is None:
+            views = self.byte_views()
+            for name, a in zip(self._np, views):
+                if not self._np[name].flags.c_contiguous:
+                    raise ValueError(f"batch column {name!r} is not C-contiguous")
+            self._addresses = np.array([a.ctypes.data for a in views], np.int64)
+        return self._addresses
 
     def byte_views(self) -> tuple[np.ndarray, ...]:
         """Each stored column's buffer as a flat uint8 array, for the gather kernels. Built once, then O(1).
@@ -367,7 +388,8 @@ _MAX_LAYOUTS = 64
 
 def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -> tuple[int, int, list]:
     """Where each buffer of a batch lies in one allocation: ``(bytes, base alignment, [(offset, nbytes, dtype,
-    shape)])``, the columns in spec order, then mask, keys, probabilities, weights, lengths. A buffer of a page
+    shape)], column offsets)``, the columns in spec order, then mask, keys, probabilities, weights, lengths
+    (the column offsets: int64, the columns' alone). A buffer of a page
     or more starts on a page boundary, a smaller one on a cache line (as :func:`aligned_empty`). O(columns)."""
     lead = (batch_size,) if squeeze else (batch_size, window)
     shapes = [(lead + c.shape, c.dtype) for c in spec.batch_columns]
@@ -382,7 +404,8 @@ def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -
         at += (-at) % align
         views.append((at, nbytes, dtype, shape))
         at += nbytes
-    return at, base, views
+    offsets = np.array([v[0] for v in views[:len(spec.columns)]], np.int64)
+    return at, base, views, offsets
 
 
 #: the metadata tensors made at first use: name -> index in ``_meta_np`` (-1: the mask)

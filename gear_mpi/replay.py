@@ -167,6 +167,8 @@ class Replay:
             raise
         self.plans = build_plans(self.comm, self.shard, self.rng, self.shared_rng)  # every mode's, picked per call
         self.calls = ReplayCalls(self.comm, self.node.board)  # the heads of its collectives (distributed.calls)
+        # one rank on the host: a sample is its shard's (every mode draws from the one shard, nothing to agree)
+        self._solo = size == 1 and self.device is None
         if self.device is None:  # the first sample then costs what later ones do (gear_mpi.shard.warm_kernels)
             warm_kernels(spec, sampler)
             none = np.zeros(size, np.int64)
@@ -358,7 +360,9 @@ class Replay:
         owner before it next writes its shard; see the module docstring) keeps owners
         from overwriting windows that node peers still copy.
         Selection on the owner: O(items log n); copies: each delivered byte once
-        on a node, twice (pack + MPI) across nodes.
+        on a node, twice (pack + MPI) across nodes. One rank on the host: no header, plan or exchange --
+        the arguments are checked, the writers drained and the rate limiter asked as above, then the shard
+        samples itself (:meth:`Shard.sample <gear_mpi.shard.Shard.sample>`), in every mode.
         """
         self._check_open()
         # mapped columns (load(mmap=True)): a writer of the file waits until the call ends; once one came, the
@@ -371,6 +375,15 @@ class Replay:
         if self.mode == "local" and mode in (None, "local"):  # no communication
             if problem is not None:
                 raise problem
+            return self._sample_local(batch_size, window, align, out)
+        if self._solo:  # one rank on the host: its shard is the whole replay and nobody can disagree
+            if problem is not None:
+                raise problem
+            try:
+                header.mode_code(self.mode if mode is None else mode)
+                self._check_out(out, check_batch_size(batch_size), check_window(self.spec, window, align)[0])
+            except (ValueError, TypeError) as e:  # worded as an agreed error (MpiComm.raise_agreed)
+                raise type(e)(f"sample: rank 0: {e}") from e
             return self._sample_local(batch_size, window, align, out)
         err, mode = problem, self.mode if mode is None else mode
         try:

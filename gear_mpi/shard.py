@@ -229,6 +229,32 @@ class Shard:
         with self.hold():
             return self.inserter.insert_packed(columns, lengths, priorities, check_finite, casting)
 
+    def append_step(self, step: Mapping[str, Any], priority: float = 1.0) -> int:
+        """Add one one-step trajectory (an environment step, as SB3's or CleanRL's buffers add them): the fast
+        path of :meth:`insert_packed` for one step. Each column is checked only for what a step needs -- present
+        and not unknown, numeric and castable safely to the column's dtype (any number into a float column, as
+        :meth:`insert_packed`; a cached answer per dtype pair),
+        the column's shape or that shape with a leading 1 -- and the priority, if not the default 1.0; a bad
+        step raises before anything is stored. Values are not checked for NaN (use ``insert_packed(...,
+        check_finite=True)`` for that). Cost: O(columns) checks, then as :meth:`store_packed` for one item.
+
+        Args:
+            step: column name -> the step's value (numpy array or scalar, a CPU tensor, a list), of shape
+                ``shape`` or ``(1, *shape)``.
+            priority: its priority (finite, >= 0).
+        Returns:
+            Its key.
+        Raises:
+            InvalidTrajectoryError: not a mapping; a column missing or unknown, non-numeric, of a dtype that
+                does not cast safely, or of another shape.
+            InvalidPriorityError: a NaN, infinite or negative priority.
+            RuntimeError: the shard is closed.
+            CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
+        """
+        self._check_open()
+        with self.hold():
+            return self.inserter.append_step(step, priority)
+
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
         """Store already-validated trajectories laid end to end (the common tail of every insert path).
@@ -561,7 +587,8 @@ class Shard:
             self.index._arrays, uniforms, place_u, st.start, st.length, st.status,
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
             self.column_addresses()[0],
-            self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
+            self.spec.step_bytes_array, batch.column_addresses(), batch._mask_np, keys, lengths, probabilities,
+            weights)
         if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
             np.power(weights, np.float32(sel.beta), out=weights)
         self.samples_drawn += b

@@ -167,8 +167,10 @@ class NodeView:
 
     def share_cores(self) -> None:
         """Give this rank's numba kernels its share of the node's cores (unless NUMBA_NUM_THREADS is
-        set): ranks that each start as many threads as the node has cores oversubscribe it. Local, O(1)."""
-        if "NUMBA_NUM_THREADS" in os.environ:
+        set, nor GEAR_MPI_THREADS / gear_mpi.set_threads chosen): ranks that each start as many threads as the
+        node has cores oversubscribe it. Local, O(1)."""
+        from .. import threads
+        if "NUMBA_NUM_THREADS" in os.environ or threads.chosen() is not None:
             return
         import numba
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -39,9 +39,9 @@ with ``lengths=1``) and every rank calls ``replay.sample(batch_size, window=1)``
 number of times (SB3's ``train`` calls ``sample`` ``gradient_steps`` times per rollout, so ranks that
 roll out in step stay in step), then ``batch.squeeze()``; see docs/guide/integrations/sb3.md.
 
-Threads: numba's worker threads are set to sleep when idle (``OMP_WAIT_POLICY=PASSIVE`` unless already
-set; see :func:`quiet_threads`) before gear_mpi's kernels first run in this process, so that they do not
-spin beside torch's threads between the buffer's calls.
+Threads: numba's worker threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE`` unless already set), so
+that they do not spin beside torch's threads between the buffer's calls: ``import gear_mpi`` sets it (see
+``gear_mpi.threads``); :func:`quiet_threads` is kept for code that calls it.
 
 Needs ``stable-baselines3`` (the ``sb3`` extra); importing this module imports it, torch and gymnasium.
 """
@@ -77,7 +77,8 @@ __all__ = ["GearReplayBuffer", "GearPrioritizedReplayBuffer", "PrioritizedReplay
 def quiet_threads() -> None:
     """Let idle numba worker threads sleep instead of spinning beside torch: sets ``OMP_WAIT_POLICY=PASSIVE``
     for numba's OpenMP threading layer, unless the variable is already set (the user's choice wins). It acts
-    only before numba's thread pool first starts in the process; called when this module is imported. O(1)."""
+    only before numba's thread pool first starts in the process; ``import gear_mpi`` already does this (see
+    ``gear_mpi.threads``), so calling it again changes nothing. O(1)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -360,7 +360,8 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
     copied from ``addrs[o, c]``, the address of owner ``o``'s column ``c`` (a ring of ``capacity``
     steps of ``step_bytes[c]`` bytes, kept mapped by the caller). Every window is checked first: one
     outside the ring raises ValueError before anything is copied. One call per sample; the copies run
-    in parallel over runs of >= 32 rows, each prefetching some windows ahead (``_ahead``).
+    on the calling thread under ``SERIAL_BYTES`` bytes, else in parallel over runs of >= 32 rows, each
+    prefetching some windows ahead (``_ahead``).
     Cost: O(B W) for the mask, each delivered byte copied once."""
     nb = choices.shape[0]
     for i in range(nb):
@@ -392,12 +393,27 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
                 task_hi[t] = lo + (k + 1) * cnt // runs
                 t += 1
     starts, n_valid, pad_front = choices[:, START], choices[:, VALID], choices[:, PAD_FRONT]
-    rows = np.arange(nb)
-    for t in prange(ntask):
-        o = task_owner[t]
-        for c in range(step_bytes.shape[0]):
-            _gather_run(addrs[o, c], capacity, step_bytes[c], starts, n_valid, pad_front, rows, outs[c],
-                        window * step_bytes[c], task_lo[t], task_hi[t])
+    rows = np.empty(nb, np.int64)  # filled by a plain loop: np.arange would be a parallel loop (parfor) here
+    for i in range(nb):
+        rows[i] = i
+    row_bytes = 0
+    for c in range(step_bytes.shape[0]):
+        row_bytes += window * step_bytes[c]
+    if nb * row_bytes < SERIAL_BYTES:  # a small batch: waking the workers costs more than the copies
+        for t in range(ntask):
+            _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
+                         task_owner[t], task_lo[t], task_hi[t])
+    else:
+        for t in prange(ntask):
+            _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
+                         task_owner[t], task_lo[t], task_hi[t])
+
+
+@njit(cache=True, inline="always")
+def _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window, o, lo, hi):
+    for c in range(step_bytes.shape[0]):
+        _gather_run(addrs[o, c], capacity, step_bytes[c], starts, n_valid, pad_front, rows, outs[c],
+                    window * step_bytes[c], lo, hi)
 
 
 @njit(cache=True, inline="always")

@@ -108,7 +108,7 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     smallest positive weight, read from the tree's level-2 minima; else 1) and
     mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
     step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
-    columns). Uses are not counted (the caller takes this path only without ``max_times_sampled``, where the
+    columns, checked; or their addresses as int64, from ``Batch.column_addresses``: not checked). Uses are not counted (the caller takes this path only without ``max_times_sampled``, where the
     table keeps no use counts). ``generation`` may be the table's ``status`` row: ``gen_mask`` keeps its
     generation bits. The table is trusted (placements lie in the ring).
 
@@ -120,8 +120,14 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     ms a call at B=65536 on this VM).
     """
     iscr, fscr = _scratch(uniforms.shape[0])
-    # the columns by address: one compiled kernel for every column count (gather.out_addresses)
-    out_addrs = out_addresses(outs, uniforms.shape[0], window, step_bytes)
+    # the columns by address: one compiled kernel for every column count (gather.out_addresses); a batch's
+    # own addresses (an int64 array, Batch.column_addresses) are trusted as they are
+    if isinstance(outs, np.ndarray) and outs.dtype == np.int64:
+        if outs.shape != (step_bytes.shape[0],):
+            raise ValueError(f"gather: {outs.shape} output addresses for {step_bytes.shape[0]} columns")
+        out_addrs = outs
+    else:
+        out_addrs = out_addresses(outs, uniforms.shape[0], window, step_bytes)
     _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
                    probabilities, weights, iscr, fscr)

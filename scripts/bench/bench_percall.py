@@ -10,7 +10,8 @@ calls per case, in turn; best and median of the rounds, per call):
   sample+update B    prioritized: Shard(Prioritized).sample(B, 1) + update_priorities, the SB3 adapter's
                      prioritized buffer (sample + update_priorities) and cpprb's PrioritizedReplayBuffer
                      (SB3 has no prioritized buffer)
-  add one step       Shard.insert_packed of one one-step item, GearReplayBuffer.add, SB3's add, cpprb's add
+  add one step       Shard.insert_packed of one one-step item, Shard.append_step (the one-step path),
+                     GearReplayBuffer.add, SB3's add, cpprb's add
 
 A library that is missing (stable-baselines3, cpprb) leaves its rows out. Run as a section of bench_shard
 (``python -m scripts.bench.bench_shard --sections percall``) or alone
@@ -142,6 +143,9 @@ def bench_percall(n: int, batch_sizes=(32, 64, 256), rounds: int = 30, use_cpprb
     one = {k: v[:1] for k, v in data.items()}
     ones = np.ones(1, np.int64)
     fns = {"Shard.insert_packed(1 step)": lambda: shard.insert_packed(one, ones)}
+    if hasattr(shard, "append_step"):  # issue 34's append path for one step
+        step = {k: v[0] for k, v in data.items()}
+        fns["Shard.append_step(step)"] = lambda: shard.append_step(step)
     if sb3:
         args = (data["obs"][:1], data["next_obs"][:1], data["action"][0], data["reward"][0], data["done"][0], [{}])
         fns["GearReplayBuffer.add"] = lambda: sb3["gear"].add(*args)
@@ -174,6 +178,9 @@ def targets(rows: list[dict]) -> list[tuple[str, float, bool]]:
         out.append(("GearReplayBuffer.sample(64) / SB3 ReplayBuffer.sample(64) <= 1", v, v <= 1))
         v = by[("GearReplayBuffer.add", 1)] / by[("SB3 ReplayBuffer.add", 1)]
         out.append(("GearReplayBuffer.add / SB3 ReplayBuffer.add <= 2", v, v <= 2))
+        if ("Shard.append_step(step)", 1) in by:
+            v = by[("Shard.append_step(step)", 1)] / by[("SB3 ReplayBuffer.add", 1)]
+            out.append(("Shard.append_step / SB3 ReplayBuffer.add <= 2", v, v <= 2))
     cp = by.get(("cpprb PrioritizedReplayBuffer sample+update", 64))
     if cp:
         v = by[("Shard(Prioritized) sample+update", 64)] / cp
