@@ -67,3 +67,9 @@ class MemoryBudgetError(GearError, MemoryError):
 class StorageError(GearError, OSError):
     """A file-backed shard's files cannot be made: ``path`` missing, not a directory or not
     writable, a file in the way, or not enough disk (checked when the shard is built)."""
+
+
+class CorruptDataError(GearError, ValueError):
+    """Stored data failed its check: a compressed chunk (:class:`gear_mpi.Compressed` columns) whose bytes do
+    not match their CRC-32 or do not decompress; the message names the column, the chunk's ring steps and
+    the trajectories they hold. Nothing wrong is returned."""

@@ -133,9 +133,11 @@ class Shard:
         return self.store.live_steps * self.spec.step_bytes
 
     def stored_bytes(self) -> int:
-        """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves. O(1)."""
+        """Bytes this shard uses to hold them: ring steps in use (of compressed columns: their chunks'
+        compressed bytes and open chunk), table rows and index leaves. O(columns)."""
         per_item = (self.store.table_bytes + (self.index.nbytes if self.index is not None else 0)) / self.store.max_items
-        return self.store.steps_used * self.spec.step_bytes + int(len(self) * per_item)
+        raw = int(self.store.gather_step_bytes.sum())
+        return self.store.steps_used * raw + self.store.compressed_bytes + int(len(self) * per_item)
 
     def reserved_bytes(self) -> int:
         """Bytes this shard reserved at construction: the ring's arena, the table and the index. O(1)."""
@@ -271,7 +273,7 @@ class Shard:
         return int(len(live))
 
     def columns(self, writable: bool = False) -> dict[str, np.ndarray]:
-        """The column rings as numpy arrays over the shard's memory, no copy: column name ->
+        """The column rings (of the columns stored raw) as numpy arrays over the shard's memory, no copy: column name ->
         ``[capacity_steps, *shape]``, row ``s`` holding ring step ``s`` (a key's steps start at
         ``locate(key)[0]`` and wrap around; rows that hold no live step hold whatever was last written).
         Valid until :meth:`close`. Local. O(columns).
@@ -286,7 +288,7 @@ class Shard:
         """
         self._check_open()
         out = {}
-        for name, col in self.store.columns.items():
+        for name, col in self.store.columns.items():  # compressed columns have no raw ring: not among them
             view = col.view()
             view.flags.writeable = bool(writable) and col.flags.writeable
             out[name] = view
@@ -512,10 +514,16 @@ class Shard:
             slots = self.select(batch_size)
             choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
             keys, probabilities, weights, lengths = batch.meta_numpy()
-            gather_kernels.gather_from_owners(self.column_addresses(), self.spec.step_bytes_array,
+            gather_kernels.gather_from_owners(self.column_addresses(), self.store.gather_step_bytes,
                                               self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
                                               choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
                                               probabilities)
+            if self.store.compressed:  # what the kernel left out: decompressed into the batch
+                fields = gather_kernels.choice_records(choices)
+                self.store.gather_compressed(fields["start"], fields["valid"], fields["pad_front"],
+                                             np.arange(batch_size, dtype=np.int64),
+                                             dict(zip(self.spec.names, batch.byte_views())), window,
+                                             fields["key"])
         weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
         return batch
@@ -525,7 +533,8 @@ class Shard:
         Uniform or Prioritized exactly (their weights are known), no use limit, memory columns."""
         if self._fused is None:
             self._fused = (isinstance(self.index, PriorityIndex) and type(self.selector) in (Uniform, Prioritized)
-                           and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped"))
+                           and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped")
+                           and not self.store.compressed)
         return self._fused
 
     def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
@@ -539,7 +548,7 @@ class Shard:
             self.index._arrays, uniforms, place_u, st.start, st.length, st.status,
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
             self.column_addresses()[0],
-            self.spec.step_bytes_array, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
+            self.store.gather_step_bytes, batch.byte_views(), batch._mask_np, keys, lengths, probabilities, weights)
         if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
             np.power(weights, np.float32(sel.beta), out=weights)
         self.samples_drawn += b
