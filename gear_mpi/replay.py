@@ -127,6 +127,9 @@ class Replay:
         if size > keyspace.MAX_RANKS:
             raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
         device_kind, _ = parse_device(device)
+        if device_kind == "cuda" and spec.compressed:  # the same on every rank: the spec is agreed below
+            raise ValueError(f"compressed columns {list(spec.compressed)} are not supported with device='cuda' yet; "
+                             f"use a host replay (device=None) or declare them uncompressed")
         if memory is not None:
             memory = memory_kind(memory, stacklevel=2)
         signature = {"spec": spec.to_dict(), "capacity_steps": capacity_steps, "max_items": max_items,
