@@ -686,6 +686,21 @@ class TrajectoryStore:
         """Bytes the compressed columns hold: sealed chunks plus each column's raw open chunk. O(columns)."""
         return sum(c.stored_bytes + c.chunk_bytes for c in self.compressed.values())
 
+    def steps_at(self, name: str, ring_steps: np.ndarray) -> np.ndarray:
+        """A copy of column ``name``'s steps at ``ring_steps`` (a compressed column's decompressed, chunk by
+        chunk). O(steps) (plus one decompression per chunk touched).
+
+        Raises:
+            KeyError: no column ``name``.
+            CorruptDataError: a compressed chunk touched is corrupted.
+        """
+        if name not in self.compressed:
+            return self.columns[name][ring_steps]
+        try:
+            return self.compressed[name].read_steps(ring_steps)
+        except ChunkError as e:
+            raise self.corrupt(name, e, "a trajectory read") from None
+
     def gather_compressed(self, starts: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
                           out_rows: np.ndarray, outs: Mapping[str, np.ndarray], window: int,
                           keys: np.ndarray | None = None) -> None:

@@ -10,6 +10,8 @@ compressed replay reloads (same ranks) into batches identical to the twin's agai
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -68,6 +70,75 @@ def test_twin_replays_sample_identical_batches(memory, mode, chunk, force, tmp_p
             comp, _ = gm.Replay.load(path, force_alltoallv=force)
             for align, window in (("random", 4), ("tail", 6)):
                 same_batch(raw.sample(4, window, align), comp.sample(4, window, align))
+    finally:
+        raw.close()
+        comp.close()
+
+
+def test_corrupted_checkpoint_chunk_names_column_and_trajectory(tmp_path_factory):
+    """A byte flipped in a saved compressed chunk: the load fails on every rank with the column and trajectories."""
+    _, comp_spec = twin_specs(4)
+    comp = gm.Replay(comp_spec, 50, seed=2, memory="private")
+    for traj, p in trajectories(5, 12):
+        comp.insert(traj, p)
+    path = COMM.bcast(str(tmp_path_factory.mktemp("bad") / "ck") if RANK == 0 else None)
+    comp.save(path)
+    comp.close()
+    if RANK == 0:  # the last bytes of rank 0's compressed.bin are its sealed chunks' bytes
+        name = f"{path}/rank-00000/compressed.bin"
+        data = bytearray(open(name, "rb").read())
+        data[-3] ^= 0x40
+        open(name, "wb").write(bytes(data))
+    COMM.barrier()
+    with pytest.raises(ValueError, match=r"column 'pixels'.*trajectory slot\(s\) \[\d.*corrupted"):
+        gm.Replay.load(path)
+
+
+SAVE_DIR = os.environ.get("GEAR_TEST_COMPRESSED_SAVE")
+
+
+@pytest.mark.skipif(not SAVE_DIR, reason="started by tests/test_compressed.py with a directory to save into")
+def test_save_twins_for_a_resharded_load():
+    """Save an uncompressed replay and its compressed twin (the next test loads both onto another rank count)."""
+    raw_spec, comp_spec = twin_specs(3)
+    for spec, name in ((raw_spec, "raw"), (comp_spec, "comp")):
+        replay = gm.Replay(spec, 50, sampler=gm.Prioritized(0.6, 0.4), seed=4, memory="private")
+        for traj, p in trajectories(9, 25):
+            replay.insert(traj, p)
+        replay.save(os.path.join(SAVE_DIR, name))
+        replay.close()
+
+
+@pytest.mark.skipif(not os.environ.get("GEAR_TEST_COMPRESSED_LOAD"), reason="after test_save_twins_for_a_resharded_load")
+def test_load_twins_resharded():
+    """The twins, saved on another rank count, load resharded into replays that sample identical batches."""
+    where = os.environ["GEAR_TEST_COMPRESSED_LOAD"]
+    raw, _ = gm.Replay.load(os.path.join(where, "raw"))
+    comp, _ = gm.Replay.load(os.path.join(where, "comp"))
+    try:
+        assert comp.spec["pixels"].compression == gm.Compressed(level=1, chunk=3)
+        assert comp.stats()["total"]["items"] == raw.stats()["total"]["items"] > 0
+        for align, window in (("random", 4), ("head", 9), ("tail", 6)):
+            same_batch(raw.sample(6, window, align), comp.sample(6, window, align))
+    finally:
+        raw.close()
+        comp.close()
+
+
+def test_get_many_reads_compressed_trajectories_of_every_rank():
+    raw_spec, comp_spec = twin_specs(2)
+    raw, comp = gm.Replay(raw_spec, 30, seed=1, memory="private"), gm.Replay(comp_spec, 30, seed=1, memory="private")
+    try:
+        keys_raw, keys_comp = [], []
+        for traj, p in trajectories(7, 6):
+            keys_raw.append(raw.insert(traj, p))
+            keys_comp.append(comp.insert(traj, p))
+        everyone_raw = [k for part in COMM.allgather(keys_raw) for k in part]
+        everyone_comp = [k for part in COMM.allgather(keys_comp) for k in part]
+        for a, b in zip(raw.get_many(everyone_raw), comp.get_many(everyone_comp)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert all(np.array_equal(a[n], b[n]) for n in COLUMNS)
     finally:
         raw.close()
         comp.close()
