@@ -66,6 +66,7 @@ def test_shard_windows_match_an_uncompressed_twin(chunk):
                 assert np.array_equal(x[name].numpy(), y[name].numpy()), (it, name, align)
             assert np.array_equal(x.keys.numpy(), y.keys.numpy())
     out = b.sample(8, 4)  # a reused batch: padding rows are rewritten with zeros
+    a.sample(8, 4)  # the twin's stream kept in step
     out["pixels"].numpy()[:] = 77
     y = b.sample(8, 4, out=out)
     x = a.sample(8, 4)
@@ -74,7 +75,8 @@ def test_shard_windows_match_an_uncompressed_twin(chunk):
         got, want = b.get(key), a.get(key)
         assert all(np.array_equal(got[n], want[n]) for n in COLUMNS)
     assert "pixels" not in b.columns() and "r" in b.columns()
-    assert b.stored_bytes() < a.stored_bytes() + b.store.compressed["pixels"].chunk_bytes
+    ring = b.store.compressed["pixels"]  # at most blosc2's frame overhead a chunk more than raw, plus the open chunk
+    assert b.stored_bytes() <= a.stored_bytes() + ring.n_chunks * 64 + ring.chunk_bytes
     b.clear()
     assert len(b) == 0 and b.store.compressed["pixels"].stored_bytes == 0
     b.insert(random_trajectory(rng))

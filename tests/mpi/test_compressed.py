@@ -113,8 +113,8 @@ def test_save_twins_for_a_resharded_load():
 def test_load_twins_resharded():
     """The twins, saved on another rank count, load resharded into replays that sample identical batches."""
     where = os.environ["GEAR_TEST_COMPRESSED_LOAD"]
-    raw, _ = gm.Replay.load(os.path.join(where, "raw"))
-    comp, _ = gm.Replay.load(os.path.join(where, "comp"))
+    raw, _ = gm.Replay.load(os.path.join(where, "raw"), allow_drop=True)  # the newest that fit, the same in both
+    comp, _ = gm.Replay.load(os.path.join(where, "comp"), allow_drop=True)
     try:
         assert comp.spec["pixels"].compression == gm.Compressed(level=1, chunk=3)
         assert comp.stats()["total"]["items"] == raw.stats()["total"]["items"] > 0
