@@ -4,12 +4,12 @@ from . import threads as _threads
 _threads.apply_defaults()  # before numba loads its threading layer: idle workers sleep (see gear_mpi.threads)
 
 from .batch import Batch
-from .errors import CheckpointError, CollectiveError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError, RateLimitTimeoutError, StaleKeyError, StorageError, WriterError, WriterTimeoutError, RecoveryError
+from .errors import CheckpointError, CollectiveError, CorruptDataError, CollectiveTimeoutError, EmptyReplayError, GearError, InvalidKeyError, InvalidPriorityError, InvalidTrajectoryError, MemoryBudgetError, RateLimitTimeoutError, StaleKeyError, StorageError, WriterError, WriterTimeoutError, RecoveryError
 from .feeds.rate_limit import MinSize, RateLimiter, SampleToInsertRatio
 from .selection.selectors import Fifo, Lifo, MaxPriority, MinPriority, Prioritized, Selector, Uniform
 from .replay import Replay
 from .shard import Shard
-from .spec import TrajectorySpec
+from .spec import Compressed, TrajectorySpec
 from .frames import FrameStack, NextStep
 from .storage.columns import attach_columns
 from .feeds.writer import EpisodeWriter, Writer
@@ -45,7 +45,7 @@ def __getattr__(name: str):
 
 __all__ = ["Batch", "CollectiveError", "CollectiveTimeoutError", "EmptyReplayError", "Fifo", "GearError",
            "InvalidKeyError", "InvalidPriorityError", "InvalidTrajectoryError", "Lifo", "MaxPriority",
-           "MinPriority", "Prioritized", "FrameStack", "NextStep", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Uniform",
+           "MinPriority", "Prioritized", "FrameStack", "NextStep", "Replay", "Selector", "Shard", "StaleKeyError", "TrajectorySpec", "Compressed", "CorruptDataError", "Uniform",
            "attach_columns", "CheckpointError", "load_checkpoint", "save_checkpoint", "RateLimitTimeoutError",
            "WriterError", "WriterTimeoutError", "MemoryBudgetError", "StorageError", "MinSize", "RateLimiter",
            "SampleToInsertRatio", "EpisodeWriter", "Writer", "MpiWriter", "datasets", "ParallelGroups",

@@ -73,3 +73,9 @@ class RecoveryError(CollectiveError):
     """``Replay.recover`` cannot survive a dead rank here: the MPI library has no ULFM (MPICH, or Open MPI
     started without ``mpiexec --with-ft ulfm``), or the survivors did not all call it; restart the job from
     the newest checkpoint instead (``Replay.load``; docs/guide/faults.md)."""
+
+
+class CorruptDataError(GearError, ValueError):
+    """Stored data failed its check: a compressed chunk (:class:`gear_mpi.Compressed` columns) whose bytes do
+    not match their CRC-32 or do not decompress; the message names the column, the chunk's ring steps and
+    the trajectories they hold. Nothing wrong is returned."""

@@ -135,9 +135,11 @@ class Shard:
         return self.store.live_steps * self.spec.step_bytes
 
     def stored_bytes(self) -> int:
-        """Bytes this shard uses to hold them: ring steps in use, table rows and index leaves. O(1)."""
+        """Bytes this shard uses to hold them: ring steps in use (of compressed columns: their chunks'
+        compressed bytes and open chunk), table rows and index leaves. O(columns)."""
         per_item = (self.store.table_bytes + (self.index.nbytes if self.index is not None else 0)) / self.store.max_items
-        return self.store.steps_used * self.spec.step_bytes + int(len(self) * per_item)
+        raw = int(self.store.gather_step_bytes.sum())
+        return self.store.steps_used * raw + self.store.compressed_bytes + int(len(self) * per_item)
 
     def reserved_bytes(self) -> int:
         """Bytes this shard reserved at construction: the ring's arena, the table and the index. O(1)."""
@@ -299,7 +301,7 @@ class Shard:
         return int(len(live))
 
     def columns(self, writable: bool = False) -> dict[str, np.ndarray]:
-        """The column rings as numpy arrays over the shard's memory, no copy: column name ->
+        """The column rings (of the columns stored raw) as numpy arrays over the shard's memory, no copy: column name ->
         ``[capacity_steps, *shape]``, row ``s`` holding ring step ``s`` (a key's steps start at
         ``locate(key)[0]`` and wrap around; rows that hold no live step hold whatever was last written).
         Valid until :meth:`close`. Local. O(columns).
@@ -314,7 +316,7 @@ class Shard:
         """
         self._check_open()
         out = {}
-        for name, col in self.store.columns.items():
+        for name, col in self.store.columns.items():  # compressed columns have no raw ring: not among them
             view = col.view()
             view.flags.writeable = bool(writable) and col.flags.writeable
             out[name] = view
@@ -540,10 +542,16 @@ class Shard:
             slots = self.select(batch_size)
             choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
             keys, probabilities, weights, lengths = batch.meta_numpy()
-            gather_kernels.gather_from_owners(self.column_addresses(), self.spec.step_bytes_array,
+            gather_kernels.gather_from_owners(self.column_addresses(), self.store.gather_step_bytes,
                                               self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
                                               choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
                                               probabilities)
+            if self.store.compressed:  # what the kernel left out: decompressed into the batch
+                fields = gather_kernels.choice_records(choices)
+                self.store.gather_compressed(fields["start"], fields["valid"], fields["pad_front"],
+                                             np.arange(batch_size, dtype=np.int64),
+                                             dict(zip(self.spec.names, batch.byte_views())), window,
+                                             fields["key"])
             if self.spec.derived:  # frame stacks and next steps, from this shard's ring
                 fields = gather_kernels.choice_records(choices)
                 rebuild_local(self.spec, self.store, self.column_addresses()[0], fields["start"],
@@ -573,7 +581,8 @@ class Shard:
         if self._fused is None:
             self._fused = (isinstance(self.index, PriorityIndex) and type(self.selector) in (Uniform, Prioritized)
                            and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped")
-                           and not self.spec.derived)  # derived columns: the kernel does not rebuild them
+                           and not self.spec.derived and not self.store.compressed)  # the kernel neither
+                           # rebuilds derived columns nor decompresses
         return self._fused
 
     def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:

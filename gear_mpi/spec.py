@@ -15,6 +15,55 @@ from .keys import tensor_numpy
 ShapeLike = Sequence[int] | int
 
 
+#: the codecs a :class:`Compressed` column may use (blosc2's names, lower case)
+CODECS = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """Declares a column stored compressed: the third element of a column entry,
+    ``TrajectorySpec({"pixels": ((84, 84), "uint8", Compressed(level=1))}, max_length=...)``.
+
+    The column's steps are kept in chunks of ``chunk`` consecutive ring steps, each compressed with
+    python-blosc2 (byte shuffle, then ``codec``) and checked by a CRC-32 on every read; see
+    :mod:`gear_mpi.storage.compressed` and docs/guide/storage.md. This is a declaration only: the codec
+    library is imported when a store is built (``pip install gear-mpi[compress]``). O(1).
+
+    Args:
+        level: the codec's level, 0 (stored, no compression) to 9.
+        codec: one of :data:`CODECS`.
+        chunk: steps per chunk (None: about 64 KiB of raw steps, between 1 and 64 steps).
+    Raises:
+        ValueError: a level, codec or chunk out of range.
+    """
+
+    level: int = 1
+    codec: str = "zstd"
+    chunk: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)) or not 0 <= self.level <= 9:
+            raise ValueError(f"Compressed: level must be an integer in [0, 9], got {self.level!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"Compressed: codec must be one of {list(CODECS)}, got {self.codec!r}")
+        if self.chunk is not None and (isinstance(self.chunk, bool) or not isinstance(self.chunk, (int, np.integer))
+                                       or self.chunk < 1):
+            raise ValueError(f"Compressed: chunk must be a positive integer (steps) or None, got {self.chunk!r}")
+        object.__setattr__(self, "level", int(self.level))
+        object.__setattr__(self, "chunk", None if self.chunk is None else int(self.chunk))
+
+    def steps_per_chunk(self, step_bytes: int, capacity: int) -> int:
+        """Steps per chunk for a column of ``step_bytes`` bytes a step in a ring of ``capacity`` steps. O(1)."""
+        if self.chunk is not None:
+            return max(1, min(self.chunk, capacity))
+        k = max(1, min(64, (64 << 10) // max(1, step_bytes)))
+        return max(1, min(1 << (k.bit_length() - 1), capacity))  # a power of two
+
+    def to_dict(self) -> dict:
+        """``{"level", "codec", "chunk"}``: JSON-able (checkpoints, signatures). O(1)."""
+        return {"level": self.level, "codec": self.codec, "chunk": self.chunk}
+
+
 @dataclass(frozen=True)
 class Column:
     """One column of a trajectory spec.
@@ -23,11 +72,13 @@ class Column:
         name: the column's name.
         shape: the shape of one step.
         dtype: the numpy dtype of its values.
+        compression: a :class:`Compressed` declaration, or None (stored raw).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    compression: Compressed | None = None
 
     @cached_property
     def step_bytes(self) -> int:
@@ -69,8 +120,9 @@ class TrajectorySpec:
     :attr:`tail_steps`).
     Construction: O(columns).
     Args:
-        columns: column name -> ``(per_step_shape, dtype)`` (a shape may be an int; numeric dtypes only), or
-            a :class:`~gear_mpi.frames.FrameStack` / :class:`~gear_mpi.frames.NextStep`.
+        columns: column name -> ``(per_step_shape, dtype)`` (a shape may be an int; numeric dtypes only),
+            ``(per_step_shape, dtype, Compressed(...))`` for a column stored compressed, or a
+            :class:`~gear_mpi.frames.FrameStack` / :class:`~gear_mpi.frames.NextStep`.
         max_length: the most steps a trajectory may have (a positive integer; with a NextStep column, the
             stored steps: transitions + 1).
     Raises:
@@ -91,9 +143,13 @@ class TrajectorySpec:
                 declared[name] = entry
                 continue
             try:
-                shape, dtype = entry
+                shape, dtype, *rest = entry
             except (TypeError, ValueError):
                 raise ValueError(f"column {name!r}: expected (shape, dtype), got {entry!r}") from None
+            if len(rest) > 1 or (rest and rest[0] is not None and not isinstance(rest[0], Compressed)):
+                raise ValueError(f"column {name!r}: expected (shape, dtype) or (shape, dtype, Compressed(...)), "
+                                 f"got {entry!r}")
+            compression = rest[0] if rest else None
             shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
             if any(d < 1 for d in shape):
                 raise ValueError(f"column {name!r}: every dimension must be positive, got shape {shape}")
@@ -103,7 +159,7 @@ class TrajectorySpec:
                 raise ValueError(f"column {name!r}: unknown dtype {dtype!r}") from None
             if dt.hasobject or dt.kind not in "biufc":
                 raise ValueError(f"column {name!r}: dtype {dt} is not a numeric dtype")
-            cols.append(Column(name, shape, dt))
+            cols.append(Column(name, shape, dt, compression))
         self.columns: tuple[Column, ...] = tuple(cols)
         self.max_length = int(max_length)
         self.names: tuple[str, ...] = tuple(c.name for c in cols)
@@ -146,8 +202,14 @@ class TrajectorySpec:
         return (isinstance(other, TrajectorySpec) and self.columns == other.columns
                 and self.max_length == other.max_length and self.derived == other.derived)
 
+    @property
+    def compressed(self) -> tuple[str, ...]:
+        """The names of the columns stored compressed (:class:`Compressed`). O(columns)."""
+        return tuple(c.name for c in self.columns if c.compression is not None)
+
     def __repr__(self) -> str:
-        cols = ", ".join([f"{c.name!r}: ({c.shape}, {c.dtype.name!r})" for c in self.columns]
+        cols = ", ".join([f"{c.name!r}: ({c.shape}, {c.dtype.name!r}"
+                          + (f", {c.compression!r})" if c.compression is not None else ")") for c in self.columns]
                          + [f"{d.name!r}: {d.declaration()!r}" for d in self.derived])
         return f"TrajectorySpec({{{cols}}}, max_length={self.max_length})"
 
@@ -155,10 +217,12 @@ class TrajectorySpec:
         """A JSON-able description (used by checkpoints and shared-memory attach). O(columns).
 
         Returns:
-            ``{"columns": {name: [shape, dtype string]}, "max_length": int}``, and ``"derived": {name:
-            {"kind": ..., ...}}`` when the spec has derived columns.
+            ``{"columns": {name: [shape, dtype string]}, "max_length": int}`` (a compressed column's entry has a
+            third element, its :meth:`Compressed.to_dict`), and ``"derived": {name: {"kind": ..., ...}}`` when
+            the spec has derived columns.
         """
-        d = {"columns": {c.name: [list(c.shape), c.dtype.str] for c in self.columns},
+        d = {"columns": {c.name: [list(c.shape), c.dtype.str]
+                         + ([c.compression.to_dict()] if c.compression is not None else []) for c in self.columns},
              "max_length": self.max_length}
         if self.derived:
             d["derived"] = {c.name: derived_to_dict(c) for c in self.derived}
@@ -175,7 +239,8 @@ class TrajectorySpec:
         Raises:
             KeyError, ValueError: a field missing, or a description no spec accepts.
         """
-        columns = {k: (tuple(v[0]), v[1]) for k, v in d["columns"].items()}
+        columns = {k: (tuple(v[0]), v[1]) + ((Compressed(**v[2]),) if len(v) > 2 and v[2] else ())
+                   for k, v in d["columns"].items()}
         columns.update({k: derived_from_dict(v) for k, v in d.get("derived", {}).items()})
         return cls(columns, d["max_length"])
 

@@ -56,6 +56,8 @@ def pieces(spec: TrajectorySpec, capacity: int, head: int, used: int) -> Iterato
     offsets, _ = column_layout(spec, capacity)
     yield -1, 0, HEADER_BYTES
     for i, c in enumerate(spec.columns):
+        if c.compression is not None:  # in compressed.bin (checkpoint.compressed_file)
+            continue
         for a, b in ring.ring_segments(head, used, capacity):
             yield i, offsets[c.name] + a * c.step_bytes, (b - a) * c.step_bytes
 
@@ -80,6 +82,8 @@ def write(filename: str, shard) -> dict:
         yield 0, header(spec, cap)
         offsets, _ = column_layout(spec, cap)
         for c in spec.columns:
+            if c.compression is not None:
+                continue
             head, used = int(shard.store.state[ring.STEP_HEAD]), int(shard.store.state[ring.STEPS_USED])
             for (a, _b), seg in zip(ring.ring_segments(head, used, cap), shard.column_segments(c.name)):
                 pos = offsets[c.name] + a * c.step_bytes
@@ -141,6 +145,8 @@ def read_into(filename: str, entry: dict | None, shard, meta: dict, verify: bool
         got = np.empty(HEADER_BYTES, np.uint8)
         chk.read_at(0, got, verify)
         for c in spec.columns:
+            if c.compression is not None:
+                continue
             segs = shard.column_segments(c.name)
             places = [p for p in pieces(spec, cap, _head(meta), _used(meta)) if p[0] == spec.names.index(c.name)]
             for (_, pos, _n), seg in zip(places, segs):

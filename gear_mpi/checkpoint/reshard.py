@@ -177,7 +177,7 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
         mine = np.flatnonzero((dest == rank) & keep)
         new_keys = np.empty(len(mine), np.int64)
         try:
-            _insert_from_files(replay, where, metas, allr, mine, new_keys)
+            _insert_from_files(replay, where, metas, allr, mine, new_keys, body)
         except Exception as e:
             err = e
         ingest.finish(err, "load")
@@ -196,7 +196,7 @@ def reshard(replay, comm: MpiComm, where: str, body: dict, show: bool = False,
 
 
 def _insert_from_files(replay, where: str, metas: list[dict], allr: dict, mine: np.ndarray,
-                       new_keys: np.ndarray) -> None:
+                       new_keys: np.ndarray, body: dict) -> None:
     """Insert trajectories ``mine`` (indices into ``allr``, oldest first) into this rank's shard,
     in chunks of about :data:`CHUNK_BYTES` of steps, keeping their stamps and times sampled."""
     shard = replay.shard
@@ -205,7 +205,8 @@ def _insert_from_files(replay, where: str, metas: list[dict], allr: dict, mine: 
 
     def column(r: int, i: int) -> np.ndarray:
         if (r, i) not in maps:
-            maps[(r, i)] = shard_files.map_column(where, r, metas[r], i, spec)
+            maps[(r, i)] = shard_files.map_column(where, r, metas[r], i, spec,
+                                                   body["shards"][r]["files"])
         return maps[(r, i)]
 
     limit = max(1, CHUNK_BYTES // max(1, spec.step_bytes))

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..kernels import ring
 from ..spec import TrajectorySpec
-from . import arena_file, files, segment_file
+from . import arena_file, compressed_file, files, segment_file
 from .files import SHARD_JSON, TABLE, CheckedFile, column_file, rank_dir, read_json, slices
 
 
@@ -57,6 +57,9 @@ def write_rank(directory: str, shard, rank_state: Mapping[str, Any]) -> dict[str
     sections = shard.sections()
     meta = rank_meta(shard.state(), rank_state, sections)
     out[TABLE] = files.write_file(os.path.join(directory, TABLE), (np.ascontiguousarray(a) for _, a in sections))
+    if shard.store.compressed:  # their chunks as stored, in a file of their own
+        out[compressed_file.COMPRESSED], meta["compressed"] = compressed_file.write(
+            os.path.join(directory, compressed_file.COMPRESSED), shard)
     out[SHARD_JSON] = files.write_file(os.path.join(directory, SHARD_JSON),
                                        [json.dumps(meta, sort_keys=True).encode()])
     return out
@@ -92,7 +95,9 @@ def bytes_to_write(shard) -> int:
     Returns:
         The columns' steps in use plus the table sections, in bytes.
     """
-    total = sum(int(seg.nbytes) for c in shard.spec.columns for seg in shard.column_segments(c.name))
+    total = sum(int(seg.nbytes) for c in shard.spec.columns if c.compression is None
+                for seg in shard.column_segments(c.name))
+    total += compressed_file.stored_bytes(shard)
     return total + sum(int(arr.nbytes) for _, arr in shard.sections())
 
 
@@ -220,6 +225,7 @@ def check_columns(where: str, body: dict, r: int, meta: dict, spec: TrajectorySp
         return
     if is_arena(meta):
         d, entries = rank_files(where, body, r)
+        compressed_file.check(d, entries, meta)
         arena_file.verify_file(os.path.join(d, arena_file.COLUMNS), entries.get(arena_file.COLUMNS), spec,
                                int(meta["capacity_steps"]), meta)
         return
@@ -239,7 +245,7 @@ def is_arena(meta: dict) -> bool:
     return meta.get("column_layout") == "arena"
 
 
-def map_column(where: str, r: int, meta: dict, index: int, spec: TrajectorySpec):
+def map_column(where: str, r: int, meta: dict, index: int, spec: TrajectorySpec, entries: dict | None = None):
     """Column ``index`` of rank ``r``'s files mapped read-only, read by place after the oldest step.
 
     Not checked here: call :func:`check_columns` first. O(1); pages are read on use.
@@ -249,12 +255,15 @@ def map_column(where: str, r: int, meta: dict, index: int, spec: TrajectorySpec)
         meta: its ``shard.json``.
         index: the column's position in the spec.
         spec: the saved spec.
+        entries: the rank's manifest file entries (needed for a compressed column: its file is checked).
     Returns:
         ``steps(offset, length)`` -> ``[length, *shape]`` steps from ``offset`` steps after the
         oldest one in use (a view; a copy where a version-3 ring wraps).
     Raises:
         OSError, ValueError: the file is missing or too short.
     """
+    if spec.columns[index].compression is not None:  # decompressed from the saved chunks
+        return compressed_file.ring_reader(os.path.join(where, rank_dir(r)), entries or {}, meta, spec, index)
     if meta.get("column_layout") == segment_file.LAYOUT:
         return segment_file.ring_reader(os.path.join(where, rank_dir(r)), spec, meta, index)
     if is_arena(meta):
@@ -337,5 +346,7 @@ def restore_rank(shard, where: str, body: dict, r: int, mapped: bool = False, ve
                     for part in slices(seg):
                         chk.read_into(part)
                 chk.finish()
+    if shard.store.compressed:
+        compressed_file.restore(shard, d, entries, meta, verify)
     shard.load_state(state)
     return meta

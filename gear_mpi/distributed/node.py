@@ -134,7 +134,9 @@ class NodeView:
                     self._arenas[peer], self.peer_views[peer] = attach_columns(peer_name.decode(), spec, cap)
             self.node_comm.barrier(f"{what} (shared memory mapped)")  # every peer has mapped the segments:
             shard.store.arena.unlink()  # drop their names, so that no crash can leave them behind in /dev/shm
-        self.direct = np.array([r in self.peer_views and (r == rank or not force_alltoallv) for r in range(size)])
+        # a compressed column's chunks live in its owner's process memory: node peers get its windows by MPI
+        peers_direct = not force_alltoallv and not spec.compressed
+        self.direct = np.array([r in self.peer_views and (r == rank or peers_direct) for r in range(size)])
         anyone = self.comm.allgather(np.array([not bool(self.direct.all())], np.int64), f"{what} (transport)")
         self.any_remote = bool(anyone.any())
         # the node fence's counters: this rank's own (peers read it) and every peer's that reads this rank

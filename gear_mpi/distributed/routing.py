@@ -186,7 +186,7 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     ring_steps = (np.repeat(np.where(live, store.start[slots].astype(np.int64), 0), n_out) + step) % store.capacity
     received, send_buffers, requests = {}, [], []
     for c in shard.spec.columns:
-        send = np.ascontiguousarray(store.columns[c.name][ring_steps])
+        send = np.ascontiguousarray(store.steps_at(c.name, ring_steps))
         recv = np.empty((int(n_in.sum()),) + c.shape, c.dtype)
         requests.append(comm.ialltoallv(send.reshape(-1).view(np.uint8), steps_out * c.step_bytes,
                                         recv.reshape(-1).view(np.uint8), steps_in * c.step_bytes))

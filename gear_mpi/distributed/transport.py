@@ -10,7 +10,13 @@ three ways, decided per owner by the :class:`~gear_mpi.distributed.node.NodeView
   ``gather_from_owners`` (one kernel for the whole batch), on the GPU with
   ``cuda_gather.gather_into`` from the memory mapped into the device;
 - **host MPI**: one alltoallv per column, posted together with the choices'
-  and received straight into the batch rows (``B W S`` bytes in all);
+  and received straight into the batch rows (``B W S`` bytes in all). Windows of a
+  compressed column (:class:`~gear_mpi.spec.Compressed`) are decompressed by their owner
+  into its send buffer and travel raw: on the 2-core CI machine a 84x84 Pong window
+  decompresses at about 1.4 GB/s, so sending compressed chunks would move the same
+  decompression to the requester and add the bytes of every chunk a window only partly
+  covers (see docs/guide/storage.md); node peers of a replay with compressed columns
+  take this path too (their chunks are in the owner's process memory);
 - **device exchange** (``device="cuda"``): windows packed on the GPU, one
   ``all_to_all_single`` per column over NCCL (``window_transport="nccl"``) or a
   CUDA-aware MPI (``"mpi"``), then copied into the batch rows.
@@ -129,9 +135,18 @@ class WindowTransport:
             # windows read directly (this rank's own and, on the shared-memory path, the node's), keys,
             # lengths, probabilities and mask of every row: one kernel
             keys, probabilities, weights, lengths = batch.meta_numpy()
-            gather_kernels.gather_from_owners(node.column_addrs, self.spec.step_bytes_array,
+            store = self.shard.store
+            gather_kernels.gather_from_owners(node.column_addrs, store.gather_step_bytes,
                                               self.shard.capacity_steps, node.direct, row_of_owner, got,
                                               batch.byte_views(), window, mask, keys, lengths, probabilities)
+            if store.compressed:  # this rank's own windows of compressed columns (node peers' came by MPI)
+                me = self.comm.rank
+                lo, hi = int(row_of_owner[me]), int(row_of_owner[me + 1])
+                if hi > lo:
+                    mine = gather_kernels.choice_records(got[lo:hi])
+                    store.gather_compressed(mine["start"], mine["valid"], mine["pad_front"],
+                                            np.arange(lo, hi, dtype=np.int64),
+                                            dict(zip(self.spec.names, batch.byte_views())), window, mine["key"])
             weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
@@ -269,7 +284,10 @@ class WindowTransport:
         for c in self.spec.columns:
             row_bytes = window * c.step_bytes
             sendbuf = np.empty(n_out * row_bytes, np.uint8)
-            if n_out:
+            if n_out and c.compression is not None:  # decompressed here: windows travel raw (see module docstring)
+                self.shard.store.gather_compressed(win_start[pick], n_valid[pick], pad_front[pick],
+                                                   np.arange(n_out, dtype=np.int64), {c.name: sendbuf}, window)
+            elif n_out:
                 gather_kernels.gather_windows(views[c.name], cap, c.step_bytes, win_start[pick] % cap,
                                               n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
                                               sendbuf, window)

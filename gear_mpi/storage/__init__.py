@@ -15,6 +15,7 @@ One module per concept, lowest first:
 - :mod:`.shard_insert` -- :class:`~.shard_insert.ShardInserter`, the shard's part that checks every insert
   path and ends in one packed store;
 - :mod:`.columns` -- column addresses, another process's columns attached, host window copies;
+- :mod:`.compressed` -- a compressed column's chunks (:class:`~.compressed.CompressedRing`);
 - :mod:`.budget` -- the node's memory budget for its shards, agreed at construction.
 
 Local: nothing here communicates (the budget's agreement goes through the caller's communicator).

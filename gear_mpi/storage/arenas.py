@@ -53,7 +53,7 @@ def column_layout(spec: TrajectorySpec, capacity_steps: int) -> tuple[dict[str, 
         capacity_steps: steps of each column ring.
 
     Returns:
-        (column name -> byte offset, total bytes).
+        (column name -> byte offset, total bytes); a compressed column takes no bytes here.
 
     The first 128 bytes hold a header: a fingerprint (magic, spec and capacity) that
     :func:`check_header` compares when another process attaches, and on its own
@@ -63,7 +63,8 @@ def column_layout(spec: TrajectorySpec, capacity_steps: int) -> tuple[dict[str, 
     pos = HEADER_BYTES
     for c in spec.columns:
         offsets[c.name] = pos
-        pos += -(-(c.step_bytes * capacity_steps) // ALIGN) * ALIGN
+        if c.compression is None:  # a compressed column keeps its chunks elsewhere (storage.compressed)
+            pos += -(-(c.step_bytes * capacity_steps) // ALIGN) * ALIGN
     return offsets, max(pos, ALIGN)
 
 

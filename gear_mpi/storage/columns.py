@@ -60,7 +60,7 @@ def column_addresses(byte_views: Mapping[str, np.ndarray], spec: TrajectorySpec,
     out = np.empty(len(spec.columns), np.int64)
     for c, col in enumerate(spec.columns):
         view = byte_views[col.name]
-        if view.nbytes < col.step_bytes * capacity:
+        if col.compression is None and view.nbytes < col.step_bytes * capacity:
             raise ValueError(f"column {col.name!r} has {view.nbytes} bytes, shorter than its ring of {capacity} steps")
         out[c] = view.ctypes.data
     return out
@@ -93,5 +93,5 @@ def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tupl
         arena.close()
         raise
     views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + c.step_bytes * capacity_steps]
-             for c in spec.columns}
+             for c in spec.columns if c.compression is None}
     return arena, views

@@ -29,11 +29,12 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .. import keys as keyspace
-from ..errors import InvalidKeyError, InvalidTrajectoryError, StaleKeyError
+from ..errors import CorruptDataError, InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from ..kernels import ring
 from . import file_arenas as file_memory, store_insert, table as table_layout
 from .arenas import (SharedArena, check_header, column_layout, commit_pages, make_arena, memory_kind, small_pages,
                      write_header)
+from .compressed import ChunkError, CompressedRing, codec_library
 from .huge_pages import Collapser
 from ..spec import TrajectorySpec
 
@@ -101,6 +102,11 @@ class TrajectoryStore:
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
         memory = memory_kind(memory, stacklevel=3)
+        if spec.compressed and (memory in ("file", "mapped") or getattr(arena, "kind", None) in ("file", "mapped")):
+            raise ValueError(f"compressed columns {list(spec.compressed)} are not supported with "
+                             f"memory={memory!r} yet: use memory='private' or 'shm' (docs/guide/storage.md)")
+        if spec.compressed:
+            codec_library()  # before any memory is taken: a clear ImportError when blosc2 is missing
         fields = table_layout.stored_fields(
             table_layout.row_types(self.capacity, max_items, spec.max_length, int(max_times_sampled), stamp_row), max_items,
             priority_row)  # what a file holding the table must carve
@@ -134,7 +140,18 @@ class TrajectoryStore:
         # (wrapping): a background checkpoint's record of what changed (gear_mpi.checkpoint.incremental)
         self.on_write: Callable[[int, int], None] | None = None
         self._collapser = None  # page_collapse.Collapser of the last large first fill
+        # compressed columns: chunks in process memory (gear_mpi.storage.compressed), no raw ring in the arena
+        self.compressed: dict[str, CompressedRing] = {c.name: CompressedRing(c, self.capacity)
+                                                      for c in spec.columns if c.compression is not None}
+        #: bytes per step the gather kernels copy from the arena: 0 for compressed columns (filled afterwards
+        #: by :meth:`gather_compressed`)
+        self.gather_step_bytes = np.array([0 if c.compression is not None else c.step_bytes for c in spec.columns],
+                                          np.int64)
+        self.gather_step_bytes.flags.writeable = False
+        self._placeholder = np.zeros(64, np.uint8)  # what a compressed column's byte view is
         for c in spec.columns:
+            if c.compression is not None:
+                continue
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
         # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: pages are
@@ -192,12 +209,14 @@ class TrajectoryStore:
         """Each column as a flat uint8 array over the whole ring (for the gather kernels).
 
         Returns:
-            Column name -> uint8 view of ``capacity * step_bytes`` bytes of the arena; built
-            once, then the same dict.
+            Column name -> uint8 view of ``capacity * step_bytes`` bytes of the arena (a compressed column:
+            64 zero bytes, which the kernels read nothing from: :attr:`gather_step_bytes`); built once, then
+            the same dict.
         """
         if self._byte_views is None:
             self._byte_views = {
-                c.name: self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
+                c.name: self._placeholder if c.compression is not None else
+                self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
                 for c in self.spec.columns}
         return self._byte_views
 
@@ -294,6 +313,8 @@ class TrajectoryStore:
             if after_chunk is not None:
                 after_chunk(lo, hi)
 
+        for name, chunks in self.compressed.items():  # compressed here, on the inserting side, chunk by chunk
+            chunks.write(first, columns[name][:total])
         if self.on_write is not None:
             self.on_write(first, total)
         fresh = total * self.spec.step_bytes >= store_insert.OVERLAP_BYTES and self.reaches_fresh(first + total)
@@ -407,6 +428,8 @@ class TrajectoryStore:
         head = min(total, self.capacity - first)
         pieces = []
         for name, data in columns.items():
+            if name in self.compressed:
+                continue
             dst = self.columns[name]
             step = max(1, store_insert.PIECE_BYTES // max(1, dst[:1].nbytes))
             for a, b, at in ((0, head, first), (head, total, first - self.capacity)):
@@ -436,6 +459,8 @@ class TrajectoryStore:
         start = np.asarray(start, np.int64)
         first = np.minimum(np.asarray(steps, np.int64), cap - start)  # steps before the ring wraps
         for c in self.spec.columns:
+            if c.compression is not None:
+                continue
             base, sb = self.offsets[c.name], c.step_bytes
             lo = base + start * sb
             hi = lo + first * sb
@@ -485,6 +510,8 @@ class TrajectoryStore:
             The slots that were live (int64), whose index weights the caller zeroes. Cost: O(trajectories
             held), one kernel.
         """
+        for chunks in self.compressed.values():  # their memory is given back at once
+            chunks.reset()
         return ring.clear_table(self._arrays, self.capacity)
 
     # ---- keys -----------------------------------------------------------------------
@@ -554,7 +581,16 @@ class TrajectoryStore:
         s = int(slots[0])
         start, length = int(self.start[s]), int(self.length[s])
         idx = (start + np.arange(length)) % self.capacity
-        return {name: col[idx] for name, col in self.columns.items()}
+        out = {}
+        for c in self.spec.columns:
+            if c.compression is None:
+                out[c.name] = self.columns[c.name][idx]
+                continue
+            try:
+                out[c.name] = self.compressed[c.name].read_steps(idx)
+            except ChunkError as e:
+                raise self.corrupt(c.name, e, f"trajectory key {key}") from None
+        return out
 
     # ---- order ------------------------------------------------------------------------
     def live_slots(self, newest_first: bool = False, limit: int | None = None) -> np.ndarray:
@@ -622,7 +658,10 @@ class TrajectoryStore:
 
         Raises:
             KeyError: no column ``name``.
+            ValueError: a compressed column (its chunks are saved as they are: :attr:`compressed`).
         """
+        if name in self.compressed:
+            raise ValueError(f"column {name!r} is compressed: it has no raw ring steps (save store.compressed[{name!r}])")
         view = self.byte_views()[name]
         sb = self.spec[name].step_bytes
         head, used = int(self.state[ring.STEP_HEAD]), int(self.state[ring.STEPS_USED])
@@ -641,6 +680,7 @@ class TrajectoryStore:
             self._collapser.stop()
             self._collapser = None
         self.columns = {}
+        self.compressed = {}
         self._byte_views = None
         self._insert_scratch.drop()
         if self.arena is not None:
@@ -649,6 +689,74 @@ class TrajectoryStore:
         if self._table_arena is not None:  # the table's arrays keep the mapping until they go
             self._table_arena.close()
             self._table_arena = None
+
+    # ---- compressed columns -----------------------------------------------------------
+    @property
+    def compressed_bytes(self) -> int:
+        """Bytes the compressed columns hold: sealed chunks plus each column's raw open chunk. O(columns)."""
+        return sum(c.stored_bytes + c.chunk_bytes for c in self.compressed.values())
+
+    def steps_at(self, name: str, ring_steps: np.ndarray) -> np.ndarray:
+        """A copy of column ``name``'s steps at ``ring_steps`` (a compressed column's decompressed, chunk by
+        chunk). O(steps) (plus one decompression per chunk touched).
+
+        Raises:
+            KeyError: no column ``name``.
+            CorruptDataError: a compressed chunk touched is corrupted.
+        """
+        if name not in self.compressed:
+            return self.columns[name][ring_steps]
+        try:
+            return self.compressed[name].read_steps(ring_steps)
+        except ChunkError as e:
+            raise self.corrupt(name, e, "a trajectory read") from None
+
+    def gather_compressed(self, starts: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
+                          out_rows: np.ndarray, outs: Mapping[str, np.ndarray], window: int,
+                          keys: np.ndarray | None = None) -> None:
+        """Windows of the compressed columns into batch rows (what the gather kernels leave out: padding
+        included). Cost: per column, one decompression per chunk the windows cover (see
+        :meth:`CompressedRing.gather <gear_mpi.storage.compressed.CompressedRing.gather>`). Local.
+
+        Args:
+            starts, n_valid, pad_front, out_rows: each window's ring start, real steps, leading padding and
+                batch row (int64).
+            outs: column name -> that column's batch bytes (flat uint8), for each compressed column.
+            window: steps per window.
+            keys: each window's key (for the error message), or None.
+        Raises:
+            CorruptDataError: a chunk that fails its checksum or does not decompress, naming the column,
+                the chunk's ring steps and the trajectories it holds.
+        """
+        if not self.compressed or len(starts) == 0:
+            return
+        starts = np.asarray(starts, np.int64) % self.capacity
+        for name, chunks in self.compressed.items():
+            try:
+                chunks.gather(starts, n_valid, pad_front, out_rows, outs[name], window)
+            except ChunkError as e:
+                w = getattr(e, "window", None)
+                what = f"trajectory key {int(keys[w])}" if keys is not None and w is not None else "a sampled window"
+                raise self.corrupt(name, e, what) from None
+
+    def corrupt(self, name: str, error: ChunkError, what: str) -> CorruptDataError:
+        """The error for a corrupted chunk of column ``name``: its ring steps and the live trajectories on them.
+        O(live trajectories)."""
+        return CorruptDataError(f"column {name!r}: {what} reads {self.describe_chunk(name, error.chunk)}, and "
+                                f"{error.why}: the stored data is corrupted (nothing was returned)")
+
+    def describe_chunk(self, name: str, j: int) -> str:
+        """``"compressed chunk j (ring steps a..b), holding trajectory slot(s) [...] (keys [...])"``. O(live)."""
+        chunks = self.compressed[name]
+        lo, hi = j * chunks.k, j * chunks.k + chunks.chunk_steps(j)
+        slots = self.live_slots()
+        start, length = self.start[slots].astype(np.int64), self.length[slots].astype(np.int64)
+        off = (lo - start) % self.capacity  # the chunk's first step, relative to each trajectory's start
+        hit = (off < length) | ((start - lo) % self.capacity < hi - lo)
+        held = slots[hit][:8]
+        keys = self.keys_of(held).tolist() if len(held) else []
+        return (f"compressed chunk {j} (ring steps {lo}..{hi - 1}), holding trajectory slot(s) {held.tolist()}"
+                f"{'...' if hit.sum() > 8 else ''} (keys {keys})")
 
     @property
     def shm_name(self) -> str | None:

@@ -1,0 +1,139 @@
+"""Compressed columns (gm.Compressed): the declaration, a Shard's exact windows against an uncompressed twin,
+incompressible data, corrupted chunks, the memory kinds refused; and the multi-rank module
+tests/mpi/test_compressed.py on 1 and 2 ranks (twin Replays, checkpoints exact and resharded, a corrupted
+checkpoint)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from mpi_util import run_pytest_mpi
+
+COLUMNS = {"pixels": ((6, 5), "uint8"), "r": ((), "float32")}
+
+
+def twins(chunk, capacity=40, dtype="uint8", level=1, **kw):
+    cols = dict(COLUMNS, pixels=((6, 5), dtype))
+    comp = dict(cols, pixels=((6, 5), dtype, gm.Compressed(level=level, chunk=chunk)))
+    a = gm.Shard(gm.TrajectorySpec(cols, max_length=9), capacity, seed=3, tag=1, **kw)
+    b = gm.Shard(gm.TrajectorySpec(comp, max_length=9), capacity, seed=3, tag=1, **kw)
+    return a, b
+
+
+def random_trajectory(rng, dtype="uint8", dense=False):
+    length = int(rng.integers(1, 10))
+    if dense:
+        pixels = rng.integers(0, 256, (length, 6, 5)).astype(dtype)
+    else:
+        pixels = ((rng.random((length, 6, 5)) < 0.2) * rng.integers(0, 9, (length, 6, 5))).astype(dtype)
+    return {"pixels": pixels, "r": rng.random(length).astype(np.float32)}
+
+
+def test_declaration_equality_and_serialization():
+    c = gm.Compressed(level=3, codec="lz4", chunk=8)
+    spec = gm.TrajectorySpec({"pixels": ((84, 84), "uint8", c), "a": (1, "int64")}, max_length=5)
+    assert spec["pixels"].compression == c and spec["a"].compression is None
+    assert spec.compressed == ("pixels",)
+    assert gm.TrajectorySpec.from_dict(spec.to_dict()) == spec
+    assert spec.to_dict()["columns"]["a"] == [[1], "<i8"]  # uncompressed entries keep the old form
+    plain = gm.TrajectorySpec({"pixels": ((84, 84), "uint8"), "a": (1, "int64")}, max_length=5)
+    assert plain != spec and "Compressed(level=3" in repr(spec)
+    assert gm.TrajectorySpec({"pixels": ((84, 84), "uint8", None)}, 5) == gm.TrajectorySpec({"pixels": ((84, 84), "uint8")}, 5)
+    assert gm.Compressed().steps_per_chunk(84 * 84, 10 ** 6) == 8  # about 64 KiB of raw steps
+    assert gm.Compressed(chunk=100).steps_per_chunk(4, 30) == 30
+    for bad in (dict(level=10), dict(level=-1), dict(codec="snappy"), dict(chunk=0), dict(level=True)):
+        with pytest.raises(ValueError, match="Compressed"):
+            gm.Compressed(**bad)
+    with pytest.raises(ValueError, match="Compressed"):
+        gm.TrajectorySpec({"pixels": ((2,), "uint8", "zstd")}, 5)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 7, 40])
+def test_shard_windows_match_an_uncompressed_twin(chunk):
+    """Batches (every align, windows across chunk and ring boundaries, rings wrapping) and get() are identical."""
+    rng = np.random.default_rng(chunk or 0)
+    a, b = twins(chunk)
+    for it in range(40):
+        traj = random_trajectory(rng)
+        a.insert(traj), b.insert(traj)
+        if it == 20:  # a packed insert larger than several chunks
+            many = [random_trajectory(rng) for _ in range(4)]
+            a.insert_many(many), b.insert_many(many)
+        for align, window in (("random", 4), ("head", 9), ("tail", 3)):
+            x, y = a.sample(8, window, align), b.sample(8, window, align)
+            for name in COLUMNS:
+                assert np.array_equal(x[name].numpy(), y[name].numpy()), (it, name, align)
+            assert np.array_equal(x.keys.numpy(), y.keys.numpy())
+    out = b.sample(8, 4)  # a reused batch: padding rows are rewritten with zeros
+    a.sample(8, 4)  # the twin's stream kept in step
+    out["pixels"].numpy()[:] = 77
+    y = b.sample(8, 4, out=out)
+    x = a.sample(8, 4)
+    assert np.array_equal(x["pixels"].numpy(), y["pixels"].numpy())
+    for key in a.live_keys().tolist():
+        got, want = b.get(key), a.get(key)
+        assert all(np.array_equal(got[n], want[n]) for n in COLUMNS)
+    assert "pixels" not in b.columns() and "r" in b.columns()
+    ring = b.store.compressed["pixels"]  # at most blosc2's frame overhead a chunk more than raw, plus the open chunk
+    assert b.stored_bytes() <= a.stored_bytes() + ring.n_chunks * 64 + ring.chunk_bytes
+    b.clear()
+    assert len(b) == 0 and b.store.compressed["pixels"].stored_bytes == 0
+    b.insert(random_trajectory(rng))
+    assert b.sample(2, 4)["pixels"].shape == (2, 4, 6, 5)
+
+
+def test_incompressible_data_stays_exact_and_bounded():
+    """Random bytes (and float64 noise) do not compress: still exact, at most the codec's frame overhead more."""
+    rng = np.random.default_rng(5)
+    for dtype in ("uint8", "float64"):
+        a, b = twins(4, capacity=64, dtype=dtype)
+        for _ in range(30):
+            traj = random_trajectory(rng, dtype, dense=True)
+            if dtype == "float64":
+                traj["pixels"] = rng.standard_normal(traj["pixels"].shape)
+            a.insert(traj), b.insert(traj)
+        x, y = a.sample(16, 5), b.sample(16, 5)
+        assert np.array_equal(x["pixels"].numpy(), y["pixels"].numpy())
+        ring = b.store.compressed["pixels"]
+        sealed = sum(c is not None for c in ring.chunks)
+        assert ring.stored_bytes <= sealed * (ring.chunk_bytes + 64), (ring.stored_bytes, sealed)
+
+
+def test_corrupted_chunk_raises_naming_column_and_trajectory():
+    rng = np.random.default_rng(2)
+    _, b = twins(3)
+    for _ in range(6):
+        b.insert(random_trajectory(rng))
+    ring = b.store.compressed["pixels"]
+    j = next(i for i, c in enumerate(ring.chunks) if c is not None)
+    data = bytearray(ring.chunks[j])
+    data[len(data) // 2] ^= 0x10
+    ring.chunks[j] = bytes(data)
+    key = next(k for k in b.live_keys().tolist() if b.locate([k])[0][0] < 3)  # a trajectory starting in chunk 0
+    with pytest.raises(gm.CorruptDataError, match=rf"column 'pixels': trajectory key {key} reads compressed chunk "
+                                                  rf"{j} \(ring steps 0\.\.2\).*CRC-32"):
+        b.get(key)
+    with pytest.raises(gm.CorruptDataError, match=r"column 'pixels': trajectory key \d+ reads compressed chunk"):
+        for _ in range(50):
+            b.sample(8, 9, "head")
+
+
+def test_memory_kinds_without_support_are_refused(tmp_path):
+    spec = gm.TrajectorySpec({"pixels": ((4,), "uint8", gm.Compressed())}, max_length=3)
+    with pytest.raises(ValueError, match=r"compressed columns \['pixels'\] are not supported with memory='file'"):
+        gm.Shard(spec, 10, memory="file", path=str(tmp_path))
+    assert list(tmp_path.iterdir()) == [] or all(not any(p.iterdir()) for p in tmp_path.iterdir())
+    with gm.Shard(spec, 10, memory="shm") as s:  # raw columns in shared memory; the chunks in this process
+        s.insert({"pixels": np.arange(12, dtype=np.uint8).reshape(3, 4)})
+        assert np.array_equal(s.sample(1, 3, "head")["pixels"].numpy()[0], np.arange(12).reshape(3, 4))
+
+
+def test_replays_on_one_and_two_ranks(tmp_path):
+    """tests/mpi/test_compressed.py: twins on 1 rank (an MPI singleton) and 2; a 2-rank save resharded onto 1."""
+    run_pytest_mpi(1, "test_compressed.py", mpiexec=False, timeout=300)
+    run = run_pytest_mpi(2, "test_compressed.py", env={"GEAR_TEST_COMPRESSED_SAVE": str(tmp_path)}, timeout=300)
+    assert any("test_save_twins_for_a_resharded_load" in t for t in run.passed(0)), run.passed(0)
+    run = run_pytest_mpi(1, "test_compressed.py::test_load_twins_resharded", mpiexec=False, timeout=300,
+                         env={"GEAR_TEST_COMPRESSED_LOAD": str(tmp_path)})
+    assert any("test_load_twins_resharded" in t for t in run.passed(0)), run.passed(0)
