@@ -23,7 +23,7 @@ from .storage import table as table_layout
 from .storage.store import TrajectoryStore
 from .storage.file_guard import Hold
 from .storage.columns import column_addresses
-from .storage.derived import context_of, rebuild_local
+from .storage.derived import context_of, fill_unstored
 
 _NO_UNIFORMS = np.zeros(0)
 _ONE_OWNER = np.ones(1, np.bool_)
@@ -546,32 +546,14 @@ class Shard:
                                               self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
                                               choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
                                               probabilities)
-            if self.store.compressed:  # what the kernel left out: decompressed into the batch
-                fields = gather_kernels.choice_records(choices)
-                self.store.gather_compressed(fields["start"], fields["valid"], fields["pad_front"],
-                                             np.arange(batch_size, dtype=np.int64),
-                                             dict(zip(self.spec.names, batch.byte_views())), window,
-                                             fields["key"])
-            if self.spec.derived:  # frame stacks and next steps, from this shard's ring
-                fields = gather_kernels.choice_records(choices)
-                rebuild_local(self.spec, self.store, self.column_addresses()[0], fields["start"],
-                              self.frame_context(slots, choices), fields["valid"], fields["pad_front"],
-                              np.arange(batch_size, dtype=np.int64), batch.derived_views(), window)
+            fill_unstored(self.spec, self.store, self.column_addresses()[0], slots, choices, batch, window)
         weights[:] = gather_kernels.choice_records(choices)["weight"]
         self.after_sampling(slots)
         return batch
 
     def frame_context(self, slots: np.ndarray, choices: np.ndarray) -> np.ndarray:
-        """Each chosen window's *context*: how many steps of its trajectory before it the derived columns may
-        read (its offset in the trajectory, capped at ``spec.context_before``; :mod:`gear_mpi.storage.derived`).
-        O(B), one kernel; local.
-
-        Args:
-            slots: the chosen slots (int64), as :meth:`make_choices` took them.
-            choices: their choices, as :meth:`make_choices` returned them.
-        Returns:
-            int64, one per choice.
-        """
+        """Each chosen window's context (int64; :func:`gear_mpi.storage.derived.context_of`), for the slots and
+        choices of :meth:`make_choices`. O(B), one kernel; local."""
         return context_of(self.spec, slots, gather_kernels.choice_records(choices)["start"], self.store.start,
                           self.store.capacity)
 
@@ -581,8 +563,7 @@ class Shard:
         if self._fused is None:
             self._fused = (isinstance(self.index, PriorityIndex) and type(self.selector) in (Uniform, Prioritized)
                            and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped")
-                           and not self.spec.derived and not self.store.compressed)  # the kernel neither
-                           # rebuilds derived columns nor decompresses
+                           and not self.spec.derived and not self.store.compressed)  # (neither is in the kernel)
         return self._fused
 
     def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
@@ -790,17 +771,14 @@ class Shard:
                 f"sampler={self.selector!r}, memory={self.store.arena.kind if self.store.arena else 'closed'})")
 
 
-# warm-up at construction: numba loads even a cached kernel lazily, at its first call, and the first kernel
-# of a process also builds numba's target context (about 1-2 s here); a replay pays that at construction
-_WARM: set = set()
+# warm-up at construction: numba loads even a cached kernel at its first call, and the first kernel of a
+_WARM: set = set()  # process builds numba's target context (about 1-2 s here); a replay pays that at construction
 
 
 def warm_kernels(spec: TrajectorySpec, sampler) -> None:
     """Run each hot kernel once for ``spec`` and ``sampler``'s kind (local; once per process and kind).
 
-    Args:
-        spec: the replay's spec.
-        sampler: its selector (a copy is used).
+    Args: spec: the replay's spec; sampler: its selector (a copy is used).
     Cost: the first time, numba's start-up and cache loads (or compiles); then nothing. Memory: a scratch
     shard of ``2 * max_length`` steps, freed at once.
     """

@@ -152,3 +152,28 @@ def rebuild_from_context(spec: TrajectorySpec, buffers: dict[str, np.ndarray], b
         addresses[spec.names.index(name)] = buf.ctypes.data
     rebuild_derived(spec, addresses, n * e, np.arange(n, dtype=np.int64) * e + before, before, n_valid,
                     pad_front, rows, outs, window)
+
+
+def fill_unstored(spec: TrajectorySpec, store, ring_addresses: np.ndarray, slots: np.ndarray, choices: np.ndarray,
+                  batch, window: int) -> None:
+    """A local sample's columns the gather kernel leaves out: compressed ones decompressed into the batch
+    (``store.gather_compressed``), then derived ones rebuilt from this ring. Nothing to do without either.
+
+    Cost: decompression of the chunks the windows cover; ``frames`` step copies per window step and derived
+    column. Local.
+    Args:
+        spec: the columns; store: the shard's store; ring_addresses: its stored columns' ring addresses
+        (``Shard.column_addresses()[0]``); slots, choices: the sample's (``Shard.make_choices``); batch: the
+        :class:`~gear_mpi.batch.Batch` being filled; window: steps per window.
+    """
+    if not (store.compressed or spec.derived):
+        return
+    fields = gather_kernels.choice_records(choices)
+    rows = np.arange(len(choices), dtype=np.int64)
+    if store.compressed:
+        store.gather_compressed(fields["start"], fields["valid"], fields["pad_front"], rows,
+                                dict(zip(spec.names, batch.byte_views())), window, fields["key"])
+    if spec.derived:
+        context = context_of(spec, slots, fields["start"], store.start, store.capacity)
+        rebuild_local(spec, store, ring_addresses, fields["start"], context, fields["valid"], fields["pad_front"],
+                      rows, batch.derived_views(), window)

@@ -202,3 +202,17 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
         replay.checkpoint_every(shared_dir)
     handle.stop()
     replay.close()
+
+
+def test_compressed_columns_are_refused_and_the_replay_goes_on(shared_dir):
+    pytest.importorskip("blosc2")
+    spec = gm.TrajectorySpec({"pixels": ((8, 8), "uint8", gm.Compressed()), "reward": ((), "float32")}, 4)
+    replay = gm.Replay(spec, 64, gm.Uniform(), comm=COMM, seed=1, timeout=10.0)
+    try:
+        replay.insert({"pixels": np.full((3, 8, 8), RANK, np.uint8), "reward": np.zeros(3, np.float32)})
+        with pytest.raises(ValueError, match="compressed columns .* not written by background checkpoints"):
+            replay.checkpoint_every(shared_dir, seconds=None)
+        assert replay._checkpoints is None
+        assert len(replay.sample(4, window=2)) == 4   # still usable, on every rank
+    finally:
+        replay.close()
