@@ -379,7 +379,7 @@ class Replay:
             if problem is not None:
                 raise problem
             return self._sample_local(batch_size, window, align, out)
-        if self._solo:  # one rank on the host: its shard is the whole replay and nobody can disagree
+        if self._solo and self._checkpoints is None:  # one host rank: its shard is all, nobody to disagree with
             if problem is not None:
                 raise problem
             try:

@@ -42,6 +42,13 @@ def test_background_checkpoints_on_two_ranks():
     run_modules(2, "test_checkpoint_background.py")
 
 
+def test_background_checkpoints_on_one_rank():
+    """One rank samples its shard without a head (Replay._sample's one-rank path): the checkpoint schedule,
+    which rides on the head, must still fire there."""
+    run_modules(1, "test_checkpoint_background.py::test_the_schedule_rides_on_sample",
+                "test_checkpoint_background.py::test_exact_restore_from_a_background_checkpoint")
+
+
 def test_reshard_onto_three_ranks():
     run_modules(3, "test_checkpoint_restore.py::test_reshard_onto_more_ranks",
                 "test_checkpoint_restore.py::test_reshard_onto_fewer_ranks_fails_unless_drops_are_allowed")
