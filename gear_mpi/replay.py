@@ -380,8 +380,8 @@ class Replay:
                 raise problem
             return self._sample_local(batch_size, window, align, out)
         if self._solo and self._checkpoints is None:  # one host rank: its shard is all, nobody to disagree with
-            if problem is not None:
-                raise problem
+            if problem is not None:  # (a mapped checkpoint changed: CheckpointError) worded as an agreed error
+                raise type(problem)(f"sample: rank 0: {problem}") from problem
             try:
                 header.mode_code(self.mode if mode is None else mode)
                 self._check_out(out, check_batch_size(batch_size), check_window(self.spec, window, align)[0])

@@ -50,7 +50,12 @@ def _example_module():
     spec = importlib.util.spec_from_file_location("online_dqn_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks the module up
-    spec.loader.exec_module(module)
+    before = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # it sets thread variables (NUMBA_NUM_THREADS=1, ...) for its own processes: not for this one,
+        os.environ.clear()  # whose numba would otherwise start 1 worker, then refuse the restored default
+        os.environ.update(before)
     return module
 
 

@@ -34,16 +34,16 @@ def rows(text: str) -> list[list[float]]:
             if re.match(r"^\s+\d+\.\d\s", ln)]
 
 
-def test_soak_ten_seconds_memory_flat():
-    proc = soak("--seconds", "10", "--interval", "1", "--capacity", "20000")
+def test_soak_six_seconds_memory_flat():
+    proc = soak("--seconds", "6", "--interval", "1", "--capacity", "20000")
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0, out
     table = rows(proc.stdout)
-    assert len(table) >= 8, out
+    assert len(table) >= 4, out
     time_s, inserts, samples, updates, mbps, rss, items = zip(*table)
     # rows come every interval from the first one (when the replay is full), so the last lies within about
     # one interval of the end (8.9 s seen under load: the first row's clock starts a little after the run's)
-    assert list(time_s) == sorted(time_s) and time_s[-1] >= 8.5, out
+    assert list(time_s) == sorted(time_s) and time_s[-1] >= 4.5, out
     assert all(x > 0 for x in inserts[1:]) and all(x > 0 for x in samples[1:]) and all(x > 0 for x in mbps[1:])
     assert "full after" in proc.stdout and "# memory: flat" in proc.stdout, out
     growth = float(re.search(r"growth after capacity: ([+-][\d.]+) MiB", proc.stdout).group(1))

@@ -122,17 +122,23 @@ def survive(call, what: str, timeout: float) -> None:
     os._exit(0)
 
 
-def scenario_kill(base: str, timeout: float, name: str) -> None:
-    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=5, timeout=timeout)
-    insert_batch(replay, 1)
-    save_with_expectation(replay, os.path.join(base, name), [1])
+def sample_then_arm_the_kill(replay) -> None:
+    """Three samples on every rank; then the last rank is set to die (SIGKILL) inside its next sample(), after
+    that sample's first collective."""
     for _ in range(3):
         replay.sample(4, 3)
     say("PASS", "sampled-before-kill")
     if RANK == SIZE - 1:
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        replay._exchange = die  # dies inside sample(), after its first collective
+        replay._exchange = die
+
+
+def scenario_kill(base: str, timeout: float, name: str) -> None:
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=5, timeout=timeout)
+    insert_batch(replay, 1)
+    save_with_expectation(replay, os.path.join(base, name), [1])
+    sample_then_arm_the_kill(replay)
     survive(lambda: replay.sample(4, 3), "sample", timeout)
 
 
@@ -217,13 +223,7 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
         insert_batch(replay, b)
         replay.save(os.path.join(base, f"ck-{b}"))
     insert_batch(replay, 3)  # after the newest checkpoint: lost by the recovery
-    for _ in range(3):
-        replay.sample(4, 3)
-    say("PASS", "sampled-before-kill")
-    if RANK == SIZE - 1:
-        def die(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
-        replay._exchange = die  # dies inside sample(), after its first collective
+    sample_then_arm_the_kill(replay)
     t0 = time.monotonic()
     try:
         replay.sample(4, 3)
