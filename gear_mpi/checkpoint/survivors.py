@@ -142,7 +142,8 @@ def rebuild(old: Any, comm: Any, survivors: list[int], checkpoint, opts: dict,
         seed = int(hashlib.sha256(text).hexdigest()[:15], 16)
     kw = dict(mode=opts["mode"], comm=comm, seed=seed, timeout=float(opts["timeout"]), max_items=max_items,
               max_times_sampled=old.shard.max_times_sampled or None, memory=opts.get("memory"),
-              force_alltoallv=old.force_alltoallv, lazy=bool(opts["lazy"]))
+              force_alltoallv=old.force_alltoallv, lazy=bool(opts["lazy"]), rate_limiter=old.rate_limiter,
+              rate_limit_timeout=old.rate_limit_timeout, writer_slack=old._feeds.writer_slack)
     if old.device is not None:
         kw["device"] = old.describe()["device"]
     if opts.get("memory_path") is not None:

@@ -216,6 +216,31 @@ def live_ids(replay: gm.Replay) -> list[int]:
     return sorted(i for part in replay.comm.comm.allgather(mine) for i in part)
 
 
+#: a writer process (argv: the address, the report file): inserts until WriterError, and says how it ended
+DEAD_WRITER = """
+import os, sys, time
+import numpy as np
+import gear_mpi as gm
+address, report = sys.argv[1], sys.argv[2]
+w = gm.Writer(address, timeout=2.0)
+open(report + ".started", "w").close()
+while not os.path.exists(report + ".go"):
+    time.sleep(0.01)
+t0 = last = time.monotonic()
+step = {"obs": np.zeros((1, 4), np.float32), "id": np.full(1, 9_000_000, np.int64), "pix": np.zeros((1, 3), np.uint8)}
+try:
+    while time.monotonic() - t0 < 60:
+        w.insert(step, 1.0)
+        last = time.monotonic()
+        time.sleep(0.05)
+    text = "no WriterError within 60 s"
+except gm.WriterError as e:
+    text = f"WriterError after {time.monotonic() - last:.2f} s: {e}"
+with open(report + ".tmp", "w") as f:
+    f.write(text)
+os.rename(report + ".tmp", report)
+"""
+
 #: the survivors' replay's seed in the recover scenario (fixed: the chi-square test sees the same draws every run)
 RECOVER_SEED = int(os.environ.get("GEAR_TEST_RECOVER_SEED", "11"))
 
@@ -230,6 +255,15 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     other.save(os.path.join(base, "foreign"))
     other.close()
     replay = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=7, timeout=timeout)
+    report = os.path.join(base, "dead-writer.txt")
+    if RANK == SIZE - 1:  # a writer process of the rank that dies: it must get WriterError
+        import subprocess
+        subprocess.Popen([sys.executable, "-c", DEAD_WRITER, replay.writer_address(), report],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(report + ".started") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    comm.barrier()  # no deadline: the writer process may take a while to start
     for b in (1, 2):
         insert_batch(replay, b)
         replay.save(os.path.join(base, f"ck-{b}"))
@@ -237,8 +271,11 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     st = replay.shard.store
     own_keys = st.keys_of(ring.live_in_order(st.state, st.alive, st.order, False, len(st)))
     own_ids = [int(replay.get(int(k))["id"][0]) for k in own_keys.tolist()]
-    writer = gm.Writer(replay.writer_address(), timeout=timeout)
+    address = replay.writer_address()
+    writer = gm.Writer(address, timeout=timeout)
     writer.insert(traj(7_000_000 + RANK), priority(7_000_000 + RANK))  # staged; the sample below takes it in (one more item a rank)
+    if RANK == SIZE - 1:
+        open(report + ".go", "w").close()  # its writer process starts inserting (after ck-2: lost)
     sample_then_arm_the_kill(replay)
     t0 = time.monotonic()
     try:
@@ -279,12 +316,8 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
         problems.append(f"dead={rec.dead} survivors={rec.survivors} ranks={new.ranks} rank={new.rank}")
     if not replay.closed:
         problems.append("the old replay is still open")
-    try:  # the old replay's writer: its owner moved on (on this node, the dead rank's node)
-        writer.insert(traj(8_000_000 + RANK), 1.0)
-        problems.append("the old replay's writer still inserts")
-    except gm.WriterError:
-        pass
-    writer.close()
+    if new.writer_address() != address:
+        problems.append("the new replay took another writer address")
     dead = SIZE - 1
     inserted = sorted(i for b in (1, 2, 3) for r in range(SIZE) for i in ids_of(r, b))
     inserted += [7_000_000 + r for r in range(SIZE)]  # each rank's writer's episode, taken in after ck-2
@@ -307,6 +340,23 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     t2 = time.monotonic()
     new.sample(4, 3)
     first = time.monotonic() - t2
+    try:  # the survivor's writer goes on, into the new replay (the next collective takes the episode in)
+        writer.insert(traj(8_000_000 + RANK), priority(8_000_000 + RANK))
+        new.stats()
+        got_after = live_ids(new)
+        if got_after != sorted(want + [8_000_000 + r for r in range(dead)]):
+            problems.append(f"the writer's episode after the recovery: {sorted(set(got_after) - set(want))}")
+        want = got_after
+    except gm.WriterError as e:
+        problems.append(f"the survivor's writer failed: {e}")
+    writer.close()
+    if RANK == 0:
+        deadline = time.monotonic() + 3 * timeout
+        while not os.path.exists(report) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = open(report).read() if os.path.exists(report) else "no report"
+        if not text.startswith("WriterError"):
+            problems.append(f"the dead rank's writer: {text}")
     # the draws: P(item) = priority / total priority (alpha 1) over the kept and restored items
     counts = dict.fromkeys(want, 0)
     for _ in range(80):
