@@ -44,6 +44,12 @@ def options(old: Any, survivors: int, overrides: dict) -> dict:
     ``capacity_steps`` and ``max_items`` grown by ``ranks / survivors`` (rounded up) by default, so that the
     survivors can hold what every rank held. Local, O(1).
 
+    Args:
+        old: the replay that lost ranks.
+        survivors: how many ranks are left.
+        overrides: any of :data:`RECOVER_OPTIONS`.
+    Returns:
+        Every option, ``capacity_steps``, ``max_items``, ``timeout``, ``mode``, ``allow_drop`` and ``lazy`` set.
     Raises:
         TypeError: an unknown option (the same on every rank: nothing has been touched).
     """
