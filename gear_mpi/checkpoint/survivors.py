@@ -81,8 +81,8 @@ def _own_records(old: Any) -> dict[str, np.ndarray]:
     rows = {name: a for name, a in shard.sections() if name in ("stamp", "times_sampled")}
     raw_stamp = rows["stamp"][slots].astype(np.int64)
     times = rows["times_sampled"][slots].astype(np.int64) if "times_sampled" in rows else np.zeros(len(keys), np.int64)
-    _, length = shard.locate(keys)
-    return {"key": keys, "length": length, "priority": shard.priorities(keys), "raw_stamp": raw_stamp,
+    start, length = shard.locate(keys)
+    return {"key": keys, "start": start, "length": length, "priority": shard.priorities(keys), "raw_stamp": raw_stamp,
             "stamp": np.maximum.accumulate(raw_stamp) if len(keys) else raw_stamp, "times": times}
 
 
@@ -217,7 +217,8 @@ def _fill(new: Any, old: Any, own: dict, held: np.ndarray, ck: CheckpointComm, b
     new_lost = np.empty(len(mine), np.int64)
     err = None
     try:
-        _insert_merged(new, old, own, lost, mine, new_own, new_lost, body, where, metas, dead)
+        with old.shard.hold():  # a shard mapping a checkpoint file: raises if another process changed it
+            _insert_merged(new, old, own, lost, mine, new_own, new_lost, body, where, metas, dead)
     except Exception as e:
         err = e
     ck.agree(err, "recover (insert)")
@@ -257,6 +258,16 @@ def _insert_merged(new: Any, old: Any, own: dict, lost: dict, mine: np.ndarray, 
             maps[(r, i)] = shard_files.map_column(where, r, meta_of[r], i, saved_spec, body["shards"][r]["files"])
         return maps[(r, i)]
 
+    store = old.shard.store
+    views = None if spec.compressed else {name: store.columns[name] for name in names}
+
+    def own_steps(j: int) -> dict[str, np.ndarray]:  # views of the ring where it does not wrap: one copy in all
+        start, length = int(own["start"][j]), int(own["length"][j])
+        if views is None or start + length > store.capacity:
+            got = old.shard.get(int(own["key"][j]))
+            return {name: got[name] for name in names}
+        return {name: v[start:start + length] for name, v in views.items()}
+
     # one sequence: (stamp, 0 = own / 1 = restored, index), oldest first; own ones keep their own order on ties
     n_own = len(own["key"])
     stamps = np.concatenate([own["stamp"], lost["stamp"][mine]])
@@ -274,8 +285,7 @@ def _insert_merged(new: Any, old: Any, own: dict, lost: dict, mine: np.ndarray, 
         trajs, prios, raw, times = [], [], [], []
         for j in order[pos:end].tolist():
             if j < n_own:
-                got = old.shard.get(int(own["key"][j]))
-                trajs.append({name: got[name] for name in names})
+                trajs.append(own_steps(j))
                 prios.append(own["priority"][j])
                 raw.append(own["raw_stamp"][j])
                 times.append(own["times"][j])
