@@ -9,9 +9,10 @@ MPICH does not (mpi4py then gives ``MPI.ERR_PROC_FAILED`` the value of ``MPI.ERR
 :func:`unavailable` says, locally and at once, why it cannot work here; :func:`shrink` revokes a
 communicator and returns the survivors' one (collective over the survivors, with a deadline);
 :func:`recover` shrinks, then has :func:`gear_mpi.checkpoint.survivors.rebuild` build the survivors' replay
-(their own shards kept, the dead ranks' restored from a checkpoint); :class:`Recovery` is what it returns. ``Comm.Ishrink`` is not used: the Open MPI 5.0
-wheel fails it with ``MPI_ERR_INTERN``; the blocking ``Shrink`` runs on a helper thread instead, so
-that a survivor that never calls it makes the others raise at the deadline rather than wait forever.
+(their own shards kept, the dead ranks' restored from a checkpoint); :class:`Recovery` is what it returns.
+``Comm.Ishrink`` is not used: the Open MPI 5.0 wheel fails it with ``MPI_ERR_INTERN``; the blocking
+``Shrink`` runs on a helper thread instead, so that a survivor that never calls it makes the others raise
+at the deadline rather than wait forever.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class Recovery:
     """What :meth:`gear_mpi.Replay.recover` returns (the same on every survivor but ``replay``, its rank's).
 
     Attributes:
-        replay: the new replay over the survivors, loaded from the checkpoint.
-        key_map: ``(old_keys, new_keys)`` of the checkpoint's trajectories (as ``Replay.load`` returns it).
+        replay: the new replay over the survivors: their own trajectories and the dead ranks' of the checkpoint.
+        key_map: ``(old_keys, new_keys)``, sorted by old key, of every kept and restored trajectory (-1: a
+            restored one dropped with ``allow_drop=True``); translate with :func:`gear_mpi.checkpoint.remap`.
         comm: the survivors' communicator (an mpi4py communicator; the job's old one is revoked: use this one
             from now on for the job's own communication too).
         survivors: the old ranks that survived, in their new order (new rank ``i`` was old rank ``survivors[i]``).
@@ -152,9 +154,9 @@ def recover(replay: Any, checkpoint: Any, **overrides) -> Recovery:
     What is lost is what the dead ranks inserted after ``checkpoint`` began. The new replay takes over
     this rank's ingest point: its ``gm.Writer`` processes go on (same ``writer_address``, episodes they staged
     included); a dead rank's writers raise WriterError (their owner is gone). The old replay then closes
-    locally (its ``MpiWriter`` actor ranks' inboxes with it). Every survivor must call it, e.g. after a collective raised
-    CollectiveTimeoutError; the job's old communicator (the replay's) is revoked: use ``Recovery.comm`` from
-    then on.
+    locally (its ``MpiWriter`` actor ranks' inboxes with it). Every survivor must call it, e.g. after a
+    collective raised CollectiveTimeoutError; the job's old communicator (the replay's) is revoked: use
+    ``Recovery.comm`` from then on.
 
     Args:
         replay: the replay that lost a rank (its ``comm`` is the communicator to shrink).

@@ -273,7 +273,7 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     own_ids = [int(replay.get(int(k))["id"][0]) for k in own_keys.tolist()]
     address = replay.writer_address()
     writer = gm.Writer(address, timeout=timeout)
-    writer.insert(traj(7_000_000 + RANK), priority(7_000_000 + RANK))  # staged; the sample below takes it in (one more item a rank)
+    writer.insert(traj(7_000_000 + RANK), priority(7_000_000 + RANK))  # staged; the samples below take it in
     if RANK == SIZE - 1:
         open(report + ".go", "w").close()  # its writer process starts inserting (after ck-2: lost)
     sample_then_arm_the_kill(replay)
