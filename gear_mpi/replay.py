@@ -745,10 +745,10 @@ class Replay:
         return checkpoint.load(path, comm, cls, **overrides)
 
     def recover(self, checkpoint, **overrides) -> "recovery.Recovery":
-        """Collective over the survivors after a rank died (ULFM): revoke and shrink the communicator, close this
-        replay locally, load ``checkpoint`` resharded over the survivors (what came after it is lost).
+        """Collective over the survivors after a rank died (ULFM): revoke and shrink the communicator; a new replay
+        keeps each survivor's shard and restores the dead ranks' from ``checkpoint`` (their later inserts are lost).
 
-        Args: checkpoint: the newest checkpoint directory; overrides: as :meth:`load`.
+        Args: checkpoint: this replay's newest checkpoint directory (None: none); overrides: sizes etc.
         Returns: a :class:`~gear_mpi.Recovery` (``replay``, ``key_map``, ``comm``: use it from now on).
         Raises: RecoveryError: no ULFM (MPICH): at once on every rank, nothing changed; CheckpointError etc.:
         as :meth:`load`. Cost and details: :func:`gear_mpi.distributed.recovery.recover`.

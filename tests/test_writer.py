@@ -472,3 +472,35 @@ def test_a_held_writer_ends_when_its_replay_closes_or_its_owner_dies(owner):
         learner.kill()
         for name in segments(address):
             os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_adopt_moves_the_ingest_point_and_its_writer_to_another_shard():
+    """ReplayFeeds.adopt (Replay.recover's hand-over): a writer of the old feeds goes on, at the same address,
+    into the new shard, episodes staged before the hand-over included; bad hand-overs are refused, unchanged."""
+    old_shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
+    new_shard = gm.Shard(SPEC, 4000, gm.Fifo(), max_items=1000)
+    old = replay_feeds.ReplayFeeds(old_shard, 0, 1, lambda: None, None, 60.0)
+    new = replay_feeds.ReplayFeeds(new_shard, 0, 1, lambda: None, None, 60.0)
+    other_spec = gm.TrajectorySpec({"y": ((), "float32")}, max_length=4)
+    stranger_shard = gm.Shard(other_spec, 100, gm.Fifo())
+    stranger = replay_feeds.ReplayFeeds(stranger_shard, 0, 1, lambda: None, None, 60.0)
+    try:
+        assert new.adopt(replay_feeds.ReplayFeeds(old_shard, 0, 1, lambda: None, None, 60.0)) is None  # none there
+        address = old.writer_address()
+        writer = gm.Writer(address, timeout=10.0)
+        writer.insert(*episode(1, 0))  # staged before the hand-over
+        with pytest.raises(ValueError, match="spec differs"):
+            stranger.adopt(old)
+        assert old.intake is not None and stranger.intake is None
+        assert new.adopt(old) == address and old.intake is None
+        with pytest.raises(ValueError, match="already has an ingest point"):
+            new.adopt(new)
+        writer.insert(*episode(1, 1))  # after it
+        drain_until(new.intake, lambda: len(new_shard) == 2)
+        assert sorted(stored(new_shard)) == [(1, 0), (1, 1)] and len(old_shard) == 0
+        assert new.writer_address() == address
+        writer.close()
+    finally:
+        old.close(), new.close(), stranger.close()
+        for s in (old_shard, new_shard, stranger_shard):
+            s.close()

@@ -34,10 +34,12 @@ from .arrival import Channel
 from .files import CHUNK_BYTES, SHARD_JSON, TABLE
 
 
-def _live_records(tables: list[dict], metas: list[dict], tag: int, old_cap: int) -> dict[str, np.ndarray]:
-    """The live trajectories of every saved shard, in global insertion order, one array per field."""
+def _live_records(tables: list[dict], metas: list[dict], tag: int, old_cap: int,
+                  ranks: list[int] | None = None) -> dict[str, np.ndarray]:
+    """The live trajectories of the saved shards ``ranks`` (default: all, ``tables[i]`` being saved rank ``i``),
+    in global insertion order, one array per field."""
     recs = []
-    for r, (t, meta) in enumerate(zip(tables, metas)):
+    for r, t, meta in zip(range(len(tables)) if ranks is None else ranks, tables, metas):
         # rows may be saved narrow (uint32 start, uint16 generation, ...): int64 for the arithmetic below
         t = {k: (v.astype(np.int64) if v.dtype.kind in "iu" else v) for k, v in t.items()}
         slots = np.flatnonzero(t["alive"] == ring.LIVE).astype(np.int64)
@@ -54,7 +56,8 @@ def _live_records(tables: list[dict], metas: list[dict], tag: int, old_cap: int)
     return {k: v[order] for k, v in allr.items()}
 
 
-def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int) -> tuple[np.ndarray, np.ndarray]:
+def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int, held_steps=None,
+         held_items=None) -> tuple[np.ndarray, np.ndarray]:
     """Assign trajectories (oldest first, of ``lengths`` steps) to ``ranks`` new shards.
 
     Args:
@@ -62,6 +65,8 @@ def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int) -
         ranks: the number of new shards.
         capacity_steps: steps each new shard holds.
         max_items: trajectories each new shard holds.
+        held_steps, held_items: steps and trajectories each new shard holds already (None: none); they are
+            kept, and the dealt ones go first to the shards holding the fewest steps.
     Returns:
         ``(dest, keep)``: the new rank of each trajectory, and whether it fits
         (False for the oldest of a shard that cannot hold all it was dealt).
@@ -69,7 +74,10 @@ def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int) -
     """
     n = len(lengths)
     dest = np.empty(n, np.int64)
-    heap = [(0, r) for r in range(ranks)]
+    held_steps = np.zeros(ranks, np.int64) if held_steps is None else np.asarray(held_steps, np.int64)
+    held_items = np.zeros(ranks, np.int64) if held_items is None else np.asarray(held_items, np.int64)
+    heap = [(int(held_steps[r]), r) for r in range(ranks)]
+    heapq.heapify(heap)
     for i, length in enumerate(lengths.tolist()):
         steps, r = heapq.heappop(heap)
         dest[i] = r
@@ -81,7 +89,7 @@ def deal(lengths: np.ndarray, ranks: int, capacity_steps: int, max_items: int) -
             continue
         from_newest = np.cumsum(lengths[idx][::-1])[::-1]
         count_from_newest = np.arange(len(idx), 0, -1)
-        keep[idx] = (from_newest <= capacity_steps) & (count_from_newest <= max_items)
+        keep[idx] = (from_newest <= capacity_steps - held_steps[r]) & (count_from_newest <= max_items - held_items[r])
     return dest, keep
 
 

@@ -8,9 +8,11 @@ MPICH does not (mpi4py then gives ``MPI.ERR_PROC_FAILED`` the value of ``MPI.ERR
 
 :func:`unavailable` says, locally and at once, why it cannot work here; :func:`shrink` revokes a
 communicator and returns the survivors' one (collective over the survivors, with a deadline);
-:class:`Recovery` is what ``Replay.recover`` returns. ``Comm.Ishrink`` is not used: the Open MPI 5.0
-wheel fails it with ``MPI_ERR_INTERN``; the blocking ``Shrink`` runs on a helper thread instead, so
-that a survivor that never calls it makes the others raise at the deadline rather than wait forever.
+:func:`recover` shrinks, then has :func:`gear_mpi.checkpoint.survivors.rebuild` build the survivors' replay
+(their own shards kept, the dead ranks' restored from a checkpoint); :class:`Recovery` is what it returns.
+``Comm.Ishrink`` is not used: the Open MPI 5.0 wheel fails it with ``MPI_ERR_INTERN``; the blocking
+``Shrink`` runs on a helper thread instead, so that a survivor that never calls it makes the others raise
+at the deadline rather than wait forever.
 """
 from __future__ import annotations
 
@@ -36,13 +38,19 @@ class Recovery:
     """What :meth:`gear_mpi.Replay.recover` returns (the same on every survivor but ``replay``, its rank's).
 
     Attributes:
-        replay: the new replay over the survivors, loaded from the checkpoint.
-        key_map: ``(old_keys, new_keys)`` of the checkpoint's trajectories (as ``Replay.load`` returns it).
+        replay: the new replay over the survivors: their own trajectories and the dead ranks' of the checkpoint.
+        key_map: ``(old_keys, new_keys)``, sorted by old key, of every kept and restored trajectory (-1: a
+            restored one dropped with ``allow_drop=True``); translate with :func:`gear_mpi.checkpoint.remap`.
         comm: the survivors' communicator (an mpi4py communicator; the job's old one is revoked: use this one
             from now on for the job's own communication too).
         survivors: the old ranks that survived, in their new order (new rank ``i`` was old rank ``survivors[i]``).
         dead: the old ranks that are gone.
-        shrink_seconds, load_seconds: time spent revoking and shrinking, and loading the checkpoint.
+        shrink_seconds, load_seconds: time spent revoking and shrinking, and rebuilding the replay (its own
+            shard copied, the dead ranks' read from the checkpoint).
+        kept: trajectories the survivors kept from their own shards (all survivors).
+        restored: the dead ranks' trajectories restored from the checkpoint (all survivors).
+        dropped: the dead ranks' trajectories of the checkpoint dropped because they did not fit
+            (only with ``allow_drop=True``; ``key_map`` maps them to -1).
     """
     replay: Any
     key_map: tuple[np.ndarray, np.ndarray]
@@ -51,10 +59,13 @@ class Recovery:
     dead: list[int] = field(default_factory=list)
     shrink_seconds: float = 0.0
     load_seconds: float = 0.0
+    kept: int = 0
+    restored: int = 0
+    dropped: int = 0
 
     @property
     def seconds(self) -> float:
-        """The whole recovery: shrink and load."""
+        """The whole recovery: shrink and rebuild."""
         return self.shrink_seconds + self.load_seconds
 
 
@@ -136,58 +147,62 @@ def shrink(comm: Any, timeout: float) -> tuple[Any, list[int]]:
 def recover(replay: Any, checkpoint: Any, **overrides) -> Recovery:
     """Collective over the surviving ranks (``Replay.recover``): after a rank died, go on without it.
 
-    The survivors revoke and shrink the replay's communicator (:func:`shrink`), revoke the replay's node and
-    closing communicators and close it locally, then load ``checkpoint`` resharded over themselves
-    (``Replay.load``). What the new replay holds is exactly the checkpoint's trajectories: whatever any
-    rank inserted after it is lost, and the old replay's writers are closed (they raise WriterError).
-    Every survivor must call it, e.g. after a collective raised CollectiveTimeoutError; the job's old
-    communicator (the replay's) is revoked: use ``Recovery.comm`` from then on.
+    The survivors revoke and shrink the replay's communicator (:func:`shrink`) and revoke the replay's node
+    and closing communicators; then, on their new communicator, they build a new replay that holds every
+    survivor's own shard as it is in memory (everything it inserted, after the checkpoint too) and the dead
+    ranks' shards of ``checkpoint``, dealt over the survivors (:func:`gear_mpi.checkpoint.survivors.rebuild`).
+    What is lost is what the dead ranks inserted after ``checkpoint`` began. The new replay takes over
+    this rank's ingest point: its ``gm.Writer`` processes go on (same ``writer_address``, episodes they staged
+    included); a dead rank's writers raise WriterError (their owner is gone). The old replay then closes
+    locally (its ``MpiWriter`` actor ranks' inboxes with it). Every survivor must call it, e.g. after a
+    collective raised CollectiveTimeoutError; the job's old communicator (the replay's) is revoked: use
+    ``Recovery.comm`` from then on.
 
     Args:
         replay: the replay that lost a rank (its ``comm`` is the communicator to shrink).
-        checkpoint: a checkpoint directory (the newest one), seen by every survivor.
-        overrides: as ``Replay.load``; by default ``timeout`` is the replay's, and ``capacity_steps`` and
-            ``max_items`` grow so that the survivors hold what every rank held (:func:`scaled_capacity`).
+        checkpoint: a checkpoint directory this replay wrote (the newest: it loses least), seen by every
+            survivor; or None (no checkpoint yet): the dead ranks' trajectories are all lost.
+        overrides: any of :data:`gear_mpi.checkpoint.survivors.RECOVER_OPTIONS`: ``capacity_steps`` and
+            ``max_items`` per survivor (default: the replay's grown by ``ranks / survivors``, rounded up),
+            ``timeout``, ``mode``, ``seed``, ``memory``, ``memory_path``, ``lazy`` (as the Replay
+            constructor), ``allow_drop`` (drop the oldest of the dead ranks' trajectories that do not fit,
+            instead of failing).
     Returns:
         A :class:`Recovery`.
     Raises:
         RuntimeError: the replay is closed.
+        TypeError: an unknown option (at once, nothing changed).
         RecoveryError: no ULFM (MPICH; Open MPI without ``mpiexec --with-ft ulfm``): at once on every rank,
             the replay unchanged (resume from the checkpoint in a new job); or a survivor did not arrive
             within the replay's ``timeout``.
-        CheckpointError, TypeError, CollectiveTimeoutError: as ``Replay.load`` (the old replay is then closed).
-    Cost: the shrink (an agreement of the survivors: milliseconds on one node), then the load (a reshard).
+        CheckpointError, CollectiveTimeoutError, ValueError, MemoryBudgetError: the rebuild failed (a checkpoint
+            not this replay's, damaged or unreadable; survivors too small without ``allow_drop``; ...): on every
+            survivor, the same error; the old replay stays open (broken, its data intact), and ``recover`` may
+            be called again (e.g. with another checkpoint or None).
+    Cost: the shrink (an agreement of the survivors: milliseconds on one node), then the rebuild: a Replay
+    construction, each survivor copies its own live steps once and reads the dead ranks' steps dealt to it.
     """
     if replay.closed:
         raise RuntimeError("this Replay is closed")
     why = unavailable()  # local and the same on every rank: nothing is touched when it fails
     if why is not None:
         raise RecoveryError(f"recover: cannot survive a dead rank: {why}{RESTART_HINT}")
+    from ..checkpoint import survivors as rebuilding
+    rebuilding.options(replay, 1, overrides)  # TypeError for an unknown option, before anything changes
     replay._prefetch.check_owner()
     mc = replay.comm
     (comm, survivors), shrink_seconds = timed(shrink, mc.comm, mc.timeout)
     for c in (replay.node.node_comm.comm, replay.node.closing.comm):  # their collectives would wait for the dead
         revoke(c)
     mc.broken = mc.broken or "recover: the replay was moved to the surviving ranks"
-    replay.close()  # locally: its communicator is broken
-    kw = {"timeout": mc.timeout, **scaled_capacity(checkpoint, comm.Get_size()), **overrides}
-    (new, key_map), load_seconds = timed(type(replay).load, checkpoint, comm, **kw)
+    opts = rebuilding.options(replay, len(survivors), overrides)
+    (new, key_map, counts), load_seconds = timed(rebuilding.rebuild, replay, comm, survivors, checkpoint, opts,
+                                                 type(replay))
+    new._feeds.adopt(replay._feeds)  # this rank's writers go on into the new shard, at the same address
+    replay.close()  # locally: its communicator is broken; its actor ranks' inboxes close (MpiWriter: WriterError)
     dead = sorted(set(range(mc.size)) - set(survivors))
-    return Recovery(new, key_map, comm, survivors, dead, shrink_seconds, load_seconds)
-
-
-def scaled_capacity(checkpoint: Any, ranks: int) -> dict[str, int]:
-    """``capacity_steps`` and ``max_items`` per rank that keep a checkpoint's whole capacity on ``ranks``
-    ranks (rounded up), read from its manifest; empty when it cannot be read (loading then says why).
-    Local: reads the manifest once."""
-    from ..checkpoint import read_manifest, resolve
-    try:
-        body = read_manifest(resolve(os.path.abspath(os.fspath(checkpoint))))["body"]
-        old = int(body["ranks"])
-        return {"capacity_steps": -(-int(body["capacity_steps"]) * old // ranks),
-                "max_items": -(-int(body["max_items"]) * old // ranks)}
-    except Exception:
-        return {}
+    return Recovery(new, key_map, comm, survivors, dead, shrink_seconds, load_seconds, counts["kept"],
+                    counts["restored"], counts["dropped"])
 
 
 def timed(fn, *args, **kwargs) -> tuple[Any, float]:

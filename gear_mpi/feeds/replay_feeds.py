@@ -130,6 +130,27 @@ class ReplayFeeds:
             self.hold()
         return self.intake.address
 
+    def adopt(self, other: "ReplayFeeds") -> str | None:
+        """Take ``other``'s ingest point, its writers and the episodes they staged, so that they go on into this
+        rank's shard under the same address (``Replay.recover``: the survivors' new replay takes over the old
+        one's writers). Local, O(1); ``other`` keeps its actor ranks and no longer has an ingest point.
+
+        Returns:
+            The address taken over, or None when ``other`` had none.
+        Raises:
+            ValueError: this one already has an ingest point, or the two shards' specs differ.
+        """
+        if other.intake is None:
+            return None
+        if self.intake is not None:
+            raise ValueError("adopt: this replay already has an ingest point (writer_address was called)")
+        if other.intake.shard.spec.to_dict() != self.shard.spec.to_dict():
+            raise ValueError("adopt: the writers' spec differs from this replay's")
+        self.intake, other.intake = other.intake, None
+        self.intake.shard = self.shard
+        self.hold()
+        return self.intake.address
+
     @property
     def slack(self) -> int | None:
         """Episodes this rank's writers may stage beyond its insert allowance (module docstring); None: no hold."""

@@ -216,13 +216,66 @@ def live_ids(replay: gm.Replay) -> list[int]:
     return sorted(i for part in replay.comm.comm.allgather(mine) for i in part)
 
 
+#: a writer process (argv: the address, the report file): inserts until WriterError, and says how it ended
+DEAD_WRITER = """
+import os, sys, time
+import numpy as np
+import gear_mpi as gm
+address, report = sys.argv[1], sys.argv[2]
+w = gm.Writer(address, timeout=2.0)
+open(report + ".started", "w").close()
+while not os.path.exists(report + ".go"):
+    time.sleep(0.01)
+t0 = last = time.monotonic()
+step = {"obs": np.zeros((1, 4), np.float32), "id": np.full(1, 9_000_000, np.int64), "pix": np.zeros((1, 3), np.uint8)}
+try:
+    while time.monotonic() - t0 < 60:
+        w.insert(step, 1.0)
+        last = time.monotonic()
+        time.sleep(0.05)
+    text = "no WriterError within 60 s"
+except gm.WriterError as e:
+    text = f"WriterError after {time.monotonic() - last:.2f} s: {e}"
+with open(report + ".tmp", "w") as f:
+    f.write(text)
+os.rename(report + ".tmp", report)
+"""
+
+#: the survivors' replay's seed in the recover scenario (fixed: the chi-square test sees the same draws every run)
+RECOVER_SEED = int(os.environ.get("GEAR_TEST_RECOVER_SEED", "11"))
+
+
 def scenario_recover(base: str, timeout: float, expect: str) -> None:
+    """Batches 1 and 2, checkpoints ck-1 and ck-2, batch 3 (after them); rank SIZE-1 dies in a sample. The
+    survivors first pass a checkpoint of another replay (CheckpointError on both, the replay kept), then the
+    newest: they keep all their own batches and get the dead rank's batches 1 and 2 back; its batch 3 is lost."""
     from scipy import stats as sps
+    other = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=8, timeout=timeout)
+    insert_batch(other, 9)
+    other.save(os.path.join(base, "foreign"))
+    other.close()
     replay = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=7, timeout=timeout)
+    report = os.path.join(base, "dead-writer.txt")
+    if RANK == SIZE - 1:  # a writer process of the rank that dies: it must get WriterError
+        import subprocess
+        subprocess.Popen([sys.executable, "-c", DEAD_WRITER, replay.writer_address(), report],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(report + ".started") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    comm.barrier()  # no deadline: the writer process may take a while to start
     for b in (1, 2):
         insert_batch(replay, b)
         replay.save(os.path.join(base, f"ck-{b}"))
-    insert_batch(replay, 3)  # after the newest checkpoint: lost by the recovery
+    insert_batch(replay, 3)  # after the newest checkpoint: lost by the recovery only where the rank dies
+    st = replay.shard.store
+    own_keys = st.keys_of(ring.live_in_order(st.state, st.alive, st.order, False, len(st)))
+    own_ids = [int(replay.get(int(k))["id"][0]) for k in own_keys.tolist()]
+    address = replay.writer_address()
+    writer = gm.Writer(address, timeout=timeout)
+    writer.insert(traj(7_000_000 + RANK), priority(7_000_000 + RANK))  # staged; the samples below take it in
+    if RANK == SIZE - 1:
+        open(report + ".go", "w").close()  # its writer process starts inserting (after ck-2: lost)
     sample_then_arm_the_kill(replay)
     t0 = time.monotonic()
     try:
@@ -231,34 +284,80 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
         os._exit(0)
     except gm.CollectiveError:
         failed = time.monotonic() - t0
+    problems = []
     try:
         t1 = time.monotonic()
-        rec = replay.recover(newest_checkpoint(base))
+        replay.recover(os.path.join(base, "foreign"), seed=RECOVER_SEED)
+        problems.append("recover took another replay's checkpoint")
     except gm.RecoveryError as e:
         took = time.monotonic() - t1
         ok = expect == "refused" and took < 1.0 and "restart the job from the newest checkpoint" in str(e) \
             and ("no ULFM" in str(e) or "without fault tolerance" in str(e)) and replay.comm.broken is not None and not replay.closed
         print(f"{'PASS' if ok else 'WRONG'} recover-refused rank={RANK} took={took:.3f}s error={e}", flush=True)
         os._exit(0)
+    except gm.CheckpointError as e:
+        refused = time.monotonic() - t1  # the shrink, then the agreed refusal
+        if "was not written by this replay" not in str(e) or replay.closed:
+            problems.append(f"foreign checkpoint: {e} (closed={replay.closed})")
+    except BaseException as e:
+        say("WRONG", f"recover(foreign): {type(e).__name__}: {e}")
+        os._exit(0)
+    try:
+        t1 = time.monotonic()
+        rec = replay.recover(newest_checkpoint(base), seed=RECOVER_SEED)
+        recover_seconds = time.monotonic() - t1
     except BaseException as e:
         say("WRONG", f"recover: {type(e).__name__}: {e}")
         os._exit(0)
     new = rec.replay
-    problems = []
     if expect != "recovered":
         problems.append("recovered although MPI has no ULFM")
     if (rec.dead, rec.survivors, new.ranks, new.rank) != ([SIZE - 1], list(range(SIZE - 1)), SIZE - 1, RANK):
         problems.append(f"dead={rec.dead} survivors={rec.survivors} ranks={new.ranks} rank={new.rank}")
     if not replay.closed:
         problems.append("the old replay is still open")
-    want = sorted(i for b in (1, 2) for r in range(SIZE) for i in ids_of(r, b))
+    if new.writer_address() != address:
+        problems.append("the new replay took another writer address")
+    dead = SIZE - 1
+    inserted = sorted(i for b in (1, 2, 3) for r in range(SIZE) for i in ids_of(r, b))
+    inserted += [7_000_000 + r for r in range(SIZE)]  # each rank's writer's episode, taken in after ck-2
+    lost = ids_of(dead, 3) + [7_000_000 + dead]  # what the dead rank inserted after ck-2
+    want = sorted(set(inserted) - set(lost))
     got = live_ids(new)
     if got != want:
-        problems.append(f"holds {len(got)} trajectories, the checkpoint {len(want)}")
+        problems.append(f"holds {len(got)} trajectories, want {len(want)}: missing {sorted(set(want) - set(got))[:5]}, "
+                        f"extra {sorted(set(got) - set(want))[:5]}")
+    kept = len(want) - 2 * len(ids_of(dead, 1))
+    if (rec.kept, rec.restored, rec.dropped) != (kept, len(want) - kept, 0):
+        problems.append(f"kept={rec.kept} restored={rec.restored} dropped={rec.dropped}")
+    old_keys, new_keys = rec.key_map
+    if len(old_keys) != len(want) or (new_keys < 0).any() or (np.diff(old_keys) <= 0).any():
+        problems.append(f"key_map of {len(old_keys)} keys")
+    mapped = gm.checkpoint.remap(rec.key_map, own_keys)  # this rank's old keys -> new keys (any survivor's)
+    by_key = new.get_many(mapped)  # collective
+    if [int(t["id"][0]) for t in by_key] != own_ids:
+        problems.append("key_map sends the survivors' old keys elsewhere")
     t2 = time.monotonic()
     new.sample(4, 3)
     first = time.monotonic() - t2
-    # the draws: P(item) = priority / total priority (alpha 1) over the restored items
+    try:  # the survivor's writer goes on, into the new replay (the next collective takes the episode in)
+        writer.insert(traj(8_000_000 + RANK), priority(8_000_000 + RANK))
+        new.stats()
+        got_after = live_ids(new)
+        if got_after != sorted(want + [8_000_000 + r for r in range(dead)]):
+            problems.append(f"the writer's episode after the recovery: {sorted(set(got_after) - set(want))}")
+        want = got_after
+    except gm.WriterError as e:
+        problems.append(f"the survivor's writer failed: {e}")
+    writer.close()
+    if RANK == 0:
+        deadline = time.monotonic() + 3 * timeout
+        while not os.path.exists(report) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = open(report).read() if os.path.exists(report) else "no report"
+        if not text.startswith("WriterError"):
+            problems.append(f"the dead rank's writer: {text}")
+    # the draws: P(item) = priority / total priority (alpha 1) over the kept and restored items
     counts = dict.fromkeys(want, 0)
     for _ in range(80):
         for ident in new.sample(64, 1)["id"][:, 0].tolist():
@@ -272,9 +371,11 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     if problems:
         say("WRONG", "; ".join(problems))
     else:
-        print(f"PASS recovered rank={RANK} failed={failed:.2f}s shrink={rec.shrink_seconds:.4f}s "
-              f"load={rec.load_seconds:.3f}s first_sample={first:.4f}s items={len(got)} lost="
-              f"{sum(len(ids_of(r, 3)) for r in range(SIZE))} pvalue={pvalue:.3f}", flush=True)
+        after = sum(len(ids_of(r, 3)) for r in range(SIZE)) + SIZE
+        print(f"PASS recovered rank={RANK} failed={failed:.2f}s refused={refused:.4f}s shrink={rec.shrink_seconds:.4f}s "
+              f"load={rec.load_seconds:.3f}s recover={recover_seconds:.3f}s first_sample={first:.4f}s "
+              f"items={len(got)} kept={rec.kept} restored={rec.restored} lost={len(lost)} "
+              f"inserted_after={after} pvalue={pvalue:.3f}", flush=True)
     os._exit(0)
 
 if __name__ == "__main__":
