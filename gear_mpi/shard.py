@@ -253,9 +253,7 @@ class Shard:
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        self._check_open()
-        with self.hold():
-            return self.inserter.append_step(step, priority)
+        return self.inserter.appender.append(step, priority)  # the open check and the hold are the appender's
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
