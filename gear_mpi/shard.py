@@ -14,11 +14,12 @@ from .kernels import local_sample, ring
 from .kernels.weights import PARALLEL_MIN, power_weights
 from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .storage.arenas import memory_kind
+from .selection import small_update
 from .selection.priority_index import DevicePriorityIndex, PriorityIndex
 from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
 from .storage.shard_insert import ShardInserter
 from .checkpoint.shard_state import ShardCheckpointState
-from .spec import TrajectorySpec, validate_priorities
+from .spec import TrajectorySpec
 from .storage import table as table_layout
 from .storage.store import TrajectoryStore
 from .storage.file_guard import Hold
@@ -637,9 +638,7 @@ class Shard:
         Raises:
             TypeError, InvalidKeyError, InvalidPriorityError: keys not integers or not this shard's; bad priorities.
         """
-        keys = as_key_array(keys)
-        pr = validate_priorities(priorities, len(keys))
-        return int(self.apply_priorities(keys, pr).sum())
+        return small_update.update_priorities(self, keys, priorities)  # a few keys: one kernel call
 
     def apply_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> np.ndarray:
         """Set already-validated priorities of this shard's keys. O(B) plus one batched index update.
