@@ -568,8 +568,8 @@ class Shard:
     def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
         st = self.store
         sel = self.selector
-        uniforms = self.rng.random(b)  # the same stream as select + make_choices: draws, then placements
-        place_u = self.rng.random(b) if code == 0 else _NO_UNIFORMS
+        u = self.rng.random(2 * b if code == 0 else b)  # the stream of select + make_choices: draws, placements
+        uniforms, place_u = (u[:b], u[b:]) if code == 0 else (u, _NO_UNIFORMS)
         keys, probabilities, weights, lengths = batch.meta_numpy()
         prioritized = type(sel) is Prioritized
         local_sample.sample_proportional(

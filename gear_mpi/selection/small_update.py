@@ -93,6 +93,11 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
             (nothing changed).
     Cost: O(B log n), one numba call on the fast path; the general path's otherwise.
     """
+    if type(keys) is not np.ndarray and hasattr(keys, "detach"):
+        try:
+            keys = keys.numpy()  # a CPU tensor (a sample's keys), as keys.tensor_numpy takes it first
+        except (RuntimeError, TypeError):  # one that needs grad or lives on a device: as_key_array's way
+            pass
     keys = keys if type(keys) is np.ndarray and keys.dtype == np.int64 and keys.ndim == 1 else as_key_array(keys)
     n = keys.shape[0]
     store, index, sel = shard.store, shard.index, shard.selector
