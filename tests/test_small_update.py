@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gear_mpi as gm
-from gear_mpi.kernels.priority_tree import SET_SERIAL_MAX
+from gear_mpi.kernels import priority_tree
 from gear_mpi.spec import validate_priorities
 
 SPEC = gm.TrajectorySpec({"obs": ((2,), "float32")}, max_length=3)
@@ -53,7 +53,7 @@ def test_few_keys_update_as_the_general_path(sampler):
     stale = np.setdiff1d(a.store.keys_of(np.arange(2000)), live)[:20]  # evicted: their slots' old generations
     assert len(stale)
     for it in range(60):
-        nb = int(rng.choice([1, 7, 32, 64, SET_SERIAL_MAX]))
+        nb = int(rng.choice([1, 7, 32, 64, priority_tree.SET_SERIAL_MAX]))
         keys = rng.choice(live, nb)  # duplicates too
         if it % 5 == 0:
             keys[: min(3, nb)] = rng.choice(stale, min(3, nb))
@@ -103,7 +103,7 @@ def test_uniform_row_standing_for_one_value_is_materialized():
 
 def test_large_updates_and_ordered_selectors_take_the_general_path():
     shard = filled(gm.Prioritized(0.6, 0.4))
-    keys = shard.live_keys()[:SET_SERIAL_MAX + 1]
+    keys = shard.live_keys()[:priority_tree.SET_SERIAL_MAX + 1]
     assert shard.update_priorities(keys, np.full(len(keys), 2.0)) == len(keys)
     np.testing.assert_array_equal(shard.priorities(keys), 2.0)
     fifo = filled(gm.Fifo())
