@@ -5,11 +5,19 @@ import sys
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+from numba import njit
 
 if TYPE_CHECKING:  # torch is imported at the first batch: a process that only writes never imports it
     import torch
 
 from .spec import TrajectorySpec
+
+
+@njit(cache=True, nogil=True)
+def _address(array):
+    """The address of ``array``'s first byte (an int). O(1)."""
+    return array.ctypes.data
+
 
 # Column buffers of a page or more start on a page boundary, smaller ones on a cache line. A sample
 # copies ring rows into them with memmove; on AMD Zen (this project's 2-core EPYC VM) glibc's memmove of
@@ -144,7 +152,7 @@ class Batch:
             plan = layouts[(batch_size, window, squeeze)] = _layout(spec, batch_size, window, squeeze)
         total, align, views, column_offsets = plan
         raw = np.empty(total + align, np.uint8)
-        base = raw.ctypes.data
+        base = _address(raw)  # (``raw.ctypes.data`` builds a ctypes object: about 1 us, 0.2 this way)
         off = (-base) % align
         # one ndarray constructor per buffer (a slice, a view and a reshape cost about 3x as much)
         arrays = [np.ndarray(shape, dtype, raw, off + at) for at, nbytes, dtype, shape in views]

@@ -14,11 +14,12 @@ from .kernels import local_sample, ring
 from .kernels.weights import PARALLEL_MIN, power_weights
 from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .storage.arenas import memory_kind
+from .selection import small_update
 from .selection.priority_index import DevicePriorityIndex, PriorityIndex
 from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
 from .storage.shard_insert import ShardInserter
 from .checkpoint.shard_state import ShardCheckpointState
-from .spec import TrajectorySpec, validate_priorities
+from .spec import TrajectorySpec
 from .storage import table as table_layout
 from .storage.store import TrajectoryStore
 from .storage.file_guard import Hold
@@ -253,9 +254,7 @@ class Shard:
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        self._check_open()
-        with self.hold():
-            return self.inserter.append_step(step, priority)
+        return self.inserter.appender.append(step, priority)  # the open check and the hold are the appender's
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
@@ -569,8 +568,8 @@ class Shard:
     def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
         st = self.store
         sel = self.selector
-        uniforms = self.rng.random(b)  # the same stream as select + make_choices: draws, then placements
-        place_u = self.rng.random(b) if code == 0 else _NO_UNIFORMS
+        u = self.rng.random(2 * b if code == 0 else b)  # the stream of select + make_choices: draws, placements
+        uniforms, place_u = (u[:b], u[b:]) if code == 0 else (u, _NO_UNIFORMS)
         keys, probabilities, weights, lengths = batch.meta_numpy()
         prioritized = type(sel) is Prioritized
         local_sample.sample_proportional(
@@ -639,9 +638,7 @@ class Shard:
         Raises:
             TypeError, InvalidKeyError, InvalidPriorityError: keys not integers or not this shard's; bad priorities.
         """
-        keys = as_key_array(keys)
-        pr = validate_priorities(priorities, len(keys))
-        return int(self.apply_priorities(keys, pr).sum())
+        return small_update.update_priorities(self, keys, priorities)  # a few keys: one kernel call
 
     def apply_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> np.ndarray:
         """Set already-validated priorities of this shard's keys. O(B) plus one batched index update.

@@ -17,6 +17,7 @@ from ..errors import InvalidTrajectoryError
 from ..kernels import ring
 from ..selection.priority_index import PriorityIndex
 from . import store_insert
+from .step_append import StepAppender
 from .store_insert import set_inserted_leaves
 from ..spec import TrajectorySpec, check_casting, check_finite_columns, validate_priorities
 
@@ -44,8 +45,7 @@ class ShardInserter:
         self.index = index
         self.selector = selector
         self.bytes_inserted = 0  # bytes of the steps ever stored here (all paths; gear_mpi.stats)
-        # append_step's per-column check: name, dtype, shape of a step, the same with a leading 1
-        self._step_shapes = [(c.name, c.dtype, tuple(c.shape), (1,) + tuple(c.shape)) for c in spec.columns]
+        self.appender = StepAppender(self)  # append_step's path
 
     def insert_many(self, trajectories: Sequence[Mapping[str, Any]], priorities: Any = None,
                     check_finite: bool = False, casting: str = "safe") -> np.ndarray:
@@ -103,41 +103,14 @@ class ShardInserter:
     def append_step(self, step: Mapping[str, Any], priority: float = 1.0) -> int:
         """:meth:`Shard.append_step <gear_mpi.shard.Shard.append_step>`: one one-step trajectory, checked per
         column by what a step needs (present, numeric and castable safely, the column's shape with or without a
-        leading 1) and nothing more (no lengths, no step counts, no priority array), then :meth:`store_packed`.
+        leading 1) and nothing more (no lengths, no step counts, no priority array), then stored by
+        :class:`~gear_mpi.storage.step_append.StepAppender` (one numba call and an item write per column; the
+        general :meth:`store_packed` for a store that path does not cover).
 
         Raises:
             InvalidTrajectoryError, InvalidPriorityError: as the shard's method documents (nothing stored).
         """
-        if not isinstance(step, Mapping):
-            raise InvalidTrajectoryError(f"append_step: expected a mapping of column -> value, got "
-                                         f"{type(step).__name__}")
-        names = self.spec.names
-        if len(step) != len(names) or any(k not in step for k in names):
-            missing = [k for k in names if k not in step]
-            extra = [k for k in step if k not in names]
-            raise InvalidTrajectoryError(f"append_step: " + (f"missing column(s) {missing}" if missing else
-                                         f"unknown column(s) {extra}") + f"; the spec has {list(names)}")
-        columns = {}
-        for name, dtype, shape, one in self._step_shapes:
-            value = step[name]
-            arr = value if type(value) is np.ndarray else _as_array(value)
-            ok = _STEP_CASTS.get((arr.dtype, dtype))
-            if ok is None:
-                kind = arr.dtype.kind  # insert_packed's rule: safe casts, and any number into a float column
-                ok = _STEP_CASTS[(arr.dtype, dtype)] = (not arr.dtype.hasobject and kind in "biufc" and (
-                    np.can_cast(arr.dtype, dtype, "safe") or (kind in "biuf" and dtype.kind == "f")))
-            if not ok:
-                raise InvalidTrajectoryError(f"append_step: column {name!r} has dtype {arr.dtype}, which cannot be "
-                                             f"cast safely to {dtype}")
-            if arr.shape != shape and arr.shape != one:
-                raise InvalidTrajectoryError(f"append_step: column {name!r} has shape {arr.shape}; expected "
-                                             f"{shape} or {one}")
-            columns[name] = arr.reshape(one)
-        if type(priority) is float and priority == 1.0:
-            pr = _ONE_PRIORITY
-        else:
-            pr = checked_priorities([priority], 1)
-        return int(self.store_packed(columns, _ONE_LENGTH, pr, steps=1)[0])
+        return self.appender.append(step, priority)
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
@@ -200,18 +173,6 @@ class ShardInserter:
         elif rebuild and (changed[0] or changed[1]):
             index.rebuild()  # the levels follow from the leaves: unchanged leaves, unchanged tree
         return out
-
-
-_STEP_CASTS: dict = {}  # (given dtype, column dtype) -> whether append_step takes it
-_ONE_LENGTH = np.ones(1, np.int64)
-_ONE_LENGTH.flags.writeable = False
-_ONE_PRIORITY = np.broadcast_to(np.float64(1.0), (1,))  # a shared 1.0 (stride 0), as insert_packed's default
-
-
-def _as_array(value: Any) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
 
 
 def checked_priorities(priorities: Any, count: int) -> np.ndarray:

@@ -181,10 +181,11 @@ def targets(rows: list[dict]) -> list[tuple[str, float, bool]]:
         if ("Shard.append_step(step)", 1) in by:
             v = by[("Shard.append_step(step)", 1)] / by[("SB3 ReplayBuffer.add", 1)]
             out.append(("Shard.append_step / SB3 ReplayBuffer.add <= 2", v, v <= 2))
-    cp = by.get(("cpprb PrioritizedReplayBuffer sample+update", 64))
-    if cp:
-        v = by[("Shard(Prioritized) sample+update", 64)] / cp
-        out.append(("Shard(Prioritized) sample+update(64) / cpprb's <= 1", v, v <= 1))
+    for b in (32, 64):
+        cp = by.get(("cpprb PrioritizedReplayBuffer sample+update", b))
+        if cp and ("Shard(Prioritized) sample+update", b) in by:
+            v = by[("Shard(Prioritized) sample+update", b)] / cp
+            out.append((f"Shard(Prioritized) sample+update({b}) / cpprb's <= 1", v, v <= 1))
     v = by[("Replay.sample(B, 1), 1 rank", 64)] / by[("Shard.sample(B, 1), new batch", 64)]
     out.append(("one-rank Replay.sample(64, 1) / Shard.sample(64, 1) <= 1.5", v, v <= 1.5))
     return out
