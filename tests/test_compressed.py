@@ -4,10 +4,13 @@ tests/mpi/test_compressed.py on 1 and 2 ranks (twin Replays, checkpoints exact a
 checkpoint)."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 import gear_mpi as gm
+from gear_mpi.storage import compressed as compressed_module
 from mpi_util import run_pytest_mpi
 
 COLUMNS = {"pixels": ((6, 5), "uint8"), "r": ((), "float32")}
@@ -49,9 +52,12 @@ def test_declaration_equality_and_serialization():
         gm.TrajectorySpec({"pixels": ((2,), "uint8", "zstd")}, 5)
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 3, 7, 40])
-def test_shard_windows_match_an_uncompressed_twin(chunk):
-    """Batches (every align, windows across chunk and ring boundaries, rings wrapping) and get() are identical."""
+@pytest.mark.parametrize("chunk,kernels", [(None, True), (1, True), (3, True), (7, True), (40, True), (3, False),
+                                           (None, False)])
+def test_shard_windows_match_an_uncompressed_twin(monkeypatch, chunk, kernels):
+    """Batches (every align, windows across chunk and ring boundaries, rings wrapping) and get() are identical,
+    decoded by the compiled kernels or by the Python path."""
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
     rng = np.random.default_rng(chunk or 0)
     a, b = twins(chunk)
     for it in range(40):
@@ -83,6 +89,39 @@ def test_shard_windows_match_an_uncompressed_twin(chunk):
     assert b.sample(2, 4)["pixels"].shape == (2, 4, 6, 5)
 
 
+def test_kernel_checksum_equals_zlib_and_large_batches_match_the_python_path(monkeypatch):
+    """The kernels' CRC-32 is zlib's; a batch large enough for the parallel decode and copy equals the Python
+    path's, byte for byte (frames of 84x84, chunks of 2 steps, windows wrapping the ring)."""
+    import zlib
+
+    from gear_mpi.kernels import chunks as chunk_kernels
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 300):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        got = chunk_kernels.crc32_at(np.frombuffer(data + b"x", np.uint8).ctypes.data, n, chunk_kernels.CRC_TABLE)
+        assert int(got) == zlib.crc32(data)
+    spec = gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed(chunk=2))}, max_length=30)
+    shard = gm.Shard(spec, 200, seed=1)
+    for _ in range(30):  # the ring wraps several times; the last chunk stays open
+        length = int(rng.integers(3, 30))
+        shard.insert({"f": ((rng.random((length, 84, 84)) < 0.1) * rng.integers(1, 255)).astype(np.uint8)})
+    ring = shard.store.compressed["f"]
+    starts = rng.integers(0, 200, 256)
+    n_valid = rng.integers(0, 9, 256)
+    pad = np.minimum(rng.integers(0, 3, 256), 8 - n_valid)
+    rows = rng.permutation(256)
+    outs = []
+    for kernels in (True, False):
+        monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
+        out = np.full(256 * 8 * ring.sb, 7, np.uint8)
+        ring.gather(starts, n_valid, pad, rows, out, 8)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="outside the ring"):
+        monkeypatch.setattr(compressed_module, "USE_KERNELS", True)
+        ring.gather(np.array([0]), np.array([9]), np.array([0]), np.array([0]), outs[0], 8)
+
+
 def test_incompressible_data_stays_exact_and_bounded():
     """Random bytes (and float64 noise) do not compress: still exact, at most the codec's frame overhead more."""
     rng = np.random.default_rng(5)
@@ -100,16 +139,22 @@ def test_incompressible_data_stays_exact_and_bounded():
         assert ring.stored_bytes <= sealed * (ring.chunk_bytes + 64), (ring.stored_bytes, sealed)
 
 
-def test_corrupted_chunk_raises_naming_column_and_trajectory():
+def flip_byte(data: bytes, at: int) -> None:
+    """Flip one bit of ``data`` in place (bit rot in the memory holding a sealed chunk)."""
+    byte = ctypes.c_uint8.from_address(np.frombuffer(data, np.uint8).ctypes.data + at)
+    byte.value ^= 0x10
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_corrupted_chunk_raises_naming_column_and_trajectory(monkeypatch, kernels):
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
     rng = np.random.default_rng(2)
     _, b = twins(3)
     for _ in range(6):
         b.insert(random_trajectory(rng))
     ring = b.store.compressed["pixels"]
     j = next(i for i, c in enumerate(ring.chunks) if c is not None)
-    data = bytearray(ring.chunks[j])
-    data[len(data) // 2] ^= 0x10
-    ring.chunks[j] = bytes(data)
+    flip_byte(ring.chunks[j], len(ring.chunks[j]) // 2)
     key = next(k for k in b.live_keys().tolist() if b.locate([k])[0][0] < 3)  # a trajectory starting in chunk 0
     with pytest.raises(gm.CorruptDataError, match=rf"column 'pixels': trajectory key {key} reads compressed chunk "
                                                   rf"{j} \(ring steps 0\.\.2\).*CRC-32"):
