@@ -184,14 +184,19 @@ def test_replays_on_one_and_two_ranks(tmp_path):
     assert any("test_load_twins_resharded" in t for t in run.passed(0)), run.passed(0)
 
 
-@pytest.mark.parametrize("chunk", [None, 3])
-def test_frame_stacks_over_a_compressed_frame_column_match_an_uncompressed_twin(chunk):
-    """Frames stored once and compressed: FrameStack / NextStep rebuilt from decompressed context windows
-    give exactly what the same spec with a raw frame column gives, episode starts and ring wrap included."""
+@pytest.mark.parametrize("chunk,kernels,pad", [(None, True, "first"), (3, True, "first"), (1, True, "zeros"),
+                                               (3, False, "first"), (2, False, "zeros")])
+def test_frame_stacks_over_a_compressed_frame_column_match_an_uncompressed_twin(monkeypatch, chunk, kernels, pad):
+    """Frames stored once and compressed: FrameStack / NextStep rebuilt from the decoded chunks (kernels) or
+    from decompressed context windows (Python path) give exactly what the same spec with a raw frame column
+    gives, episode starts and ring wrap included; a second compressed column (not a source) too."""
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
+
     def spec(compressed):
         frame = ((6, 5), "uint8", gm.Compressed(chunk=chunk)) if compressed else ((6, 5), "uint8")
-        return gm.TrajectorySpec({"frame": frame, "action": ((), "int64"),
-                                  "obs": gm.FrameStack("frame", 4), "next_obs": gm.NextStep("obs")}, max_length=12)
+        action = ((), "int64", gm.Compressed(chunk=4)) if compressed else ((), "int64")
+        return gm.TrajectorySpec({"frame": frame, "action": action, "obs": gm.FrameStack("frame", 4, pad=pad),
+                                  "next_obs": gm.NextStep("obs")}, max_length=12)
     raw, comp = gm.Shard(spec(False), 50, seed=7, tag=1), gm.Shard(spec(True), 50, seed=7, tag=1)
     rng = np.random.default_rng(5)
     try:
@@ -208,3 +213,23 @@ def test_frame_stacks_over_a_compressed_frame_column_match_an_uncompressed_twin(
     finally:
         raw.close()
         comp.close()
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_corrupted_frame_chunk_raises_when_stacks_are_rebuilt(monkeypatch, kernels):
+    """A flipped byte in a compressed frame column read for frame stacks: CorruptDataError naming the column
+    and a trajectory key, never wrong stacks."""
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
+    spec = gm.TrajectorySpec({"frame": ((6, 5), "uint8", gm.Compressed(chunk=2)), "obs": gm.FrameStack("frame", 4),
+                              "next_obs": gm.NextStep("obs")}, max_length=12)
+    shard = gm.Shard(spec, 60, seed=1)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        shard.insert({"frame": rng.integers(0, 256, (10, 6, 5)).astype(np.uint8)})
+    ring = shard.store.compressed["frame"]
+    for j in range(0, 20):  # every chunk of the first 40 steps
+        flip_byte(ring.chunks[j], 5)
+    with pytest.raises(gm.CorruptDataError, match=r"column 'frame': trajectory key \d+ reads compressed chunk"):
+        for _ in range(20):
+            shard.sample(8, 2)
+    shard.close()

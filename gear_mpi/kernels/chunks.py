@@ -232,3 +232,76 @@ def copy_windows(ids, open_buf, open_index, k, capacity, step_bytes, starts, n_v
         for i in prange(b):
             _copy_one(i, ids, open_buf, open_index, k, capacity, step_bytes, starts, n_valid, pad_front, out_rows,
                       out, window, scratch)
+
+
+@njit(cache=True, inline="always")
+def _step_address(p, ids, scratch_addr, open_addr, open_index, k, sb):
+    """The address of ring step ``p`` among the decoded chunks (or the open one); 0: never written (zeros)."""
+    j = p // k
+    if j == open_index:
+        return open_addr + (p - j * k) * sb
+    u = np.searchsorted(ids, j)
+    if u < ids.shape[0] and ids[u] == j:
+        return scratch_addr + u * k * sb + (p - j * k) * sb
+    return 0
+
+
+@njit(cache=True, inline="always")
+def _stack_window(i, ids, scratch_addr, open_addr, open_index, k, capacity, sb, win_start, before, n_valid, pad_front,
+                  rows, frames, offset, pad_zeros, out, window):
+    stack_bytes = frames * sb
+    row_bytes = window * stack_bytes
+    base = rows[i] * row_bytes
+    pf, nv = pad_front[i], n_valid[i]
+    if pf > 0:
+        _memzero(out, base, pf * stack_bytes)
+    first = -before[i]
+    for t in range(nv):
+        o = base + (pf + t) * stack_bytes
+        for f in range(frames):
+            rel = t + offset - (frames - 1) + f
+            if rel < first:
+                if pad_zeros:
+                    _memzero(out, o + f * sb, sb)
+                    continue
+                rel = first
+            a = _step_address((win_start[i] + rel) % capacity, ids, scratch_addr, open_addr, open_index, k, sb)
+            if a == 0:
+                _memzero(out, o + f * sb, sb)
+            else:
+                _memmove_from(out, o + f * sb, a, sb)
+    end = base + (pf + nv) * stack_bytes
+    if end < base + row_bytes:
+        _memzero(out, end, base + row_bytes - end)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def stack_windows(ids, scratch, open_buf, open_index, k, capacity, step_bytes, win_start, before, n_valid, pad_front,
+                  rows, frames, offset, pad_zeros, out, window):
+    """A derived column (frame stacks or next steps, :mod:`gear_mpi.kernels.frames`' rule) of rows ``rows`` of
+    ``out`` straight from decoded chunks (:func:`decode_chunks`' scratch rows for ``ids``, the open chunk,
+    zeros for chunks never written): no context windows in between.
+
+    Args: as :func:`gear_mpi.kernels.frames.rebuild_frames`, the source ring given by its chunks; every step a
+    window reads (``before`` steps back to ``n_valid + offset`` on, wrapping) must lie in a chunk of ``ids``
+    or the open one (the caller plans them so).
+    Raises:
+        ValueError: a window outside the ring or the batch (checked before anything is written).
+    Cost: ``frames`` copies of ``step_bytes`` per real step, a binary search over ``ids`` each; parallel over
+    windows past ``SERIAL_BYTES``; no allocation.
+    """
+    b = win_start.shape[0]
+    row_bytes = window * frames * step_bytes
+    for i in range(b):
+        if not (0 <= win_start[i] < capacity and 0 <= n_valid[i] <= window and 0 <= pad_front[i] <= window - n_valid[i]
+                and 0 <= before[i] and 0 <= rows[i] and (rows[i] + 1) * row_bytes <= out.shape[0]):
+            raise ValueError("stack_windows: a window lies outside the ring or the batch")
+    s_addr, o_addr = _address(scratch), _address(open_buf)
+    if b * row_bytes < SERIAL_BYTES:
+        for i in range(b):
+            _stack_window(i, ids, s_addr, o_addr, open_index, k, capacity, step_bytes, win_start, before, n_valid,
+                          pad_front, rows, frames, offset, pad_zeros, out, window)
+    else:
+        for i in prange(b):
+            _stack_window(i, ids, s_addr, o_addr, open_index, k, capacity, step_bytes, win_start, before, n_valid,
+                          pad_front, rows, frames, offset, pad_zeros, out, window)

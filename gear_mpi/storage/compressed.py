@@ -29,7 +29,8 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -48,8 +49,7 @@ _pool_lock = threading.Lock()
 #: libblosc2 directly; False (or a library that does not load) keeps the Python path, one call per chunk
 USE_KERNELS = True
 _decoder_state: list = []  # [] not tried yet; [None] unavailable; [_Decoder]
-_decode_lock = threading.Lock()  # one kernel decode at a time: the contexts and the scratch are shared
-_scratch_buf = np.zeros(0, np.uint8)
+_decode_lock = threading.RLock()  # one kernel decode at a time (the contexts are shared); nested: several columns
 
 
 def codec_library():
@@ -125,14 +125,6 @@ def _decoder(blosc2) -> _Decoder | None:
         return _decoder_state[0]
 
 
-def _scratch_bytes(n: int) -> np.ndarray:
-    """The shared decode scratch, grown to at least ``n`` bytes (call under :data:`_decode_lock`)."""
-    global _scratch_buf
-    if len(_scratch_buf) < n:
-        _scratch_buf = np.empty(max(n, 2 * len(_scratch_buf)), np.uint8)
-    return _scratch_buf
-
-
 class ChunkError(Exception):
     """A sealed chunk failed its checksum or did not decompress (internal: the store names the trajectory)."""
 
@@ -175,6 +167,12 @@ class CompressedRing:
         self._dparams = blosc2.DParams(nthreads=1)
         self._blosc2 = blosc2
         self._local = threading.local()
+        self._kernel_scratch = np.zeros(0, np.uint8)  # decoded chunks of the last kernel read (under _decode_lock)
+
+    def decoder(self) -> _Decoder | None:
+        """The compiled decoder the kernels use (:meth:`decoded`), or None where it does not load or
+        :data:`USE_KERNELS` is False. O(1) after the first call."""
+        return _decoder(self._blosc2) if USE_KERNELS else None
 
     # ---- geometry ---------------------------------------------------------------------
     def chunk_steps(self, j: int) -> int:
@@ -332,10 +330,29 @@ class CompressedRing:
         """:meth:`gather` by :mod:`gear_mpi.kernels.chunks`: plan, decode (checked), copy."""
         starts = np.ascontiguousarray(np.asarray(starts, np.int64) % self.capacity)
         n_valid, pad_front, out_rows = (np.ascontiguousarray(a, np.int64) for a in (n_valid, pad_front, out_rows))
+        with self.decoded(dec, starts, n_valid, window) as (ids, scratch):
+            chunk_kernels.copy_windows(ids, self.open, self.open_index, self.k, self.capacity, self.sb, starts,
+                                       n_valid, pad_front, out_rows, out, window, scratch)
+
+    @contextmanager
+    def decoded(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray,
+                window: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Inside the block: ``(ids, scratch)``, the sealed chunks covering the windows (``n_valid[i]`` ring steps
+        from ``starts[i]``, int64, in the ring), each checked and decompressed once into its scratch row
+        (:func:`~gear_mpi.kernels.chunks.decode_chunks`), for the kernels that copy from them. Holds the
+        process's decode lock (the contexts are shared). Cost: one compiled call; O(chunks) Python work.
+
+        Raises:
+            ChunkError: a chunk covered is corrupted (``window``: the first window covering it).
+            ValueError: a window outside the ring.
+        """
         ids = chunk_kernels.plan_chunks(self.k, self.capacity, self.size, self.open_index, starts, n_valid, window)
         keep = list(map(self.chunks.__getitem__, ids.tolist()))  # their bytes stay alive while decoded
         with _decode_lock:
-            scratch = _scratch_bytes(len(ids) * self.chunk_bytes)
+            need = len(ids) * self.chunk_bytes
+            if len(self._kernel_scratch) < need:
+                self._kernel_scratch = np.empty(max(need, 2 * len(self._kernel_scratch)), np.uint8)
+            scratch = self._kernel_scratch
             err = np.zeros(len(ids), np.int64)
             if len(ids):
                 chunk_kernels.decode_chunks(dec.function, dec.contexts, self.addr, self.size, self.crc,
@@ -343,8 +360,7 @@ class CompressedRing:
             bad = np.flatnonzero(err)
             if len(bad):
                 raise self._chunk_error(int(ids[bad[0]]), int(err[bad[0]]), starts, n_valid)
-            chunk_kernels.copy_windows(ids, self.open, self.open_index, self.k, self.capacity, self.sb, starts,
-                                       n_valid, pad_front, out_rows, out, window, scratch)
+            yield ids, scratch
         del keep
 
     def _chunk_error(self, j: int, code: int, starts: np.ndarray, n_valid: np.ndarray) -> ChunkError:
