@@ -43,7 +43,7 @@ def test_declaration_equality_and_serialization():
     plain = gm.TrajectorySpec({"pixels": ((84, 84), "uint8"), "a": (1, "int64")}, max_length=5)
     assert plain != spec and "Compressed(level=3" in repr(spec)
     assert gm.TrajectorySpec({"pixels": ((84, 84), "uint8", None)}, 5) == gm.TrajectorySpec({"pixels": ((84, 84), "uint8")}, 5)
-    assert gm.Compressed().steps_per_chunk(84 * 84, 10 ** 6) == 8  # about 64 KiB of raw steps
+    assert gm.Compressed().steps_per_chunk(84 * 84, 10 ** 6) == 4  # about 32 KiB of raw steps
     assert gm.Compressed(chunk=100).steps_per_chunk(4, 30) == 30
     for bad in (dict(level=10), dict(level=-1), dict(codec="snappy"), dict(chunk=0), dict(level=True)):
         with pytest.raises(ValueError, match="Compressed"):
@@ -233,3 +233,26 @@ def test_corrupted_frame_chunk_raises_when_stacks_are_rebuilt(monkeypatch, kerne
         for _ in range(20):
             shard.sample(8, 2)
     shard.close()
+
+
+def test_saved_chunks_of_another_default_size_load_as_they_are(monkeypatch):
+    """A ring saved when ``chunk=None`` meant 64 KiB chunks (8 frames) restores into a new ring (4 frames by
+    default now) without recompression: same bytes, same reads; a pinned ``chunk`` still refuses it."""
+    from gear_mpi import spec as spec_module
+    from gear_mpi.storage.compressed import CompressedRing
+    col = gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed())}, 5)["f"]
+    rng = np.random.default_rng(0)
+    data = ((rng.random((50, 84, 84)) < 0.05) * 200).astype(np.uint8)
+    monkeypatch.setattr(spec_module, "CHUNK_BYTES", 64 << 10)
+    old = CompressedRing(col, 64)
+    monkeypatch.undo()
+    old.write(0, data)
+    new = CompressedRing(col, 64)
+    assert (old.k, new.k) == (8, 4)
+    new.restore(old.export())
+    assert new.k == 8 and new.stored_bytes == old.stored_bytes
+    assert np.array_equal(new.read_steps(np.arange(50)), data)
+    pinned = CompressedRing(gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed(chunk=4))}, 5)["f"], 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        pinned.restore(old.export())
+    assert pinned.k == 4 and pinned.stored_bytes == 0

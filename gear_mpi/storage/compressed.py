@@ -436,14 +436,37 @@ class CompressedRing:
         g = np.asarray(geometry, np.int64)
         return g.shape == (4,) and [int(x) for x in g[1:]] == [self.k, self.capacity, self.sb]
 
+    def _set_k(self, k: int) -> None:
+        """Cut the ring into chunks of ``k`` steps instead, every chunk empty. O(chunks)."""
+        self.k, self.n_chunks = k, -(-self.capacity // k)
+        self.chunks = [None] * self.n_chunks
+        self.crc = np.zeros(self.n_chunks, np.uint32)
+        self.addr = np.zeros(self.n_chunks, np.int64)
+        self.size = np.full(self.n_chunks, -1, np.int64)
+        self.open, self.open_index, self.stored_bytes = np.zeros(k * self.sb, np.uint8), -1, 0
+        self._local = threading.local()
+
     def restore(self, parts: dict[str, np.ndarray], describe: Callable[[int], str] | None = None) -> None:
         """Load an :meth:`export` of the same chunking (:meth:`fits`), every chunk's checksum checked first;
-        nothing changes on an error. O(stored bytes).
+        nothing changes on an error. A column declared with ``chunk=None`` takes the saved steps per chunk
+        when they differ (a checkpoint of an older default) if this ring holds nothing yet, the ring's capacity
+        and step size being the same. O(stored bytes).
 
         Raises:
             ValueError: sizes that do not add up or a chunking that differs.
             CorruptDataError: a chunk whose bytes fail their checksum (``describe(j)`` names it).
         """
+        g = [int(x) for x in np.asarray(parts["geometry"], np.int64).reshape(-1)]
+        if (len(g) == 4 and g[1] != self.k and 1 <= g[1] <= self.capacity and g[2:] == [self.capacity, self.sb]
+                and self.column.compression.chunk is None and self.stored_bytes == 0 and self.open_index < 0):
+            k = self.k
+            self._set_k(g[1])
+            try:
+                self.restore(parts, describe)
+            except Exception:
+                self._set_k(k)
+                raise
+            return
         if not self.fits(parts["geometry"]):
             raise ValueError(f"column {self.name!r}: saved chunks of geometry {list(parts['geometry'])} do not fit "
                              f"this ring (k={self.k}, capacity={self.capacity}, step bytes={self.sb})")
