@@ -28,3 +28,8 @@ def test_quick_json_rows():
     # one frame a step instead of two stacks of four: about 8x less
     assert all(r["ratio_vs_raw_stacks"] > 6 and r["transitions_per_s"] > 0 for r in once)
     assert {r["B"] for r in rows if r["section"] == "targets"} == {32, 256}
+    for codec in ("zstd", "lz4"):  # the compressed frame column's rows, and a target line for each B
+        assert ("Pong", f"gear frames-once+{codec}") in stores, stores
+        assert {r["B"] for r in rows if r["section"] == "targets" and r["store"] == f"gear frames-once+{codec}"} == {
+            32, 256}
+    assert all(r["memory_target_100x"] for r in rows if r["section"] == "targets")  # 100x less than raw stacks

@@ -17,9 +17,13 @@ of the ring; no byte heap is managed here: each sealed chunk is its own allocati
 docs/guide/storage.md), freed when its chunk is opened again.
 
 A window is read by decompressing only the chunks it covers, each once per call however many windows
-share it, in parallel on a small thread pool (blosc2 releases the GIL) when there are several, then
-copying the window's steps into the batch row (a chunk a window covers whole is decompressed straight
-into the batch). Local: nothing here communicates.
+share it. By default the whole read is compiled (:mod:`gear_mpi.kernels.chunks`): one numba call checks
+every chunk's CRC-32 and decompresses it with python-blosc2's bundled C library (``blosc2_decompress_ctx``,
+called by address, one context per numba thread), in parallel and outside the GIL, into a scratch row per
+chunk; a second copies the windows' steps (or, for frames stored once, the stacks: see
+:func:`gear_mpi.storage.derived.fill_from_chunks`) into the batch. Where that library does not load, or
+with :data:`USE_KERNELS` False, the Python path decodes one chunk a call (a small thread pool when there
+are several) and copies the steps. Local: nothing here communicates.
 """
 from __future__ import annotations
 
