@@ -239,7 +239,7 @@ def test_saved_chunks_of_another_default_size_load_as_they_are(monkeypatch):
     """A ring saved when ``chunk=None`` meant 64 KiB chunks (8 frames) restores into a new ring (4 frames by
     default now) without recompression: same bytes, same reads; a pinned ``chunk`` still refuses it."""
     from gear_mpi import spec as spec_module
-    from gear_mpi.storage.compressed import CompressedRing
+    CompressedRing = compressed_module.CompressedRing
     col = gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed())}, 5)["f"]
     rng = np.random.default_rng(0)
     data = ((rng.random((50, 84, 84)) < 0.05) * 200).astype(np.uint8)
