@@ -116,8 +116,9 @@ def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start:
                   n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
                   window: int) -> None:
     """The derived columns of rows ``rows`` from this process's own store: read in place from the rings
-    (:func:`rebuild_derived`), or, when a source is compressed, through context windows decompressed first
-    (:func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
+    (:func:`rebuild_derived`), or, when a source is compressed, straight from its decoded chunks
+    (:func:`fill_from_chunks`; where the compiled decoder does not load, through context windows decompressed
+    first: :func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
 
     Args:
         spec: the columns; store: the shard's store (its ``capacity`` and views).
@@ -127,6 +128,9 @@ def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start:
     """
     if not compressed_sources(spec):
         rebuild_derived(spec, addresses, store.capacity, win_start, before, n_valid, pad_front, rows, outs, window)
+        return
+    args = [np.ascontiguousarray(a, np.int64) for a in (win_start, before, n_valid, pad_front, rows)]
+    if fill_from_chunks(spec, store, *args, {}, outs, window, None):  # stacks straight from the decoded chunks
         return
     buffers = pack_context(spec, store.byte_views(), store.capacity, win_start, before, n_valid, window, store)
     rebuild_from_context(spec, buffers, before, n_valid, pad_front, rows, outs, window)
@@ -214,8 +218,9 @@ def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.
         spec: the columns; store: the shard's store.
         start, before, valid, pad, rows: int64 per window: ring start, context (:func:`context_of`), real
             steps, leading padding, batch row.
-        outs: column name -> batch bytes; derived_outs: ``Batch.derived_views()``; window: steps per window.
-        keys: each window's trajectory key (named by a corrupted chunk's error).
+        outs: column name -> batch bytes (a compressed column named here gets its windows; others are left
+            alone); derived_outs: ``Batch.derived_views()``; window: steps per window.
+        keys: each window's trajectory key (named by a corrupted chunk's error), or None.
     Returns:
         False (nothing written) where a source is stored raw or the decoder does not load: use the other path.
     Raises:
@@ -239,11 +244,14 @@ def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.
                 decoded[name] = stack.enter_context(ring.decoded(ring.decoder(), c_start, c_valid, e))
             except ChunkError as err:
                 w = getattr(err, "window", None)
-                raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None
+                raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None and keys is not None
                                     else "a sampled window") from None
         others = {n: b for n, b in outs.items() if n in store.compressed and n not in rings}
-        store.gather_compressed(start, valid, pad, rows, others, window, keys)
+        if others:
+            store.gather_compressed(start, valid, pad, rows, others, window, keys)
         for name, ring in rings.items():
+            if name not in outs:
+                continue
             ids, scratch = decoded[name]
             chunk_kernels.copy_windows(ids, ring.open, ring.open_index, ring.k, cap, ring.sb, start, valid, pad,
                                        rows, outs[name], window, scratch)
