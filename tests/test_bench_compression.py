@@ -33,3 +33,18 @@ def test_quick_json_rows():
         assert {r["B"] for r in rows if r["section"] == "targets" and r["store"] == f"gear frames-once+{codec}"} == {
             32, 256}
     assert all(r["memory_target_100x"] for r in rows if r["section"] == "targets")  # 100x less than raw stacks
+
+
+def test_chunk_sweep_rows():
+    """``python -m scripts.bench.bench_chunks``: a row per store with a median inside its spread."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.bench_chunks", "--transitions", "300", "--chunks", "2",
+                           "--codecs", "lz4", "--repeats", "2", "--json"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["store"] for r in rows] == ["raw stacks", "frames once", "lz4 chunk 2"]
+    for r in rows:
+        for cell in ("B32W1", "B256W1", "B32W8", "B256W8"):
+            med, lo, hi = r[cell]
+            assert 0 < lo <= med <= hi
+    assert rows[2]["bytes_per_transition"] * 50 < rows[0]["bytes_per_transition"]

@@ -97,7 +97,8 @@ class _Decoder:
     def __init__(self, blosc2):
         import numba
         here = os.path.join(os.path.dirname(blosc2.__file__), "lib")
-        found = sorted(glob.glob(os.path.join(here, "libblosc2.so*")) + glob.glob(os.path.join(here, "libblosc2*.dylib"))
+        found = sorted(glob.glob(os.path.join(here, "libblosc2.so*"))
+                       + glob.glob(os.path.join(here, "libblosc2*.dylib"))
                        + glob.glob(os.path.join(here, "*blosc2*.dll")))
         if not found:
             raise OSError(f"no libblosc2 shared library under {here}")
