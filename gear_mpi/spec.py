@@ -19,6 +19,11 @@ ShapeLike = Sequence[int] | int
 CODECS = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 
 
+#: raw bytes a compressed column's chunk holds by default (``Compressed(chunk=None)``): 84x84 frames sampled
+#: as 4-frame stacks decode fewest bytes per transition at 4 frames a chunk (docs/BENCHMARKS.md)
+CHUNK_BYTES = 32 << 10
+
+
 @dataclass(frozen=True)
 class Compressed:
     """Declares a column stored compressed: the third element of a column entry,
@@ -32,7 +37,8 @@ class Compressed:
     Args:
         level: the codec's level, 0 (stored, no compression) to 9.
         codec: one of :data:`CODECS`.
-        chunk: steps per chunk (None: about 64 KiB of raw steps, between 1 and 64 steps).
+        chunk: steps per chunk (None: about 32 KiB of raw steps, a power of two between 1 and 64 steps:
+            4 for 84x84 uint8 frames, the fastest to sample in docs/BENCHMARKS.md).
     Raises:
         ValueError: a level, codec or chunk out of range.
     """
@@ -56,7 +62,7 @@ class Compressed:
         """Steps per chunk for a column of ``step_bytes`` bytes a step in a ring of ``capacity`` steps. O(1)."""
         if self.chunk is not None:
             return max(1, min(self.chunk, capacity))
-        k = max(1, min(64, (64 << 10) // max(1, step_bytes)))
+        k = max(1, min(64, CHUNK_BYTES // max(1, step_bytes)))
         return max(1, min(1 << (k.bit_length() - 1), capacity))  # a power of two
 
     def to_dict(self) -> dict:

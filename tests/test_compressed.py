@@ -4,10 +4,13 @@ tests/mpi/test_compressed.py on 1 and 2 ranks (twin Replays, checkpoints exact a
 checkpoint)."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 import gear_mpi as gm
+from gear_mpi.storage import compressed as compressed_module
 from mpi_util import run_pytest_mpi
 
 COLUMNS = {"pixels": ((6, 5), "uint8"), "r": ((), "float32")}
@@ -40,7 +43,7 @@ def test_declaration_equality_and_serialization():
     plain = gm.TrajectorySpec({"pixels": ((84, 84), "uint8"), "a": (1, "int64")}, max_length=5)
     assert plain != spec and "Compressed(level=3" in repr(spec)
     assert gm.TrajectorySpec({"pixels": ((84, 84), "uint8", None)}, 5) == gm.TrajectorySpec({"pixels": ((84, 84), "uint8")}, 5)
-    assert gm.Compressed().steps_per_chunk(84 * 84, 10 ** 6) == 8  # about 64 KiB of raw steps
+    assert gm.Compressed().steps_per_chunk(84 * 84, 10 ** 6) == 4  # about 32 KiB of raw steps
     assert gm.Compressed(chunk=100).steps_per_chunk(4, 30) == 30
     for bad in (dict(level=10), dict(level=-1), dict(codec="snappy"), dict(chunk=0), dict(level=True)):
         with pytest.raises(ValueError, match="Compressed"):
@@ -49,9 +52,12 @@ def test_declaration_equality_and_serialization():
         gm.TrajectorySpec({"pixels": ((2,), "uint8", "zstd")}, 5)
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 3, 7, 40])
-def test_shard_windows_match_an_uncompressed_twin(chunk):
-    """Batches (every align, windows across chunk and ring boundaries, rings wrapping) and get() are identical."""
+@pytest.mark.parametrize("chunk,kernels", [(None, True), (1, True), (3, True), (7, True), (40, True), (3, False),
+                                           (None, False)])
+def test_shard_windows_match_an_uncompressed_twin(monkeypatch, chunk, kernels):
+    """Batches (every align, windows across chunk and ring boundaries, rings wrapping) and get() are identical,
+    decoded by the compiled kernels or by the Python path."""
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
     rng = np.random.default_rng(chunk or 0)
     a, b = twins(chunk)
     for it in range(40):
@@ -83,6 +89,39 @@ def test_shard_windows_match_an_uncompressed_twin(chunk):
     assert b.sample(2, 4)["pixels"].shape == (2, 4, 6, 5)
 
 
+def test_kernel_checksum_equals_zlib_and_large_batches_match_the_python_path(monkeypatch):
+    """The kernels' CRC-32 is zlib's; a batch large enough for the parallel decode and copy equals the Python
+    path's, byte for byte (frames of 84x84, chunks of 2 steps, windows wrapping the ring)."""
+    import zlib
+
+    from gear_mpi.kernels import chunks as chunk_kernels
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 300):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        got = chunk_kernels.crc32_at(np.frombuffer(data + b"x", np.uint8).ctypes.data, n, chunk_kernels.CRC_TABLE)
+        assert int(got) == zlib.crc32(data)
+    spec = gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed(chunk=2))}, max_length=30)
+    shard = gm.Shard(spec, 200, seed=1)
+    for _ in range(30):  # the ring wraps several times; the last chunk stays open
+        length = int(rng.integers(3, 30))
+        shard.insert({"f": ((rng.random((length, 84, 84)) < 0.1) * rng.integers(1, 255)).astype(np.uint8)})
+    ring = shard.store.compressed["f"]
+    starts = rng.integers(0, 200, 256)
+    n_valid = rng.integers(0, 9, 256)
+    pad = np.minimum(rng.integers(0, 3, 256), 8 - n_valid)
+    rows = rng.permutation(256)
+    outs = []
+    for kernels in (True, False):
+        monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
+        out = np.full(256 * 8 * ring.sb, 7, np.uint8)
+        ring.gather(starts, n_valid, pad, rows, out, 8)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="outside the ring"):
+        monkeypatch.setattr(compressed_module, "USE_KERNELS", True)
+        ring.gather(np.array([0]), np.array([9]), np.array([0]), np.array([0]), outs[0], 8)
+
+
 def test_incompressible_data_stays_exact_and_bounded():
     """Random bytes (and float64 noise) do not compress: still exact, at most the codec's frame overhead more."""
     rng = np.random.default_rng(5)
@@ -100,16 +139,22 @@ def test_incompressible_data_stays_exact_and_bounded():
         assert ring.stored_bytes <= sealed * (ring.chunk_bytes + 64), (ring.stored_bytes, sealed)
 
 
-def test_corrupted_chunk_raises_naming_column_and_trajectory():
+def flip_byte(data: bytes, at: int) -> None:
+    """Flip one bit of ``data`` in place (bit rot in the memory holding a sealed chunk)."""
+    byte = ctypes.c_uint8.from_address(np.frombuffer(data, np.uint8).ctypes.data + at)
+    byte.value ^= 0x10
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_corrupted_chunk_raises_naming_column_and_trajectory(monkeypatch, kernels):
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
     rng = np.random.default_rng(2)
     _, b = twins(3)
     for _ in range(6):
         b.insert(random_trajectory(rng))
     ring = b.store.compressed["pixels"]
     j = next(i for i, c in enumerate(ring.chunks) if c is not None)
-    data = bytearray(ring.chunks[j])
-    data[len(data) // 2] ^= 0x10
-    ring.chunks[j] = bytes(data)
+    flip_byte(ring.chunks[j], len(ring.chunks[j]) // 2)
     key = next(k for k in b.live_keys().tolist() if b.locate([k])[0][0] < 3)  # a trajectory starting in chunk 0
     with pytest.raises(gm.CorruptDataError, match=rf"column 'pixels': trajectory key {key} reads compressed chunk "
                                                   rf"{j} \(ring steps 0\.\.2\).*CRC-32"):
@@ -139,14 +184,19 @@ def test_replays_on_one_and_two_ranks(tmp_path):
     assert any("test_load_twins_resharded" in t for t in run.passed(0)), run.passed(0)
 
 
-@pytest.mark.parametrize("chunk", [None, 3])
-def test_frame_stacks_over_a_compressed_frame_column_match_an_uncompressed_twin(chunk):
-    """Frames stored once and compressed: FrameStack / NextStep rebuilt from decompressed context windows
-    give exactly what the same spec with a raw frame column gives, episode starts and ring wrap included."""
+@pytest.mark.parametrize("chunk,kernels,pad", [(None, True, "first"), (3, True, "first"), (1, True, "zeros"),
+                                               (3, False, "first"), (2, False, "zeros")])
+def test_frame_stacks_over_a_compressed_frame_column_match_an_uncompressed_twin(monkeypatch, chunk, kernels, pad):
+    """Frames stored once and compressed: FrameStack / NextStep rebuilt from the decoded chunks (kernels) or
+    from decompressed context windows (Python path) give exactly what the same spec with a raw frame column
+    gives, episode starts and ring wrap included; a second compressed column (not a source) too."""
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
+
     def spec(compressed):
         frame = ((6, 5), "uint8", gm.Compressed(chunk=chunk)) if compressed else ((6, 5), "uint8")
-        return gm.TrajectorySpec({"frame": frame, "action": ((), "int64"),
-                                  "obs": gm.FrameStack("frame", 4), "next_obs": gm.NextStep("obs")}, max_length=12)
+        action = ((), "int64", gm.Compressed(chunk=4)) if compressed else ((), "int64")
+        return gm.TrajectorySpec({"frame": frame, "action": action, "obs": gm.FrameStack("frame", 4, pad=pad),
+                                  "next_obs": gm.NextStep("obs")}, max_length=12)
     raw, comp = gm.Shard(spec(False), 50, seed=7, tag=1), gm.Shard(spec(True), 50, seed=7, tag=1)
     rng = np.random.default_rng(5)
     try:
@@ -163,3 +213,46 @@ def test_frame_stacks_over_a_compressed_frame_column_match_an_uncompressed_twin(
     finally:
         raw.close()
         comp.close()
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_corrupted_frame_chunk_raises_when_stacks_are_rebuilt(monkeypatch, kernels):
+    """A flipped byte in a compressed frame column read for frame stacks: CorruptDataError naming the column
+    and a trajectory key, never wrong stacks."""
+    monkeypatch.setattr(compressed_module, "USE_KERNELS", kernels)
+    spec = gm.TrajectorySpec({"frame": ((6, 5), "uint8", gm.Compressed(chunk=2)), "obs": gm.FrameStack("frame", 4),
+                              "next_obs": gm.NextStep("obs")}, max_length=12)
+    shard = gm.Shard(spec, 60, seed=1)
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        shard.insert({"frame": rng.integers(0, 256, (10, 6, 5)).astype(np.uint8)})
+    ring = shard.store.compressed["frame"]
+    for j in range(0, 20):  # every chunk of the first 40 steps
+        flip_byte(ring.chunks[j], 5)
+    with pytest.raises(gm.CorruptDataError, match=r"column 'frame': trajectory key \d+ reads compressed chunk"):
+        for _ in range(20):
+            shard.sample(8, 2)
+    shard.close()
+
+
+def test_saved_chunks_of_another_default_size_load_as_they_are(monkeypatch):
+    """A ring saved when ``chunk=None`` meant 64 KiB chunks (8 frames) restores into a new ring (4 frames by
+    default now) without recompression: same bytes, same reads; a pinned ``chunk`` still refuses it."""
+    from gear_mpi import spec as spec_module
+    CompressedRing = compressed_module.CompressedRing
+    col = gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed())}, 5)["f"]
+    rng = np.random.default_rng(0)
+    data = ((rng.random((50, 84, 84)) < 0.05) * 200).astype(np.uint8)
+    monkeypatch.setattr(spec_module, "CHUNK_BYTES", 64 << 10)
+    old = CompressedRing(col, 64)
+    monkeypatch.undo()
+    old.write(0, data)
+    new = CompressedRing(col, 64)
+    assert (old.k, new.k) == (8, 4)
+    new.restore(old.export())
+    assert new.k == 8 and new.stored_bytes == old.stored_bytes
+    assert np.array_equal(new.read_steps(np.arange(50)), data)
+    pinned = CompressedRing(gm.TrajectorySpec({"f": ((84, 84), "uint8", gm.Compressed(chunk=4))}, 5)["f"], 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        pinned.restore(old.export())
+    assert pinned.k == 4 and pinned.stored_bytes == 0

@@ -17,21 +17,29 @@ of the ring; no byte heap is managed here: each sealed chunk is its own allocati
 docs/guide/storage.md), freed when its chunk is opened again.
 
 A window is read by decompressing only the chunks it covers, each once per call however many windows
-share it, in parallel on a small thread pool (blosc2 releases the GIL) when there are several, then
-copying the window's steps into the batch row (a chunk a window covers whole is decompressed straight
-into the batch). Local: nothing here communicates.
+share it. By default the whole read is compiled (:mod:`gear_mpi.kernels.chunks`): one numba call checks
+every chunk's CRC-32 and decompresses it with python-blosc2's bundled C library (``blosc2_decompress_ctx``,
+called by address, one context per numba thread), in parallel and outside the GIL, into a scratch row per
+chunk; a second copies the windows' steps (or, for frames stored once, the stacks: see
+:func:`gear_mpi.storage.derived.fill_from_chunks`) into the batch. Where that library does not load, or
+with :data:`USE_KERNELS` False, the Python path decodes one chunk a call (a small thread pool when there
+are several) and copies the steps. Local: nothing here communicates.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ..errors import CorruptDataError
+from ..kernels import chunks as chunk_kernels
 from ..spec import Column
 
 #: bytes of decompression per call under which reads stay on the calling thread
@@ -41,6 +49,11 @@ MAX_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+#: whether windows are decoded by the compiled kernels (:mod:`gear_mpi.kernels.chunks`) calling
+#: libblosc2 directly; False (or a library that does not load) keeps the Python path, one call per chunk
+USE_KERNELS = True
+_decoder_state: list = []  # [] not tried yet; [None] unavailable; [_Decoder]
+_decode_lock = threading.RLock()  # one kernel decode at a time (the contexts are shared); nested: several columns
 
 
 def codec_library():
@@ -64,6 +77,57 @@ def _thread_pool() -> ThreadPoolExecutor:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             _pool = ThreadPoolExecutor(max(1, min(MAX_THREADS, cores)), thread_name_prefix="gear-decompress")
         return _pool
+
+
+class _DParams(ctypes.Structure):
+    """C-blosc2's ``blosc2_dparams`` (include/blosc2.h of the bundled library)."""
+    _fields_ = [("nthreads", ctypes.c_int16), ("schunk", ctypes.c_void_p), ("postfilter", ctypes.c_void_p),
+                ("postparams", ctypes.c_void_p), ("typesize", ctypes.c_int32)]
+
+
+class _Decoder:
+    """python-blosc2's bundled C library (``blosc2/lib/libblosc2.so``) loaded with ctypes, the address of its
+    ``blosc2_decompress_ctx`` and one single-threaded decompression context per numba thread (kept for the
+    process's life). Built once; O(numba threads).
+
+    Raises:
+        OSError: the library is not there or lacks the functions.
+    """
+
+    def __init__(self, blosc2):
+        import numba
+        here = os.path.join(os.path.dirname(blosc2.__file__), "lib")
+        found = sorted(glob.glob(os.path.join(here, "libblosc2.so*"))
+                       + glob.glob(os.path.join(here, "libblosc2*.dylib"))
+                       + glob.glob(os.path.join(here, "*blosc2*.dll")))
+        if not found:
+            raise OSError(f"no libblosc2 shared library under {here}")
+        lib = ctypes.CDLL(found[0])
+        lib.blosc2_init.restype = None
+        lib.blosc2_init()
+        lib.blosc2_get_blosc2_dparams_defaults.restype = _DParams
+        lib.blosc2_create_dctx.restype = ctypes.c_void_p
+        lib.blosc2_create_dctx.argtypes = [_DParams]
+        params = lib.blosc2_get_blosc2_dparams_defaults()
+        params.nthreads = 1
+        self.contexts = np.array([lib.blosc2_create_dctx(params) or 0
+                                  for _ in range(numba.config.NUMBA_NUM_THREADS)], np.int64)
+        if not self.contexts.all():
+            raise OSError("blosc2_create_dctx failed")
+        self.function = int(ctypes.cast(lib.blosc2_decompress_ctx, ctypes.c_void_p).value)
+        self.lib = lib  # kept loaded: the kernels call into it by address
+
+
+def _decoder(blosc2) -> _Decoder | None:
+    """The process's :class:`_Decoder`, or None where it cannot load (then the Python path decodes). O(1)
+    after the first call."""
+    with _pool_lock:
+        if not _decoder_state:
+            try:
+                _decoder_state.append(_Decoder(blosc2))
+            except (OSError, AttributeError):
+                _decoder_state.append(None)
+        return _decoder_state[0]
 
 
 class ChunkError(Exception):
@@ -95,6 +159,9 @@ class CompressedRing:
         self.n_chunks = -(-self.capacity // self.k)
         self.chunks: list[bytes | None] = [None] * self.n_chunks
         self.crc = np.zeros(self.n_chunks, np.uint32)
+        #: each sealed chunk's bytes: address and size (-1: not sealed), what the kernels read
+        self.addr = np.zeros(self.n_chunks, np.int64)
+        self.size = np.full(self.n_chunks, -1, np.int64)
         self.open_index = -1
         self.open = np.zeros(self.k * self.sb, np.uint8)
         self.stored_bytes = 0
@@ -105,6 +172,12 @@ class CompressedRing:
         self._dparams = blosc2.DParams(nthreads=1)
         self._blosc2 = blosc2
         self._local = threading.local()
+        self._kernel_scratch = np.zeros(0, np.uint8)  # decoded chunks of the last kernel read (under _decode_lock)
+
+    def decoder(self) -> _Decoder | None:
+        """The compiled decoder the kernels use (:meth:`decoded`), or None where it does not load or
+        :data:`USE_KERNELS` is False. O(1) after the first call."""
+        return _decoder(self._blosc2) if USE_KERNELS else None
 
     # ---- geometry ---------------------------------------------------------------------
     def chunk_steps(self, j: int) -> int:
@@ -153,7 +226,7 @@ class CompressedRing:
             self.open[:n] = 0
         else:
             self._decompress(j, self.open[:n])
-            self.chunks[j] = None
+            self._set_chunk(j, None)
             self.stored_bytes -= len(old)
         self.open_index = j
 
@@ -163,15 +236,25 @@ class CompressedRing:
         if j < 0:
             return
         data = self._blosc2.compress2(self.open[:self.chunk_steps(j) * self.sb], cparams=self._cparams)
-        self.chunks[j] = data
         self.crc[j] = zlib.crc32(data)
+        self._set_chunk(j, data)
         self.stored_bytes += len(data)
         self.open_index = -1
+
+    def _set_chunk(self, j: int, data: bytes | None) -> None:
+        """Chunk ``j``'s sealed bytes (None: none) and their place in :attr:`addr` / :attr:`size`."""
+        self.chunks[j] = data
+        if data is None:
+            self.addr[j], self.size[j] = 0, -1
+        else:
+            self.addr[j], self.size[j] = np.frombuffer(data, np.uint8).ctypes.data, len(data)
 
     def reset(self) -> None:
         """Forget every chunk (a cleared store). O(chunks)."""
         self.chunks = [None] * self.n_chunks
         self.crc[:] = 0
+        self.addr[:] = 0
+        self.size[:] = -1
         self.open_index = -1
         self.stored_bytes = 0
 
@@ -205,21 +288,36 @@ class CompressedRing:
         Raises:
             ChunkError: a chunk touched is corrupted.
         """
-        positions = np.asarray(positions, np.int64) % self.capacity
-        out = np.empty(len(positions) * self.sb, np.uint8)
-        self._run([(0, int(p), 1, i * self.sb) for i, p in enumerate(positions.tolist())], out)
-        return out.view(self.column.dtype).reshape((len(positions),) + self.column.shape)
+        positions = np.asarray(positions, np.int64).reshape(-1) % self.capacity
+        n = len(positions)
+        out = np.empty(n * self.sb, np.uint8)
+        dec = _decoder(self._blosc2) if USE_KERNELS else None
+        if dec is not None:
+            ones = np.ones(n, np.int64)
+            self._gather_kernels(dec, positions, ones, np.zeros(n, np.int64), np.arange(n, dtype=np.int64), out, 1)
+        else:
+            self._run([(0, int(p), 1, i * self.sb) for i, p in enumerate(positions.tolist())], out)
+        return out.view(self.column.dtype).reshape((n,) + self.column.shape)
 
     def gather(self, starts: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray, out_rows: np.ndarray,
                out: np.ndarray, window: int) -> None:
         """Windows of this column into batch rows: ``out`` (this column's batch bytes, ``[rows * window *
         step_bytes]``) row ``out_rows[i]`` gets ``pad_front[i]`` zero steps, ``n_valid[i]`` steps from ring
-        position ``starts[i]`` (wrapping), then zeros. Cost: one decompression per chunk covered (in parallel
-        past :data:`PARALLEL_BYTES`), each delivered byte copied once; O(B) Python work.
+        position ``starts[i]`` (wrapping), then zeros. Cost: one CRC-32 and one decompression per sealed
+        chunk covered, each delivered byte copied once: by the compiled kernels (:mod:`gear_mpi.kernels.chunks`,
+        one call, no GIL, parallel over chunks and over windows past ``SERIAL_BYTES``) calling libblosc2;
+        O(chunks) Python work for references held during the call; a shared scratch of ``chunks covered *
+        k * step_bytes`` bytes (grown, kept). Where the library does not load (or :data:`USE_KERNELS` is
+        False): one Python call per chunk (in parallel past :data:`PARALLEL_BYTES`), O(B) Python work.
 
         Raises:
             ChunkError: a chunk a window covers is corrupted (``window`` attribute: the first such window).
+            ValueError: a window outside the ring or the batch (nothing written).
         """
+        dec = _decoder(self._blosc2) if USE_KERNELS else None
+        if dec is not None:
+            self._gather_kernels(dec, starts, n_valid, pad_front, out_rows, out, window)
+            return
         sb, row_bytes = self.sb, window * self.sb
         pieces = []
         for i, (s, nv, pf, r) in enumerate(zip(starts.tolist(), n_valid.tolist(), pad_front.tolist(),
@@ -231,6 +329,56 @@ class CompressedRing:
                 out[base + (pf + nv) * sb:base + row_bytes] = 0
             pieces.append((i, s % self.capacity, nv, base + pf * sb))
         self._run(pieces, out)
+
+    def _gather_kernels(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
+                        out_rows: np.ndarray, out: np.ndarray, window: int) -> None:
+        """:meth:`gather` by :mod:`gear_mpi.kernels.chunks`: plan, decode (checked), copy."""
+        starts = np.ascontiguousarray(np.asarray(starts, np.int64) % self.capacity)
+        n_valid, pad_front, out_rows = (np.ascontiguousarray(a, np.int64) for a in (n_valid, pad_front, out_rows))
+        with self.decoded(dec, starts, n_valid, window) as (ids, scratch):
+            chunk_kernels.copy_windows(ids, self.open, self.open_index, self.k, self.capacity, self.sb, starts,
+                                       n_valid, pad_front, out_rows, out, window, scratch)
+
+    @contextmanager
+    def decoded(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray,
+                window: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Inside the block: ``(ids, scratch)``, the sealed chunks covering the windows (``n_valid[i]`` ring steps
+        from ``starts[i]``, int64, in the ring), each checked and decompressed once into its scratch row
+        (:func:`~gear_mpi.kernels.chunks.decode_chunks`), for the kernels that copy from them. Holds the
+        process's decode lock (the contexts are shared). Cost: one compiled call; O(chunks) Python work.
+
+        Raises:
+            ChunkError: a chunk covered is corrupted (``window``: the first window covering it).
+            ValueError: a window outside the ring.
+        """
+        ids = chunk_kernels.plan_chunks(self.k, self.capacity, self.size, self.open_index, starts, n_valid, window)
+        keep = list(map(self.chunks.__getitem__, ids.tolist()))  # their bytes stay alive while decoded
+        with _decode_lock:
+            need = len(ids) * self.chunk_bytes
+            if len(self._kernel_scratch) < need:
+                self._kernel_scratch = np.empty(max(need, 2 * len(self._kernel_scratch)), np.uint8)
+            scratch = self._kernel_scratch
+            err = np.zeros(len(ids), np.int64)
+            if len(ids):
+                chunk_kernels.decode_chunks(dec.function, dec.contexts, self.addr, self.size, self.crc,
+                                            chunk_kernels.CRC_TABLE, ids, self.k, self.capacity, self.sb, scratch, err)
+            bad = np.flatnonzero(err)
+            if len(bad):
+                raise self._chunk_error(int(ids[bad[0]]), int(err[bad[0]]), starts, n_valid)
+            yield ids, scratch
+        del keep
+
+    def _chunk_error(self, j: int, code: int, starts: np.ndarray, n_valid: np.ndarray) -> ChunkError:
+        """The :class:`ChunkError` of chunk ``j`` (a :mod:`~gear_mpi.kernels.chunks` error code), its ``window``
+        the first window covering it. O(B)."""
+        why = ("its bytes fail their CRC-32 checksum" if code == chunk_kernels.BAD_CRC else
+               f"blosc2 does not decompress it to its {self.chunk_steps(j) * self.sb} raw bytes")
+        e = ChunkError(j, why)
+        lo = j * self.k
+        hit = ((lo - starts) % self.capacity < n_valid) | ((starts - lo) % self.capacity < self.chunk_steps(j))
+        hit &= n_valid > 0
+        e.window = int(np.argmax(hit)) if hit.any() else None
+        return e
 
     def _run(self, windows: list[tuple[int, int, int, int]], out: np.ndarray) -> None:
         """Copy each ``(window index, ring start, steps, out offset)`` from its chunks into ``out``, each
@@ -293,14 +441,37 @@ class CompressedRing:
         g = np.asarray(geometry, np.int64)
         return g.shape == (4,) and [int(x) for x in g[1:]] == [self.k, self.capacity, self.sb]
 
+    def _set_k(self, k: int) -> None:
+        """Cut the ring into chunks of ``k`` steps instead, every chunk empty. O(chunks)."""
+        self.k, self.n_chunks = k, -(-self.capacity // k)
+        self.chunks = [None] * self.n_chunks
+        self.crc = np.zeros(self.n_chunks, np.uint32)
+        self.addr = np.zeros(self.n_chunks, np.int64)
+        self.size = np.full(self.n_chunks, -1, np.int64)
+        self.open, self.open_index, self.stored_bytes = np.zeros(k * self.sb, np.uint8), -1, 0
+        self._local = threading.local()
+
     def restore(self, parts: dict[str, np.ndarray], describe: Callable[[int], str] | None = None) -> None:
         """Load an :meth:`export` of the same chunking (:meth:`fits`), every chunk's checksum checked first;
-        nothing changes on an error. O(stored bytes).
+        nothing changes on an error. A column declared with ``chunk=None`` takes the saved steps per chunk
+        when they differ (a checkpoint of an older default) if this ring holds nothing yet, the ring's capacity
+        and step size being the same. O(stored bytes).
 
         Raises:
             ValueError: sizes that do not add up or a chunking that differs.
             CorruptDataError: a chunk whose bytes fail their checksum (``describe(j)`` names it).
         """
+        g = [int(x) for x in np.asarray(parts["geometry"], np.int64).reshape(-1)]
+        if (len(g) == 4 and g[1] != self.k and 1 <= g[1] <= self.capacity and g[2:] == [self.capacity, self.sb]
+                and self.column.compression.chunk is None and self.stored_bytes == 0 and self.open_index < 0):
+            k = self.k
+            self._set_k(g[1])
+            try:
+                self.restore(parts, describe)
+            except Exception:
+                self._set_k(k)
+                raise
+            return
         if not self.fits(parts["geometry"]):
             raise ValueError(f"column {self.name!r}: saved chunks of geometry {list(parts['geometry'])} do not fit "
                              f"this ring (k={self.k}, capacity={self.capacity}, step bytes={self.sb})")
@@ -327,7 +498,11 @@ class CompressedRing:
                 raise CorruptDataError(f"column {self.name!r}: compressed {where} fails its CRC-32 checksum "
                                        f"(the saved bytes are corrupted)")
             chunks.append(data)
-        self.chunks, self.crc = chunks, crc.copy()
+        self.chunks, self.crc = [None] * self.n_chunks, crc.copy()
+        self.addr[:], self.size[:] = 0, -1
+        for j, data in enumerate(chunks):
+            if data is not None:
+                self._set_chunk(j, data)
         self.stored_bytes = int(sizes[sizes > 0].sum())
         self.open_index = j_open
         if j_open >= 0:

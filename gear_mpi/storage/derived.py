@@ -78,7 +78,7 @@ def compressed_sources(spec: TrajectorySpec) -> bool:
 
 
 def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np.ndarray, before: np.ndarray,
-                 n_valid: np.ndarray, window: int, store=None) -> dict[str, np.ndarray]:
+                 n_valid: np.ndarray, window: int, store=None, keys: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Owner side, for requesters on other nodes: each window's context window of each source column,
     ``before + n_valid + tail`` ring steps from ``win_start - before``, in rows of :func:`context_steps`
     steps (zero after the real ones). Cost: one gather per source column; local.
@@ -90,6 +90,7 @@ def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np
         win_start, before, n_valid: int64, one per window sent.
         window: steps per window.
         store: the shard's store, for a compressed source (decompressed by its ``gather_compressed``).
+        keys: each window's trajectory key, named by a corrupted chunk's error (None: "a sampled window").
     Returns:
         Source column name -> flat uint8 buffer of ``len(win_start) * context_steps * step_bytes`` bytes.
     """
@@ -102,7 +103,8 @@ def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np
         sb = spec[name].step_bytes
         buf = np.empty(n * e * sb, np.uint8)
         if n and getattr(spec[name], "compression", None) is not None:
-            store.gather_compressed(starts, valid, np.zeros(n, np.int64), np.arange(n, dtype=np.int64), {name: buf}, e)
+            store.gather_compressed(starts, valid, np.zeros(n, np.int64), np.arange(n, dtype=np.int64), {name: buf}, e,
+                                    keys)
         elif n:
             gather_kernels.gather_windows(views[name], capacity, sb, starts, valid, np.zeros(n, np.int64),
                                           np.arange(n, dtype=np.int64), buf, e)
@@ -114,8 +116,9 @@ def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start:
                   n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
                   window: int) -> None:
     """The derived columns of rows ``rows`` from this process's own store: read in place from the rings
-    (:func:`rebuild_derived`), or, when a source is compressed, through context windows decompressed first
-    (:func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
+    (:func:`rebuild_derived`), or, when a source is compressed, straight from its decoded chunks
+    (:func:`fill_from_chunks`; where the compiled decoder does not load, through context windows decompressed
+    first: :func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
 
     Args:
         spec: the columns; store: the shard's store (its ``capacity`` and views).
@@ -125,6 +128,9 @@ def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start:
     """
     if not compressed_sources(spec):
         rebuild_derived(spec, addresses, store.capacity, win_start, before, n_valid, pad_front, rows, outs, window)
+        return
+    args = [np.ascontiguousarray(a, np.int64) for a in (win_start, before, n_valid, pad_front, rows)]
+    if fill_from_chunks(spec, store, *args, {}, outs, window, None):  # stacks straight from the decoded chunks
         return
     buffers = pack_context(spec, store.byte_views(), store.capacity, win_start, before, n_valid, window, store)
     rebuild_from_context(spec, buffers, before, n_valid, pad_front, rows, outs, window)
@@ -170,10 +176,88 @@ def fill_unstored(spec: TrajectorySpec, store, ring_addresses: np.ndarray, slots
         return
     fields = gather_kernels.choice_records(choices)
     rows = np.arange(len(choices), dtype=np.int64)
+    outs = dict(zip(spec.names, batch.byte_views()))
+    if spec.derived and compressed_sources(spec):  # each chunk decoded once: the windows' own steps are in the context
+        start, valid, pad = (np.ascontiguousarray(fields[f], np.int64) for f in ("start", "valid", "pad_front"))
+        context = context_of(spec, slots, start, store.start, store.capacity)
+        if fill_from_chunks(spec, store, start, context, valid, pad, rows, outs, batch.derived_views(), window,
+                            fields["key"]):
+            return
+        buffers = pack_context(spec, store.byte_views(), store.capacity, start, context, valid, window, store,
+                               fields["key"])
+        store.gather_compressed(start, valid, pad, rows, {n: b for n, b in outs.items()
+                                                          if n in store.compressed and n not in buffers},
+                                window, fields["key"])
+        e = context_steps(spec, window)
+        for name, buf in buffers.items():
+            if name in store.compressed:
+                gather_kernels.gather_windows(buf, len(rows) * e, spec[name].step_bytes, rows * e + context, valid,
+                                              pad, rows, outs[name], window)
+        rebuild_from_context(spec, buffers, context, valid, pad, rows, batch.derived_views(), window)
+        return
     if store.compressed:
-        store.gather_compressed(fields["start"], fields["valid"], fields["pad_front"], rows,
-                                dict(zip(spec.names, batch.byte_views())), window, fields["key"])
+        store.gather_compressed(fields["start"], fields["valid"], fields["pad_front"], rows, outs, window,
+                                fields["key"])
     if spec.derived:
         context = context_of(spec, slots, fields["start"], store.start, store.capacity)
         rebuild_local(spec, store, ring_addresses, fields["start"], context, fields["valid"], fields["pad_front"],
                       rows, batch.derived_views(), window)
+
+
+def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.ndarray, valid: np.ndarray,
+                     pad: np.ndarray, rows: np.ndarray, outs: dict, derived_outs: tuple[np.ndarray, ...], window: int,
+                     keys: np.ndarray) -> bool:
+    """A local sample's compressed and derived columns when every derived column's source is compressed and
+    the compiled decoder loads: each source's chunks covering the windows' contexts decoded once
+    (``CompressedRing.decoded``), the source column's windows and the derived stacks copied straight from
+    them (:mod:`gear_mpi.kernels.chunks`), no context windows in between. Local.
+
+    Cost: one CRC-32 and decompression per chunk covered, ``frames`` step copies per window step and derived
+    column; O(chunks) Python work.
+    Args:
+        spec: the columns; store: the shard's store.
+        start, before, valid, pad, rows: int64 per window: ring start, context (:func:`context_of`), real
+            steps, leading padding, batch row.
+        outs: column name -> batch bytes (a compressed column named here gets its windows; others are left
+            alone); derived_outs: ``Batch.derived_views()``; window: steps per window.
+        keys: each window's trajectory key (named by a corrupted chunk's error), or None.
+    Returns:
+        False (nothing written) where a source is stored raw or the decoder does not load: use the other path.
+    Raises:
+        CorruptDataError: a chunk that fails its checksum or does not decompress, naming column and trajectory.
+    """
+    from contextlib import ExitStack
+
+    from ..kernels import chunks as chunk_kernels
+    from .compressed import ChunkError
+    names = sources(spec)
+    rings = {n: store.compressed.get(n) for n in names}
+    if any(r is None or r.decoder() is None for r in rings.values()):
+        return False
+    cap, e = store.capacity, context_steps(spec, window)
+    c_start = (start - before) % cap
+    c_valid = np.where(valid > 0, before + valid + spec.tail_steps, 0).astype(np.int64)
+    with ExitStack() as stack:
+        decoded = {}
+        for name, ring in rings.items():
+            try:
+                decoded[name] = stack.enter_context(ring.decoded(ring.decoder(), c_start, c_valid, e))
+            except ChunkError as err:
+                w = getattr(err, "window", None)
+                raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None and keys is not None
+                                    else "a sampled window") from None
+        others = {n: b for n, b in outs.items() if n in store.compressed and n not in rings}
+        if others:
+            store.gather_compressed(start, valid, pad, rows, others, window, keys)
+        for name, ring in rings.items():
+            if name not in outs:
+                continue
+            ids, scratch = decoded[name]
+            chunk_kernels.copy_windows(ids, ring.open, ring.open_index, ring.k, cap, ring.sb, start, valid, pad,
+                                       rows, outs[name], window, scratch)
+        for d, out in zip(spec.derived, derived_outs):
+            ring = rings[d.source]
+            ids, scratch = decoded[d.source]
+            chunk_kernels.stack_windows(ids, scratch, ring.open, ring.open_index, ring.k, cap, ring.sb, start,
+                                        before, valid, pad, rows, d.frames, d.offset, d.pad == "zeros", out, window)
+    return True

@@ -721,7 +721,8 @@ class TrajectoryStore:
         Args:
             starts, n_valid, pad_front, out_rows: each window's ring start, real steps, leading padding and
                 batch row (int64).
-            outs: column name -> that column's batch bytes (flat uint8), for each compressed column.
+            outs: column name -> that column's batch bytes (flat uint8): the compressed columns named here
+                are filled (other names are ignored).
             window: steps per window.
             keys: each window's key (for the error message), or None.
         Raises:
@@ -732,6 +733,8 @@ class TrajectoryStore:
             return
         starts = np.asarray(starts, np.int64) % self.capacity
         for name, chunks in self.compressed.items():
+            if name not in outs:
+                continue
             try:
                 chunks.gather(starts, n_valid, pad_front, out_rows, outs[name], window)
             except ChunkError as e:
