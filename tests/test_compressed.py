@@ -256,3 +256,22 @@ def test_saved_chunks_of_another_default_size_load_as_they_are(monkeypatch):
     with pytest.raises(ValueError, match="do not fit"):
         pinned.restore(old.export())
     assert pinned.k == 4 and pinned.stored_bytes == 0
+
+
+def test_an_unchecked_codec_library_keeps_the_python_path(monkeypatch):
+    """A bundled C-blosc2 whose structure layout was not checked is never called by address: the decoder is
+    refused with a reason, and sampling stays exact through the Python path."""
+    blosc2 = compressed_module.codec_library()
+    monkeypatch.setattr(compressed_module, "_decoder_state", [])
+    monkeypatch.setattr(blosc2, "blosclib_version", "9.9.0 ($Date:: 2099-01-01 #$)", raising=False)
+    assert compressed_module._decoder(blosc2) is None
+    with pytest.raises(OSError, match="9.9.0 is not one whose structures were checked"):
+        compressed_module._Decoder(blosc2)
+    rng = np.random.default_rng(3)
+    a, b = twins(None)
+    for _ in range(12):
+        traj = random_trajectory(rng)
+        a.insert(traj), b.insert(traj)
+    x, y = a.sample(8, 4), b.sample(8, 4)
+    for name in COLUMNS:
+        assert np.array_equal(x[name].numpy(), y[name].numpy()), name

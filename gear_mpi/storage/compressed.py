@@ -79,8 +79,13 @@ def _thread_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+#: C-blosc2 versions (major.minor) whose ``blosc2_dparams`` layout :class:`_DParams` was checked against; any
+#: other bundled library keeps the Python path (correct, one call per chunk) rather than risk a wrong layout
+CHECKED_LIBRARY_VERSIONS = ("3.6",)
+
+
 class _DParams(ctypes.Structure):
-    """C-blosc2's ``blosc2_dparams`` (include/blosc2.h of the bundled library)."""
+    """C-blosc2's ``blosc2_dparams`` (include/blosc2.h of the bundled library, C-blosc2 3.6)."""
     _fields_ = [("nthreads", ctypes.c_int16), ("schunk", ctypes.c_void_p), ("postfilter", ctypes.c_void_p),
                 ("postparams", ctypes.c_void_p), ("typesize", ctypes.c_int32)]
 
@@ -96,6 +101,10 @@ class _Decoder:
 
     def __init__(self, blosc2):
         import numba
+        version = str(getattr(blosc2, "blosclib_version", "")).split(" ")[0]
+        if ".".join(version.split(".")[:2]) not in CHECKED_LIBRARY_VERSIONS:
+            raise OSError(f"bundled C-blosc2 {version or '(unknown version)'} is not one whose structures were "
+                          f"checked ({', '.join(CHECKED_LIBRARY_VERSIONS)})")
         here = os.path.join(os.path.dirname(blosc2.__file__), "lib")
         found = sorted(glob.glob(os.path.join(here, "libblosc2.so*"))
                        + glob.glob(os.path.join(here, "libblosc2*.dylib"))
