@@ -5,6 +5,8 @@ tests/mpi/test_checkpoint_background.py`` by hand).
 
 - a checkpoint taken by ``now()`` while sampling goes on restores exactly: the loaded replay draws the
   very batches the running one drew after the checkpoint;
+- inserts while a slow thread writes copy (or, past ``copy_limit``, write) the segments it still needs
+  before they overwrite them: the checkpoint is the snapshot's state;
 - the second checkpoint writes only the segments inserts touched: the others are hard links to the
   first one's files; each checkpoint loads on its own, also after the other is deleted;
 - ``keep``: only the newest complete checkpoints stay; an interrupted one (no manifest) is passed over;
@@ -57,13 +59,42 @@ def test_exact_restore_from_a_background_checkpoint(shared_dir):
     replay.close()
 
 
+@pytest.mark.parametrize("copy_limit", [1 << 30, 0])
+def test_inserts_while_the_thread_writes_copy_what_it_still_needs(shared_dir, copy_limit):
+    """A slow writer (``write_rate``: seconds for a ring of 60 steps) while inserts overwrite every segment, the
+    ring wrapping twice: each insert copies the pending segments it is about to overwrite (or, with
+    ``copy_limit=0``, writes their files itself), and the checkpoint restores exactly the snapshot's state."""
+    replay = make()
+    fill(replay, 14 + 5 * RANK, base=1)
+    drive(replay, 2, seed=5)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG, copy_limit=copy_limit,
+                                     write_rate=3 * SEG)
+    handle.now()
+    expect = drive(replay, 3, seed=9)
+    fill(replay, 30, base=900)  # about 150 steps into a ring of 60: every pending segment overwritten
+    path = handle.wait()
+    last = handle.last
+    assert last["changed"] > 0 and last["linked"] == 0, last
+    if copy_limit:
+        assert last["copied_in_loop"] > 0 and last["written_in_loop"] == 0, last
+    else:
+        assert last["written_in_loop"] > 0 and last["copied_in_loop"] == 0, last
+    ck.verify(path)
+    loaded, _ = gm.Replay.load(path)
+    for i, (a, b) in enumerate(zip(expect, drive(loaded, 3, seed=9))):
+        same_batch(a, b, f"batch {i}")
+    loaded.close()
+    handle.stop()
+    replay.close()
+
+
 def test_second_checkpoint_links_what_did_not_change(shared_dir):
     replay = make()
     fill(replay, 6, base=1)  # 1 + i % 9 steps each: about 21 steps, 3-4 segments, no wrap
     handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
     first = handle.now()
     one = handle.wait()
-    assert handle.last["linked"] == 0 and handle.last["copied"] > 0
+    assert handle.last["linked"] == 0 and handle.last["changed"] > 0
     ids_first = ids_of(replay)
     replay.insert(ck_traj := {"obs": np.ones((2, 3), np.float32), "id": np.full(2, 7777 + RANK, np.int64),
                               "flag": np.zeros((2, 2), np.uint8)})
@@ -73,7 +104,7 @@ def test_second_checkpoint_links_what_did_not_change(shared_dir):
     assert two.name == ck.series.dir_name(first + 1)
     last = handle.last
     assert last["linked"] > 0, last
-    assert last["copied"] <= 2 * SEG, last  # the segment(s) the insert wrote, not the whole ring
+    assert last["changed"] <= 2 * SEG, last  # the segment(s) the insert wrote, not the whole ring
     mine = two / ck.rank_dir(RANK)
     segs = sorted(p.name for p in mine.glob("seg-*.bin"))
     linked = [n for n in segs if os.stat(mine / n).st_nlink > 1]
