@@ -109,7 +109,8 @@ def test_direct_writes_make_the_same_file(tmp_path, size):
 
 
 def test_the_pacer_keeps_the_byte_budget_and_stops_when_hurried():
-    from gear_mpi.checkpoint.pacing import CHUNK, Pacer, lower_priority
+    from gear_mpi.checkpoint import pacing
+    CHUNK, Pacer, lower_priority = pacing.CHUNK, pacing.Pacer, pacing.lower_priority
     data = np.zeros(4 * CHUNK + 5, np.uint8)
     pacer = Pacer(rate=8 * CHUNK)  # 4 chunks ahead of the first: at least 0.5 s
     t0 = time.monotonic()
