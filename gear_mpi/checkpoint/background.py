@@ -270,10 +270,6 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         if seconds is not None and replay.mode == "local":
             raise ValueError("checkpoint_every: a replay built with mode='local' makes no collective sample to "
                              "carry the schedule; pass seconds=None and call .now() between steps")
-        if replay.spec.compressed:  # the same on every rank (the spec is agreed at construction)
-            raise ValueError(f"checkpoint_every: compressed columns {list(replay.spec.compressed)} are not written "
-                             f"by background checkpoints yet; use replay.save(path) (it keeps the compressed "
-                             f"chunks as stored)")
         for name, v, low in (("keep", keep, 1), ("segment_bytes", segment_bytes, 1), ("copy_limit", copy_limit, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")

@@ -15,7 +15,8 @@ the training thread between two collectives, decides per segment holding steps i
   segment's file itself before it goes on.
 
 The table sections, the priority index and the rank's state are copied by :func:`snapshot` (about 70
-bytes per slot in use). :func:`write` then touches only the snapshot and the pending segments' memory
+bytes per slot in use), and so are the chunks of compressed columns, as stored (they go to
+``compressed.bin`` whole, :mod:`~gear_mpi.checkpoint.compressed_file`: not incremental). :func:`write` then touches only the snapshot and the pending segments' memory
 (never MPI): it writes the segments (within its :class:`~gear_mpi.checkpoint.pacing.Pacer`'s budget),
 links the others, writes ``table.bin`` and ``shard.json``, fsyncs, and marks the rank's directory done
 (``done.json``, :mod:`~gear_mpi.checkpoint.series`) -- or failed (``failed.json``). Every segment file
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..kernels import ring
-from . import files, segment_file, series, shard_files
+from . import compressed_file, files, segment_file, series, shard_files
 from .files import SHARD_JSON, TABLE, rank_dir
 from .pacing import CHUNK, Pacer
 
@@ -83,6 +84,7 @@ class Snapshot:
     links: list[tuple[int, str, dict]] = field(default_factory=list)     # segment -> base file, entry
     entries: dict[str, dict] = field(default_factory=dict)               # files already written
     sections: list[np.ndarray] = field(default_factory=list)
+    compressed: list[np.ndarray] = field(default_factory=list)  # compressed.bin's arrays (copied), if any
     meta: dict[str, Any] = field(default_factory=dict)
     items: int = 0
     steps_used: int = 0
@@ -105,8 +107,8 @@ class Snapshot:
 
     @property
     def to_write(self) -> int:
-        """Bytes :func:`write` will write (the changed segments and the table). O(sections)."""
-        return self.changed + sum(int(a.nbytes) for a in self.sections)
+        """Bytes :func:`write` will write (the changed segments, the table, compressed chunks). O(sections)."""
+        return self.changed + sum(int(a.nbytes) for a in self.sections) + sum(int(a.nbytes) for a in self.compressed)
 
     def protect(self, first: int, steps: int) -> None:
         """Called (``store.on_write``) before an insert writes ``steps`` ring steps from ``first``: copy every
@@ -225,6 +227,13 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
     snap.sections = [np.array(arr, copy=True, order="C") for _, arr in sections]
     meta = shard_files.rank_meta(shard.state(), replay.state(), sections)
     meta.update(column_layout=segment_file.LAYOUT, segment_steps=changes.k, segments=segs)
+    if store.compressed:  # their chunks as stored (compressed: a fraction of the raw size), copied whole
+        layout = {}
+        for name, chunks in store.compressed.items():
+            parts = chunks.export()
+            layout[name] = [len(parts[p]) for p, _ in compressed_file.PARTS]
+            snap.compressed += [np.ascontiguousarray(parts[p], dt) for p, dt in compressed_file.PARTS]
+        meta["compressed"] = layout
     snap.meta = meta
     snap.items, snap.steps_used = len(shard), used
     return snap
@@ -282,6 +291,10 @@ def write(snap: Snapshot, pacer: Pacer | None = None) -> tuple[dict, Base]:
         with snap.lock:
             entries.update(snap.entries)  # what inserts wrote themselves
         entries[TABLE] = files.write_file(os.path.join(d, TABLE), pacer.chunks(snap.sections))
+        if snap.compressed:
+            entries[compressed_file.COMPRESSED] = files.write_file_direct(
+                os.path.join(d, compressed_file.COMPRESSED), pacer.chunks(snap.compressed))
+            snap.compressed = []
         entries[SHARD_JSON] = files.write_file(os.path.join(d, SHARD_JSON),
                                                [json.dumps(snap.meta, sort_keys=True).encode()])
         files.fsync_dir(d)
