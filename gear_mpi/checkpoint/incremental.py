@@ -101,6 +101,7 @@ class Snapshot:
     busy: int = -1           # the segment the thread is writing from the shard's memory (-1: none)
     closed: bool = False     # released: the shard's memory may be gone
     rush: bool = False       # an insert waits for the segment being written: no pacing
+    failure: str = ""        # why an insert could not write a segment (the checkpoint fails)
     views: dict | None = None
     spec: Any = None
     lock: threading.Condition = field(default_factory=threading.Condition)
@@ -115,8 +116,8 @@ class Snapshot:
         pending segment among them (or, past ``copy_limit``, write its file now), so that the thread never
         needs bytes the insert changes. Training thread; O(1) when none is pending, else a copy per segment.
 
-        Raises:
-            OSError: writing a segment past ``copy_limit`` failed (the insert fails; the checkpoint too).
+        A segment file it cannot write (past ``copy_limit``) fails the checkpoint, not the insert: the thread
+        raises :class:`~gear_mpi.errors.CheckpointError` with the reason.
         """
         if steps <= 0 or not (self.pending or self.busy >= 0):
             return
@@ -133,14 +134,22 @@ class Snapshot:
                     self.copied += n
                 else:
                     name = segment_file.name(s)
-                    self.entries[name] = files.write_file(os.path.join(self.directory, name),
-                                                          segment_file.pieces(self.views, self.spec, a, b))
+                    try:
+                        self.entries[name] = files.write_file(os.path.join(self.directory, name),
+                                                              segment_file.pieces(self.views, self.spec, a, b))
+                    except OSError as e:  # this checkpoint fails (the thread says so); the insert goes on
+                        self.failure = f"an insert could not write {name} past copy_limit: {e}"
+                        self.closed = True
+                        self.pending.clear()
+                        self.order.clear()
+                        self.saved.clear()
+                        break
                     self.written_now += n
             s = self.busy
             if s >= 0 and s not in self.saved and s in touched:  # the one the thread is reading now
                 a, b = segment_file.bounds(s, self.k, self.capacity)
                 n = segment_file.nbytes(self.spec, a, b)
-                if self.copied + n <= self.copy_limit:  # the thread discards its file and writes this copy
+                if not self.closed and self.copied + n <= self.copy_limit:  # the thread writes this copy instead
                     self.saved[s] = segment_file.copy(self.views, self.spec, a, b)
                     self.copied += n
                     return
@@ -164,6 +173,8 @@ class Snapshot:
             if self.saved:
                 s = min(self.saved)
                 return s, self.saved.pop(s)
+            if self.failure:
+                raise CheckpointError(f"{self.directory}: {self.failure}")
             if self.closed and self.pending:
                 raise CheckpointError(f"{self.directory}: the replay was closed before the checkpoint was written")
             while self.order:
@@ -285,10 +296,12 @@ def write(snap: Snapshot, pacer: Pacer | None = None) -> tuple[dict, Base]:
             if copied or closed:  # an insert copied it while it was read (the copy is written next)
                 os.unlink(filename)
                 if closed and not copied:
-                    raise CheckpointError(f"{d}: the replay was closed before the checkpoint was written")
+                    raise CheckpointError(f"{d}: {snap.failure or 'the replay was closed before the checkpoint was written'}")
             else:
                 entries[name] = entry
         with snap.lock:
+            if snap.failure:
+                raise CheckpointError(f"{d}: {snap.failure}")
             entries.update(snap.entries)  # what inserts wrote themselves
         entries[TABLE] = files.write_file(os.path.join(d, TABLE), pacer.chunks(snap.sections))
         if snap.compressed:

@@ -89,6 +89,32 @@ def test_inserts_while_the_thread_writes_copy_what_it_still_needs(shared_dir, co
     replay.close()
 
 
+def test_a_segment_an_insert_cannot_write_fails_the_checkpoint_not_the_insert(shared_dir, monkeypatch):
+    replay = make()
+    fill(replay, 8, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG, copy_limit=0,
+                                     write_rate=3 * SEG)
+    if RANK == SIZE - 1:
+        real = ck.files.write_file
+
+        def full(filename, chunks):
+            if os.path.basename(filename).startswith("seg-"):
+                raise OSError(28, "No space left on device")
+            return real(filename, chunks)
+        monkeypatch.setattr(ck.files, "write_file", full)
+    handle.now()
+    fill(replay, 30, base=700)  # every insert goes on
+    with pytest.raises(gm.CheckpointError, match="could not write seg-.* past copy_limit: .*No space left"):
+        handle.wait()
+    monkeypatch.undo()
+    assert ck.latest(shared_dir) is None
+    assert len(replay.sample(4, 2)) == 4 + 0 * RANK
+    handle.now()  # the next one writes everything, and completes
+    ck.verify(handle.wait())
+    handle.stop()
+    replay.close()
+
+
 def test_second_checkpoint_links_what_did_not_change(shared_dir):
     replay = make()
     fill(replay, 6, base=1)  # 1 + i % 9 steps each: about 21 steps, 3-4 segments, no wrap
