@@ -65,6 +65,7 @@ class BackgroundCheckpoints:
         self._base: incremental.Base | None = None
         self._snap: incremental.Snapshot | None = None  # the one being written: inserts copy before overwriting
         self._pacer: pacing.Pacer | None = None  # the writing thread's
+        self._scratch: list = []  # the table's copy, reused (the previous one is written before the next)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._clock = time.monotonic()
@@ -103,7 +104,7 @@ class BackgroundCheckpoints:
         t0 = time.perf_counter()
         body = None
         try:
-            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit)
+            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._scratch)
             if replay.rank == 0:
                 from .protocol import _manifest_body  # the body save() writes, with this moment's streams
                 body = _manifest_body(replay, [])

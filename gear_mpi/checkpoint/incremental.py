@@ -198,14 +198,36 @@ class Snapshot:
                 yield mv[x:x + CHUNK]
 
 
-def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit: int) -> Snapshot:
+def copy_sections(sections: list, scratch: list | None) -> list[np.ndarray]:
+    """Copies of the table ``sections`` (``(name, array)`` pairs), placed in ``scratch[0]`` (a flat uint8
+    buffer kept between checkpoints, grown when too small) when given: memory already touched, so the copy
+    costs no page faults (85 MB: 0.45 s into fresh memory, 0.01 s into touched memory, on the machine
+    measured). O(bytes)."""
+    if scratch is None:
+        return [np.array(arr, copy=True, order="C") for _, arr in sections]
+    sizes = [-(-int(arr.nbytes) // 64) * 64 for _, arr in sections]  # each copy 64-byte aligned
+    total = sum(sizes)
+    if not scratch or scratch[0].nbytes < total:
+        scratch[:] = [np.empty(total + total // 4 + 4096, np.uint8)]
+    buf, out, pos = scratch[0], [], 0
+    for (_, arr), size in zip(sections, sizes):
+        dst = buf[pos:pos + int(arr.nbytes)].view(arr.dtype).reshape(arr.shape)
+        np.copyto(dst, arr)
+        out.append(dst)
+        pos += size
+    return out
+
+
+def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit: int,
+             scratch: list | None = None) -> Snapshot:
     """Take this rank's snapshot for checkpoint directory ``path`` (local; the training thread).
 
     Args:
         replay: the :class:`~gear_mpi.replay.Replay`; changes: its :class:`Changes` (taken here);
         base: this rank's part of its previous checkpoint, or None (everything is written);
         path: the checkpoint's directory (created here if missing); copy_limit: the most bytes inserts copy
-            (:meth:`Snapshot.protect`) before the thread has written the segments they overwrite.
+            (:meth:`Snapshot.protect`) before the thread has written the segments they overwrite;
+        scratch: where the table's copy goes (:func:`copy_sections`; the previous snapshot's must be written).
     Returns:
         The :class:`Snapshot`; until :func:`write` ends it, hang :meth:`Snapshot.protect` on ``store.on_write``.
     Raises:
@@ -235,7 +257,7 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
     count = (cap - 1) // changes.k + 1 if cap else 1
     snap.order = sorted(snap.pending, key=lambda s: (s - tail) % count)
     sections = shard.sections()
-    snap.sections = [np.array(arr, copy=True, order="C") for _, arr in sections]
+    snap.sections = copy_sections(sections, scratch)
     meta = shard_files.rank_meta(shard.state(), replay.state(), sections)
     meta.update(column_layout=segment_file.LAYOUT, segment_steps=changes.k, segments=segs)
     if store.compressed:  # their chunks as stored (compressed: a fraction of the raw size), copied whole
