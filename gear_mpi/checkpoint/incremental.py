@@ -325,7 +325,7 @@ def write(snap: Snapshot, pacer: Pacer | None = None) -> tuple[dict, Base]:
             if snap.failure:
                 raise CheckpointError(f"{d}: {snap.failure}")
             entries.update(snap.entries)  # what inserts wrote themselves
-        entries[TABLE] = files.write_file(os.path.join(d, TABLE), pacer.chunks(snap.sections))
+        entries[TABLE] = files.write_file_direct(os.path.join(d, TABLE), pacer.chunks(snap.sections))
         if snap.compressed:
             entries[compressed_file.COMPRESSED] = files.write_file_direct(
                 os.path.join(d, compressed_file.COMPRESSED), pacer.chunks(snap.compressed))

@@ -204,13 +204,12 @@ def test_a_failure_is_raised_everywhere_and_the_previous_one_stays(shared_dir, m
     handle.now()
     good = handle.wait()
     if RANK == SIZE - 1:
-        real = ck.files.write_file
-
-        def broken(filename, chunks):
-            if filename.endswith("table.bin"):
-                raise OSError(28, "No space left on device")
-            return real(filename, chunks)
-        monkeypatch.setattr(ck.files, "write_file", broken)
+        for writer in ("write_file", "write_file_direct"):
+            def broken(filename, chunks, real=getattr(ck.files, writer)):
+                if filename.endswith("table.bin"):
+                    raise OSError(28, "No space left on device")
+                return real(filename, chunks)
+            monkeypatch.setattr(ck.files, writer, broken)
     fill(replay, 2, base=300)
     handle.now()
     with pytest.raises(gm.CheckpointError, match="No space left"):
