@@ -249,6 +249,13 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
     replay = make()
     with pytest.raises(ValueError, match="keep must be an integer >= 1"):
         replay.checkpoint_every(shared_dir, keep=0 if RANK == 0 else 2)
+    with pytest.raises(ValueError, match=r"cpu_share must be a number > 0 and <= 1, or None; got 2"):
+        replay.checkpoint_every(shared_dir, cpu_share=2.0 if RANK == 0 else 0.1)
+    with pytest.raises(ValueError, match="write_rate must be a number > 0"):
+        replay.checkpoint_every(shared_dir, write_rate=-5)
+    with pytest.raises(ValueError, match="priority must be 'low' or 'normal'"):
+        replay.checkpoint_every(shared_dir, priority="high")
+    assert replay._checkpoints is None and replay.shard.store.on_write is None
     with pytest.raises(ValueError, match="the same on every rank"):
         replay.checkpoint_every(shared_dir, seconds=10.0 + RANK)
     replay._checkpoints.detach() if replay._checkpoints is not None else None
