@@ -681,21 +681,24 @@ class Replay:
         """
         checkpoint.save(self, path, progress)
 
-    def checkpoint_every(self, directory, seconds: float | None = 60.0, keep: int = 2, *,
-                         segment_bytes: int = 16 << 20, copy_limit: int = 1 << 30):
+    def checkpoint_every(self, directory, seconds: float | None = 60.0, keep: int = 2, *, segment_bytes: int = 16 << 20,
+                         copy_limit: int = 1 << 30, write_rate: float | None = None, cpu_share: float | None = 0.1,
+                         priority: str = "low"):
         """Collective: take incremental checkpoints in the background, about every ``seconds``, into
         ``directory/ckpt-NNNNNNNN`` (:mod:`gear_mpi.checkpoint.background`; docs/guide/faults.md).
 
-        The decision rides on ``sample``'s header; after the sample that starts one, each rank copies what
-        changed (ring segments of ``segment_bytes``, the table, the index) and a thread writes the files
-        (no MPI), hard-linking unchanged segments to the previous checkpoint. Each is complete on its own
-        once its manifest exists; the newest ``keep`` are kept.
+        The decision rides on ``sample``'s header; after the sample that starts one, each rank copies its table
+        and index, and a thread of low priority writes the ring segments (of ``segment_bytes``) changed since
+        the previous checkpoint straight from memory (an insert copies a segment before overwriting it while
+        it is still to be written), hard-linking the others (no MPI). Each is complete on its own once its
+        manifest exists; the newest ``keep`` are kept.
 
         Args:
             directory: created if missing; on a file system every rank sees.
             seconds: the interval (None: only ``handle.now()``). keep: complete checkpoints kept (>= 1).
-            segment_bytes: the size of a ring segment file. copy_limit: bytes of changed segments copied
-                for the thread per checkpoint; past it the sample that starts one writes them itself.
+            segment_bytes: the size of a ring segment file. copy_limit: bytes inserts may copy per checkpoint;
+                past it an insert writes the segment itself. write_rate, cpu_share: bytes/s and the fraction of
+                a core a rank's thread uses at most (None: no limit). priority: ``"low"`` or ``"normal"``.
         Returns:
             The :class:`~gear_mpi.checkpoint.background.BackgroundCheckpoints` handle (``now``, ``wait``, ``stop``).
         Raises:
@@ -703,8 +706,8 @@ class Replay:
             CheckpointError: the directory cannot be created.
         Cost: one head allgather; per insert an O(1) note of the segments it writes.
         """
-        self._check_open()
-        return checkpoint.background.start(self, directory, seconds, keep, segment_bytes, copy_limit)
+        return checkpoint.background.start(self, directory, seconds, keep, segment_bytes, copy_limit,
+                                           write_rate, cpu_share, priority)
 
     @classmethod
     def load_latest(cls, directory, comm=None, **overrides):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,62 @@ def test_remap():
     new = np.array([30, -1, 90], np.int64)
     assert ck.remap((old, new), [9, 3, 7, 4]).tolist() == [90, 30, -1, -1]
     assert ck.remap((old[:0], new[:0]), [1]).tolist() == [-1]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, files.DIRECT_BLOCK, files.DIRECT_BLOCK + 7, 3 * files.DIRECT_BLOCK + 12345])
+def test_direct_writes_make_the_same_file(tmp_path, size):
+    """write_file_direct (O_DIRECT through an aligned buffer, the tail buffered; the page cache where refused):
+    the same bytes, size and sha256 as write_file, from chunks of any size; never overwrites."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    parts = [data[i:i + 300_007] for i in range(0, size, 300_007)]
+    info = files.write_file_direct(str(tmp_path / "d"), parts)
+    assert info == files.write_file(str(tmp_path / "b"), parts)
+    assert (tmp_path / "d").read_bytes() == data.tobytes()
+    with pytest.raises(FileExistsError):
+        files.write_file_direct(str(tmp_path / "d"), [b"x"])
+    assert os.path.getsize(tmp_path / "d") == size
+    shm = Path("/dev/shm")  # tmpfs: O_DIRECT refused before Linux 6.6, the page cache then
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        target = shm / f"gear_direct_{os.getpid()}_{size}"
+        try:
+            assert files.write_file_direct(str(target), parts) == info
+            assert target.read_bytes() == data.tobytes()
+        finally:
+            target.unlink(missing_ok=True)
+
+
+def test_the_pacer_keeps_the_byte_budget_and_stops_when_hurried():
+    from gear_mpi.checkpoint import pacing
+    CHUNK, Pacer, lower_priority = pacing.CHUNK, pacing.Pacer, pacing.lower_priority
+    data = np.zeros(4 * CHUNK + 5, np.uint8)
+    pacer = Pacer(rate=8 * CHUNK)  # 4 chunks ahead of the first: at least 0.5 s
+    t0 = time.monotonic()
+    got = b"".join(bytes(p) for p in pacer.chunks([data[:CHUNK + 3], data[CHUNK + 3:]]))
+    assert got == data.tobytes() and pacer.moved == len(data)
+    assert time.monotonic() - t0 >= 0.45 and pacer.slept >= 0.45
+    hurried = Pacer(rate=1.0)  # one byte a second: only a hurried pacer gets through
+    hurried.hurry = True
+    t0 = time.monotonic()
+    assert sum(len(p) for p in hurried.chunks([data])) == len(data)
+    assert time.monotonic() - t0 < 0.5
+    for bad in (0, -1.0, "fast", True):
+        with pytest.raises(ValueError, match="write_rate must be a number"):
+            Pacer(rate=bad)
+    with pytest.raises(ValueError, match="cpu_share must be a number > 0 and <= 1"):
+        Pacer(cpu_share=1.5)
+    seen = {}
+
+    def lowered():  # in a thread of its own: the caller's thread alone is lowered
+        seen["how"] = lower_priority()
+        seen["policy"] = os.sched_getscheduler(0)
+    before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=lowered)
+    t.start()
+    t.join()
+    assert seen["how"] in ("idle", "nice", "none")
+    if seen["how"] == "idle":
+        assert seen["policy"] == os.SCHED_IDLE
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) == before
 
 
 def test_files_are_written_in_chunks_with_checksums(tmp_path):

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..progress import human, log
-from . import incremental, segment_file, series
+from . import incremental, pacing, segment_file, series
 from .arrival import assumed_rate
 from .files import SEGMENTED_VERSION, rank_dir
 
@@ -46,12 +46,16 @@ class BackgroundCheckpoints:
     """
 
     def __init__(self, replay, directory: str, seconds: float | None, keep: int, segment_bytes: int,
-                 copy_limit: int, first: int):
+                 copy_limit: int, first: int, write_rate: float | None = None, cpu_share: float | None = None,
+                 priority: str = "low"):
         self.replay = replay
         self.directory = directory
         self.seconds = seconds
         self.keep = keep
         self.copy_limit = copy_limit
+        self.write_rate = write_rate
+        self.cpu_share = cpu_share
+        self.priority = priority
         self.k = segment_file.steps_per_segment(replay.spec, segment_bytes)
         self.changes = incremental.Changes(self.k, replay.shard.capacity_steps)
         self.seq = first                      # the next checkpoint's number (the same on every rank)
@@ -59,10 +63,20 @@ class BackgroundCheckpoints:
         self.completed = 0
         self.last: dict = {}
         self._base: incremental.Base | None = None
+        self._snap: incremental.Snapshot | None = None  # the one being written: inserts copy before overwriting
+        self._pacer: pacing.Pacer | None = None  # the writing thread's
+        self._scratch: list = []  # the table's copy, reused (the previous one is written before the next)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._clock = time.monotonic()
-        replay.shard.store.on_write = self.changes
+        replay.shard.store.on_write = self._on_write
+
+    def _on_write(self, first: int, steps: int) -> None:
+        """``store.on_write``: note the segments an insert writes; protect those the thread still needs."""
+        self.changes(first, steps)
+        snap = self._snap
+        if snap is not None:
+            snap.protect(first, steps)
 
     # ---- the vote and the start (training thread) -------------------------------------------------
     def vote(self) -> float:
@@ -90,7 +104,7 @@ class BackgroundCheckpoints:
         t0 = time.perf_counter()
         body = None
         try:
-            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit)
+            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._scratch)
             if replay.rank == 0:
                 from .protocol import _manifest_body  # the body save() writes, with this moment's streams
                 body = _manifest_body(replay, [])
@@ -106,10 +120,15 @@ class BackgroundCheckpoints:
                 pass
             return
         self.started += 1
-        self.last = {"sequence": seq, "copied": snap.copied, "linked": snap.linked,
-                     "written_in_loop": snap.written_now, "to_write": snap.to_write,
+        self.last = {"sequence": seq, "changed": snap.changed, "linked": snap.linked, "to_write": snap.to_write,
                      "loop_seconds": time.perf_counter() - t0}
-        deadline = replay.comm.timeout + 4.0 * (snap.to_write + snap.written_now) / assumed_rate()
+        deadline = replay.comm.timeout + 4.0 * snap.to_write / assumed_rate()
+        if self.write_rate is not None:
+            deadline += 2.0 * snap.to_write / self.write_rate
+        if self.cpu_share is not None:  # a core hashes and writes 100 MB/s at the least, the thread a share of it
+            deadline += 2.0 * snap.to_write / (1e8 * self.cpu_share)
+        self._snap = snap
+        self._pacer = pacing.Pacer(self.write_rate, self.cpu_share)
         self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline),
                                         name=f"gear_mpi-checkpoint-{seq}", daemon=True)
         self._thread.start()
@@ -117,8 +136,11 @@ class BackgroundCheckpoints:
     # ---- the thread -----------------------------------------------------------------------------
     def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
         t0 = time.monotonic()
+        pacer = self._pacer
+        if self.priority == "low":
+            pacing.lower_priority()
         try:
-            _, self._base = incremental.write(snap)
+            _, self._base = incremental.write(snap, pacer)
             if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
                 shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
                 body["shards"] = shards
@@ -126,17 +148,24 @@ class BackgroundCheckpoints:
                 series.install(path, body, SEGMENTED_VERSION)
                 series.prune(self.directory, self.keep, busy=seq)
             self.completed += 1
-            self.last["thread_seconds"] = time.monotonic() - t0
+            self.last.update(thread_seconds=time.monotonic() - t0, paced_seconds=pacer.slept,
+                             copied_in_loop=snap.copied, written_in_loop=snap.written_now)
             log.info("background checkpoint %s: rank %d wrote %s, linked %s in %.2f s", path, snap.rank,
-                     human(snap.to_write + snap.written_now), human(snap.linked), time.monotonic() - t0)
+                     human(snap.to_write), human(snap.linked), time.monotonic() - t0)
         except BaseException as e:
             self._base = None if self._base is None or not os.path.isdir(self._base.directory) else self._base
             self._error = self._error or (e if isinstance(e, CheckpointError) else
                                           CheckpointError(f"background checkpoint {path}: {type(e).__name__}: {e}"))
             log.warning("background checkpoint %s failed on rank %d: %s", path, snap.rank, e)
+        finally:
+            if self._snap is snap:
+                self._snap = None
 
     def _join(self, timeout: float | None) -> None:
         if self._thread is not None:
+            pacer = self._pacer
+            if pacer is not None:  # the loop waits for it now: no more pacing, its priority back where allowed
+                pacer.hurry = True
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 self._thread = None
@@ -197,10 +226,13 @@ class BackgroundCheckpoints:
         """Local: stop recording changes and forget the replay (``Replay.close`` calls it), waiting at most
         ``timeout`` seconds (None: no limit) for this rank's checkpoint in flight. Idempotent."""
         self._join(timeout)
+        snap = self._snap
+        if snap is not None:  # still being written (a dead peer's files awaited?): no more reads of the shard
+            snap.release()
         replay = self.replay
         if replay is None:
             return
-        if replay.shard.store is not None and replay.shard.store.on_write is self.changes:
+        if replay.shard.store is not None and replay.shard.store.on_write == self._on_write:
             replay.shard.store.on_write = None
         if getattr(replay, "_checkpoints", None) is self:
             replay._checkpoints = None
@@ -210,14 +242,25 @@ class BackgroundCheckpoints:
                 f"started={self.started}, completed={self.completed})")
 
 
-def start(replay, directory, seconds: float | None, keep: int, segment_bytes: int,
-          copy_limit: int) -> BackgroundCheckpoints:
+def start(replay, directory, seconds: float | None, keep: int, segment_bytes: int, copy_limit: int,
+          write_rate: float | None = None, cpu_share: float | None = None,
+          priority: str = "low") -> BackgroundCheckpoints:
     """Collective: check the arguments alike on every rank and attach a :class:`BackgroundCheckpoints`.
+
+    Args:
+        replay, directory, seconds, keep, segment_bytes, copy_limit: as ``Replay.checkpoint_every``.
+        write_rate: bytes a second each rank's thread writes at most (:class:`~gear_mpi.checkpoint.pacing.Pacer`;
+            None: no limit). cpu_share: the fraction of a core each rank's thread uses at most (None: no
+            limit); both kept by sleeping between small chunks. priority: ``"low"`` (the thread runs ``SCHED_IDLE``, else at nice 19:
+            :func:`~gear_mpi.checkpoint.pacing.lower_priority`) or ``"normal"``.
+    Returns:
+        The handle, attached to the replay.
 
     Raises:
         TypeError, ValueError: bad arguments, or different ones on different ranks (every rank).
         CheckpointError: the directory cannot be created on some rank (every rank).
     """
+    replay._check_open()  # a closed replay: its error, before any communication
     err, first = None, 0
     try:
         if not isinstance(directory, (str, os.PathLike)):
@@ -228,13 +271,12 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         if seconds is not None and replay.mode == "local":
             raise ValueError("checkpoint_every: a replay built with mode='local' makes no collective sample to "
                              "carry the schedule; pass seconds=None and call .now() between steps")
-        if replay.spec.compressed:  # the same on every rank (the spec is agreed at construction)
-            raise ValueError(f"checkpoint_every: compressed columns {list(replay.spec.compressed)} are not written "
-                             f"by background checkpoints yet; use replay.save(path) (it keeps the compressed "
-                             f"chunks as stored)")
         for name, v, low in (("keep", keep, 1), ("segment_bytes", segment_bytes, 1), ("copy_limit", copy_limit, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        pacing.Pacer(write_rate, cpu_share)  # raises ValueError for a bad rate or share
+        if priority not in ("low", "normal"):
+            raise ValueError(f"priority must be 'low' or 'normal', got {priority!r}")
         if getattr(replay, "_checkpoints", None) is not None:
             raise ValueError("checkpoint_every: this replay already has background checkpoints; stop() them first")
         directory = os.path.abspath(os.fspath(directory))
@@ -251,6 +293,8 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         raise ValueError(f"checkpoint_every: seconds, keep and segment_bytes must be the same on every rank, got "
                          f"{table[:, :3].tolist()} (rank r's at position r)")
     handle = BackgroundCheckpoints(replay, os.path.abspath(os.fspath(directory)), seconds, int(keep),
-                                   int(segment_bytes), int(copy_limit), int(table[:, 3].max()))
+                                   int(segment_bytes), int(copy_limit), int(table[:, 3].max()),
+                                   None if write_rate is None else float(write_rate),
+                                   None if cpu_share is None else float(cpu_share), priority)
     replay._checkpoints = handle
     return handle

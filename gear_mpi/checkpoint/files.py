@@ -10,12 +10,17 @@ checks it and :func:`resolve` applies the crash-recovery rule to find it.
 
 :func:`write_file` and :func:`rename` are the only ways the protocol touches
 the file system to create or install a checkpoint, and it calls them through
-this module, so that tests can wrap them to kill a save midway.
+this module, so that tests can wrap them to kill a save midway. Background
+checkpoints write their ring segments with :func:`write_file_direct` (the same
+file, bypassing the page cache where the file system allows).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import mmap
 import os
 from typing import Any, Iterable, Iterator
 
@@ -98,6 +103,90 @@ def write_file(filename: str, chunks: Iterable) -> dict[str, Any]:
     if placed:
         out["data"] = data
     return out
+
+
+DIRECT_BLOCK = 1 << 20  # write_file_direct's bounce buffer: page-aligned, a multiple of any O_DIRECT block
+
+
+def write_file_direct(filename: str, chunks: Iterable) -> dict[str, Any]:
+    """:func:`write_file` for plain ``chunks`` (no offsets), bypassing the page cache where it can.
+
+    The file is opened with ``O_DIRECT`` and written from a page-aligned buffer of :data:`DIRECT_BLOCK`
+    bytes (the chunks copied into it): the kernel moves the data straight to the device, without copying
+    it into the page cache and writing it back later -- about a tenth of the CPU time of a buffered write
+    on the machine measured (docs/guide/faults.md), work that otherwise competes with the training loop.
+    The tail shorter than the buffer is written after ``O_DIRECT`` is turned off (``fcntl``). Where the
+    system or the file system refuses ``O_DIRECT`` (not Linux, tmpfs before Linux 6.6, a write with other
+    alignment needs), the same bytes are written through the page cache instead. The result is the same
+    file, fsynced, and the same description as :func:`write_file`'s.
+
+    Args:
+        filename: the file to create; it must not exist.
+        chunks: bytes-like objects (numpy arrays included), written in order.
+    Returns:
+        ``{"bytes": file size, "sha256": hex digest}``.
+    Raises:
+        FileExistsError: ``filename`` exists.
+        OSError: the file system refused.
+    """
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return write_file(filename, chunks)
+    try:
+        fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o644)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        if os.path.lexists(filename):  # created before the flag was refused (O_EXCL: ours)
+            os.unlink(filename)
+        return write_file(filename, chunks)
+    digest, size, fill = hashlib.sha256(), 0, 0
+    bounce = mmap.mmap(-1, DIRECT_BLOCK)
+    buf = np.frombuffer(bounce, np.uint8)
+    direct = True
+
+    def flush(n: int) -> None:
+        nonlocal direct
+        if direct and n % DIRECT_BLOCK:  # the tail: through the page cache
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~flag)
+            direct = False
+        done = 0
+        with memoryview(bounce) as whole:
+            while done < n:
+                with whole[done:n] as view:
+                    try:
+                        done += os.write(fd, view)
+                    except OSError as e:
+                        if not direct or e.errno != errno.EINVAL:
+                            raise
+                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~flag)
+                        direct = False
+
+    try:
+        for chunk in chunks:
+            mv = memoryview(chunk).cast("B")
+            if not len(mv):
+                continue
+            digest.update(mv)
+            src = np.frombuffer(mv, np.uint8)
+            pos = 0
+            while pos < len(src):
+                n = min(DIRECT_BLOCK - fill, len(src) - pos)
+                buf[fill:fill + n] = src[pos:pos + n]
+                fill, pos = fill + n, pos + n
+                if fill == DIRECT_BLOCK:
+                    flush(fill)
+                    fill = 0
+            size += len(mv)
+            progress.advance(len(mv))
+        if fill:
+            flush(fill)
+        os.fsync(fd)
+    finally:
+        del buf
+        bounce.close()
+        os.close(fd)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def rename(src: str, dst: str) -> None:

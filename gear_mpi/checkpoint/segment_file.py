@@ -3,7 +3,8 @@
 Checkpoints written by :mod:`~gear_mpi.checkpoint.background` (format version 4) cut each rank's ring
 into segments of ``K`` steps (``shard.json``'s ``"segment_steps"``): segment ``s`` covers ring steps
 ``[s*K, min((s+1)*K, capacity))`` and its file holds, for each column in the spec's order, the bytes of
-those steps back to back -- the whole range, steps in use or not. A rank's directory holds the segments
+those steps back to back -- the whole range, steps in use or not (compressed columns excepted: their
+chunks, as stored, go to ``compressed.bin`` whole at every checkpoint). A rank's directory holds the segments
 that held steps in use when the checkpoint was taken (``shard.json``'s ``"segments"``), each listed in
 the manifest with its size and sha256. A step's bytes change only when an insert writes it, so a segment
 no insert has touched since the previous checkpoint is that checkpoint's file again: a hard link to it,
@@ -33,9 +34,20 @@ def name(s: int) -> str:
     return f"seg-{s:05d}.bin"
 
 
+def raw_columns(spec: TrajectorySpec) -> list:
+    """The columns a segment file holds: those stored raw in the ring (a compressed column's chunks go to
+    ``compressed.bin``, :mod:`~gear_mpi.checkpoint.compressed_file`), in spec order. O(columns)."""
+    return [c for c in spec.columns if c.compression is None]
+
+
+def step_bytes(spec: TrajectorySpec) -> int:
+    """Bytes of one ring step in a segment file (the raw columns'). O(columns)."""
+    return sum(c.step_bytes for c in raw_columns(spec))
+
+
 def steps_per_segment(spec: TrajectorySpec, segment_bytes: int) -> int:
-    """Ring steps per segment: as many as ``segment_bytes`` hold (at least one). O(1)."""
-    return max(1, int(segment_bytes) // spec.step_bytes)
+    """Ring steps per segment: as many as ``segment_bytes`` hold (at least one). O(columns)."""
+    return max(1, int(segment_bytes) // max(1, step_bytes(spec)))
 
 
 def bounds(s: int, k: int, capacity: int) -> tuple[int, int]:
@@ -63,7 +75,7 @@ def touched(first: int, steps: int, capacity: int, k: int) -> range | list[int]:
 
 def nbytes(spec: TrajectorySpec, a: int, b: int) -> int:
     """The size of the file of a segment of ring steps ``[a, b)``. O(1)."""
-    return (b - a) * spec.step_bytes
+    return (b - a) * step_bytes(spec)
 
 
 def pieces(views: dict[str, np.ndarray], spec: TrajectorySpec, a: int, b: int) -> Iterator[np.ndarray]:
@@ -75,7 +87,7 @@ def pieces(views: dict[str, np.ndarray], spec: TrajectorySpec, a: int, b: int) -
     Returns:
         Views of at most :data:`~gear_mpi.checkpoint.files.CHUNK_BYTES` each.
     """
-    for c in spec.columns:
+    for c in raw_columns(spec):
         sb = c.step_bytes
         yield from slices(views[c.name][a * sb:b * sb])
 
@@ -152,7 +164,7 @@ def ring_reader(directory: str, spec: TrajectorySpec, meta: dict, index: int) ->
     cap = int(meta["capacity_steps"])
     head = int(meta["state"][ring.STEP_HEAD])
     c = spec.columns[index]
-    before = sum(x.step_bytes for x in spec.columns[:index])
+    before = sum(x.step_bytes for x in spec.columns[:index] if x.compression is None)
     maps: dict[int, np.ndarray] = {}
 
     def segment(s: int) -> np.ndarray:

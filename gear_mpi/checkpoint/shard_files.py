@@ -221,6 +221,7 @@ def check_columns(where: str, body: dict, r: int, meta: dict, spec: TrajectorySp
     """
     if meta.get("column_layout") == segment_file.LAYOUT:
         d, entries = rank_files(where, body, r)
+        compressed_file.check(d, entries, meta)
         segment_file.verify_rank(d, entries, meta, spec)
         return
     if is_arena(meta):

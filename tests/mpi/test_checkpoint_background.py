@@ -5,13 +5,16 @@ tests/mpi/test_checkpoint_background.py`` by hand).
 
 - a checkpoint taken by ``now()`` while sampling goes on restores exactly: the loaded replay draws the
   very batches the running one drew after the checkpoint;
+- inserts while a slow thread writes copy (or, past ``copy_limit``, write) the segments it still needs
+  before they overwrite them: the checkpoint is the snapshot's state;
 - the second checkpoint writes only the segments inserts touched: the others are hard links to the
   first one's files; each checkpoint loads on its own, also after the other is deleted;
 - ``keep``: only the newest complete checkpoints stay; an interrupted one (no manifest) is passed over;
 - the schedule rides on ``sample``: with ``seconds=0`` the sample after the previous one finished starts one;
 - a failure on one rank is raised by ``wait()`` on every rank, and the checkpoints before it still load;
 - ``load_latest`` onto fewer ranks reshards: every live trajectory of the newest checkpoint arrives;
-- bad arguments raise the same error on every rank.
+- bad arguments raise the same error on every rank;
+- compressed columns: their chunks as stored, restored exactly.
 """
 from __future__ import annotations
 
@@ -57,13 +60,68 @@ def test_exact_restore_from_a_background_checkpoint(shared_dir):
     replay.close()
 
 
+@pytest.mark.parametrize("copy_limit", [1 << 30, 0])
+def test_inserts_while_the_thread_writes_copy_what_it_still_needs(shared_dir, copy_limit):
+    """A slow writer (``write_rate``: seconds for a ring of 60 steps) while inserts overwrite every segment, the
+    ring wrapping twice: each insert copies the pending segments it is about to overwrite (or, with
+    ``copy_limit=0``, writes their files itself), and the checkpoint restores exactly the snapshot's state."""
+    replay = make()
+    fill(replay, 14 + 5 * RANK, base=1)
+    drive(replay, 2, seed=5)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG, copy_limit=copy_limit,
+                                     write_rate=3 * SEG)
+    handle.now()
+    expect = drive(replay, 3, seed=9)
+    fill(replay, 30, base=900)  # about 150 steps into a ring of 60: every pending segment overwritten
+    path = handle.wait()
+    last = handle.last
+    assert last["changed"] > 0 and last["linked"] == 0, last
+    if copy_limit:
+        assert last["copied_in_loop"] > 0 and last["written_in_loop"] == 0, last
+    else:
+        assert last["written_in_loop"] > 0 and last["copied_in_loop"] == 0, last
+    ck.verify(path)
+    loaded, _ = gm.Replay.load(path)
+    for i, (a, b) in enumerate(zip(expect, drive(loaded, 3, seed=9))):
+        same_batch(a, b, f"batch {i}")
+    loaded.close()
+    handle.stop()
+    replay.close()
+
+
+def test_a_segment_an_insert_cannot_write_fails_the_checkpoint_not_the_insert(shared_dir, monkeypatch):
+    replay = make()
+    fill(replay, 8, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG, copy_limit=0,
+                                     write_rate=3 * SEG)
+    if RANK == SIZE - 1:
+        real = ck.files.write_file
+
+        def full(filename, chunks):
+            if os.path.basename(filename).startswith("seg-"):
+                raise OSError(28, "No space left on device")
+            return real(filename, chunks)
+        monkeypatch.setattr(ck.files, "write_file", full)
+    handle.now()
+    fill(replay, 30, base=700)  # every insert goes on
+    with pytest.raises(gm.CheckpointError, match="could not write seg-.* past copy_limit: .*No space left"):
+        handle.wait()
+    monkeypatch.undo()
+    assert ck.latest(shared_dir) is None
+    assert len(replay.sample(4, 2)) == 4 + 0 * RANK
+    handle.now()  # the next one writes everything, and completes
+    ck.verify(handle.wait())
+    handle.stop()
+    replay.close()
+
+
 def test_second_checkpoint_links_what_did_not_change(shared_dir):
     replay = make()
     fill(replay, 6, base=1)  # 1 + i % 9 steps each: about 21 steps, 3-4 segments, no wrap
     handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
     first = handle.now()
     one = handle.wait()
-    assert handle.last["linked"] == 0 and handle.last["copied"] > 0
+    assert handle.last["linked"] == 0 and handle.last["changed"] > 0
     ids_first = ids_of(replay)
     replay.insert(ck_traj := {"obs": np.ones((2, 3), np.float32), "id": np.full(2, 7777 + RANK, np.int64),
                               "flag": np.zeros((2, 2), np.uint8)})
@@ -73,7 +131,7 @@ def test_second_checkpoint_links_what_did_not_change(shared_dir):
     assert two.name == ck.series.dir_name(first + 1)
     last = handle.last
     assert last["linked"] > 0, last
-    assert last["copied"] <= 2 * SEG, last  # the segment(s) the insert wrote, not the whole ring
+    assert last["changed"] <= 2 * SEG, last  # the segment(s) the insert wrote, not the whole ring
     mine = two / ck.rank_dir(RANK)
     segs = sorted(p.name for p in mine.glob("seg-*.bin"))
     linked = [n for n in segs if os.stat(mine / n).st_nlink > 1]
@@ -146,13 +204,12 @@ def test_a_failure_is_raised_everywhere_and_the_previous_one_stays(shared_dir, m
     handle.now()
     good = handle.wait()
     if RANK == SIZE - 1:
-        real = ck.files.write_file
-
-        def broken(filename, chunks):
-            if filename.endswith("table.bin"):
-                raise OSError(28, "No space left on device")
-            return real(filename, chunks)
-        monkeypatch.setattr(ck.files, "write_file", broken)
+        for writer in ("write_file", "write_file_direct"):
+            def broken(filename, chunks, real=getattr(ck.files, writer)):
+                if filename.endswith("table.bin"):
+                    raise OSError(28, "No space left on device")
+                return real(filename, chunks)
+            monkeypatch.setattr(ck.files, writer, broken)
     fill(replay, 2, base=300)
     handle.now()
     with pytest.raises(gm.CheckpointError, match="No space left"):
@@ -192,6 +249,13 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
     replay = make()
     with pytest.raises(ValueError, match="keep must be an integer >= 1"):
         replay.checkpoint_every(shared_dir, keep=0 if RANK == 0 else 2)
+    with pytest.raises(ValueError, match=r"cpu_share must be a number > 0 and <= 1, or None; got 2"):
+        replay.checkpoint_every(shared_dir, cpu_share=2.0 if RANK == 0 else 0.1)
+    with pytest.raises(ValueError, match="write_rate must be a number > 0"):
+        replay.checkpoint_every(shared_dir, write_rate=-5)
+    with pytest.raises(ValueError, match="priority must be 'low' or 'normal'"):
+        replay.checkpoint_every(shared_dir, priority="high")
+    assert replay._checkpoints is None and replay.shard.store.on_write is None
     with pytest.raises(ValueError, match="the same on every rank"):
         replay.checkpoint_every(shared_dir, seconds=10.0 + RANK)
     replay._checkpoints.detach() if replay._checkpoints is not None else None
@@ -204,15 +268,69 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
     replay.close()
 
 
-def test_compressed_columns_are_refused_and_the_replay_goes_on(shared_dir):
+def test_compressed_columns_are_checkpointed_in_the_background(shared_dir):
+    """A replay with a compressed column (blosc2 chunks, as stored, in ``compressed.bin``; the raw column in
+    segments): a checkpoint taken while inserts go on (the ring wraps: sealed chunks replaced, the open one
+    written) restores exactly the snapshot's state; so does a later, incremental one."""
     pytest.importorskip("blosc2")
     spec = gm.TrajectorySpec({"pixels": ((8, 8), "uint8", gm.Compressed()), "reward": ((), "float32")}, 4)
     replay = gm.Replay(spec, 64, gm.Uniform(), comm=COMM, seed=1, timeout=10.0)
+    rng = np.random.default_rng(RANK)
+
+    def put(n: int) -> None:
+        for _ in range(n):
+            steps = int(rng.integers(1, 5))
+            replay.insert({"pixels": rng.integers(0, 4, (steps, 8, 8)).astype(np.uint8),
+                           "reward": rng.random(steps).astype(np.float32)})
+
+    def batches(r: gm.Replay) -> list:
+        return [r.sample(5, window=2) for _ in range(3)]
+
+    def same(a: list, b: list) -> None:
+        for x, y in zip(a, b):
+            for name in ("keys", "lengths", "mask", "pixels", "reward"):
+                assert np.array_equal(np.asarray(x[name] if name in spec.names else getattr(x, name)),
+                                      np.asarray(y[name] if name in spec.names else getattr(y, name))), name
+
     try:
-        replay.insert({"pixels": np.full((3, 8, 8), RANK, np.uint8), "reward": np.zeros(3, np.float32)})
-        with pytest.raises(ValueError, match="compressed columns .* not written by background checkpoints"):
-            replay.checkpoint_every(shared_dir, seconds=None)
-        assert replay._checkpoints is None
-        assert len(replay.sample(4, window=2)) == 4   # still usable, on every rank
+        put(12)
+        handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=8 * 4, write_rate=200.0)
+        handle.now()
+        expect = batches(replay)
+        put(25)  # about 60 steps into a ring of 64 while the thread writes
+        first = handle.wait()
+        ck.verify(first)
+        mine = first / ck.rank_dir(RANK)
+        assert (mine / "compressed.bin").is_file() and list(mine.glob("seg-*.bin"))
+        loaded, _ = gm.Replay.load(first)
+        same(expect, batches(loaded))
+        loaded.close()
+        handle.now()  # everything changed since the first: all written again
+        handle.wait()
+        put(2)
+        handle.now()  # two inserts later: their segments written, the others linked
+        expect = batches(replay)
+        third = handle.wait()
+        assert handle.last["linked"] > 0 and handle.last["changed"] < 64 * 4, handle.last
+        ck.verify(third)
+        loaded, _ = gm.Replay.load_latest(shared_dir)
+        assert loaded.loaded_from == third
+        same(expect, batches(loaded))
+        loaded.close()
+        handle.stop()
+
+        def items(r: gm.Replay) -> list:
+            out = []
+            for k in r.shard.live_keys().tolist():
+                t = r.get(k)
+                out.append((np.asarray(t["reward"]).tobytes(), np.asarray(t["pixels"]).tobytes()))
+            return out
+        every = sorted(sum(COMM.allgather(items(replay)), []))  # nothing inserted since the third
+        sub = sub_comm(1)
+        if sub is not None:  # resharded onto one rank: the chunks decompressed, the segments read
+            one, key_map = gm.Replay.load_latest(shared_dir, sub, capacity_steps=400)
+            assert sorted(items(one)) == every
+            one.close()
+        COMM.Barrier()
     finally:
         replay.close()
