@@ -37,6 +37,30 @@ LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacit
                 "allow_drop")
 
 
+def agree_on_manifest(mc: MpiComm, err: BaseException | None, digest: int, label: str, who: str, path: Any) -> None:
+    """Agree, collectively, that every rank read the same manifest: ``err`` (a rank's failure to read it) is
+    raised on every rank as :meth:`MpiComm.agree` does, then differing ``digest`` s raise.
+
+    Args:
+        mc: the communicator of the ranks that read it.
+        err: this rank's exception while reading the manifest, or None.
+        digest: an integer digest of the manifest this rank read (0 where it read none).
+        label: the collective's name in its errors ("load", "recover (checkpoint)"); its first word names the
+            operation in the mismatch message.
+        who: what the ranks are called in the message ("ranks", "survivors").
+        path: the path they were given, for the message.
+
+    Raises:
+        CheckpointError: the ranks read different manifests (the same on every rank).
+        Exception: any rank's ``err``, on every rank (as ``MpiComm.agree``).
+
+    Cost: one small allgather (``MpiComm.agree``).
+    """
+    table = mc.agree(err, label, [digest])
+    if len(set(table[:, 0].tolist())) > 1:
+        raise CheckpointError(f"{label.split()[0]}: the {who} read different manifests at {os.fspath(path)} (is it "
+                              f"on a file system that every rank sees, and was it being replaced?)")
+
 def _package_version() -> str | None:
     try:
         from importlib.metadata import PackageNotFoundError, version
@@ -292,10 +316,7 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
         digest = int(doc["sha256"][:12], 16)
     except Exception as e:
         err = e
-    table = mc.agree(err, "load", [digest])
-    if len(set(table[:, 0].tolist())) > 1:
-        raise CheckpointError(f"load: the ranks read different manifests at {os.fspath(path)} (is it on a file "
-                              f"system that every rank sees, and was it being replaced?)")
+    agree_on_manifest(mc, err, digest, "load", "ranks", path)
     body, where = doc["body"], doc["path"]
     columns = body["spec"]["columns"]  # in the saved column order (the files are numbered in it)
     spec = TrajectorySpec.from_dict({"columns": {k: columns[k] for k in body["column_order"]},

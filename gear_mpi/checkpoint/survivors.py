@@ -32,6 +32,7 @@ from ..progress import Meter
 from . import shard_files
 from .arrival import Channel, CheckpointComm
 from .files import CHUNK_BYTES, SHARD_JSON, TABLE, read_manifest, resolve
+from .protocol import agree_on_manifest
 from .reshard import _live_records, deal
 
 #: the keyword arguments ``Replay.recover`` takes (the rest of ``Replay.load``'s concern the files of a load)
@@ -130,10 +131,7 @@ def rebuild(old: Any, comm: Any, survivors: list[int], checkpoint, opts: dict,
                     f"checkpoints, or None to go on without the dead ranks' trajectories")
     except Exception as e:
         err = e
-    table = mc.agree(err, "recover (checkpoint)", [digest])
-    if len(set(table[:, 0].tolist())) > 1:
-        raise CheckpointError(f"recover: the survivors read different manifests at {os.fspath(checkpoint)} (is it "
-                              f"on a file system that every rank sees, and was it being replaced?)")
+    agree_on_manifest(mc, err, digest, "recover (checkpoint)", "survivors", checkpoint)
     own = _own_records(old)
     held = mc.allgather(np.array([int(own["length"].sum()), len(own["key"])], np.int64), "recover (sizes)")
     cap, max_items = int(opts["capacity_steps"]), int(opts["max_items"])
