@@ -7,7 +7,7 @@ alternating ``append``/``end_episode`` and ``insert``, then flushes and prints `
 sleep (a test kills it there). ``--step-sleep S``: sleep S seconds after each step.
 ``--no-flush``: do not wait for the owner to ingest before DONE (the episodes stay staged).
 ``--hold-timeout S``: the writer's ``hold_timeout`` (the rate limiter's hold).
-Errors are printed as ``ERROR <class>: <message>`` with exit status 3.
+Errors are printed as ``ERROR <class>: <message>`` with exit status 3, after a line ``ERROR_AT <time.monotonic()>``.
 """
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def main() -> int:
                 print("READY", flush=True)
                 time.sleep(600)
     except gm.GearError as e:
+        # when the error was raised (CLOCK_MONOTONIC is system-wide): tests time the error itself, not the
+        # interpreter's exit after it, which a loaded machine can delay by seconds
+        print(f"ERROR_AT {time.monotonic():.6f}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         return 3
     return 0
