@@ -39,7 +39,6 @@ import numpy as np
 
 from ..errors import StorageError
 from ..progress import human
-from . import file_arenas
 
 #: blosc2's largest overhead over the raw bytes of a chunk (``BLOSC2_MAX_OVERHEAD``)
 MAX_OVERHEAD = 32
@@ -104,7 +103,6 @@ class FileChunkHeap:
             os.unlink(self.filename)
             raise
         os.unlink(self.filename)  # only this process maps it: no name is needed, none is left by a crash
-        file_arenas.remove_if_empty(directory)
         self._fd = fd
         self.buffer = np.frombuffer(self._mmap, np.uint8)
         self.head = self.tail = self.reserved = 0

@@ -18,7 +18,8 @@ the steps in use.
 With ``memory="file"`` the columns (:mod:`gear_mpi.storage.file_arenas`, ``path/rank-NNNNN/columns.bin``)
 and the table (``slots.bin``) are memory-mapped files, both reserved on disk when the store is
 built; with ``memory="mapped"`` the columns are an existing ``columns.bin`` (a checkpoint's)
-mapped copy-on-write and the table is in memory.
+mapped copy-on-write and the table is in memory. Compressed columns keep their chunks in a log file each
+with ``memory="file"`` (:mod:`gear_mpi.storage.chunk_heap`), in process memory otherwise.
 """
 from __future__ import annotations
 
