@@ -290,8 +290,10 @@ class CompressedRing:
             self.heap.reset()
 
     def close(self) -> None:
-        """Close the chunks' file (``memory="file"``; nothing otherwise). Idempotent."""
+        """Close the chunks' file (``memory="file"``: its views dropped first, so that it unmaps now). Idempotent."""
         if self.heap is not None:
+            self.chunks = [None] * self.n_chunks
+            self.addr[:], self.size[:] = 0, -1
             self.heap.close()
 
     # ---- reading ----------------------------------------------------------------------
