@@ -1,5 +1,5 @@
 """Compressed columns (gm.Compressed): the declaration, a Shard's exact windows against an uncompressed twin,
-incompressible data, corrupted chunks, the memory kinds refused; and the multi-rank module
+incompressible data, corrupted chunks, shm and file memory; and the multi-rank module
 tests/mpi/test_compressed.py on 1 and 2 ranks (twin Replays, checkpoints exact and resharded, a corrupted
 checkpoint)."""
 from __future__ import annotations
@@ -164,11 +164,14 @@ def test_corrupted_chunk_raises_naming_column_and_trajectory(monkeypatch, kernel
             b.sample(8, 9, "head")
 
 
-def test_memory_kinds_without_support_are_refused(tmp_path):
+def test_shm_and_file_memory_take_compressed_columns(tmp_path):
+    """shm: the raw columns in shared memory, the chunks in this process; file (tests/test_compressed_memory.py
+    has the rest): the chunks in a file of the shard's."""
     spec = gm.TrajectorySpec({"pixels": ((4,), "uint8", gm.Compressed())}, max_length=3)
-    with pytest.raises(ValueError, match=r"compressed columns \['pixels'\] are not supported with memory='file'"):
-        gm.Shard(spec, 10, memory="file", path=str(tmp_path))
-    assert list(tmp_path.iterdir()) == [] or all(not any(p.iterdir()) for p in tmp_path.iterdir())
+    with gm.Shard(spec, 10, memory="file", path=str(tmp_path)) as s:
+        s.insert({"pixels": np.arange(12, dtype=np.uint8).reshape(3, 4)})
+        assert np.array_equal(s.sample(1, 3, "head")["pixels"].numpy()[0], np.arange(12).reshape(3, 4))
+    assert list(tmp_path.iterdir()) == []
     with gm.Shard(spec, 10, memory="shm") as s:  # raw columns in shared memory; the chunks in this process
         s.insert({"pixels": np.arange(12, dtype=np.uint8).reshape(3, 4)})
         assert np.array_equal(s.sample(1, 3, "head")["pixels"].numpy()[0], np.arange(12).reshape(3, 4))

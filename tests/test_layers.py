@@ -28,7 +28,7 @@ FLOORS = {
     # kernels/: pure numba kernels (cuda_support: the one place that asks numba-cuda about the machine)
     "kernels": 1, "kernels.cuda_support": 0,
     # storage/: arenas first, then the store over them
-    "storage": 2, "storage.arenas": 1, "storage.file_arenas": 1, "storage.file_guard": 1, "storage.huge_pages": 1,
+    "storage": 2, "storage.arenas": 1, "storage.file_arenas": 1, "storage.file_guard": 1, "storage.chunk_heap": 1, "storage.huge_pages": 1,
     "storage.pinned": 1,
     "storage.device": 1,
     # selection/: selectors and priority indexes

@@ -6,7 +6,9 @@ For each compressed column (:class:`gear_mpi.Compressed`), in spec order, the fi
 empty), ``crc`` (uint32 per chunk), ``open`` (the open chunk's raw bytes) and ``heap`` (the sealed chunks'
 compressed bytes end to end); their lengths are in ``shard.json``'s ``"compressed"``. An exact load puts
 the chunks back without recompressing them, after checking each chunk's CRC-32 (a flipped byte names the
-column, the chunk's ring steps and the trajectories on them); a resharded load decompresses the chunks of
+column, the chunk's ring steps and the trajectories on them); a mapped load (``load(mmap=True)``) maps the
+file copy-on-write and leaves each sealed chunk where it lies in it (no read, no copy; every read of a chunk
+checks its CRC-32, and the file is guarded as ``columns.bin`` is); a resharded load decompresses the chunks of
 the trajectories it moves (and the new owner compresses them again).
 """
 from __future__ import annotations
@@ -20,6 +22,8 @@ from ..errors import CheckpointError, CorruptDataError
 from ..kernels import ring
 from ..spec import TrajectorySpec
 from ..storage.compressed import ChunkError, CompressedRing
+from ..storage.file_arenas import FileArena
+from ..storage.file_guard import GuardGroup
 from . import files
 from .files import CheckedFile
 
@@ -66,10 +70,19 @@ def _read(filename: str, entry: dict | None, layout: dict[str, list[int]],
             chk.finish()
 
 
-def restore(shard, directory: str, entries: dict, meta: dict, verify: bool = True) -> None:
+def restore(shard, directory: str, entries: dict, meta: dict, verify: bool = True, mapped: bool = False) -> None:
     """Put the saved chunks back into ``shard`` (exact load: same capacity; its table already restored).
 
-    Cost: reads the file once; a CRC-32 pass over each column's compressed bytes; no decompression. Local.
+    Args:
+        shard: the new shard; directory: the rank's checkpoint directory; entries: its manifest file entries;
+        meta: its ``shard.json``.
+        verify: compare the file's sha256 (reading it whole).
+        mapped: map the file copy-on-write and keep the sealed chunks where they lie (``load(mmap=True)``): no
+            read beyond the small per-chunk arrays (with ``verify``: one hashing pass), no CRC pass (each read
+            of a chunk checks it); the file's :class:`~gear_mpi.storage.file_guard.FileGuard` joins that of
+            ``columns.bin`` (``shard.hold()`` holds both).
+    Cost: reads the file once; a CRC-32 pass over each column's compressed bytes; no decompression
+    (``mapped``: O(chunks), the chunks' bytes read when sampled). Local.
     Raises:
         CorruptDataError: a chunk fails its checksum (naming the column, ring steps and trajectories).
         CheckpointError: the file is missing, truncated, of another layout, or (``verify``) corrupted.
@@ -83,13 +96,48 @@ def restore(shard, directory: str, entries: dict, meta: dict, verify: bool = Tru
 
     def use(name: str, parts: dict[str, np.ndarray]) -> None:
         try:
-            store.compressed[name].restore(parts, lambda j: store.describe_chunk(name, j))
+            store.compressed[name].restore(parts, lambda j: store.describe_chunk(name, j), keep=mapped,
+                                           check=not mapped)
         except CorruptDataError as e:
             raise CorruptDataError(f"{filename}: {e}") from None
         except ValueError as e:
             raise CheckpointError(f"{filename}: {e}") from None
 
-    _read(filename, entries.get(COMPRESSED), layout, use, verify)
+    if not mapped:
+        _read(filename, entries.get(COMPRESSED), layout, use, verify)
+        return
+    if verify:
+        check(directory, entries, meta)
+    _map(filename, entries.get(COMPRESSED), layout, store, use)
+
+
+def _map(filename: str, entry: dict | None, layout: dict[str, list[int]], store,
+         use: Callable[[str, dict[str, np.ndarray]], None]) -> None:
+    """:func:`restore` of a mapped load: ``compressed.bin`` mapped copy-on-write, guarded with ``columns.bin``."""
+    if entry is None:
+        raise CheckpointError(f"{filename}: not listed in the manifest")
+    want = sum(int(n) * np.dtype(dt).itemsize for counts in layout.values() for (_, dt), n in zip(PARTS, counts))
+    if int(entry["bytes"]) != want:
+        raise CheckpointError(f"{filename}: the manifest gives {entry['bytes']} bytes, its layout {want}")
+    try:
+        arena = FileArena.open_private(filename, want)
+    except FileNotFoundError:
+        raise CheckpointError(f"{filename}: missing") from None
+    except Exception as e:
+        raise CheckpointError(f"{filename}: {e}") from None
+    columns = store.arena
+    columns.guard = GuardGroup([getattr(columns, "guard", None), arena.guard])  # closed with the columns' arena
+    arena.guard = None
+    pos = 0
+    for name, counts in layout.items():
+        parts = {}
+        for (p, dt), n in zip(PARTS, counts):
+            nbytes = int(n) * np.dtype(dt).itemsize
+            view = arena.buffer[pos:pos + nbytes]
+            parts[p] = view if p == "heap" else np.frombuffer(view.tobytes(), dt)  # the heap stays in the file
+            pos += nbytes
+        use(name, parts)
+    arena.buffer = None  # the chunks' views keep the mapping; it goes with the last of them
 
 
 def check(directory: str, entries: dict, meta: dict) -> None:

@@ -61,6 +61,15 @@ def agree_on_manifest(mc: MpiComm, err: BaseException | None, digest: int, label
         raise CheckpointError(f"{label.split()[0]}: the {who} read different manifests at {os.fspath(path)} (is it "
                               f"on a file system that every rank sees, and was it being replaced?)")
 
+def saved_spec(body: dict) -> TrajectorySpec:
+    """The spec a manifest body saved: its stored columns in the saved order (the files are numbered in it) and
+    its derived columns (``FrameStack``, ``NextStep``: part of the arena header's fingerprint). O(columns)."""
+    columns = body["spec"]["columns"]
+    return TrajectorySpec.from_dict({"columns": {k: columns[k] for k in body["column_order"]},
+                                     "derived": body["spec"].get("derived", {}),
+                                     "max_length": body["spec"]["max_length"]})
+
+
 def _package_version() -> str | None:
     try:
         from importlib.metadata import PackageNotFoundError, version
@@ -318,9 +327,7 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
         err = e
     agree_on_manifest(mc, err, digest, "load", "ranks", path)
     body, where = doc["body"], doc["path"]
-    columns = body["spec"]["columns"]  # in the saved column order (the files are numbered in it)
-    spec = TrajectorySpec.from_dict({"columns": {k: columns[k] for k in body["column_order"]},
-                                     "max_length": body["spec"]["max_length"]})
+    spec = saved_spec(body)
     sampler = _make_sampler(body["sampler"], os.path.join(where, MANIFEST))
     cap = int(overrides.get("capacity_steps", body["capacity_steps"]))
     max_items = int(overrides.get("max_items", body["max_items"]))
@@ -411,9 +418,7 @@ def verify(path, ranks=None) -> None:
     """
     doc = read_manifest(resolve(os.path.abspath(os.fspath(path))))
     body, where = doc["body"], doc["path"]
-    columns = body["spec"]["columns"]
-    spec = TrajectorySpec.from_dict({"columns": {k: columns[k] for k in body["column_order"]},
-                                     "max_length": body["spec"]["max_length"]})
+    spec = saved_spec(body)
     for r in range(body["ranks"]) if ranks is None else ranks:
         meta = shard_files.read_meta(where, body, r)
         shard_files.read_table(where, body, r, meta)

@@ -348,6 +348,6 @@ def restore_rank(shard, where: str, body: dict, r: int, mapped: bool = False, ve
                         chk.read_into(part)
                 chk.finish()
     if shard.store.compressed:
-        compressed_file.restore(shard, d, entries, meta, verify)
+        compressed_file.restore(shard, d, entries, meta, verify, mapped)
     shard.load_state(state)
     return meta

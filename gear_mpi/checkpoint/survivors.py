@@ -32,7 +32,7 @@ from ..progress import Meter
 from . import shard_files
 from .arrival import Channel, CheckpointComm
 from .files import CHUNK_BYTES, SHARD_JSON, TABLE, read_manifest, resolve
-from .protocol import agree_on_manifest
+from .protocol import agree_on_manifest, saved_spec as protocol_spec
 from .reshard import _live_records, deal
 
 #: the keyword arguments ``Replay.recover`` takes (the rest of ``Replay.load``'s concern the files of a load)
@@ -245,10 +245,7 @@ def _insert_merged(new: Any, old: Any, own: dict, lost: dict, mine: np.ndarray, 
     saved_index = {name: i for i, name in enumerate(body["column_order"])} if body is not None else {}
     saved_spec = None
     if body is not None:
-        from ..spec import TrajectorySpec
-        cols = body["spec"]["columns"]
-        saved_spec = TrajectorySpec.from_dict({"columns": {k: cols[k] for k in body["column_order"]},
-                                               "max_length": body["spec"]["max_length"]})
+        saved_spec = protocol_spec(body)
 
     def column(r: int, name: str):
         i = saved_index[name]

@@ -14,7 +14,9 @@ capacity). Every chunk is, at any time, one of:
 The ring is written in order (inserts are FIFO along the ring), so each chunk is compressed once per lap
 of the ring; no byte heap is managed here: each sealed chunk is its own allocation in process memory
 (``memory="private"``; with ``"shm"`` the compressed columns stay in the owner's process memory too, see
-docs/guide/storage.md), freed when its chunk is opened again.
+docs/guide/storage.md), freed when its chunk is opened again; with ``memory="file"`` it is appended to the
+column's log file instead (:attr:`CompressedRing.heap`, :mod:`gear_mpi.storage.chunk_heap`), and after a mapped
+load (``load(mmap=True)``) the chunks saved are views of the mapped checkpoint file.
 
 A window is read by decompressing only the chunks it covers, each once per call however many windows
 share it. By default the whole read is compiled (:mod:`gear_mpi.kernels.chunks`): one numba call checks
@@ -182,6 +184,9 @@ class CompressedRing:
         self._blosc2 = blosc2
         self._local = threading.local()
         self._kernel_scratch = np.zeros(0, np.uint8)  # decoded chunks of the last kernel read (under _decode_lock)
+        #: where sealed chunks live: None, each its own bytes object in process memory; ``memory="file"``: a
+        #: :class:`~gear_mpi.storage.chunk_heap.FileChunkHeap` (set by :func:`~gear_mpi.storage.chunk_heap.file_heaps`)
+        self.heap = None
 
     def decoder(self) -> _Decoder | None:
         """The compiled decoder the kernels use (:meth:`decoded`), or None where it does not load or
@@ -212,7 +217,17 @@ class CompressedRing:
         if total == 0:
             return
         raw = np.ascontiguousarray(data, dtype=self.column.dtype).reshape(-1).view(np.uint8)
-        pos, i, sb = int(first) % self.capacity, 0, self.sb
+        if self.heap is not None:  # room for every chunk this write may seal, before anything changes
+            self.heap.reserve(total // self.k + 2)
+            try:
+                self._write(int(first), total, raw)
+            finally:
+                self.heap.trim()
+            return
+        self._write(int(first), total, raw)
+
+    def _write(self, first: int, total: int, raw: np.ndarray) -> None:
+        pos, i, sb = first % self.capacity, 0, self.sb
         while i < total:
             j = pos // self.k
             lo, n = j * self.k, self.chunk_steps(j)
@@ -252,6 +267,11 @@ class CompressedRing:
 
     def _set_chunk(self, j: int, data: bytes | None) -> None:
         """Chunk ``j``'s sealed bytes (None: none) and their place in :attr:`addr` / :attr:`size`."""
+        if self.heap is not None:  # memory="file": the bytes go to the column's file (the view kept)
+            if data is None:
+                self.heap.free(j)
+            else:
+                data = self.heap.store(j, data)
         self.chunks[j] = data
         if data is None:
             self.addr[j], self.size[j] = 0, -1
@@ -266,6 +286,15 @@ class CompressedRing:
         self.size[:] = -1
         self.open_index = -1
         self.stored_bytes = 0
+        if self.heap is not None:
+            self.heap.reset()
+
+    def close(self) -> None:
+        """Close the chunks' file (``memory="file"``: its views dropped first, so that it unmaps now). Idempotent."""
+        if self.heap is not None:
+            self.chunks = [None] * self.n_chunks
+            self.addr[:], self.size[:] = 0, -1
+            self.heap.close()
 
     # ---- reading ----------------------------------------------------------------------
     def _decompress(self, j: int, dst: np.ndarray) -> None:
@@ -459,12 +488,23 @@ class CompressedRing:
         self.size = np.full(self.n_chunks, -1, np.int64)
         self.open, self.open_index, self.stored_bytes = np.zeros(k * self.sb, np.uint8), -1, 0
         self._local = threading.local()
+        if self.heap is not None:
+            self.heap.refit(self.chunk_bytes)
 
-    def restore(self, parts: dict[str, np.ndarray], describe: Callable[[int], str] | None = None) -> None:
+    def restore(self, parts: dict[str, np.ndarray], describe: Callable[[int], str] | None = None,
+                keep: bool = False, check: bool = True) -> None:
         """Load an :meth:`export` of the same chunking (:meth:`fits`), every chunk's checksum checked first;
         nothing changes on an error. A column declared with ``chunk=None`` takes the saved steps per chunk
         when they differ (a checkpoint of an older default) if this ring holds nothing yet, the ring's capacity
-        and step size being the same. O(stored bytes).
+        and step size being the same. O(stored bytes) (``keep`` and not ``check``: O(chunks)).
+
+        Args:
+            parts: the arrays of an :meth:`export`.
+            describe: names chunk ``j`` in a checksum error.
+            keep: the sealed chunks stay views of ``parts["heap"]`` (a mapped checkpoint file's bytes, never
+                copied; a chunk sealed later is this ring's own) instead of copies (or, ``memory="file"``,
+                copies in the column's file, appended oldest first).
+            check: check every chunk's CRC-32 now (False: only when a read reaches it, as every read does).
 
         Raises:
             ValueError: sizes that do not add up or a chunking that differs.
@@ -476,7 +516,7 @@ class CompressedRing:
             k = self.k
             self._set_k(g[1])
             try:
-                self.restore(parts, describe)
+                self.restore(parts, describe, keep, check)
             except Exception:
                 self._set_k(k)
                 raise
@@ -495,23 +535,29 @@ class CompressedRing:
             raise ValueError(f"column {self.name!r}: the saved open chunk does not fit this ring")
         chunks: list[bytes | None] = []
         pos = 0
-        raw = heap.tobytes()
+        raw = heap if keep else heap.tobytes()
         for j, n in enumerate(sizes.tolist()):
             if n < 0:
                 chunks.append(None)
                 continue
             data = raw[pos:pos + n]
             pos += n
-            if zlib.crc32(data) != int(crc[j]):
+            if check and zlib.crc32(data) != int(crc[j]):
                 where = describe(j) if describe is not None else f"chunk {j}"
                 raise CorruptDataError(f"column {self.name!r}: compressed {where} fails its CRC-32 checksum "
                                        f"(the saved bytes are corrupted)")
             chunks.append(data)
         self.chunks, self.crc = [None] * self.n_chunks, crc.copy()
         self.addr[:], self.size[:] = 0, -1
-        for j, data in enumerate(chunks):
-            if data is not None:
-                self._set_chunk(j, data)
+        if self.heap is not None:  # appended oldest first: the chunk after the open one is the next freed
+            self.heap.reset()
+            first = j_open + 1 if j_open >= 0 else 0
+            order = [(first + i) % self.n_chunks for i in range(self.n_chunks)]
+        else:
+            order = range(self.n_chunks)
+        for j in order:
+            if chunks[j] is not None:
+                self._set_chunk(j, chunks[j])
         self.stored_bytes = int(sizes[sizes > 0].sum())
         self.open_index = j_open
         if j_open >= 0:

@@ -301,3 +301,60 @@ class FileGuard:
         if fd >= 0:
             self._finalizer.detach()
             _close_fd(fd)
+
+
+class GuardGroup:
+    """Several :class:`FileGuard` s used as one (a mapped checkpoint's ``columns.bin`` and ``compressed.bin``):
+    :meth:`enter` counts a call in on every guard or on none, and gives the first guard's problem.
+
+    Args:
+        guards: the guards (closed by :meth:`close`).
+    Cost: that of each guard, per call.
+    """
+
+    def __init__(self, guards):
+        self.guards = [g for g in guards if g is not None]
+
+    @property
+    def mode(self) -> str:
+        """``"lease"`` if every guard holds a lease, else ``"stat"``. O(guards)."""
+        return "lease" if all(g.mode == "lease" for g in self.guards) else "stat"
+
+    @property
+    def leased(self) -> bool:
+        """Whether every guard's lease is held now. O(guards)."""
+        return all(g.leased for g in self.guards)
+
+    def problem(self) -> CheckpointError | None:
+        """The first guard's error a call would raise now, or None. O(guards) ``fstat`` s."""
+        for g in self.guards:
+            problem = g.problem()
+            if problem is not None:
+                return problem
+        return None
+
+    def enter(self) -> CheckpointError | None:
+        """:meth:`FileGuard.enter` on every guard; on a problem, those entered leave again and it is given."""
+        entered = []
+        for g in self.guards:
+            problem = g.enter()
+            if problem is not None:
+                for e in entered:
+                    e.leave()
+                return problem
+            entered.append(g)
+        return None
+
+    def leave(self) -> None:
+        """:meth:`FileGuard.leave` on every guard."""
+        for g in self.guards:
+            g.leave()
+
+    def hold(self, strict: bool = True) -> Hold:
+        """A :class:`Hold` of every guard at once (as :meth:`FileGuard.hold`)."""
+        return Hold(self, strict)
+
+    def close(self) -> None:
+        """Close every guard. Idempotent."""
+        for g in self.guards:
+            g.close()

@@ -18,7 +18,8 @@ the steps in use.
 With ``memory="file"`` the columns (:mod:`gear_mpi.storage.file_arenas`, ``path/rank-NNNNN/columns.bin``)
 and the table (``slots.bin``) are memory-mapped files, both reserved on disk when the store is
 built; with ``memory="mapped"`` the columns are an existing ``columns.bin`` (a checkpoint's)
-mapped copy-on-write and the table is in memory.
+mapped copy-on-write and the table is in memory. Compressed columns keep their chunks in a log file each
+with ``memory="file"`` (:mod:`gear_mpi.storage.chunk_heap`), in process memory otherwise.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from .. import keys as keyspace
 from ..errors import CorruptDataError, InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from ..kernels import ring
-from . import file_arenas as file_memory, store_insert, table as table_layout
+from . import chunk_heap, file_arenas as file_memory, store_insert, table as table_layout
 from .arenas import (SharedArena, check_header, column_layout, commit_pages, make_arena, memory_kind, small_pages,
                      write_header)
 from .compressed import ChunkError, CompressedRing, codec_library
@@ -102,9 +103,6 @@ class TrajectoryStore:
         self.tag = int(tag) & keyspace.TAG_MASK
         self.offsets, nbytes = column_layout(spec, self.capacity)
         memory = memory_kind(memory, stacklevel=3)
-        if spec.compressed and (memory in ("file", "mapped") or getattr(arena, "kind", None) in ("file", "mapped")):
-            raise ValueError(f"compressed columns {list(spec.compressed)} are not supported with "
-                             f"memory={memory!r} yet: use memory='private' or 'shm' (docs/guide/storage.md)")
         if spec.compressed:
             codec_library()  # before any memory is taken: a clear ImportError when blosc2 is missing
         fields = table_layout.stored_fields(
@@ -143,6 +141,13 @@ class TrajectoryStore:
         # compressed columns: chunks in process memory (gear_mpi.storage.compressed), no raw ring in the arena
         self.compressed: dict[str, CompressedRing] = {c.name: CompressedRing(c, self.capacity)
                                                       for c in spec.columns if c.compression is not None}
+        if self.compressed and self._table_arena is not None:  # memory="file": their chunks in files of the shard's
+            try:
+                chunk_heap.file_heaps(self.compressed, spec, directory)
+            except BaseException:
+                self.arena.close()
+                self._table_arena.close()
+                raise
         #: bytes per step the gather kernels copy from the arena: 0 for compressed columns (filled afterwards
         #: by :meth:`gather_compressed`)
         self.gather_step_bytes = np.array([0 if c.compression is not None else c.step_bytes for c in spec.columns],
@@ -680,6 +685,8 @@ class TrajectoryStore:
             self._collapser.stop()
             self._collapser = None
         self.columns = {}
+        for chunks in self.compressed.values():
+            chunks.close()
         self.compressed = {}
         self._byte_views = None
         self._insert_scratch.drop()

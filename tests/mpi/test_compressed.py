@@ -5,8 +5,10 @@ Run by tests/test_compressed.py on 1 and 2 ranks; by hand:
 seed (one declares ``pixels`` :class:`gear_mpi.Compressed`) get the same inserts and priority updates; every
 batch (windows, mask, probabilities, weights, lengths) must be identical, with rings that wrap many times,
 windows across chunk and ring boundaries, and remote windows through MPI (private memory) or through the node
-(``shm``: peers still get compressed windows by MPI), in both sampling modes; then a checkpoint of the
-compressed replay reloads (same ranks) into batches identical to the twin's again.
+(``shm``: peers still get compressed windows by MPI), in both sampling modes, with the compressed twin's chunks
+in process memory or (``memory="file"``) in its shard's files; then a checkpoint of the compressed replay reloads
+(same ranks; a file-backed one mapped, ``mmap=True``) into batches identical to the twin's again; prefetched
+batches (``batches()``) over a compressed file-backed replay are the raw twin's plain samples.
 """
 from __future__ import annotations
 
@@ -44,12 +46,18 @@ def same_batch(a: gm.Batch, b: gm.Batch) -> None:
         assert np.array_equal(getattr(a, field).numpy(), getattr(b, field).numpy()), field
 
 
+def shared_dir(tmp_path_factory, name: str) -> str:
+    return COMM.bcast(str(tmp_path_factory.mktemp(name)) if RANK == 0 else None)
+
+
 @pytest.mark.parametrize("memory,mode,chunk", [("private", "decentralized", 4), ("private", "centralized", None),
-                                               ("shm", "decentralized", 3)])
+                                               ("shm", "decentralized", 3), ("file", "decentralized", 3)])
 def test_twin_replays_sample_identical_batches(memory, mode, chunk, force, tmp_path_factory):
     raw_spec, comp_spec = twin_specs(chunk)
-    kw = dict(sampler=gm.Prioritized(0.7, 0.5), mode=mode, memory=memory, seed=11, force_alltoallv=force)
-    raw, comp = gm.Replay(raw_spec, 50, **kw), gm.Replay(comp_spec, 50, **kw)
+    kw = dict(sampler=gm.Prioritized(0.7, 0.5), mode=mode, seed=11, force_alltoallv=force)
+    where = {"path": shared_dir(tmp_path_factory, "shards")} if memory == "file" else {}
+    raw = gm.Replay(raw_spec, 50, memory="private" if memory == "file" else memory, **kw)  # file: against private
+    comp = gm.Replay(comp_spec, 50, memory=memory, **where, **kw)
     try:
         for i, (traj, p) in enumerate(trajectories(3, 40)):
             raw.insert(traj, p)
@@ -63,11 +71,14 @@ def test_twin_replays_sample_identical_batches(memory, mode, chunk, force, tmp_p
                 raw.update_priorities(a.keys, new)
                 comp.update_priorities(b.keys, new)
         assert comp.shard.stored_bytes() < raw.shard.stored_bytes() + 2 * 9 * 42
-        if memory == "private":  # a checkpoint of the compressed replay loads back (same ranks), chunks as saved
+        if memory != "shm":  # a checkpoint of the compressed replay loads back (same ranks), chunks as saved
             path = COMM.bcast(str(tmp_path_factory.mktemp("ck") / "ck") if RANK == 0 else None)
             comp.save(path)
             comp.close()
-            comp, _ = gm.Replay.load(path, force_alltoallv=force)
+            comp, _ = gm.Replay.load(path, force_alltoallv=force, mmap=memory == "file")  # file: chunks mapped
+            if memory == "file":
+                heap = comp.shard.store.compressed["pixels"].chunks
+                assert any(isinstance(c, np.ndarray) for c in heap)  # views of the mapped compressed.bin
             for align, window in (("random", 4), ("tail", 6)):
                 same_batch(raw.sample(4, window, align), comp.sample(4, window, align))
     finally:
@@ -115,8 +126,11 @@ def test_load_twins_resharded():
     ring order follows insertion times, which differ between the twins, so batches are compared by content)."""
     where = os.environ["GEAR_TEST_COMPRESSED_LOAD"]
     held = {}
-    for name in ("raw", "comp"):
-        replay, _ = gm.Replay.load(os.path.join(where, name), capacity_steps=200)
+    shards = os.path.join(where, "shards")
+    os.makedirs(shards, exist_ok=True)
+    for name in ("raw", "comp"):  # the compressed one into file-backed shards: chunks compressed into their files
+        into = {"memory": "file", "memory_path": shards} if name == "comp" else {}
+        replay, _ = gm.Replay.load(os.path.join(where, name), capacity_steps=200, **into)
         try:
             contents = [replay.get(int(k)) for k in replay.shard.live_keys()]
             held[name] = sorted((t["reward"].tobytes(), t["pixels"].tobytes()) for t in contents)
@@ -144,6 +158,27 @@ def test_get_many_reads_compressed_trajectories_of_every_rank():
             assert (a is None) == (b is None)
             if a is not None:
                 assert all(np.array_equal(a[n], b[n]) for n in COLUMNS)
+    finally:
+        raw.close()
+        comp.close()
+
+
+def test_prefetched_batches_over_a_compressed_file_backed_replay(tmp_path_factory):
+    """``batches()`` (a background thread samples ahead) over compressed chunks in files: the raw twin's samples."""
+    raw_spec, comp_spec = twin_specs(3)
+    kw = dict(sampler=gm.Prioritized(0.7, 0.5), seed=13)
+    raw = gm.Replay(raw_spec, 60, memory="private", **kw)
+    comp = gm.Replay(comp_spec, 60, memory="file", path=shared_dir(tmp_path_factory, "pf"), **kw)
+    try:
+        for traj, p in trajectories(21, 30):
+            raw.insert(traj, p)
+            comp.insert(traj, p)
+        plain = [raw.sample(4 + RANK, 5, "random") for _ in range(6)]
+        with comp.batches(4 + RANK, 5, prefetch=2, limit=6, recycle=False) as it:
+            got = list(it)
+        assert len(got) == 6
+        for a, b in zip(plain, got):
+            same_batch(a, b)
     finally:
         raw.close()
         comp.close()
