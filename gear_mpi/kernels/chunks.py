@@ -27,17 +27,20 @@ from .gather import SERIAL_BYTES, _memmove_from, _memzero
 
 
 def _crc_table() -> np.ndarray:
-    """The CRC-32 (IEEE 802.3, reflected, zlib's) table of 256 entries."""
-    t = np.zeros(256, np.uint32)
+    """CRC-32 (IEEE 802.3, reflected, zlib's) slice-by-8 tables, int64 ``[8, 256]``: row 0 the byte-wise table,
+    row ``s`` a byte's contribution ``s`` bytes further on (:func:`crc32_at` folds 8 bytes a step)."""
+    t = np.zeros((8, 256), np.int64)
     for n in range(256):
         c = n
         for _ in range(8):
             c = (0xEDB88320 ^ (c >> 1)) if c & 1 else c >> 1
-        t[n] = c
+        t[0, n] = c
+    for s in range(1, 8):
+        t[s] = (t[s - 1] >> 8) ^ t[0][t[s - 1] & 0xFF]
     return t
 
 
-#: zlib.crc32's lookup table (the kernels' checksum equals ``zlib.crc32`` of the same bytes)
+#: zlib.crc32's lookup tables, slice-by-8 (the kernels' checksum equals ``zlib.crc32`` of the same bytes)
 CRC_TABLE = _crc_table()
 
 #: what :func:`decode_chunks` records per chunk
@@ -85,13 +88,34 @@ def _decompress_call(typingctx, fn, ctx, src, src_size, dst, dst_size):
     return sig, codegen
 
 
+@intrinsic
+def _u32_at(typingctx, addr):
+    """The 4 bytes at address ``addr`` (int64, any alignment) as a little-endian unsigned integer, in an int64."""
+    sig = types.int64(addr)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.zext(builder.load(builder.inttoptr(args[0], i32.as_pointer()), align=1), ir.IntType(64))
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def crc32_at(addr, n, table):
-    """``zlib.crc32`` of the ``n`` bytes at address ``addr``. O(n), byte by byte (chunks are small)."""
-    c = np.uint32(0xFFFFFFFF)
-    for i in range(n):
-        c = table[(c ^ _byte_at(addr + i)) & 0xFF] ^ (c >> np.uint32(8))
-    return c ^ np.uint32(0xFFFFFFFF)
+    """``zlib.crc32`` of the ``n`` bytes at address ``addr`` (``table``: :data:`CRC_TABLE`). O(n), 8 bytes a
+    step (slice-by-8; little-endian machines), the last ``n % 8`` byte by byte."""
+    c = np.int64(0xFFFFFFFF)
+    i = 0
+    while i + 8 <= n:
+        one = _u32_at(addr + i) ^ c
+        two = _u32_at(addr + i + 4)
+        c = (table[7, one & 0xFF] ^ table[6, (one >> 8) & 0xFF] ^ table[5, (one >> 16) & 0xFF] ^ table[4, one >> 24]
+             ^ table[3, two & 0xFF] ^ table[2, (two >> 8) & 0xFF] ^ table[1, (two >> 16) & 0xFF] ^ table[0, two >> 24])
+        i += 8
+    while i < n:
+        c = table[0, (c ^ _byte_at(addr + i)) & 0xFF] ^ (c >> 8)
+        i += 1
+    return c ^ np.int64(0xFFFFFFFF)
 
 
 @njit(cache=True, nogil=True)
@@ -305,3 +329,149 @@ def stack_windows(ids, scratch, open_buf, open_index, k, capacity, step_bytes, w
         for i in prange(b):
             _stack_window(i, ids, s_addr, o_addr, open_index, k, capacity, step_bytes, win_start, before, n_valid,
                           pad_front, rows, frames, offset, pad_zeros, out, window)
+
+
+@njit(cache=True, inline="always")
+def _put_steps(i, src, r0, take, sb, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, first):
+    """Every slot of window ``i``'s columns that reads one of the relative steps ``r0 .. r0 + take - 1`` (their
+    bytes at address ``src`` on, one after the other; 0: zeros) gets its step."""
+    nv = n_valid[i]
+    for c in range(frames.shape[0]):
+        out = outs[c]
+        fr = frames[c]
+        stack = fr * sb
+        base = rows[i] * window * stack + pad_front[i] * stack
+        d0 = offsets[c] - (fr - 1)
+        for f in range(fr):
+            d = d0 + f  # slot (t, f) reads relative step t + d
+            t_lo = max(0, max(r0, first) - d)
+            t_hi = min(nv, r0 + take - d)
+            if t_hi > t_lo and fr == 1:  # one run of steps
+                if src == 0:
+                    _memzero(out, base + t_lo * sb, (t_hi - t_lo) * sb)
+                else:
+                    _memmove_from(out, base + t_lo * sb, src + (t_lo + d - r0) * sb, (t_hi - t_lo) * sb)
+            else:
+                for t in range(t_lo, t_hi):
+                    if src == 0:
+                        _memzero(out, base + t * stack + f * sb, sb)
+                    else:
+                        _memmove_from(out, base + t * stack + f * sb, src + (t + d - r0) * sb, sb)
+            if not pad_zeros[c] and r0 <= first < r0 + take:  # steps before the trajectory: its first again
+                for t in range(min(nv, first - d)):
+                    if src == 0:
+                        _memzero(out, base + t * stack + f * sb, sb)
+                    else:
+                        _memmove_from(out, base + t * stack + f * sb, src + (first - r0) * sb, sb)
+
+
+@njit(cache=True, inline="always")
+def _fill_window(i, fn, contexts, addr, size, crc, table, open_addr, open_index, k, capacity, sb, win_start, before,
+                 n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, tmp_addr, err, bad):
+    nv, pf, first = n_valid[i], pad_front[i], -before[i]
+    lo, hi = np.int64(1) << 62, -(np.int64(1) << 62)
+    for c in range(frames.shape[0]):  # padding and zero frames; the span of steps read
+        out = outs[c]
+        fr = frames[c]
+        stack = fr * sb
+        base = rows[i] * window * stack
+        if pf > 0:
+            _memzero(out, base, pf * stack)
+        end = base + (pf + nv) * stack
+        if end < base + window * stack:
+            _memzero(out, end, base + window * stack - end)
+        if nv > 0:
+            d0 = offsets[c] - (fr - 1)
+            lo = min(lo, max(first, d0))
+            hi = max(hi, nv - 1 + offsets[c])
+            if pad_zeros[c]:
+                for t in range(min(nv, first - d0)):
+                    for f in range(min(fr, first - d0 - t)):
+                        _memzero(out, base + (pf + t) * stack + f * sb, sb)
+    pos = (win_start[i] + lo) % capacity
+    left = hi - lo + 1
+    r0 = lo
+    while left > 0:  # the span chunk by chunk, each decoded once into this thread's row
+        j = pos // k
+        cs = j * k
+        take = min(left, min(cs + k, capacity) - pos)
+        if j == open_index:
+            src = open_addr + (pos - cs) * sb
+        elif size[j] < 0:
+            src = np.int64(0)
+        else:
+            if crc32_at(addr[j], size[j], table) != crc[j]:
+                err[i], bad[i] = BAD_CRC, j
+                return
+            n = min(k, capacity - cs) * sb
+            got = _decompress_call(fn, contexts[get_thread_id()], addr[j], np.int32(size[j]), tmp_addr, np.int32(n))
+            if got != n:
+                err[i], bad[i] = BAD_FRAME, j
+                return
+            src = tmp_addr + (pos - cs) * sb
+        _put_steps(i, src, r0, take, sb, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, first)
+        pos = (pos + take) % capacity
+        left -= take
+        r0 += take
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def fill_windows(fn, contexts, addr, size, crc, table, open_buf, open_index, k, capacity, step_bytes, win_start,
+                 before, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, tmp, err, bad):
+    """Windows of one compressed column ring into batch columns, each window's chunks decoded where it is
+    copied: for window ``i``, the chunks its steps cover (from ``before[i]`` steps before it to the last
+    step any column reads) are checked and decompressed one after the other into this thread's row of
+    ``tmp`` (L1/L2-sized, reused: no scratch of the whole batch) and, from there, every slot of every
+    column of row ``rows[i]`` that reads one of their steps is copied; the open chunk is read in place,
+    chunks never written as zeros.
+
+    Columns ``c`` (``outs[c]``: flat bytes, ``[rows, window, frames[c], step]``) follow
+    :mod:`gear_mpi.kernels.frames`' rule: slot ``(t, f)`` reads step ``t + offsets[c] - frames[c] + 1 + f``
+    of the window, a step before the trajectory (``< -before[i]``) reading its first again or, with
+    ``pad_zeros[c]``, zeros; ``frames = 1, offset = 0`` is the column's own window. ``pad_front[i]`` zero
+    steps lead each row, zeros follow its ``n_valid[i]`` real ones.
+
+    Args:
+        fn, contexts, addr, size, crc, table: as :func:`decode_chunks`; open_buf, open_index: the open chunk.
+        k, capacity, step_bytes: the ring's geometry.
+        win_start, before, n_valid, pad_front, rows: int64 per window (``win_start`` in the ring).
+        frames, offsets, pad_zeros: int64 / bool per column; outs: a tuple of the columns' flat bytes.
+        window: steps per batch row. tmp: uint8, ``k * step_bytes`` bytes per numba thread (``len(contexts)``).
+        err, bad: int64 per window, zeros: :data:`BAD_CRC` / :data:`BAD_FRAME` and the chunk for a window
+            whose chunk failed (its row then partly written: the caller raises).
+    Raises:
+        ValueError: a window outside the ring or the batch (checked before anything is written).
+    Cost: one CRC-32 (8 bytes a step) and one decompression per chunk per window covering it (a chunk
+    shared by windows is decoded for each: a batch of rare overlaps costs no planning), ``frames`` step
+    copies per window step and column, from a row still in cache; parallel over windows past
+    ``SERIAL_BYTES`` of output; no allocation, no GIL.
+    """
+    b = win_start.shape[0]
+    sb = step_bytes
+    need, ahead = 0, 0
+    for c in range(frames.shape[0]):
+        need += window * frames[c] * sb
+        ahead = max(ahead, offsets[c])
+        if not (frames[c] >= 1 and 0 <= offsets[c] <= 1):
+            raise ValueError("compressed gather: a column's frames or offset out of range")
+    if tmp.shape[0] < contexts.shape[0] * k * sb or err.shape[0] < b or bad.shape[0] < b:
+        raise ValueError("compressed gather: tmp, err or bad too small")
+    for i in range(b):
+        ok = (0 <= win_start[i] < capacity and 0 <= n_valid[i] <= window and 0 <= pad_front[i] <= window - n_valid[i]
+              and 0 <= before[i] and before[i] + n_valid[i] + ahead <= capacity and 0 <= rows[i])
+        for c in range(frames.shape[0]):
+            ok = ok and (rows[i] + 1) * window * frames[c] * sb <= outs[c].shape[0]
+        if not ok:
+            raise ValueError("compressed gather: a window lies outside the ring or the batch")
+    t_addr, o_addr = _address(tmp), _address(open_buf)
+    row = k * sb
+    if b * need < SERIAL_BYTES:
+        for i in range(b):
+            _fill_window(i, fn, contexts, addr, size, crc, table, o_addr, open_index, k, capacity, sb, win_start,
+                         before, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window,
+                         t_addr + get_thread_id() * row, err, bad)
+    else:
+        for i in prange(b):
+            _fill_window(i, fn, contexts, addr, size, crc, table, o_addr, open_index, k, capacity, sb, win_start,
+                         before, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window,
+                         t_addr + get_thread_id() * row, err, bad)

@@ -139,6 +139,10 @@ def _decoder(blosc2) -> _Decoder | None:
         return _decoder_state[0]
 
 
+#: :meth:`CompressedRing.fill`'s rule for a column's own window: one frame, offset 0, padding unused
+_OWN = (np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.bool_))
+
+
 class ChunkError(Exception):
     """A sealed chunk failed its checksum or did not decompress (internal: the store names the trajectory)."""
 
@@ -181,7 +185,7 @@ class CompressedRing:
         self._dparams = blosc2.DParams(nthreads=1)
         self._blosc2 = blosc2
         self._local = threading.local()
-        self._kernel_scratch = np.zeros(0, np.uint8)  # decoded chunks of the last kernel read (under _decode_lock)
+        self._kernel_scratch = np.zeros(0, np.uint8)  # a chunk per numba thread for the kernels (under _decode_lock)
 
     def decoder(self) -> _Decoder | None:
         """The compiled decoder the kernels use (:meth:`decoded`), or None where it does not load or
@@ -341,12 +345,52 @@ class CompressedRing:
 
     def _gather_kernels(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
                         out_rows: np.ndarray, out: np.ndarray, window: int) -> None:
-        """:meth:`gather` by :mod:`gear_mpi.kernels.chunks`: plan, decode (checked), copy."""
-        starts = np.ascontiguousarray(np.asarray(starts, np.int64) % self.capacity)
-        n_valid, pad_front, out_rows = (np.ascontiguousarray(a, np.int64) for a in (n_valid, pad_front, out_rows))
-        with self.decoded(dec, starts, n_valid, window) as (ids, scratch):
-            chunk_kernels.copy_windows(ids, self.open, self.open_index, self.k, self.capacity, self.sb, starts,
-                                       n_valid, pad_front, out_rows, out, window, scratch)
+        """:meth:`gather` by :func:`~gear_mpi.kernels.chunks.fill_windows` (:meth:`fill`, the column alone)."""
+        starts = np.asarray(starts, np.int64) % self.capacity
+        self.fill(dec, starts, np.zeros(len(starts), np.int64), n_valid, pad_front, out_rows, (out,), _OWN, window)
+
+    def fill(self, dec: _Decoder, win_start: np.ndarray, before: np.ndarray, n_valid: np.ndarray,
+             pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
+             columns: tuple[np.ndarray, np.ndarray, np.ndarray], window: int) -> None:
+        """Windows of this ring into batch columns that read it: ``outs[c]`` (flat bytes, ``[rows, window,
+        frames[c], step]``) gets, in row ``rows[i]``, window ``i``'s slots by the frame rule of
+        :func:`~gear_mpi.kernels.chunks.fill_windows` (``columns = (frames, offsets, pad_zeros)``, one entry per
+        column: ``(1, 0, False)`` the column's own window, a :class:`~gear_mpi.frames.DerivedColumn`'s
+        ``frames``, ``offset``, ``pad == "zeros"`` its stacks). Each window's chunks are checked and decoded
+        where they are copied, in one compiled call outside the GIL (parallel over windows), holding the
+        process's decode lock (the contexts are shared); the caller keeps writes off the ring meanwhile (as a
+        sample does). Cost: one CRC-32 and decompression per chunk a window covers; ``frames`` step copies per
+        window step and column; O(1) Python work.
+
+        Args:
+            dec: :meth:`decoder`'s answer (not None).
+            win_start, before, n_valid, pad_front, rows: int64 per window: first ring step (in the ring),
+                trajectory steps before it that may be read, real steps, leading padding, batch row.
+            outs: the columns' flat bytes (C-contiguous uint8); columns: their rule; window: steps per row.
+        Raises:
+            ChunkError: a chunk a window covers is corrupted (``window``: that window; its row is partly written).
+            ValueError: a window outside the ring or the batch (nothing written).
+        """
+        b = len(win_start)
+        if b == 0:
+            return
+        args = [a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, np.int64)
+                for a in (win_start, before, n_valid, pad_front, rows)]
+        err = np.zeros(2 * b, np.int64)
+        with _decode_lock:
+            need = len(dec.contexts) * self.chunk_bytes
+            if len(self._kernel_scratch) < need:
+                self._kernel_scratch = np.empty(need, np.uint8)
+            chunk_kernels.fill_windows(dec.function, dec.contexts, self.addr, self.size, self.crc,
+                                       chunk_kernels.CRC_TABLE, self.open, self.open_index, self.k, self.capacity,
+                                       self.sb, *args, *columns, outs, window, self._kernel_scratch, err[:b], err[b:])
+        if err[:b].any():
+            i = int(np.flatnonzero(err[:b])[0])
+            j = int(err[b + i])
+            e = ChunkError(j, "its bytes fail their CRC-32 checksum" if err[i] == chunk_kernels.BAD_CRC else
+                           f"blosc2 does not decompress it to its {self.chunk_steps(j) * self.sb} raw bytes")
+            e.window = i
+            raise e
 
     @contextmanager
     def decoded(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray,

@@ -208,12 +208,12 @@ def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.
                      pad: np.ndarray, rows: np.ndarray, outs: dict, derived_outs: tuple[np.ndarray, ...], window: int,
                      keys: np.ndarray) -> bool:
     """A local sample's compressed and derived columns when every derived column's source is compressed and
-    the compiled decoder loads: each source's chunks covering the windows' contexts decoded once
-    (``CompressedRing.decoded``), the source column's windows and the derived stacks copied straight from
-    them (:mod:`gear_mpi.kernels.chunks`), no context windows in between. Local.
+    the compiled decoder loads: per source ring, one call (``CompressedRing.fill``) decodes each window's
+    chunks (its context included) and copies the source column's window and the derived stacks straight
+    from them (:func:`gear_mpi.kernels.chunks.fill_windows`), no context windows in between. Local.
 
-    Cost: one CRC-32 and decompression per chunk covered, ``frames`` step copies per window step and derived
-    column; O(chunks) Python work.
+    Cost: one CRC-32 and decompression per chunk a window covers, ``frames`` step copies per window step and
+    derived column; O(source columns) Python work.
     Args:
         spec: the columns; store: the shard's store.
         start, before, valid, pad, rows: int64 per window: ring start, context (:func:`context_of`), real
@@ -226,38 +226,45 @@ def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.
     Raises:
         CorruptDataError: a chunk that fails its checksum or does not decompress, naming column and trajectory.
     """
-    from contextlib import ExitStack
-
-    from ..kernels import chunks as chunk_kernels
     from .compressed import ChunkError
-    names = sources(spec)
-    rings = {n: store.compressed.get(n) for n in names}
-    if any(r is None or r.decoder() is None for r in rings.values()):
+    plan = _chunk_plan(spec)
+    rings = [(name, store.compressed.get(name)) for name, _ in plan]
+    if any(r is None or r.decoder() is None for _, r in rings):
         return False
-    cap, e = store.capacity, context_steps(spec, window)
-    c_start = (start - before) % cap
-    c_valid = np.where(valid > 0, before + valid + spec.tail_steps, 0).astype(np.int64)
-    with ExitStack() as stack:
-        decoded = {}
-        for name, ring in rings.items():
-            try:
-                decoded[name] = stack.enter_context(ring.decoded(ring.decoder(), c_start, c_valid, e))
-            except ChunkError as err:
-                w = getattr(err, "window", None)
-                raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None and keys is not None
-                                    else "a sampled window") from None
-        others = {n: b for n, b in outs.items() if n in store.compressed and n not in rings}
-        if others:
-            store.gather_compressed(start, valid, pad, rows, others, window, keys)
-        for name, ring in rings.items():
-            if name not in outs:
-                continue
-            ids, scratch = decoded[name]
-            chunk_kernels.copy_windows(ids, ring.open, ring.open_index, ring.k, cap, ring.sb, start, valid, pad,
-                                       rows, outs[name], window, scratch)
-        for d, out in zip(spec.derived, derived_outs):
-            ring = rings[d.source]
-            ids, scratch = decoded[d.source]
-            chunk_kernels.stack_windows(ids, scratch, ring.open, ring.open_index, ring.k, cap, ring.sb, start,
-                                        before, valid, pad, rows, d.frames, d.offset, d.pad == "zeros", out, window)
+    names = {name for name, _ in plan}
+    others = {n: b for n, b in outs.items() if n in store.compressed and n not in names}
+    if others:
+        store.gather_compressed(start, valid, pad, rows, others, window, keys)
+    for (name, ring), (_, (derived_at, columns)) in zip(rings, plan):
+        own = name in outs
+        targets = ((outs[name],) if own else ()) + tuple(derived_outs[d] for d in derived_at)
+        try:
+            ring.fill(ring.decoder(), start, before, valid, pad, rows, targets, columns[0 if own else 1], window)
+        except ChunkError as err:
+            w = getattr(err, "window", None)
+            raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None and keys is not None
+                                else "a sampled window") from None
     return True
+
+
+_plans: dict = {}
+
+
+def _chunk_plan(spec: TrajectorySpec) -> list:
+    """Per source column of the derived ones: ``(name, (indices of its derived columns, (the rule with the
+    column's own window first, the rule without it)))``, the rules as ``CompressedRing.fill`` takes
+    them. Built once per spec (kept for the last few specs). O(columns)."""
+    hit = _plans.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    got = []
+    for name in sources(spec):
+        at = tuple(i for i, d in enumerate(spec.derived) if d.source == name)
+        rule = [(spec.derived[i].frames, spec.derived[i].offset, spec.derived[i].pad == "zeros") for i in at]
+        both = tuple((np.array([r[0] for r in rules], np.int64), np.array([r[1] for r in rules], np.int64),
+                      np.array([r[2] for r in rules], np.bool_)) for rules in ([(1, 0, False)] + rule, rule))
+        got.append((name, (at, both)))
+    if len(_plans) >= 64:
+        _plans.clear()
+    _plans[id(spec)] = (spec, got)
+    return got
