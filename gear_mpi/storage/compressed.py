@@ -16,12 +16,14 @@ of the ring; no byte heap is managed here: each sealed chunk is its own allocati
 (``memory="private"``; with ``"shm"`` the compressed columns stay in the owner's process memory too, see
 docs/guide/storage.md), freed when its chunk is opened again.
 
-A window is read by decompressing only the chunks it covers, each once per call however many windows
-share it. By default the whole read is compiled (:mod:`gear_mpi.kernels.chunks`): one numba call checks
-every chunk's CRC-32 and decompresses it with python-blosc2's bundled C library (``blosc2_decompress_ctx``,
-called by address, one context per numba thread), in parallel and outside the GIL, into a scratch row per
-chunk; a second copies the windows' steps (or, for frames stored once, the stacks: see
-:func:`gear_mpi.storage.derived.fill_from_chunks`) into the batch. Where that library does not load, or
+A window is read by decompressing only the chunks it covers. By default the whole read is compiled
+(:meth:`CompressedRing.fill`, :func:`gear_mpi.kernels.chunks.fill_windows`): one numba call per ring takes
+the windows in ring order and, for each, checks its chunks' CRC-32 and decompresses them with
+python-blosc2's bundled C library (``blosc2_decompress_ctx``, called by address, one context per numba
+thread), in parallel over windows and outside the GIL, into a row of scratch still in cache, from which the
+window's steps (and, for frames stored once, the stacks built on them: see
+:func:`gear_mpi.storage.derived.fill_from_chunks`) are copied into the batch; a chunk a thread's previous
+window left in its rows is not decoded again. Where that library does not load, or
 with :data:`USE_KERNELS` False, the Python path decodes one chunk a call (a small thread pool when there
 are several) and copies the steps. Local: nothing here communicates.
 """
@@ -33,8 +35,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -188,7 +189,7 @@ class CompressedRing:
         self._kernel_scratch = np.zeros(0, np.uint8)  # a chunk per numba thread for the kernels (under _decode_lock)
 
     def decoder(self) -> _Decoder | None:
-        """The compiled decoder the kernels use (:meth:`decoded`), or None where it does not load or
+        """The compiled decoder the kernels use (:meth:`fill`), or None where it does not load or
         :data:`USE_KERNELS` is False. O(1) after the first call."""
         return _decoder(self._blosc2) if USE_KERNELS else None
 
@@ -378,7 +379,7 @@ class CompressedRing:
                 for a in (win_start, before, n_valid, pad_front, rows)]
         err = np.zeros(2 * b, np.int64)
         with _decode_lock:
-            need = len(dec.contexts) * self.chunk_bytes
+            need = 2 * len(dec.contexts) * self.chunk_bytes
             if len(self._kernel_scratch) < need:
                 self._kernel_scratch = np.empty(need, np.uint8)
             chunk_kernels.fill_windows(dec.function, dec.contexts, self.addr, self.size, self.crc,
@@ -391,47 +392,6 @@ class CompressedRing:
                            f"blosc2 does not decompress it to its {self.chunk_steps(j) * self.sb} raw bytes")
             e.window = i
             raise e
-
-    @contextmanager
-    def decoded(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray,
-                window: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Inside the block: ``(ids, scratch)``, the sealed chunks covering the windows (``n_valid[i]`` ring steps
-        from ``starts[i]``, int64, in the ring), each checked and decompressed once into its scratch row
-        (:func:`~gear_mpi.kernels.chunks.decode_chunks`), for the kernels that copy from them. Holds the
-        process's decode lock (the contexts are shared). Cost: one compiled call; O(chunks) Python work.
-
-        Raises:
-            ChunkError: a chunk covered is corrupted (``window``: the first window covering it).
-            ValueError: a window outside the ring.
-        """
-        ids = chunk_kernels.plan_chunks(self.k, self.capacity, self.size, self.open_index, starts, n_valid, window)
-        keep = list(map(self.chunks.__getitem__, ids.tolist()))  # their bytes stay alive while decoded
-        with _decode_lock:
-            need = len(ids) * self.chunk_bytes
-            if len(self._kernel_scratch) < need:
-                self._kernel_scratch = np.empty(max(need, 2 * len(self._kernel_scratch)), np.uint8)
-            scratch = self._kernel_scratch
-            err = np.zeros(len(ids), np.int64)
-            if len(ids):
-                chunk_kernels.decode_chunks(dec.function, dec.contexts, self.addr, self.size, self.crc,
-                                            chunk_kernels.CRC_TABLE, ids, self.k, self.capacity, self.sb, scratch, err)
-            bad = np.flatnonzero(err)
-            if len(bad):
-                raise self._chunk_error(int(ids[bad[0]]), int(err[bad[0]]), starts, n_valid)
-            yield ids, scratch
-        del keep
-
-    def _chunk_error(self, j: int, code: int, starts: np.ndarray, n_valid: np.ndarray) -> ChunkError:
-        """The :class:`ChunkError` of chunk ``j`` (a :mod:`~gear_mpi.kernels.chunks` error code), its ``window``
-        the first window covering it. O(B)."""
-        why = ("its bytes fail their CRC-32 checksum" if code == chunk_kernels.BAD_CRC else
-               f"blosc2 does not decompress it to its {self.chunk_steps(j) * self.sb} raw bytes")
-        e = ChunkError(j, why)
-        lo = j * self.k
-        hit = ((lo - starts) % self.capacity < n_valid) | ((starts - lo) % self.capacity < self.chunk_steps(j))
-        hit &= n_valid > 0
-        e.window = int(np.argmax(hit)) if hit.any() else None
-        return e
 
     def _run(self, windows: list[tuple[int, int, int, int]], out: np.ndarray) -> None:
         """Copy each ``(window index, ring start, steps, out offset)`` from its chunks into ``out``, each
