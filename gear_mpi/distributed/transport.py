@@ -142,11 +142,13 @@ class WindowTransport:
             if store.compressed:  # this rank's own windows of compressed columns (node peers' came by MPI)
                 me = self.comm.rank
                 lo, hi = int(row_of_owner[me]), int(row_of_owner[me + 1])
+                later = derived_columns.chunk_sources(self.spec, store)  # with their stacks: decoded once
                 if hi > lo:
                     mine = gather_kernels.choice_records(got[lo:hi])
                     store.gather_compressed(mine["start"], mine["valid"], mine["pad_front"],
                                             np.arange(lo, hi, dtype=np.int64),
-                                            dict(zip(self.spec.names, batch.byte_views())), window, mine["key"])
+                                            {n: v for n, v in zip(self.spec.names, batch.byte_views())
+                                             if n not in later}, window, mine["key"])
             weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
@@ -212,9 +214,13 @@ class WindowTransport:
         rows = np.arange(nb, dtype=np.int64)
         for o in range(self.comm.size):
             lo, hi = row_of_owner[o], row_of_owner[o + 1]
-            if hi > lo and o == self.comm.rank:  # this rank's own windows (through context windows if compressed)
-                derived_columns.rebuild_local(spec, self.shard.store, node.column_addrs[o], starts[lo:hi],
-                                              got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
+            if hi > lo and o == self.comm.rank:  # this rank's own windows (compressed sources: their columns too)
+                store = self.shard.store
+                own = {n: v for n, v in zip(spec.names, batch.byte_views())
+                       if n in derived_columns.chunk_sources(spec, store)}
+                derived_columns.rebuild_local(spec, store, node.column_addrs[o], starts[lo:hi], got_ctx[lo:hi],
+                                              valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window, own,
+                                              fields["key"][lo:hi])
             elif hi > lo and node.direct[o]:  # a node peer's ring, read in place
                 derived_columns.rebuild_derived(spec, node.column_addrs[o], self.shard.capacity_steps, starts[lo:hi],
                                                 got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)

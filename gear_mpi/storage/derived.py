@@ -114,26 +114,48 @@ def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np
 
 def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start: np.ndarray, before: np.ndarray,
                   n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
-                  window: int) -> None:
+                  window: int, stored: dict | None = None, keys: np.ndarray | None = None) -> None:
     """The derived columns of rows ``rows`` from this process's own store: read in place from the rings
     (:func:`rebuild_derived`), or, when a source is compressed, straight from its decoded chunks
-    (:func:`fill_from_chunks`; where the compiled decoder does not load, through context windows decompressed
-    first: :func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
+    (:func:`fill_from_chunks`, which also fills the source columns named in ``stored``: the windows' chunks
+    decoded once for both; where the compiled decoder does not load, through context windows decompressed
+    first: :func:`pack_context`, :func:`rebuild_from_context`, and ``stored`` by ``store.gather_compressed``).
+    Local; cost as those.
 
     Args:
         spec: the columns; store: the shard's store (its ``capacity`` and views).
         addresses: the address of each stored column's ring (``Shard.column_addresses()[0]``).
         win_start, before, n_valid, pad_front, rows: int64, one per window.
         outs: the batch's derived columns as flat bytes; window: steps per window.
+        stored: source column name -> its batch bytes, for the sources :func:`chunk_sources` names (their
+            windows written here); None: none.
+        keys: each window's trajectory key (named by a corrupted chunk's error), or None.
+    Raises:
+        CorruptDataError: a compressed chunk read is corrupted.
     """
+    stored = stored or {}
     if not compressed_sources(spec):
         rebuild_derived(spec, addresses, store.capacity, win_start, before, n_valid, pad_front, rows, outs, window)
         return
     args = [np.ascontiguousarray(a, np.int64) for a in (win_start, before, n_valid, pad_front, rows)]
-    if fill_from_chunks(spec, store, *args, {}, outs, window, None):  # stacks straight from the decoded chunks
+    if fill_from_chunks(spec, store, *args, stored, outs, window, keys):  # stacks straight from the decoded chunks
         return
+    if stored:
+        store.gather_compressed(args[0], args[2], args[3], args[4], stored, window, keys)
     buffers = pack_context(spec, store.byte_views(), store.capacity, win_start, before, n_valid, window, store)
     rebuild_from_context(spec, buffers, before, n_valid, pad_front, rows, outs, window)
+
+
+def chunk_sources(spec: TrajectorySpec, store) -> frozenset:
+    """The compressed source columns of the derived ones whose windows :func:`fill_from_chunks` writes with the
+    stacks (every source compressed and the compiled decoder loaded), or none: a caller leaves those to it
+    rather than decoding their chunks twice. O(columns)."""
+    if not spec.derived or not compressed_sources(spec):
+        return frozenset()
+    rings = [store.compressed.get(name) for name in sources(spec)]
+    if any(r is None or r.decoder() is None for r in rings):
+        return frozenset()
+    return frozenset(sources(spec))
 
 
 def rebuild_from_context(spec: TrajectorySpec, buffers: dict[str, np.ndarray], before: np.ndarray,
