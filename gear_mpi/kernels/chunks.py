@@ -303,7 +303,8 @@ def fill_windows(fn, contexts, addr, size, crc, table, open_buf, open_index, k, 
         ValueError: a window outside the ring or the batch (checked before anything is written).
     Cost: a sort of the windows by ring start; one CRC-32 (8 bytes a step) and one decompression per chunk
     per run of windows covering it in a thread's share; ``frames`` step copies per window step and column,
-    from a row still in cache; parallel over windows past ``SERIAL_BYTES`` of output; no GIL.
+    from a row still in cache (non-temporal stores from :data:`STREAM_BYTES` of output); parallel over
+    windows past ``SERIAL_BYTES`` of output; no GIL.
     """
     b = win_start.shape[0]
     sb = step_bytes
