@@ -186,7 +186,7 @@ class CompressedRing:
         self._dparams = blosc2.DParams(nthreads=1)
         self._blosc2 = blosc2
         self._local = threading.local()
-        self._kernel_scratch = np.zeros(0, np.uint8)  # a chunk per numba thread for the kernels (under _decode_lock)
+        self._kernel_scratch = np.zeros(0, np.uint8)  # two chunks per numba thread for the kernel (_decode_lock)
 
     def decoder(self) -> _Decoder | None:
         """The compiled decoder the kernels use (:meth:`fill`), or None where it does not load or
@@ -360,8 +360,9 @@ class CompressedRing:
         ``frames``, ``offset``, ``pad == "zeros"`` its stacks). Each window's chunks are checked and decoded
         where they are copied, in one compiled call outside the GIL (parallel over windows), holding the
         process's decode lock (the contexts are shared); the caller keeps writes off the ring meanwhile (as a
-        sample does). Cost: one CRC-32 and decompression per chunk a window covers; ``frames`` step copies per
-        window step and column; O(1) Python work.
+        sample does). Cost: one CRC-32 and decompression per chunk a window covers (none for a chunk the
+        thread's window before left in its rows); ``frames`` step copies per window step and column; O(1)
+        Python work; a scratch of two chunks per numba thread, kept.
 
         Args:
             dec: :meth:`decoder`'s answer (not None).
