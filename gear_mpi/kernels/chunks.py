@@ -26,6 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .gather import SERIAL_BYTES, _memmove_from, _memzero
+from .hints import _fence  # orders a thread's non-temporal stores before what follows
 
 
 def _crc_table() -> np.ndarray:
@@ -107,18 +108,6 @@ def _stream32(typingctx, dst, src, blocks):
         with cgutils.for_range(builder, args[2]) as loop:
             v = builder.load(builder.gep(s, [loop.index]), align=1)
             builder.store(v, builder.gep(d, [loop.index]), align=32).set_metadata("nontemporal", streaming)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _fence(typingctx):
-    """A full memory fence (orders this thread's non-temporal stores before what follows)."""
-    sig = types.void()
-
-    def codegen(context, builder, signature, args):
-        builder.fence("seq_cst")
         return context.get_dummy_value()
 
     return sig, codegen
