@@ -186,7 +186,7 @@ class CompressedRing:
         self._dparams = blosc2.DParams(nthreads=1)
         self._blosc2 = blosc2
         self._local = threading.local()
-        self._kernel_scratch = np.zeros(0, np.uint8)  # two chunks per numba thread for the kernel (_decode_lock)
+        self._kernel_scratch = np.zeros(0, np.uint8)  # decoded chunks of the last kernel read (under _decode_lock)
 
     def decoder(self) -> _Decoder | None:
         """The compiled decoder the kernels use (:meth:`fill`), or None where it does not load or
