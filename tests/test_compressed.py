@@ -278,3 +278,29 @@ def test_an_unchecked_codec_library_keeps_the_python_path(monkeypatch):
     x, y = a.sample(8, 4), b.sample(8, 4)
     for name in COLUMNS:
         assert np.array_equal(x[name].numpy(), y[name].numpy()), name
+
+
+@pytest.mark.parametrize("ring,codec", [(60, "zstd"), (4000, "lz4")])
+def test_stacks_of_large_batches_match_the_raw_twin_with_and_without_shared_chunks(ring, codec):
+    """84x84 frames, batches of 256 (the parallel kernel): frame stacks, next steps and the frame column itself
+    equal the raw twin's, in a 60-step ring (every chunk shared by many windows, kept in a thread's rows)
+    and a 4000-step one (few shared), episode starts, ring wrap and windows of 1 and 3 included."""
+    def spec(compressed):
+        frame = ((84, 84), "uint8", gm.Compressed(codec=codec)) if compressed else ((84, 84), "uint8")
+        return gm.TrajectorySpec({"frame": frame, "obs": gm.FrameStack("frame", 4), "next_obs": gm.NextStep("obs")},
+                                 max_length=40)
+    raw, comp = gm.Shard(spec(False), ring, seed=4, tag=1), gm.Shard(spec(True), ring, seed=4, tag=1)
+    rng = np.random.default_rng(9)
+    try:
+        for _ in range(3 * ring // 20 + 2):  # about three laps of the ring
+            n = int(rng.integers(3, 40))
+            ep = {"frame": ((rng.random((n, 84, 84)) < 0.05) * rng.integers(1, 255, (n, 1, 1))).astype(np.uint8)}
+            assert raw.insert(ep) == comp.insert(ep)
+        for window in (1, 3):
+            a, b = raw.sample(256, window), comp.sample(256, window)
+            for name in ("frame", "obs", "next_obs"):
+                np.testing.assert_array_equal(a[name].numpy(), b[name].numpy(), err_msg=f"{name} W={window}")
+            np.testing.assert_array_equal(a.mask.numpy(), b.mask.numpy())
+    finally:
+        raw.close()
+        comp.close()

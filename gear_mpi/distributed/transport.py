@@ -59,6 +59,7 @@ class WindowTransport:
         self.spec = shard.spec
         self.torch_comm = None
         self.copy_seconds = 0.0  # time in exchange() outside MpiComm waits (gear_mpi.stats)
+        self._context_sent: dict | None = None  # see _exchange
         if device is not None and node.any_remote and kind == "nccl":
             from .torch_comm import TorchComm
             backend = "gloo" if device.simulator else "nccl"
@@ -99,6 +100,7 @@ class WindowTransport:
                   local: bool, out: Batch | None, counts: np.ndarray | None = None,
                   context: np.ndarray | None = None) -> Batch:
         node, size = self.node, self.comm.size
+        self._context_sent = None  # context windows _post_host decompressed for _derived_exchange (this call only)
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
         nb = int(row_of_owner[-1])
@@ -125,7 +127,7 @@ class WindowTransport:
             send_buffers = []  # must outlive the requests
             if node.any_remote and self.device is None:
                 send_buffers = self._post_host(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
-                                               row_of_owner, batch, window)
+                                               row_of_owner, batch, window, context)
             elif node.any_remote:
                 self._device_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
                                      data, window)
@@ -142,11 +144,13 @@ class WindowTransport:
             if store.compressed:  # this rank's own windows of compressed columns (node peers' came by MPI)
                 me = self.comm.rank
                 lo, hi = int(row_of_owner[me]), int(row_of_owner[me + 1])
+                later = derived_columns.chunk_sources(self.spec, store)  # with their stacks: decoded once
                 if hi > lo:
                     mine = gather_kernels.choice_records(got[lo:hi])
                     store.gather_compressed(mine["start"], mine["valid"], mine["pad_front"],
                                             np.arange(lo, hi, dtype=np.int64),
-                                            dict(zip(self.spec.names, batch.byte_views())), window, mine["key"])
+                                            {n: v for n, v in zip(self.spec.names, batch.byte_views())
+                                             if n not in later}, window, mine["key"])
             weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
@@ -191,10 +195,12 @@ class WindowTransport:
             if node.any_remote:
                 recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
                 fields = gather_kernels.choice_records(choices)
-                send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
-                                                            self.shard.capacity_steps, fields["start"][pick],
-                                                            context[pick], fields["valid"][pick], window,
-                                                            self.shard.store)
+                send_buffers = self._context_sent  # decompressed with the windows sent (_post_host), or now:
+                if send_buffers is None:
+                    send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
+                                                                self.shard.capacity_steps, fields["start"][pick],
+                                                                context[pick], fields["valid"][pick], window,
+                                                                self.shard.store)
                 e = derived_columns.context_steps(spec, window)
                 for name, sendbuf in send_buffers.items():
                     row_bytes = e * spec[name].step_bytes
@@ -212,9 +218,13 @@ class WindowTransport:
         rows = np.arange(nb, dtype=np.int64)
         for o in range(self.comm.size):
             lo, hi = row_of_owner[o], row_of_owner[o + 1]
-            if hi > lo and o == self.comm.rank:  # this rank's own windows (through context windows if compressed)
-                derived_columns.rebuild_local(spec, self.shard.store, node.column_addrs[o], starts[lo:hi],
-                                              got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
+            if hi > lo and o == self.comm.rank:  # this rank's own windows (compressed sources: their columns too)
+                store = self.shard.store
+                own = {n: v for n, v in zip(spec.names, batch.byte_views())
+                       if n in derived_columns.chunk_sources(spec, store)}
+                derived_columns.rebuild_local(spec, store, node.column_addrs[o], starts[lo:hi], got_ctx[lo:hi],
+                                              valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window, own,
+                                              fields["key"][lo:hi])
             elif hi > lo and node.direct[o]:  # a node peer's ring, read in place
                 derived_columns.rebuild_derived(spec, node.column_addrs[o], self.shard.capacity_steps, starts[lo:hi],
                                                 got_ctx[lo:hi], valid[lo:hi], pad[lo:hi], rows[lo:hi], outs, window)
@@ -273,18 +283,31 @@ class WindowTransport:
                 rows_view.index_copy_(0, remote_rows, recv.view(n_in, row_bytes))
 
     def _post_host(self, requests: list, send_counts, win_start, n_valid, pad_front, recv_counts,
-                   row_of_owner, batch: Batch, window: int) -> list:
+                   row_of_owner, batch: Batch, window: int, context: np.ndarray | None = None) -> list:
         """Post one alltoallv per column: windows for requesters that cannot read this rank's
-        memory, received straight into the batch rows. Returns the send buffers (keep them alive)."""
+        memory, received straight into the batch rows. Returns the send buffers (keep them alive).
+        With ``context`` (derived columns) over compressed sources, the windows' context windows are
+        decompressed here once (kept for :meth:`_derived_exchange`) and the source columns' windows sent
+        are copied out of them rather than decompressed again."""
         recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
         n_out = len(pick)
-        views = self.shard.store.byte_views()
+        store = self.shard.store
+        views = store.byte_views()
         cap = self.shard.capacity_steps
+        shared = derived_columns.chunk_sources(self.spec, store) if context is not None and n_out else frozenset()
+        if shared:
+            self._context_sent = derived_columns.pack_context(self.spec, views, cap, win_start[pick], context[pick],
+                                                              n_valid[pick], window, store)
+            e = derived_columns.context_steps(self.spec, window)
         buffers = []
         for c in self.spec.columns:
             row_bytes = window * c.step_bytes
             sendbuf = np.empty(n_out * row_bytes, np.uint8)
-            if n_out and c.compression is not None:  # decompressed here: windows travel raw (see module docstring)
+            if c.name in shared:  # the window within its context window: a copy
+                gather_kernels.gather_windows(self._context_sent[c.name], n_out * e, c.step_bytes,
+                                              np.arange(n_out, dtype=np.int64) * e + context[pick], n_valid[pick],
+                                              pad_front[pick], np.arange(n_out, dtype=np.int64), sendbuf, window)
+            elif n_out and c.compression is not None:  # decompressed here: windows travel raw (see module docstring)
                 self.shard.store.gather_compressed(win_start[pick], n_valid[pick], pad_front[pick],
                                                    np.arange(n_out, dtype=np.int64), {c.name: sendbuf}, window)
             elif n_out:

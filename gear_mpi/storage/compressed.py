@@ -18,12 +18,14 @@ docs/guide/storage.md), freed when its chunk is opened again; with ``memory="fil
 column's log file instead (:attr:`CompressedRing.heap`, :mod:`gear_mpi.storage.chunk_heap`), and after a mapped
 load (``load(mmap=True)``) the chunks saved are views of the mapped checkpoint file.
 
-A window is read by decompressing only the chunks it covers, each once per call however many windows
-share it. By default the whole read is compiled (:mod:`gear_mpi.kernels.chunks`): one numba call checks
-every chunk's CRC-32 and decompresses it with python-blosc2's bundled C library (``blosc2_decompress_ctx``,
-called by address, one context per numba thread), in parallel and outside the GIL, into a scratch row per
-chunk; a second copies the windows' steps (or, for frames stored once, the stacks: see
-:func:`gear_mpi.storage.derived.fill_from_chunks`) into the batch. Where that library does not load, or
+A window is read by decompressing only the chunks it covers. By default the whole read is compiled
+(:meth:`CompressedRing.fill`, :func:`gear_mpi.kernels.chunks.fill_windows`): one numba call per ring takes
+the windows in ring order and, for each, checks its chunks' CRC-32 and decompresses them with
+python-blosc2's bundled C library (``blosc2_decompress_ctx``, called by address, one context per numba
+thread), in parallel over windows and outside the GIL, into a row of scratch still in cache, from which the
+window's steps (and, for frames stored once, the stacks built on them: see
+:func:`gear_mpi.storage.derived.fill_from_chunks`) are copied into the batch; a chunk a thread's previous
+window left in its rows is not decoded again. Where that library does not load, or
 with :data:`USE_KERNELS` False, the Python path decodes one chunk a call (a small thread pool when there
 are several) and copies the steps. Local: nothing here communicates.
 """
@@ -35,8 +37,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -141,6 +142,10 @@ def _decoder(blosc2) -> _Decoder | None:
         return _decoder_state[0]
 
 
+#: :meth:`CompressedRing.fill`'s rule for a column's own window: one frame, offset 0, padding unused
+_OWN = (np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.bool_))
+
+
 class ChunkError(Exception):
     """A sealed chunk failed its checksum or did not decompress (internal: the store names the trajectory)."""
 
@@ -189,7 +194,7 @@ class CompressedRing:
         self.heap = None
 
     def decoder(self) -> _Decoder | None:
-        """The compiled decoder the kernels use (:meth:`decoded`), or None where it does not load or
+        """The compiled decoder the kernels use (:meth:`fill`), or None where it does not load or
         :data:`USE_KERNELS` is False. O(1) after the first call."""
         return _decoder(self._blosc2) if USE_KERNELS else None
 
@@ -370,53 +375,53 @@ class CompressedRing:
 
     def _gather_kernels(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray, pad_front: np.ndarray,
                         out_rows: np.ndarray, out: np.ndarray, window: int) -> None:
-        """:meth:`gather` by :mod:`gear_mpi.kernels.chunks`: plan, decode (checked), copy."""
-        starts = np.ascontiguousarray(np.asarray(starts, np.int64) % self.capacity)
-        n_valid, pad_front, out_rows = (np.ascontiguousarray(a, np.int64) for a in (n_valid, pad_front, out_rows))
-        with self.decoded(dec, starts, n_valid, window) as (ids, scratch):
-            chunk_kernels.copy_windows(ids, self.open, self.open_index, self.k, self.capacity, self.sb, starts,
-                                       n_valid, pad_front, out_rows, out, window, scratch)
+        """:meth:`gather` by :func:`~gear_mpi.kernels.chunks.fill_windows` (:meth:`fill`, the column alone)."""
+        starts = np.asarray(starts, np.int64) % self.capacity
+        self.fill(dec, starts, np.zeros(len(starts), np.int64), n_valid, pad_front, out_rows, (out,), _OWN, window)
 
-    @contextmanager
-    def decoded(self, dec: _Decoder, starts: np.ndarray, n_valid: np.ndarray,
-                window: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Inside the block: ``(ids, scratch)``, the sealed chunks covering the windows (``n_valid[i]`` ring steps
-        from ``starts[i]``, int64, in the ring), each checked and decompressed once into its scratch row
-        (:func:`~gear_mpi.kernels.chunks.decode_chunks`), for the kernels that copy from them. Holds the
-        process's decode lock (the contexts are shared). Cost: one compiled call; O(chunks) Python work.
+    def fill(self, dec: _Decoder, win_start: np.ndarray, before: np.ndarray, n_valid: np.ndarray,
+             pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
+             columns: tuple[np.ndarray, np.ndarray, np.ndarray], window: int) -> None:
+        """Windows of this ring into batch columns that read it: ``outs[c]`` (flat bytes, ``[rows, window,
+        frames[c], step]``) gets, in row ``rows[i]``, window ``i``'s slots by the frame rule of
+        :func:`~gear_mpi.kernels.chunks.fill_windows` (``columns = (frames, offsets, pad_zeros)``, one entry per
+        column: ``(1, 0, False)`` the column's own window, a :class:`~gear_mpi.frames.DerivedColumn`'s
+        ``frames``, ``offset``, ``pad == "zeros"`` its stacks). Each window's chunks are checked and decoded
+        where they are copied, in one compiled call outside the GIL (parallel over windows), holding the
+        process's decode lock (the contexts are shared); the caller keeps writes off the ring meanwhile (as a
+        sample does). Cost: one CRC-32 and decompression per chunk a window covers (none for a chunk the
+        thread's window before left in its rows); ``frames`` step copies per window step and column; O(1)
+        Python work; a scratch of two chunks per numba thread, kept.
 
+        Args:
+            dec: :meth:`decoder`'s answer (not None).
+            win_start, before, n_valid, pad_front, rows: int64 per window: first ring step (in the ring),
+                trajectory steps before it that may be read, real steps, leading padding, batch row.
+            outs: the columns' flat bytes (C-contiguous uint8); columns: their rule; window: steps per row.
         Raises:
-            ChunkError: a chunk covered is corrupted (``window``: the first window covering it).
-            ValueError: a window outside the ring.
+            ChunkError: a chunk a window covers is corrupted (``window``: that window; its row is partly written).
+            ValueError: a window outside the ring or the batch (nothing written).
         """
-        ids = chunk_kernels.plan_chunks(self.k, self.capacity, self.size, self.open_index, starts, n_valid, window)
-        keep = list(map(self.chunks.__getitem__, ids.tolist()))  # their bytes stay alive while decoded
+        b = len(win_start)
+        if b == 0:
+            return
+        args = [a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, np.int64)
+                for a in (win_start, before, n_valid, pad_front, rows)]
+        err = np.zeros(2 * b, np.int64)
         with _decode_lock:
-            need = len(ids) * self.chunk_bytes
+            need = 2 * len(dec.contexts) * self.chunk_bytes
             if len(self._kernel_scratch) < need:
-                self._kernel_scratch = np.empty(max(need, 2 * len(self._kernel_scratch)), np.uint8)
-            scratch = self._kernel_scratch
-            err = np.zeros(len(ids), np.int64)
-            if len(ids):
-                chunk_kernels.decode_chunks(dec.function, dec.contexts, self.addr, self.size, self.crc,
-                                            chunk_kernels.CRC_TABLE, ids, self.k, self.capacity, self.sb, scratch, err)
-            bad = np.flatnonzero(err)
-            if len(bad):
-                raise self._chunk_error(int(ids[bad[0]]), int(err[bad[0]]), starts, n_valid)
-            yield ids, scratch
-        del keep
-
-    def _chunk_error(self, j: int, code: int, starts: np.ndarray, n_valid: np.ndarray) -> ChunkError:
-        """The :class:`ChunkError` of chunk ``j`` (a :mod:`~gear_mpi.kernels.chunks` error code), its ``window``
-        the first window covering it. O(B)."""
-        why = ("its bytes fail their CRC-32 checksum" if code == chunk_kernels.BAD_CRC else
-               f"blosc2 does not decompress it to its {self.chunk_steps(j) * self.sb} raw bytes")
-        e = ChunkError(j, why)
-        lo = j * self.k
-        hit = ((lo - starts) % self.capacity < n_valid) | ((starts - lo) % self.capacity < self.chunk_steps(j))
-        hit &= n_valid > 0
-        e.window = int(np.argmax(hit)) if hit.any() else None
-        return e
+                self._kernel_scratch = np.empty(need, np.uint8)
+            chunk_kernels.fill_windows(dec.function, dec.contexts, self.addr, self.size, self.crc,
+                                       chunk_kernels.CRC_TABLE, self.open, self.open_index, self.k, self.capacity,
+                                       self.sb, *args, *columns, outs, window, self._kernel_scratch, err[:b], err[b:])
+        if err[:b].any():
+            i = int(np.flatnonzero(err[:b])[0])
+            j = int(err[b + i])
+            e = ChunkError(j, "its bytes fail their CRC-32 checksum" if err[i] == chunk_kernels.BAD_CRC else
+                           f"blosc2 does not decompress it to its {self.chunk_steps(j) * self.sb} raw bytes")
+            e.window = i
+            raise e
 
     def _run(self, windows: list[tuple[int, int, int, int]], out: np.ndarray) -> None:
         """Copy each ``(window index, ring start, steps, out offset)`` from its chunks into ``out``, each

@@ -114,26 +114,48 @@ def pack_context(spec: TrajectorySpec, views: dict, capacity: int, win_start: np
 
 def rebuild_local(spec: TrajectorySpec, store, addresses: np.ndarray, win_start: np.ndarray, before: np.ndarray,
                   n_valid: np.ndarray, pad_front: np.ndarray, rows: np.ndarray, outs: tuple[np.ndarray, ...],
-                  window: int) -> None:
+                  window: int, stored: dict | None = None, keys: np.ndarray | None = None) -> None:
     """The derived columns of rows ``rows`` from this process's own store: read in place from the rings
     (:func:`rebuild_derived`), or, when a source is compressed, straight from its decoded chunks
-    (:func:`fill_from_chunks`; where the compiled decoder does not load, through context windows decompressed
-    first: :func:`pack_context`, :func:`rebuild_from_context`). Local; cost as those.
+    (:func:`fill_from_chunks`, which also fills the source columns named in ``stored``: the windows' chunks
+    decoded once for both; where the compiled decoder does not load, through context windows decompressed
+    first: :func:`pack_context`, :func:`rebuild_from_context`, and ``stored`` by ``store.gather_compressed``).
+    Local; cost as those.
 
     Args:
         spec: the columns; store: the shard's store (its ``capacity`` and views).
         addresses: the address of each stored column's ring (``Shard.column_addresses()[0]``).
         win_start, before, n_valid, pad_front, rows: int64, one per window.
         outs: the batch's derived columns as flat bytes; window: steps per window.
+        stored: source column name -> its batch bytes, for the sources :func:`chunk_sources` names (their
+            windows written here); None: none.
+        keys: each window's trajectory key (named by a corrupted chunk's error), or None.
+    Raises:
+        CorruptDataError: a compressed chunk read is corrupted.
     """
+    stored = stored or {}
     if not compressed_sources(spec):
         rebuild_derived(spec, addresses, store.capacity, win_start, before, n_valid, pad_front, rows, outs, window)
         return
     args = [np.ascontiguousarray(a, np.int64) for a in (win_start, before, n_valid, pad_front, rows)]
-    if fill_from_chunks(spec, store, *args, {}, outs, window, None):  # stacks straight from the decoded chunks
+    if fill_from_chunks(spec, store, *args, stored, outs, window, keys):  # stacks straight from the decoded chunks
         return
+    if stored:
+        store.gather_compressed(args[0], args[2], args[3], args[4], stored, window, keys)
     buffers = pack_context(spec, store.byte_views(), store.capacity, win_start, before, n_valid, window, store)
     rebuild_from_context(spec, buffers, before, n_valid, pad_front, rows, outs, window)
+
+
+def chunk_sources(spec: TrajectorySpec, store) -> frozenset:
+    """The compressed source columns of the derived ones whose windows :func:`fill_from_chunks` writes with the
+    stacks (every source compressed and the compiled decoder loaded), or none: a caller leaves those to it
+    rather than decoding their chunks twice. O(columns)."""
+    if not spec.derived or not compressed_sources(spec):
+        return frozenset()
+    rings = [store.compressed.get(name) for name in sources(spec)]
+    if any(r is None or r.decoder() is None for r in rings):
+        return frozenset()
+    return frozenset(sources(spec))
 
 
 def rebuild_from_context(spec: TrajectorySpec, buffers: dict[str, np.ndarray], before: np.ndarray,
@@ -208,12 +230,12 @@ def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.
                      pad: np.ndarray, rows: np.ndarray, outs: dict, derived_outs: tuple[np.ndarray, ...], window: int,
                      keys: np.ndarray) -> bool:
     """A local sample's compressed and derived columns when every derived column's source is compressed and
-    the compiled decoder loads: each source's chunks covering the windows' contexts decoded once
-    (``CompressedRing.decoded``), the source column's windows and the derived stacks copied straight from
-    them (:mod:`gear_mpi.kernels.chunks`), no context windows in between. Local.
+    the compiled decoder loads: per source ring, one call (``CompressedRing.fill``) decodes each window's
+    chunks (its context included) and copies the source column's window and the derived stacks straight
+    from them (:func:`gear_mpi.kernels.chunks.fill_windows`), no context windows in between. Local.
 
-    Cost: one CRC-32 and decompression per chunk covered, ``frames`` step copies per window step and derived
-    column; O(chunks) Python work.
+    Cost: one CRC-32 and decompression per chunk a window covers, ``frames`` step copies per window step and
+    derived column; O(source columns) Python work.
     Args:
         spec: the columns; store: the shard's store.
         start, before, valid, pad, rows: int64 per window: ring start, context (:func:`context_of`), real
@@ -226,38 +248,45 @@ def fill_from_chunks(spec: TrajectorySpec, store, start: np.ndarray, before: np.
     Raises:
         CorruptDataError: a chunk that fails its checksum or does not decompress, naming column and trajectory.
     """
-    from contextlib import ExitStack
-
-    from ..kernels import chunks as chunk_kernels
     from .compressed import ChunkError
-    names = sources(spec)
-    rings = {n: store.compressed.get(n) for n in names}
-    if any(r is None or r.decoder() is None for r in rings.values()):
+    plan = _chunk_plan(spec)
+    rings = [(name, store.compressed.get(name)) for name, _ in plan]
+    if any(r is None or r.decoder() is None for _, r in rings):
         return False
-    cap, e = store.capacity, context_steps(spec, window)
-    c_start = (start - before) % cap
-    c_valid = np.where(valid > 0, before + valid + spec.tail_steps, 0).astype(np.int64)
-    with ExitStack() as stack:
-        decoded = {}
-        for name, ring in rings.items():
-            try:
-                decoded[name] = stack.enter_context(ring.decoded(ring.decoder(), c_start, c_valid, e))
-            except ChunkError as err:
-                w = getattr(err, "window", None)
-                raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None and keys is not None
-                                    else "a sampled window") from None
-        others = {n: b for n, b in outs.items() if n in store.compressed and n not in rings}
-        if others:
-            store.gather_compressed(start, valid, pad, rows, others, window, keys)
-        for name, ring in rings.items():
-            if name not in outs:
-                continue
-            ids, scratch = decoded[name]
-            chunk_kernels.copy_windows(ids, ring.open, ring.open_index, ring.k, cap, ring.sb, start, valid, pad,
-                                       rows, outs[name], window, scratch)
-        for d, out in zip(spec.derived, derived_outs):
-            ring = rings[d.source]
-            ids, scratch = decoded[d.source]
-            chunk_kernels.stack_windows(ids, scratch, ring.open, ring.open_index, ring.k, cap, ring.sb, start,
-                                        before, valid, pad, rows, d.frames, d.offset, d.pad == "zeros", out, window)
+    names = {name for name, _ in plan}
+    others = {n: b for n, b in outs.items() if n in store.compressed and n not in names}
+    if others:
+        store.gather_compressed(start, valid, pad, rows, others, window, keys)
+    for (name, ring), (_, (derived_at, columns)) in zip(rings, plan):
+        own = name in outs
+        targets = ((outs[name],) if own else ()) + tuple(derived_outs[d] for d in derived_at)
+        try:
+            ring.fill(ring.decoder(), start, before, valid, pad, rows, targets, columns[0 if own else 1], window)
+        except ChunkError as err:
+            w = getattr(err, "window", None)
+            raise store.corrupt(name, err, f"trajectory key {int(keys[w])}" if w is not None and keys is not None
+                                else "a sampled window") from None
     return True
+
+
+_plans: dict = {}
+
+
+def _chunk_plan(spec: TrajectorySpec) -> list:
+    """Per source column of the derived ones: ``(name, (indices of its derived columns, (the rule with the
+    column's own window first, the rule without it)))``, the rules as ``CompressedRing.fill`` takes
+    them. Built once per spec (kept for the last few specs). O(columns)."""
+    hit = _plans.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    got = []
+    for name in sources(spec):
+        at = tuple(i for i, d in enumerate(spec.derived) if d.source == name)
+        rule = [(spec.derived[i].frames, spec.derived[i].offset, spec.derived[i].pad == "zeros") for i in at]
+        both = tuple((np.array([r[0] for r in rules], np.int64), np.array([r[1] for r in rules], np.int64),
+                      np.array([r[2] for r in rules], np.bool_)) for rules in ([(1, 0, False)] + rule, rule))
+        got.append((name, (at, both)))
+    if len(_plans) >= 64:
+        _plans.clear()
+    _plans[id(spec)] = (spec, got)
+    return got

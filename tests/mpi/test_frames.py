@@ -18,6 +18,11 @@ FRAME = (4, 3)
 SPEC = gm.TrajectorySpec({"frame": (FRAME, "uint8"), "t": ((), "int64"), "ep": ((), "int64"),
                           "obs": gm.FrameStack("frame", 4, "first"), "next_obs": gm.NextStep("obs"),
                           "zobs": gm.FrameStack("frame", 3, "zeros")}, max_length=30)
+#: the same with the frame column compressed (chunks of 3): stacks and the frame column from decoded chunks
+COMPRESSED = gm.TrajectorySpec({"frame": (FRAME, "uint8", gm.Compressed(chunk=3)), "t": ((), "int64"),
+                                "ep": ((), "int64"), "obs": gm.FrameStack("frame", 4, "first"),
+                                "next_obs": gm.NextStep("obs"), "zobs": gm.FrameStack("frame", 3, "zeros")},
+                               max_length=30)
 
 
 def episode(ident: int) -> dict[str, np.ndarray]:
@@ -33,9 +38,10 @@ def stack(frames, t, depth, pad):
 
 
 @pytest.mark.parametrize("mode", ["decentralized", "centralized"])
-@pytest.mark.parametrize("window,align", [(1, "random"), (4, "random"), (6, "tail")])
-def test_replay_frames_match_naive(mode, window, align, force):
-    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), mode=mode, seed=11, timeout=60, force_alltoallv=force)
+@pytest.mark.parametrize("window,align,spec", [(1, "random", SPEC), (4, "random", SPEC), (6, "tail", SPEC),
+                                               (1, "random", COMPRESSED), (4, "tail", COMPRESSED)])
+def test_replay_frames_match_naive(mode, window, align, spec, force):
+    replay = gm.Replay(spec, 300, gm.Prioritized(0.6, 0.4), mode=mode, seed=11, timeout=60, force_alltoallv=force)
     try:
         idents = [1000 * RANK + i for i in range(20)]
         for i in idents:
@@ -53,6 +59,7 @@ def test_replay_frames_match_naive(mode, window, align, force):
                     owners.add(ep // 1000)
                     frames = episode(ep)["frame"]
                     assert t < len(frames) - 1
+                    np.testing.assert_array_equal(d["frame"][i, j], frames[t])
                     np.testing.assert_array_equal(d["obs"][i, j], stack(frames, t, 4, "first"))
                     np.testing.assert_array_equal(d["next_obs"][i, j], stack(frames, t + 1, 4, "first"))
                     np.testing.assert_array_equal(d["zobs"][i, j], stack(frames, t, 3, "zeros"))
