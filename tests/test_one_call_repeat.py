@@ -107,9 +107,9 @@ def test_general_path_switch_is_honoured():
 
 
 @pytest.mark.parametrize("b", [64, 100, 300])
-def test_wide_rows_split_among_threads_match_the_general_path(b):
-    """Batches of 64-511 windows holding ``SERIAL_BYTES`` or more (4 KiB rows: W2's) draw, place and copy in
-    runs shared among the threads: the same rows, keys, weights and data as the general path."""
+def test_wide_rows_match_the_general_path(b):
+    """Batches of 64-511 windows holding ``SERIAL_BYTES`` or more (4 KiB rows: W2's), whose copy runs in
+    parallel, first and again into ``out=``: the same rows, keys, weights and data as the general path."""
     spec = gm.TrajectorySpec({"obs": ((4096,), "uint8"), "a": ((), "float32")}, max_length=3)
     shards = []
     for _ in range(2):

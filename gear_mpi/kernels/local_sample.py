@@ -114,10 +114,8 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
 
     Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
     ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
-    order from O(B) scratch. Parallel (the draw, placement and copy of each run of sorted items on one
-    thread) from ``DRAW_THREADS_MIN`` items, or from ``2 * DRAW_PIPE`` items whose windows hold
-    ``SERIAL_BYTES``; smaller batches draw on the calling thread and copy in parallel from
-    ``SERIAL_BYTES``. The caller guarantees a positive total. The O(B) scratch is this thread's, kept
+    order from O(B) scratch; parallel from ``DRAW_THREADS_MIN`` items (small batches copy in parallel from
+    ``SERIAL_BYTES``). The caller guarantees a positive total. The O(B) scratch is this thread's, kept
     between calls (:func:`_scratch`): fresh scratch pages fault in on every call (about 1000 faults, 1-2
     ms a call at B=65536 on this VM).
     """
@@ -190,10 +188,8 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     row_bytes = 0
     for c in range(step_bytes.shape[0]):
         row_bytes += window * step_bytes[c]
-    # draw, place and copy each run of sorted uniforms on one thread: large batches, and smaller ones whose
-    # copy takes the threads anyway (a W2 batch of 256 x 4 KiB rows): their draws and placements are shared too
-    if nb >= DRAW_THREADS_MIN or (nb >= 2 * DRAW_PIPE and nb * row_bytes >= SERIAL_BYTES):
-        runs = max(2, min(DRAW_RUNS, nb // (256 if nb >= DRAW_THREADS_MIN else DRAW_PIPE)))
+    if nb >= DRAW_THREADS_MIN:  # draw, place and copy each run of sorted uniforms on one thread
+        runs = max(2, min(DRAW_RUNS, nb // 256))
         for t in prange(runs):
             lo = t * nb // runs
             hi = (t + 1) * nb // runs
@@ -201,14 +197,10 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                        window, align_code, place_u, order, skey, sw, ws, nv, pf)
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
-        if nb >= DRAW_THREADS_MIN:
-            chunks = max(2, min(64, nb // 1024))
-            for t in prange(chunks):
-                _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin,
-                               prioritized, window, keys, lengths, probabilities, weights, mask)
-        else:  # a few hundred rows from cache: not worth waking the threads again
-            _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths,
-                           probabilities, weights, mask)
+        chunks = max(2, min(64, nb // 1024))
+        for t in prange(chunks):
+            _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin, prioritized,
+                           window, keys, lengths, probabilities, weights, mask)
     else:
         if nb >= DRAW_PIPE:
             _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
