@@ -14,7 +14,7 @@ from .kernels import local_sample, ring
 from .kernels.weights import PARALLEL_MIN, power_weights
 from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
 from .storage.arenas import memory_kind
-from .selection import small_update
+from .selection import one_call, small_update
 from .selection.priority_index import DevicePriorityIndex, PriorityIndex
 from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
 from .storage.shard_insert import ShardInserter
@@ -92,6 +92,7 @@ class Shard:
         self.stale_updates = 0
         self._addresses = None
         self._fused = None  # whether samples go through one kernel (see _one_call)
+        self._repeat = None  # the last one-kernel sample into an out= batch (one_call.Repeat)
         self.inserter = ShardInserter(spec, self.store, self.index, sampler)
         self.checkpoint_state = ShardCheckpointState(self.store, self.index, sampler, self.rng)
 
@@ -524,7 +525,11 @@ class Shard:
             ValueError, EmptyReplayError: a bad argument or an ``out`` that does not fit; nothing to draw.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
+        rep = self._repeat  # the same out= batch and arguments as a call that took one kernel: skip the checks
+        if rep is not None and self._fused and rep.same(out, batch_size, window, align, squeeze):
+            return one_call.sample_again(self, rep)
         self._check_open()
+        args = (batch_size, window, align, squeeze)
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
         if squeeze and window != 1:
@@ -537,7 +542,9 @@ class Shard:
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
         with self.hold():
             if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
-                return self._sample_one_call(batch, batch_size, window, code)
+                if out is not None:
+                    one_call.remember(self, out, args, window, code)
+                return one_call.sample_one_call(self, batch, batch_size, window, code)
             slots = self.select(batch_size)
             choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
             keys, probabilities, weights, lengths = batch.meta_numpy()
@@ -557,31 +564,10 @@ class Shard:
                           self.store.capacity)
 
     def _one_call(self) -> bool:
-        """Whether a sample can go through one kernel (:mod:`~gear_mpi.kernels.local_sample`): a host index,
-        Uniform or Prioritized exactly (their weights are known), no use limit, memory columns."""
+        """Whether a sample can go through one kernel (:func:`gear_mpi.selection.one_call.fits`). O(1)."""
         if self._fused is None:
-            self._fused = (isinstance(self.index, PriorityIndex) and type(self.selector) in (Uniform, Prioritized)
-                           and self.max_times_sampled == 0 and self.store.arena.kind not in ("file", "mapped")
-                           and not self.spec.derived and not self.store.compressed)  # (neither is in the kernel)
+            self._fused = one_call.fits(self)
         return self._fused
-
-    def _sample_one_call(self, batch: Batch, b: int, window: int, code: int) -> Batch:
-        st = self.store
-        sel = self.selector
-        u = self.rng.random(2 * b if code == 0 else b)  # the stream of select + make_choices: draws, placements
-        uniforms, place_u = (u[:b], u[b:]) if code == 0 else (u, _NO_UNIFORMS)
-        keys, probabilities, weights, lengths = batch.meta_numpy()
-        prioritized = type(sel) is Prioritized
-        local_sample.sample_proportional(
-            self.index._arrays, uniforms, place_u, st.start, st.length, st.status,
-            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
-            self.column_addresses()[0],
-            self.spec.step_bytes_array, batch.column_addresses(), batch._mask_np, keys, lengths, probabilities,
-            weights)
-        if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
-            np.power(weights, np.float32(sel.beta), out=weights)
-        self.samples_drawn += b
-        return batch
 
     def make_choices(self, slots: np.ndarray, window: int, code: int, total: float, wmin: float) -> np.ndarray:
         """The choice of each slot: what a requester needs to copy and describe its window. O(B), one kernel.
@@ -754,7 +740,7 @@ class Shard:
 
     def close(self) -> None:
         """Release the columns (and unlink shared memory this shard created). Idempotent."""
-        self._addresses = None
+        self._addresses = self._repeat = None
         self.store.close()
 
     def __enter__(self) -> "Shard":

@@ -138,9 +138,12 @@ class WindowTransport:
             # lengths, probabilities and mask of every row: one kernel
             keys, probabilities, weights, lengths = batch.meta_numpy()
             store = self.shard.store
-            gather_kernels.gather_from_owners(node.column_addrs, store.gather_step_bytes,
-                                              self.shard.capacity_steps, node.direct, row_of_owner, got,
-                                              batch.byte_views(), window, mask, keys, lengths, probabilities)
+            # the batch's column addresses, built and checked once per batch (it holds nb windows: made for
+            # them, or matched to them as out=); gather.out_addresses would check them again every call
+            gather_kernels.gather_rows_from_owners(node.column_addrs, store.gather_step_bytes,
+                                                   self.shard.capacity_steps, node.direct, row_of_owner, got,
+                                                   batch.column_addresses(), window, mask, keys, lengths,
+                                                   probabilities)
             if store.compressed:  # this rank's own windows of compressed columns (node peers' came by MPI)
                 me = self.comm.rank
                 lo, hi = int(row_of_owner[me]), int(row_of_owner[me + 1])

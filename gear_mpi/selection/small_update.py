@@ -93,7 +93,10 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
             (nothing changed).
     Cost: O(B log n), one numba call on the fast path; the general path's otherwise.
     """
-    if type(keys) is not np.ndarray and hasattr(keys, "detach"):
+    rep = shard._repeat
+    if rep is not None and keys is rep.keys_tensor:  # the keys of the last sample into a reused batch
+        keys = rep.meta[0]
+    elif type(keys) is not np.ndarray and hasattr(keys, "detach"):
         try:
             keys = keys.numpy()  # a CPU tensor (a sample's keys), as keys.tensor_numpy takes it first
         except (RuntimeError, TypeError):  # one that needs grad or lives on a device: as_key_array's way

@@ -1,0 +1,63 @@
+"""Issue 34, item 3: the W2 step against its floor in one process, phases alternated, medians of rounds.
+
+    PYTHONPATH=. NUMBA_NUM_THREADS=1 python docs/benchmarks/issue34_w2_probe.py 3 0.4 step,floor,sample,update
+
+Arguments: rounds, seconds per phase, phases (step = Shard.sample(256, 1, out=) + update_priorities of the
+batch's keys; floor = compare_peers' bare gather of 256 random rows; sample; update). The shard is W2's:
+100,000 one-step items of 4104 bytes (obs uint8[4096], action, reward), Prioritized(0.6, 0.4).
+"""
+import sys, time, ctypes, os
+import numpy as np
+import gear_mpi as gm
+from gear_mpi.kernels import gather, local_sample
+from gear_mpi.keys import GEN_MASK, SLOT_BITS, key_head
+import numba
+
+N, B = 100_000, 256
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+PH = float(sys.argv[2]) if len(sys.argv) > 2 else 0.4
+spec = gm.TrajectorySpec({"obs": ((4096,), "uint8"), "action": ((), "float32"), "reward": ((), "float32")}, max_length=1)
+shard = gm.Shard(spec, N, gm.Prioritized(0.6, 0.4), seed=0)
+rng = np.random.default_rng(0)
+shard.insert_packed({"obs": rng.integers(0, 255, (N, 4096), dtype=np.uint8), "action": rng.random(N, dtype=np.float32),
+                     "reward": rng.random(N, dtype=np.float32)}, np.ones(N, np.int64), rng.random(N) + 0.01)
+new_p = rng.random(B) + 0.01
+batch = shard.sample(B, 1)
+keys = batch.keys.numpy().copy()
+
+cap = shard.store.capacity
+addrs = shard.column_addresses()[0]
+sizes = shard.spec.step_bytes_array
+rows = np.arange(B, dtype=np.int64)
+one, zero = np.ones(B, np.int64), np.zeros(B, np.int64)
+outs = batch.byte_views()
+rings = tuple(np.frombuffer((ctypes.c_uint8 * int(cap * sz)).from_address(int(a)), np.uint8) for a, sz in zip(addrs, sizes))
+pool = np.random.default_rng(4).integers(0, N, (400, B))
+turn = [0]
+no_mask = np.zeros((0, 1), np.bool_)
+def floor():
+    turn[0] = (turn[0] + 1) % len(pool)
+    gather.gather_columns(rings, sizes, cap, pool[turn[0]], one, zero, rows, outs, 1, no_mask)
+def step():
+    shard.sample(B, 1, out=batch)
+    shard.update_priorities(batch.keys, new_p)
+def sample():
+    shard.sample(B, 1, out=batch)
+def update():
+    shard.update_priorities(keys, new_p)
+phases = dict(step=step, floor=floor, sample=sample, update=update)
+sel = sys.argv[3].split(",") if len(sys.argv) > 3 else list(phases)
+res = {k: [] for k in sel}
+for f in [phases[k] for k in sel]:
+    for _ in range(50): f()
+for r in range(ROUNDS):
+    for name in sel:
+        f = phases[name]
+        ts = []
+        t_end = time.perf_counter() + PH
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+        res[name].append(np.median(ts) * 1e6)
+print("threads", numba.get_num_threads(), "load", os.getloadavg())
+for k, v in res.items():
+    print(f"{k:14s} med {np.median(v):7.1f} us  rounds {' '.join(f'{x:.1f}' for x in v)}")

@@ -1,0 +1,147 @@
+"""The one-call sample of a :class:`~gear_mpi.shard.Shard` (:func:`~gear_mpi.kernels.local_sample.sample_proportional`),
+and its arguments kept for a training loop that samples into the same ``out=`` batch again (issue 34).
+
+A W2-sized step (``Shard.sample(256, 1, out=batch)`` + ``update_priorities``) spent about 25 us of its
+180 us in the Python around the kernel: the argument checks, the batch's fit, the shard's hold, the random
+draws into a new array, the kernel's argument list (key head, column and batch addresses, scratch) and
+numba's dispatch of about 30 arrays. :class:`Repeat` keeps what does not change between two calls into one
+batch (its metadata rows, mask, column addresses, a buffer for the uniforms), checked once by the full
+path, and :func:`sample_again` makes the next call with them: the same kernel, the same random stream (the
+uniforms come from the shard's generator as before, into a kept buffer), the same rows bit for bit.
+
+Local: no communication. Which samples qualify: see :func:`fits`.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ..kernels import local_sample
+from ..keys import GEN_MASK, SLOT_BITS, key_head
+from .priority_index import PriorityIndex
+from .selectors import Prioritized, Uniform
+
+_NO_UNIFORMS = np.zeros(0)
+
+
+def fits(shard) -> bool:
+    """Whether ``shard``'s samples can go through one kernel (:mod:`~gear_mpi.kernels.local_sample`): a host
+    index, ``Uniform`` or ``Prioritized`` exactly (their weights are known), no use limit, memory columns
+    (not a file or a mapped checkpoint: no hold to take), no derived or compressed columns (neither is in
+    the kernel). O(1).
+
+    Args:
+        shard: the :class:`~gear_mpi.shard.Shard`.
+    Returns:
+        True when :func:`sample_one_call` may serve its samples of any size that
+        :func:`~gear_mpi.kernels.local_sample.pays_off`.
+    """
+    st = shard.store
+    return (isinstance(shard.index, PriorityIndex) and type(shard.selector) in (Uniform, Prioritized)
+            and shard.max_times_sampled == 0 and st.arena.kind not in ("file", "mapped")
+            and not shard.spec.derived and not st.compressed)
+
+
+class Repeat:
+    """What a sample into ``out`` needs besides the shard's current table and index: the batch's rows and
+    addresses and the call's arguments (and the batch's ``keys`` tensor, so that an update of those keys
+    skips its conversion), made by :func:`sample_one_call` after the full checks of
+    ``Shard.sample``. A later call whose arguments compare equal (:meth:`same`) and whose ``out`` is this
+    batch, still fitted the same way, goes through :func:`sample_again`.
+
+    Args:
+        batch: the ``out=`` batch (host; checked to fit by ``Batch.matches``).
+        args: ``(batch_size, window, align, squeeze)`` as the caller passed them (``int`` batch size,
+            ``int`` or None window).
+        window, code: the checked window and align code.
+    """
+
+    __slots__ = ("batch", "fitted", "args", "b", "window", "code", "uniforms", "draw_u", "place_u", "meta", "mask",
+                 "outs", "prioritized", "keys_tensor")
+
+    def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool):
+        b = args[0]
+        self.batch = weakref.ref(batch)  # the shard does not keep a batch its caller dropped
+        self.fitted, self.args = batch._fits, args
+        self.b, self.window, self.code, self.prioritized = b, window, code, prioritized
+        u = np.empty(2 * b if code == 0 else b)
+        self.uniforms = u
+        self.draw_u = u[:b]
+        self.place_u = u[b:] if code == 0 else _NO_UNIFORMS
+        self.meta = batch.meta_numpy()
+        self.keys_tensor = batch.keys  # update_priorities(batch.keys, ...) reads self.meta[0] instead (no .numpy())
+        self.mask = batch._mask_np
+        self.outs = batch.column_addresses()
+
+    def same(self, out, batch_size, window, align, squeeze) -> bool:
+        """Whether a call with these arguments may reuse this record: the same ``out`` object, still
+        fitted as it was, and arguments equal to the recorded ones with the same types (so a ``1.0`` or a
+        ``True`` still reaches the checks that refuse it). O(1)."""
+        return (out is not None and out is self.batch() and out._fits is self.fitted and type(batch_size) is int
+                and (window is None or type(window) is int) and (batch_size, window, align, squeeze) == self.args)
+
+
+def sample_one_call(shard, batch, b: int, window: int, code: int):
+    """Sample ``b`` windows of ``window`` steps (align ``code``) into ``batch`` in one kernel call, with the
+    shard's stream: ``2 b`` uniforms (draws, then placements) for random alignment, else ``b``. The
+    arguments were checked by the caller (``Shard.sample``), the shard :func:`fits` and the call
+    :func:`~gear_mpi.kernels.local_sample.pays_off`. O(B log n) plus the copy; parallel from
+    ``DRAW_THREADS_MIN`` items.
+
+    Returns:
+        ``batch``, filled.
+    """
+    u = shard.rng.random(2 * b if code == 0 else b)  # the stream of select + make_choices: draws, placements
+    uniforms, place_u = (u[:b], u[b:]) if code == 0 else (u, _NO_UNIFORMS)
+    st = shard.store
+    keys, probabilities, weights, lengths = batch.meta_numpy()
+    prioritized = type(shard.selector) is Prioritized
+    local_sample.sample_proportional(
+        shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
+        key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
+        shard.column_addresses()[0], shard.spec.step_bytes_array, batch.column_addresses(), batch._mask_np,
+        keys, lengths, probabilities, weights)
+    if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
+        np.power(weights, np.float32(shard.selector.beta), out=weights)
+    shard.samples_drawn += b
+    return batch
+
+
+def remember(shard, batch, args: tuple, window: int, code: int) -> None:
+    """Keep a :class:`Repeat` of this call on ``shard`` (``shard._repeat``) when the next one into the same
+    batch can skip the checks: an ``int`` batch size of at least 1, a host batch that fitted. O(1)."""
+    b = args[0]
+    if type(b) is int and b > 0 and batch._fits is not None and batch._meta_np is not None:
+        shard._repeat = Repeat(batch, args, window, code, type(shard.selector) is Prioritized)
+
+
+def sample_again(shard, rep: Repeat):
+    """:func:`sample_one_call` into ``rep.batch`` with the arguments ``rep`` recorded: the same kernel on the
+    same stream, without the per-call checks ``rep`` stands for. Still checked per call: the shard is open
+    and has something to draw. O(B log n) plus the copy.
+
+    Returns:
+        The batch (the caller checked with :meth:`Repeat.same` that it is alive: it passed it).
+    Raises:
+        RuntimeError: the shard is closed.
+        EmptyReplayError: nothing to draw.
+    """
+    st = shard.store
+    if st.arena is None:
+        raise RuntimeError("this Shard is closed")
+    shard.check_can_sample()
+    b = rep.b
+    out = rep.batch()
+    shard.rng.random(out=rep.uniforms)  # the same values as rng.random(len): the same stream
+    keys, probabilities, weights, lengths = rep.meta
+    iscr, fscr = local_sample._scratch(b)
+    local_sample._sample_kernel(
+        shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
+        key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code, rep.prioritized,
+        shard.column_addresses()[0], shard.spec.step_bytes_array, rep.outs, rep.mask, keys, lengths,
+        probabilities, weights, iscr, fscr)
+    if rep.prioritized:
+        np.power(weights, np.float32(shard.selector.beta), out=weights)
+    shard.samples_drawn += b
+    return out
