@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..progress import human, log
 from . import incremental, pacing, segment_file, series
 from .arrival import assumed_rate
-from .files import SEGMENTED_VERSION, rank_dir
+from .files import BLOCKED_VERSION, rank_dir
 
 
 class BackgroundCheckpoints:
@@ -65,7 +65,7 @@ class BackgroundCheckpoints:
         self._base: incremental.Base | None = None
         self._snap: incremental.Snapshot | None = None  # the one being written: inserts copy before overwriting
         self._pacer: pacing.Pacer | None = None  # the writing thread's
-        self._scratch: list = []  # the table's copy, reused (the previous one is written before the next)
+        self._copies = incremental.table_blocks.Copies()  # the table's copies, reused (two, in turn)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._clock = time.monotonic()
@@ -104,7 +104,7 @@ class BackgroundCheckpoints:
         t0 = time.perf_counter()
         body = None
         try:
-            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._scratch)
+            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._copies)
             if replay.rank == 0:
                 from .protocol import _manifest_body  # the body save() writes, with this moment's streams
                 body = _manifest_body(replay, [])
@@ -129,27 +129,29 @@ class BackgroundCheckpoints:
             deadline += 2.0 * snap.to_write / (1e8 * self.cpu_share)
         self._snap = snap
         self._pacer = pacing.Pacer(self.write_rate, self.cpu_share)
-        self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline),
+        self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline, self._base),
                                         name=f"gear_mpi-checkpoint-{seq}", daemon=True)
         self._thread.start()
 
     # ---- the thread -----------------------------------------------------------------------------
-    def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
+    def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float,
+             base: incremental.Base | None) -> None:
         t0 = time.monotonic()
         pacer = self._pacer
         if self.priority == "low":
             pacing.lower_priority()
         try:
-            _, self._base = incremental.write(snap, pacer)
+            _, self._base = incremental.write(snap, pacer, base)
             if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
                 shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
                 body["shards"] = shards
                 body["items"] = sum(int(s["items"]) for s in shards)
-                series.install(path, body, SEGMENTED_VERSION)
+                series.install(path, body, BLOCKED_VERSION)
                 series.prune(self.directory, self.keep, busy=seq)
             self.completed += 1
             self.last.update(thread_seconds=time.monotonic() - t0, paced_seconds=pacer.slept,
-                             copied_in_loop=snap.copied, written_in_loop=snap.written_now)
+                             copied_in_loop=snap.copied, written_in_loop=snap.written_now,
+                             table_written=snap.table_written, table_linked=snap.table_linked)
             log.info("background checkpoint %s: rank %d wrote %s, linked %s in %.2f s", path, snap.rank,
                      human(snap.to_write), human(snap.linked), time.monotonic() - t0)
         except BaseException as e:

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-CHUNK = 1 << 20  # bytes handed over at a time: under a millisecond of hashing and copying, few GIL handovers
+CHUNK = 8 << 20  # bytes handed over at a time: a few ms of hashing, one GIL handover per call (files.write_file_direct)
 
 
 def _number(name: str, v, low: float, high: float | None = None) -> float | None:
