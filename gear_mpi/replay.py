@@ -688,9 +688,9 @@ class Replay:
         ``directory/ckpt-NNNNNNNN`` (:mod:`gear_mpi.checkpoint.background`; docs/guide/faults.md).
 
         The decision rides on ``sample``'s header; after the sample that starts one, each rank copies its table
-        and index, and a thread of low priority writes the ring segments (of ``segment_bytes``) changed since
-        the previous checkpoint straight from memory (an insert copies a segment before overwriting it while
-        it is still to be written), hard-linking the others (no MPI). Each is complete on its own once its
+        and index, and a thread of low priority writes the ring segments (of ``segment_bytes``) and table blocks
+        changed since the previous checkpoint, from memory (an insert copies a segment before overwriting it
+        while it is still to be written), hard-linking the others (no MPI). Each is complete on its own once its
         manifest exists; the newest ``keep`` are kept.
 
         Args:

@@ -107,18 +107,25 @@ def restore_priority(tid: int) -> bool:
         return False
 
 
-def lower_priority() -> str:
+def lower_priority(idle: bool = True) -> str:
     """Lower the calling thread's CPU priority (not the process's): ``SCHED_IDLE`` where the system allows
-    it, else nice 19. Local, O(1); never raises.
+    it and ``idle`` is true, else nice 19. Local, O(1); never raises.
 
+    Nice 19 still gets a slice within the scheduler's period whenever it is runnable; ``SCHED_IDLE`` runs
+    only on a core nothing else wants, and may wait far longer -- also while it holds the GIL, which the
+    training thread then waits for.
+
+    Args:
+        idle: try ``SCHED_IDLE`` first.
     Returns:
         What was done: ``"idle"``, ``"nice"`` or ``"none"`` (not supported here).
     """
-    try:  # Linux: pid 0 is the calling thread
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "idle"
-    except (AttributeError, OSError):
-        pass
+    if idle:
+        try:  # Linux: pid 0 is the calling thread
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except (AttributeError, OSError):
+            pass
     try:  # Linux: a thread id names that thread alone
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(19, os.getpriority(os.PRIO_PROCESS, tid)))
