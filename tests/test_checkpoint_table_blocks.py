@@ -122,3 +122,23 @@ def test_blocks_written_linked_and_read_alone(tmp_path):
         tb.read(str(two), e2, lay2, B)
     assert tb.is_table_file("table.bin") and tb.is_table_file("table-free-00000.bin")
     assert not tb.is_table_file("seg-00001.bin")
+
+
+def test_without_hard_links_unchanged_blocks_are_copied(tmp_path, monkeypatch):
+    copies = tb.Copies()
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    s1 = sections(5000, 4)
+    stems = [s for s, _, _ in tb.groups(layout(s1))]
+    _, f1 = copies.copy(s1)
+    e1, _, _ = tb.write(str(one), stems, f1, None, pacing.Pacer(), B)
+
+    def refused(src, dst):
+        raise OSError(18, "Invalid cross-device link")  # EXDEV
+    monkeypatch.setattr(os, "link", refused)
+    _, f2 = copies.copy(s1, list(f1))
+    entries, pending, copied, linked = tb.plan(str(two), stems, f2, (str(one), e1, dict(zip(stems, f1))), B)
+    assert not pending and len(copied) == len(e1) and linked == sum(f.nbytes for f in f1)
+    more, written = tb.write_pending(str(two), pending, copied, pacing.Pacer())
+    assert written == 0 and entries == e1
+    assert all(os.stat(two / n).st_nlink == 1 and (two / n).read_bytes() == (one / n).read_bytes() for n in e1)

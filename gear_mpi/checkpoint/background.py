@@ -129,19 +129,18 @@ class BackgroundCheckpoints:
             deadline += 2.0 * snap.to_write / (1e8 * self.cpu_share)
         self._snap = snap
         self._pacer = pacing.Pacer(self.write_rate, self.cpu_share)
-        self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline, self._base),
+        self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline),
                                         name=f"gear_mpi-checkpoint-{seq}", daemon=True)
         self._thread.start()
 
     # ---- the thread -----------------------------------------------------------------------------
-    def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float,
-             base: incremental.Base | None) -> None:
+    def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
         t0 = time.monotonic()
         pacer = self._pacer
         if self.priority in ("low", "idle"):
             pacing.lower_priority(idle=self.priority == "idle")
         try:
-            _, self._base = incremental.write(snap, pacer, base)
+            _, self._base = incremental.write(snap, pacer)
             if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
                 shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
                 body["shards"] = shards

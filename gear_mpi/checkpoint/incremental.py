@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -85,10 +84,13 @@ class Snapshot:
     directory: str                   # this rank's directory of the checkpoint
     rank: int
     links: list[tuple[int, str, dict]] = field(default_factory=list)     # segment -> base file, entry
+    link_copies: list[tuple[str, str]] = field(default_factory=list)     # (base file, name): no hard links here
     entries: dict[str, dict] = field(default_factory=dict)               # files already written
     sections: list[np.ndarray] = field(default_factory=list)   # the table's copy (table_blocks.Copies)
     stems: list[str] = field(default_factory=list)            # per group of sections: its block files' stem
     flats: list[np.ndarray] = field(default_factory=list)     # per group: its bytes in the copy
+    table_entries: dict[str, dict] = field(default_factory=dict)       # table blocks linked at the snapshot
+    table_pending: list = field(default_factory=list)                   # (name, bytes) of those to write
     table_written: int = 0   # bytes of table blocks written (the others linked from the base)
     table_linked: int = 0
     compressed: list[np.ndarray] = field(default_factory=list)  # compressed.bin's arrays (copied), if any
@@ -222,7 +224,8 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
         The :class:`Snapshot`; until :func:`write` ends it, hang :meth:`Snapshot.protect` on ``store.on_write``.
     Raises:
         OSError: creating the directory failed.
-    Cost: a copy of the table sections and the index; O(segments in use) bookkeeping; no segment is copied.
+    Cost: a copy of the table sections and the index, compared with the base's copy; a hard link per
+    unchanged segment and table block; O(segments in use) bookkeeping; no segment is copied.
     """
     shard = replay.shard
     store, spec, cap = shard.store, shard.spec, shard.capacity_steps
@@ -253,6 +256,14 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
     snap.stems = [stem for stem, _, _ in table_blocks.groups(meta["table_layout"])]
     meta.update(column_layout=segment_file.LAYOUT, segment_steps=changes.k, segments=segs,
                 table_block=table_blocks.BLOCK)
+    # the links here, in the loop (about 15 us each): the writer thread takes the GIL back less often
+    for s, src, _ in snap.links:
+        if not table_blocks.link(src, os.path.join(d, segment_file.name(s))):
+            snap.link_copies.append((src, segment_file.name(s)))
+    prev = None if base is None else (base.directory, base.tables, base.flats)
+    snap.table_entries, snap.table_pending, copied, snap.table_linked = table_blocks.plan(
+        d, snap.stems, snap.flats, prev, table_blocks.BLOCK)
+    snap.link_copies += copied
     if store.compressed:  # their chunks as stored (compressed: a fraction of the raw size), copied whole
         layout = {}
         for name, chunks in store.compressed.items():
@@ -265,33 +276,24 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
     return snap
 
 
-def write(snap: Snapshot, pacer: Pacer | None = None, base: Base | None = None) -> tuple[dict, Base]:
+def write(snap: Snapshot, pacer: Pacer | None = None) -> tuple[dict, Base]:
     """Write a snapshot's files and mark its directory done (any thread; no MPI).
 
     Args:
-        snap: from :func:`snapshot`; pacer: the byte budget for the segments (None: unpaced);
-        base: the base given to :func:`snapshot` (its table blocks that did not change are linked; None:
-            every block is written).
+        snap: from :func:`snapshot`; pacer: the byte budget for the segments (None: unpaced).
     Returns:
         ``(done, base)``: what ``done.json`` says (``rank``, ``items``, ``steps_used``, ``files``), and this
         part as the base of the rank's next checkpoint.
     Raises:
         OSError: the file system refused; CheckpointError: the replay was closed first (then ``failed.json``
         is written, if it can be).
-    Cost: writes the changed segments (from the shard's memory or an insert's copy) and the table, one hard
-    link per unchanged segment, an fsync per file.
+    Cost: writes the changed segments (from the shard's memory or an insert's copy) and table blocks (the
+    unchanged ones were linked by :func:`snapshot`), an fsync per file.
     """
     d = snap.directory
     pacer = pacer if pacer is not None else Pacer()
     try:
-        entries: dict[str, dict] = {}
-        for s, src, entry in snap.links:
-            dst = os.path.join(d, segment_file.name(s))
-            try:
-                os.link(src, dst)
-            except OSError:  # no hard links here (or across file systems): a copy of the whole file
-                shutil.copyfile(src, dst)
-            entries[segment_file.name(s)] = dict(entry)
+        entries: dict[str, dict] = {segment_file.name(s): dict(entry) for s, _, entry in snap.links}  # linked
         while True:
             nxt = snap._next()
             if nxt is None:
@@ -320,9 +322,8 @@ def write(snap: Snapshot, pacer: Pacer | None = None, base: Base | None = None) 
             if snap.failure:
                 raise CheckpointError(f"{d}: {snap.failure}")
             entries.update(snap.entries)  # what inserts wrote themselves
-        prev = None if base is None else (base.directory, base.tables, base.flats)
-        tables, snap.table_written, snap.table_linked = table_blocks.write(d, snap.stems, snap.flats, prev, pacer,
-                                                                             int(snap.meta["table_block"]))
+        entries.update(snap.table_entries)  # linked by snapshot()
+        tables, snap.table_written = table_blocks.write_pending(d, snap.table_pending, snap.link_copies, pacer)
         entries.update(tables)
         if snap.compressed:
             entries[compressed_file.COMPRESSED] = files.write_file_direct(
@@ -345,6 +346,7 @@ def write(snap: Snapshot, pacer: Pacer | None = None, base: Base | None = None) 
             snap.saved.clear()
             snap.order.clear()
             snap.views = None
+            snap.table_pending = []
     segs = {int(n[4:9]): e for n, e in entries.items() if n.startswith("seg-")}
     tables = {n: e for n, e in entries.items() if n.startswith(table_blocks.PREFIX)}
     return done, Base(d, segs, tables, dict(zip(snap.stems, snap.flats)))
