@@ -137,8 +137,8 @@ class BackgroundCheckpoints:
     def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
         t0 = time.monotonic()
         pacer = self._pacer
-        if self.priority in ("low", "idle"):
-            pacing.lower_priority(idle=self.priority == "idle")
+        if self.priority in ("low", "nice"):
+            pacing.lower_priority(idle=self.priority == "low")
         try:
             _, self._base = incremental.write(snap, pacer)
             if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
@@ -252,8 +252,8 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         replay, directory, seconds, keep, segment_bytes, copy_limit: as ``Replay.checkpoint_every``.
         write_rate: bytes a second each rank's thread writes at most (:class:`~gear_mpi.checkpoint.pacing.Pacer`;
             None: no limit). cpu_share: the fraction of a core each rank's thread uses at most (None: no
-            limit); both kept by sleeping between small chunks. priority: ``"low"`` (the thread runs at nice 19), ``"idle"`` (``SCHED_IDLE``, else nice 19:
-            :func:`~gear_mpi.checkpoint.pacing.lower_priority`) or ``"normal"``.
+            limit); both kept by sleeping between small chunks. priority: ``"low"`` (the thread runs ``SCHED_IDLE``, else at nice 19:
+            :func:`~gear_mpi.checkpoint.pacing.lower_priority`), ``"nice"`` (nice 19) or ``"normal"``.
     Returns:
         The handle, attached to the replay.
 
@@ -276,8 +276,8 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
         pacing.Pacer(write_rate, cpu_share)  # raises ValueError for a bad rate or share
-        if priority not in ("low", "idle", "normal"):
-            raise ValueError(f"priority must be 'low', 'idle' or 'normal', got {priority!r}")
+        if priority not in ("low", "nice", "normal"):
+            raise ValueError(f"priority must be 'low', 'nice' or 'normal', got {priority!r}")
         if getattr(replay, "_checkpoints", None) is not None:
             raise ValueError("checkpoint_every: this replay already has background checkpoints; stop() them first")
         directory = os.path.abspath(os.fspath(directory))

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bytes/s of each rank's writer (0: unpaced; default: checkpoint_every's default)")
     ap.add_argument("--cpu-share", type=float, default=-1.0,
                     help="share of a core for each rank's writer (0: no limit; default: checkpoint_every's default)")
-    ap.add_argument("--priority", default="low", choices=("low", "idle", "normal"))
+    ap.add_argument("--priority", default="low", choices=("low", "nice", "normal"))
     ap.add_argument("--segment-bytes", type=int, default=0,
                     help="bytes per ring segment file (0: checkpoint_every's default)")
     ap.add_argument("--dir", default="/tmp/gear_bench_checkpoint", help="checkpoint directory (removed first)")

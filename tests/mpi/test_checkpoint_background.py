@@ -298,7 +298,7 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
         replay.checkpoint_every(shared_dir, cpu_share=2.0 if RANK == 0 else 0.1)
     with pytest.raises(ValueError, match="write_rate must be a number > 0"):
         replay.checkpoint_every(shared_dir, write_rate=-5)
-    with pytest.raises(ValueError, match="priority must be 'low', 'idle' or 'normal'"):
+    with pytest.raises(ValueError, match="priority must be 'low', 'nice' or 'normal'"):
         replay.checkpoint_every(shared_dir, priority="high")
     assert replay._checkpoints is None and replay.shard.store.on_write is None
     with pytest.raises(ValueError, match="the same on every rank"):
