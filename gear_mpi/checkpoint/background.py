@@ -7,9 +7,9 @@ else 0. When every rank votes 1 -- the agreed header is the same table on every 
 decides alike -- each rank takes its snapshot right after that sample returns its batch
 (:func:`~gear_mpi.checkpoint.incremental.snapshot`: changed segments and the table copied, unchanged
 segments to be linked) and hands it to a thread of its own, which writes the files without MPI. Rank
-0's thread then waits for every rank's ``done.json``, writes the manifest (the checkpoint is complete
-from that moment) and deletes all but the newest ``keep``
-(:mod:`~gear_mpi.checkpoint.series`). No collective is ever made from a thread, and no sample waits
+0's thread then waits for every rank's ``done.json`` and writes the manifest (the checkpoint is complete
+from that moment); rank 0's training thread deletes all but the newest ``keep`` when the next checkpoint
+starts, or at ``wait`` (:mod:`~gear_mpi.checkpoint.series`). No collective is ever made from a thread, and no sample waits
 for a file.
 
 What a checkpoint holds: every shard as it was after the sample that started it (the same moment on
@@ -69,6 +69,7 @@ class BackgroundCheckpoints:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._clock = time.monotonic()
+        self._prune = False  # rank 0: a checkpoint was installed since the last prune
         replay.shard.store.on_write = self._on_write
 
     def _on_write(self, first: int, steps: int) -> None:
@@ -102,6 +103,7 @@ class BackgroundCheckpoints:
         path = os.path.join(self.directory, series.dir_name(seq))
         replay = self.replay
         t0 = time.perf_counter()
+        self._prune_old()
         body = None
         try:
             snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._copies)
@@ -146,7 +148,7 @@ class BackgroundCheckpoints:
                 body["shards"] = shards
                 body["items"] = sum(int(s["items"]) for s in shards)
                 series.install(path, body, BLOCKED_VERSION)
-                series.prune(self.directory, self.keep, busy=seq)
+                self._prune = True  # by the training thread, at the next start or wait: fewer GIL handovers here
             self.completed += 1
             self.last.update(thread_seconds=time.monotonic() - t0, paced_seconds=pacer.slept,
                              copied_in_loop=snap.copied, written_in_loop=snap.written_now,
@@ -161,6 +163,16 @@ class BackgroundCheckpoints:
         finally:
             if self._snap is snap:
                 self._snap = None
+
+    def _prune_old(self) -> None:
+        """Rank 0, training thread, no checkpoint being written: delete all but the newest ``keep`` complete ones
+        (:func:`~gear_mpi.checkpoint.series.prune`; an unlink per file, about 10 us each). Never raises."""
+        if self._prune:
+            self._prune = False
+            try:
+                series.prune(self.directory, self.keep)
+            except OSError as e:
+                log.warning("background checkpoints: pruning %s failed: %s", self.directory, e)
 
     def _join(self, timeout: float | None) -> None:
         if self._thread is not None:
@@ -203,9 +215,11 @@ class BackgroundCheckpoints:
             CheckpointError: a background checkpoint failed on some rank since the last ``wait`` or ``now``
                 (the same on every rank; the checkpoints before it stay complete and loadable).
             CollectiveTimeoutError, CollectiveError: as every collective of the replay.
-        Cost: blocks for this rank's thread (rank 0: until the manifest is written); one head allgather.
+        Cost: blocks for this rank's thread (rank 0: until the manifest is written, then deletes the
+        checkpoints past ``keep``); one head allgather.
         """
         self._join(None)
+        self._prune_old()
         err, self._error = self._error, None
         self.replay.calls.agree(err, "checkpoints", [0])
         return series.latest(self.directory)
