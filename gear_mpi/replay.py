@@ -682,15 +682,15 @@ class Replay:
         checkpoint.save(self, path, progress)
 
     def checkpoint_every(self, directory, seconds: float | None = 60.0, keep: int = 2, *, segment_bytes: int = 16 << 20,
-                         copy_limit: int = 1 << 30, write_rate: float | None = None, cpu_share: float | None = 0.1,
+                         copy_limit: int = 1 << 30, write_rate: float | None = None, cpu_share: float | None = 0.05,
                          priority: str = "low"):
         """Collective: take incremental checkpoints in the background, about every ``seconds``, into
         ``directory/ckpt-NNNNNNNN`` (:mod:`gear_mpi.checkpoint.background`; docs/guide/faults.md).
 
         The decision rides on ``sample``'s header; after the sample that starts one, each rank copies its table
-        and index, and a thread of low priority writes the ring segments (of ``segment_bytes``) changed since
-        the previous checkpoint straight from memory (an insert copies a segment before overwriting it while
-        it is still to be written), hard-linking the others (no MPI). Each is complete on its own once its
+        and index, and a thread of low priority writes the ring segments (of ``segment_bytes``) and table blocks
+        changed since the previous checkpoint, from memory (an insert copies a segment before overwriting it
+        while it is still to be written), hard-linking the others (no MPI). Each is complete on its own once its
         manifest exists; the newest ``keep`` are kept.
 
         Args:

@@ -61,6 +61,7 @@ restores its own state through its ``state()``/``load_state()``/``sections()``):
 - :mod:`~gear_mpi.checkpoint.reshard`: dealing the trajectories to another number of ranks;
 - :mod:`~gear_mpi.checkpoint.arena_file`: the version-3 ``columns.bin`` (written, read, mapped, verified);
 - :mod:`~gear_mpi.checkpoint.segment_file`: version 4's ring segment files (background checkpoints);
+- :mod:`~gear_mpi.checkpoint.table_blocks`: version 5's table in blocks, those unchanged linked (background);
 - :mod:`~gear_mpi.checkpoint.incremental`: one rank's snapshot of what changed (copied on write), and its files;
 - :mod:`~gear_mpi.checkpoint.pacing`: the background writer's budget (CPU share, bytes/s) and low priority;
 - :mod:`~gear_mpi.checkpoint.series`: a directory of numbered checkpoints: newest complete, install, prune;

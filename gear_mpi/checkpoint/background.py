@@ -7,9 +7,9 @@ else 0. When every rank votes 1 -- the agreed header is the same table on every 
 decides alike -- each rank takes its snapshot right after that sample returns its batch
 (:func:`~gear_mpi.checkpoint.incremental.snapshot`: changed segments and the table copied, unchanged
 segments to be linked) and hands it to a thread of its own, which writes the files without MPI. Rank
-0's thread then waits for every rank's ``done.json``, writes the manifest (the checkpoint is complete
-from that moment) and deletes all but the newest ``keep``
-(:mod:`~gear_mpi.checkpoint.series`). No collective is ever made from a thread, and no sample waits
+0's thread then waits for every rank's ``done.json`` and writes the manifest (the checkpoint is complete
+from that moment); rank 0's training thread deletes all but the newest ``keep`` when the next checkpoint
+starts, or at ``wait`` (:mod:`~gear_mpi.checkpoint.series`). No collective is ever made from a thread, and no sample waits
 for a file.
 
 What a checkpoint holds: every shard as it was after the sample that started it (the same moment on
@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..progress import human, log
 from . import incremental, pacing, segment_file, series
 from .arrival import assumed_rate
-from .files import SEGMENTED_VERSION, rank_dir
+from .files import BLOCKED_VERSION, rank_dir
 
 
 class BackgroundCheckpoints:
@@ -65,10 +65,11 @@ class BackgroundCheckpoints:
         self._base: incremental.Base | None = None
         self._snap: incremental.Snapshot | None = None  # the one being written: inserts copy before overwriting
         self._pacer: pacing.Pacer | None = None  # the writing thread's
-        self._scratch: list = []  # the table's copy, reused (the previous one is written before the next)
+        self._copies = incremental.table_blocks.Copies()  # the table's copies, reused (two, in turn)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._clock = time.monotonic()
+        self._prune = False  # rank 0: a checkpoint was installed since the last prune
         replay.shard.store.on_write = self._on_write
 
     def _on_write(self, first: int, steps: int) -> None:
@@ -102,9 +103,10 @@ class BackgroundCheckpoints:
         path = os.path.join(self.directory, series.dir_name(seq))
         replay = self.replay
         t0 = time.perf_counter()
+        self._prune_old()
         body = None
         try:
-            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._scratch)
+            snap = incremental.snapshot(replay, self.changes, self._base, path, self.copy_limit, self._copies)
             if replay.rank == 0:
                 from .protocol import _manifest_body  # the body save() writes, with this moment's streams
                 body = _manifest_body(replay, [])
@@ -137,19 +139,20 @@ class BackgroundCheckpoints:
     def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
         t0 = time.monotonic()
         pacer = self._pacer
-        if self.priority == "low":
-            pacing.lower_priority()
+        if self.priority in ("low", "nice"):
+            pacing.lower_priority(idle=self.priority == "low")
         try:
             _, self._base = incremental.write(snap, pacer)
             if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
                 shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
                 body["shards"] = shards
                 body["items"] = sum(int(s["items"]) for s in shards)
-                series.install(path, body, SEGMENTED_VERSION)
-                series.prune(self.directory, self.keep, busy=seq)
+                series.install(path, body, BLOCKED_VERSION)
+                self._prune = True  # by the training thread, at the next start or wait: fewer GIL handovers here
             self.completed += 1
             self.last.update(thread_seconds=time.monotonic() - t0, paced_seconds=pacer.slept,
-                             copied_in_loop=snap.copied, written_in_loop=snap.written_now)
+                             copied_in_loop=snap.copied, written_in_loop=snap.written_now,
+                             table_written=snap.table_written, table_linked=snap.table_linked)
             log.info("background checkpoint %s: rank %d wrote %s, linked %s in %.2f s", path, snap.rank,
                      human(snap.to_write), human(snap.linked), time.monotonic() - t0)
         except BaseException as e:
@@ -160,6 +163,16 @@ class BackgroundCheckpoints:
         finally:
             if self._snap is snap:
                 self._snap = None
+
+    def _prune_old(self) -> None:
+        """Rank 0, training thread, no checkpoint being written: delete all but the newest ``keep`` complete ones
+        (:func:`~gear_mpi.checkpoint.series.prune`; an unlink per file, about 10 us each). Never raises."""
+        if self._prune:
+            self._prune = False
+            try:
+                series.prune(self.directory, self.keep)
+            except OSError as e:
+                log.warning("background checkpoints: pruning %s failed: %s", self.directory, e)
 
     def _join(self, timeout: float | None) -> None:
         if self._thread is not None:
@@ -202,9 +215,11 @@ class BackgroundCheckpoints:
             CheckpointError: a background checkpoint failed on some rank since the last ``wait`` or ``now``
                 (the same on every rank; the checkpoints before it stay complete and loadable).
             CollectiveTimeoutError, CollectiveError: as every collective of the replay.
-        Cost: blocks for this rank's thread (rank 0: until the manifest is written); one head allgather.
+        Cost: blocks for this rank's thread (rank 0: until the manifest is written, then deletes the
+        checkpoints past ``keep``); one head allgather.
         """
         self._join(None)
+        self._prune_old()
         err, self._error = self._error, None
         self.replay.calls.agree(err, "checkpoints", [0])
         return series.latest(self.directory)
@@ -252,7 +267,7 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         write_rate: bytes a second each rank's thread writes at most (:class:`~gear_mpi.checkpoint.pacing.Pacer`;
             None: no limit). cpu_share: the fraction of a core each rank's thread uses at most (None: no
             limit); both kept by sleeping between small chunks. priority: ``"low"`` (the thread runs ``SCHED_IDLE``, else at nice 19:
-            :func:`~gear_mpi.checkpoint.pacing.lower_priority`) or ``"normal"``.
+            :func:`~gear_mpi.checkpoint.pacing.lower_priority`), ``"nice"`` (nice 19) or ``"normal"``.
     Returns:
         The handle, attached to the replay.
 
@@ -275,8 +290,8 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
         pacing.Pacer(write_rate, cpu_share)  # raises ValueError for a bad rate or share
-        if priority not in ("low", "normal"):
-            raise ValueError(f"priority must be 'low' or 'normal', got {priority!r}")
+        if priority not in ("low", "nice", "normal"):
+            raise ValueError(f"priority must be 'low', 'nice' or 'normal', got {priority!r}")
         if getattr(replay, "_checkpoints", None) is not None:
             raise ValueError("checkpoint_every: this replay already has background checkpoints; stop() them first")
         directory = os.path.abspath(os.fspath(directory))

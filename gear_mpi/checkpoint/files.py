@@ -32,7 +32,8 @@ from ..errors import CheckpointError
 FORMAT = "gear_mpi-checkpoint"
 FORMAT_VERSION = 3  # 2: the priority index has line sums (l0_sum); 3: one columns.bin laid out as the arena
 SEGMENTED_VERSION = 4  # background (incremental) checkpoints: seg-NNNNN.bin files (checkpoint.segment_file)
-READABLE_VERSIONS = (2, 3, 4)  # what load reads (version 2: a column-NNN.bin per column, oldest step first)
+BLOCKED_VERSION = 5  # and the table in table-<section>-NNNNN.bin blocks (checkpoint.table_blocks)
+READABLE_VERSIONS = (2, 3, 4, 5)  # what load reads (version 2: a column-NNN.bin per column, oldest step first)
 MANIFEST = "MANIFEST.json"
 SHARD_JSON = "shard.json"
 TABLE = "table.bin"
@@ -105,24 +106,34 @@ def write_file(filename: str, chunks: Iterable) -> dict[str, Any]:
     return out
 
 
-DIRECT_BLOCK = 1 << 20  # write_file_direct's bounce buffer: page-aligned, a multiple of any O_DIRECT block
+DIRECT_BLOCK = 8 << 20  # write_file_direct's bounce buffer: page-aligned, a multiple of any O_DIRECT block
+DIRECT_ALIGN = 4096     # a chunk at an address and of a length that are multiples of this is written in place
 
 
-def write_file_direct(filename: str, chunks: Iterable) -> dict[str, Any]:
+def _address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, np.uint8).__array_interface__["data"][0])
+
+
+def write_file_direct(filename: str, chunks: Iterable, sha256: str | None = None) -> dict[str, Any]:
     """:func:`write_file` for plain ``chunks`` (no offsets), bypassing the page cache where it can.
 
-    The file is opened with ``O_DIRECT`` and written from a page-aligned buffer of :data:`DIRECT_BLOCK`
-    bytes (the chunks copied into it): the kernel moves the data straight to the device, without copying
-    it into the page cache and writing it back later -- about a tenth of the CPU time of a buffered write
-    on the machine measured (docs/guide/faults.md), work that otherwise competes with the training loop.
-    The tail shorter than the buffer is written after ``O_DIRECT`` is turned off (``fcntl``). Where the
-    system or the file system refuses ``O_DIRECT`` (not Linux, tmpfs before Linux 6.6, a write with other
-    alignment needs), the same bytes are written through the page cache instead. The result is the same
-    file, fsynced, and the same description as :func:`write_file`'s.
+    The file is opened with ``O_DIRECT``. A chunk whose address and length are multiples of
+    :data:`DIRECT_ALIGN` (a ring segment of page-sized steps, a page-aligned copy) is written from where
+    it lies, in one call; others are copied into a page-aligned buffer of :data:`DIRECT_BLOCK` bytes
+    first. The kernel moves the data straight to the device, without copying it into the page cache and
+    writing it back later -- about a tenth of the CPU time of a buffered write on the machine measured
+    (docs/guide/faults.md), work that otherwise competes with the training loop. Each chunk is hashed in
+    one call and written in one or a few: the calling thread gives up the GIL for the whole of each (a
+    thread of low priority that takes the GIL back often can hold up the training thread, which waits
+    for it). A tail shorter than the alignment is written after ``O_DIRECT`` is turned off (``fcntl``).
+    Where the system or the file system refuses ``O_DIRECT`` (not Linux, tmpfs before Linux 6.6, a
+    write with other alignment needs), the same bytes are written through the page cache instead. The
+    result is the same file, fsynced, and the same description as :func:`write_file`'s.
 
     Args:
         filename: the file to create; it must not exist.
         chunks: bytes-like objects (numpy arrays included), written in order.
+        sha256: the chunks' digest when the caller has it already (not computed again), else None.
     Returns:
         ``{"bytes": file size, "sha256": hex digest}``.
     Raises:
@@ -131,7 +142,8 @@ def write_file_direct(filename: str, chunks: Iterable) -> dict[str, Any]:
     """
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
-        return write_file(filename, chunks)
+        out = write_file(filename, chunks)
+        return out if sha256 is None else dict(out, sha256=sha256)
     try:
         fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o644)
     except OSError as e:
@@ -139,44 +151,65 @@ def write_file_direct(filename: str, chunks: Iterable) -> dict[str, Any]:
             raise
         if os.path.lexists(filename):  # created before the flag was refused (O_EXCL: ours)
             os.unlink(filename)
-        return write_file(filename, chunks)
-    digest, size, fill = hashlib.sha256(), 0, 0
-    bounce = mmap.mmap(-1, DIRECT_BLOCK)
-    buf = np.frombuffer(bounce, np.uint8)
+        out = write_file(filename, chunks)
+        return out if sha256 is None else dict(out, sha256=sha256)
+    digest, size, fill = (hashlib.sha256() if sha256 is None else None), 0, 0
+    bounce: mmap.mmap | None = None
+    buf = None
     direct = True
 
-    def flush(n: int) -> None:
+    def buffered() -> None:
         nonlocal direct
-        if direct and n % DIRECT_BLOCK:  # the tail: through the page cache
+        if direct:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~flag)
             direct = False
+
+    def put(view: memoryview) -> None:
+        """Write all of ``view`` (aligned, or the tail); a refusal of O_DIRECT falls back to the page cache."""
         done = 0
-        with memoryview(bounce) as whole:
-            while done < n:
-                with whole[done:n] as view:
-                    try:
-                        done += os.write(fd, view)
-                    except OSError as e:
-                        if not direct or e.errno != errno.EINVAL:
-                            raise
-                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~flag)
-                        direct = False
+        if direct and len(view) % DIRECT_ALIGN:  # the tail: through the page cache
+            buffered()
+        while done < len(view):
+            with view[done:] as rest:
+                try:
+                    done += os.write(fd, rest)
+                except OSError as e:
+                    if not direct or e.errno != errno.EINVAL:
+                        raise
+                    buffered()
+
+    def flush(n: int) -> None:
+        with memoryview(bounce) as whole, whole[:n] as view:
+            put(view)
 
     try:
         for chunk in chunks:
             mv = memoryview(chunk).cast("B")
             if not len(mv):
                 continue
-            digest.update(mv)
-            src = np.frombuffer(mv, np.uint8)
-            pos = 0
-            while pos < len(src):
-                n = min(DIRECT_BLOCK - fill, len(src) - pos)
-                buf[fill:fill + n] = src[pos:pos + n]
-                fill, pos = fill + n, pos + n
-                if fill == DIRECT_BLOCK:
-                    flush(fill)
-                    fill = 0
+            if digest is not None:
+                digest.update(mv)  # one call: the GIL is free for all of it
+            if direct and not fill and len(mv) >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+                whole = len(mv) - len(mv) % DIRECT_ALIGN
+                with mv[:whole] as view:
+                    put(view)  # in place: no copy
+                rest = mv[whole:]
+            else:
+                rest = mv
+            if len(rest):
+                if bounce is None:
+                    bounce = mmap.mmap(-1, DIRECT_BLOCK)
+                    buf = np.frombuffer(bounce, np.uint8)
+                src = np.frombuffer(rest, np.uint8)
+                pos = 0
+                while pos < len(src):
+                    n = min(DIRECT_BLOCK - fill, len(src) - pos)
+                    buf[fill:fill + n] = src[pos:pos + n]
+                    fill, pos = fill + n, pos + n
+                    if fill == DIRECT_BLOCK:
+                        flush(fill)
+                        fill = 0
+                del src
             size += len(mv)
             progress.advance(len(mv))
         if fill:
@@ -184,9 +217,10 @@ def write_file_direct(filename: str, chunks: Iterable) -> dict[str, Any]:
         os.fsync(fd)
     finally:
         del buf
-        bounce.close()
+        if bounce is not None:
+            bounce.close()
         os.close(fd)
-    return {"bytes": size, "sha256": digest.hexdigest()}
+    return {"bytes": size, "sha256": digest.hexdigest() if digest is not None else sha256}
 
 
 def rename(src: str, dst: str) -> None:

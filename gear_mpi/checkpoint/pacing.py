@@ -1,18 +1,18 @@
 """Keeping a background checkpoint's writer out of the training loop's way: a byte budget and a low priority.
 
 A background checkpoint (:mod:`~gear_mpi.checkpoint.background`) writes from a thread of its own while the
-training thread samples. Two things decide how much the loop notices:
+training thread samples. Three things decide how much the loop notices:
 
-- **CPU.** Hashing (sha256) and copying into the page cache take a core for as long as they run; on a node
-  with no core to spare the writer's bursts take it from a rank, and every collective waits for the
-  slowest rank. :func:`lower_priority` makes the writer thread ``SCHED_IDLE`` (Linux; it runs when a core
-  would otherwise idle: while ranks wait for each other, for the GPU, for I/O) or, where that is refused,
-  the lowest nice value, for that thread only.
-- **Bursts.** :class:`Pacer` spreads the work over time: the writer hands files their data in small
-  chunks and sleeps between them, so that it uses at most ``cpu_share`` of a core (and moves at most
-  ``rate`` bytes a second, if given) -- the checkpoint takes longer, the loop is never held off for long
-  (a rank that yields its core while it waits for a peer gets it back within a chunk, not a scheduler
-  tick), and the page cache's writeback comes in a trickle.
+- **CPU.** Hashing (sha256) and copying take a core for as long as they run; on a node with no core to
+  spare the writer's bursts take it from a rank, and every collective waits for the slowest rank.
+  :func:`lower_priority` makes the writer thread nice 19 or ``SCHED_IDLE`` (Linux; it runs when a core
+  would otherwise idle: while ranks wait for each other, for the GPU, for I/O), for that thread only.
+- **The GIL.** Every time the writer takes the GIL back (after a call that released it) it may make the
+  training thread wait, and a thread of low priority preempted while holding it makes it wait long. So
+  the writer makes few, large calls: :data:`CHUNK` bytes hashed, copied or written per call.
+- **Bursts.** :class:`Pacer` spreads the work over time: the writer hands files their data in chunks and
+  sleeps between them, so that it uses at most ``cpu_share`` of a core (and moves at most ``rate`` bytes a
+  second, if given) -- the checkpoint takes longer, and the device's writes come in a trickle.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-CHUNK = 1 << 20  # bytes handed over at a time: under a millisecond of hashing and copying, few GIL handovers
+CHUNK = 8 << 20  # bytes handed over at a time: a few ms of hashing, one GIL handover per call (files.write_file_direct)
 
 
 def _number(name: str, v, low: float, high: float | None = None) -> float | None:
@@ -107,18 +107,25 @@ def restore_priority(tid: int) -> bool:
         return False
 
 
-def lower_priority() -> str:
+def lower_priority(idle: bool = True) -> str:
     """Lower the calling thread's CPU priority (not the process's): ``SCHED_IDLE`` where the system allows
-    it, else nice 19. Local, O(1); never raises.
+    it and ``idle`` is true, else nice 19. Local, O(1); never raises.
 
+    Nice 19 still gets a slice within the scheduler's period whenever it is runnable; ``SCHED_IDLE`` runs
+    only on a core nothing else wants, and may wait far longer -- also while it holds the GIL, which the
+    training thread then waits for.
+
+    Args:
+        idle: try ``SCHED_IDLE`` first.
     Returns:
         What was done: ``"idle"``, ``"nice"`` or ``"none"`` (not supported here).
     """
-    try:  # Linux: pid 0 is the calling thread
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "idle"
-    except (AttributeError, OSError):
-        pass
+    if idle:
+        try:  # Linux: pid 0 is the calling thread
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except (AttributeError, OSError):
+            pass
     try:  # Linux: a thread id names that thread alone
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(19, os.getpriority(os.PRIO_PROCESS, tid)))

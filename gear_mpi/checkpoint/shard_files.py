@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..kernels import ring
 from ..spec import TrajectorySpec
-from . import arena_file, compressed_file, files, segment_file
+from . import arena_file, compressed_file, files, segment_file, table_blocks
 from .files import SHARD_JSON, TABLE, CheckedFile, column_file, rank_dir, read_json, slices
 
 
@@ -123,12 +123,15 @@ def saved_bytes(body: dict, r: int, names=None) -> int:
     Args:
         body: the manifest body.
         r: the saved rank.
-        names: file names to count (None: every file of the rank).
+        names: file names to count (None: every file of the rank); ``table.bin`` among them counts a
+            background checkpoint's table blocks too (:mod:`~gear_mpi.checkpoint.table_blocks`).
     Returns:
         The byte count.
     """
     entries = body["shards"][r]["files"]  # a v3 columns.bin: the bytes it holds, not its size with holes
-    return sum(int(e.get("data", e["bytes"])) for n, e in entries.items() if names is None or n in names)
+    blocks = names is not None and TABLE in names
+    return sum(int(e.get("data", e["bytes"])) for n, e in entries.items()
+               if names is None or n in names or (blocks and table_blocks.is_table_file(n)))
 
 
 def read_meta(where: str, body: dict, r: int) -> dict:
@@ -173,7 +176,8 @@ def ring_head(meta: dict) -> int:
 
 
 def read_table(where: str, body: dict, r: int, meta: dict) -> dict[str, np.ndarray]:
-    """Read and check rank ``r``'s ``table.bin``. O(file size). Local.
+    """Read and check rank ``r``'s ``table.bin`` (or its table blocks: :mod:`~gear_mpi.checkpoint.table_blocks`).
+    O(file size). Local.
 
     Args:
         where: the checkpoint directory.
@@ -186,6 +190,8 @@ def read_table(where: str, body: dict, r: int, meta: dict) -> dict[str, np.ndarr
         CheckpointError: the file is missing, damaged or shorter than its layout.
     """
     d, entries = rank_files(where, body, r)
+    if meta.get("table_block"):
+        return table_blocks.read(d, entries, meta["table_layout"], int(meta["table_block"]))
     out = {}
     with CheckedFile(os.path.join(d, TABLE), entries.get(TABLE)) as c:
         for name, dtype, count in meta["table_layout"]:

@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bytes/s of each rank's writer (0: unpaced; default: checkpoint_every's default)")
     ap.add_argument("--cpu-share", type=float, default=-1.0,
                     help="share of a core for each rank's writer (0: no limit; default: checkpoint_every's default)")
-    ap.add_argument("--priority", default="low", choices=("low", "normal"))
+    ap.add_argument("--priority", default="low", choices=("low", "nice", "normal"))
+    ap.add_argument("--segment-bytes", type=int, default=0,
+                    help="bytes per ring segment file (0: checkpoint_every's default)")
     ap.add_argument("--dir", default="/tmp/gear_bench_checkpoint", help="checkpoint directory (removed first)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {} if args.write_rate < 0 else {"write_rate": args.write_rate or None}
     if args.cpu_share >= 0:
         options["cpu_share"] = args.cpu_share or None
+    if args.segment_bytes:
+        options["segment_bytes"] = args.segment_bytes
     handle = replay.checkpoint_every(args.dir, seconds=None, keep=2, priority=args.priority, **options)
     t0 = time.perf_counter()
     handle.now()
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                        "path": str(path), "new_blocks": new_bytes(str(path)) if rank == 0 else 0})
     second = rounds[0]["last"]
     fig = comm.gather({"changed": second["changed"], "linked": second["linked"], "to_write": second["to_write"],
-                       "in_loop": second.get("written_in_loop", 0)}, 0)
+                       "in_loop": second.get("written_in_loop", 0), "table_written": second.get("table_written"),
+                       "table_linked": second.get("table_linked"), "thread_s": first.get("thread_seconds")}, 0)
     if rank == 0:
         total = steps * size * args.step_bytes
         ratios = [r["ratio"] for r in rounds]
@@ -152,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                          "during_s": round(first_during_s, 2), "during_calls": first_calls,
                          "during_over_without": round(first_during / first_after, 3)},
                "second": {"seconds": round(rounds[0]["seconds"], 2), "loop_seconds": round(rounds[0]["loop_seconds"], 4),
-                          "written": sum(f["to_write"] + f["in_loop"] for f in fig),
+                          "written": sum(f["changed"] + (f["to_write"] - f["changed"] if f["table_written"] is None
+                                                         else f["table_written"]) for f in fig),
+                          "table_written": sum(f["table_written"] or 0 for f in fig),
+                          "table_linked": sum(f["table_linked"] or 0 for f in fig),
                           "linked": sum(f["linked"] for f in fig), "new_blocks_on_disk": rounds[0]["new_blocks"]},
                "rate": {"before": round(base_rate), "during": [round(r["during"]) for r in rounds],
                         "after": [round(r["after"]) for r in rounds], "during_s": [round(r["during_s"], 2) for r in rounds],

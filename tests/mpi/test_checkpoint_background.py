@@ -9,6 +9,7 @@ tests/mpi/test_checkpoint_background.py`` by hand).
   before they overwrite them: the checkpoint is the snapshot's state;
 - the second checkpoint writes only the segments inserts touched: the others are hard links to the
   first one's files; each checkpoint loads on its own, also after the other is deleted;
+- the table too: only its blocks that changed are written, the others linked;
 - ``keep``: only the newest complete checkpoints stay; an interrupted one (no manifest) is passed over;
 - the schedule rides on ``sample``: with ``seconds=0`` the sample after the previous one finished starts one;
 - a failure on one rank is raised by ``wait()`` on every rank, and the checkpoints before it still load;
@@ -156,6 +157,50 @@ def test_second_checkpoint_links_what_did_not_change(shared_dir):
     replay.close()
 
 
+def test_the_table_is_incremental_too(shared_dir, monkeypatch):
+    """The table goes in blocks (4 KiB here): the second checkpoint, after a few inserts and a priority
+    update, writes only the blocks they changed (the sections' tails, the updated row's block) and links the
+    rest; it loads exactly, also after the first is deleted, and ``verify`` passes."""
+    from gear_mpi.checkpoint import table_blocks
+    monkeypatch.setattr(table_blocks, "BLOCK", 4096)
+    replay = gm.Replay(SPEC, 9000, gm.Prioritized(0.7, 0.5), max_items=6000, seed=4, timeout=30.0)
+    n = 3000 + 100 * RANK  # one-step items: 24 kB a section of int64
+    replay.insert_packed({"obs": np.zeros((n, 3), np.float32), "id": np.arange(n) + 100_000 * RANK,
+                          "flag": np.zeros((n, 2), np.uint8)}, np.ones(n, np.int64), np.ones(n))
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
+    handle.now()
+    one = handle.wait()
+    first = dict(handle.last)
+    assert first["table_linked"] == 0 and first["table_written"] > 10 * 4096, first
+    keys = replay.shard.live_keys()
+    replay.update_priorities(keys[5:6], [9.0])  # one row in place: its block, and the index's
+    fill(replay, 4, base=50)
+    handle.now()
+    two = handle.wait()
+    last = handle.last
+    assert last["table_linked"] > last["table_written"] > 0 and last["table_written"] <= 20 * 4096, last  # tails
+    mine = two / ck.rank_dir(RANK)
+    blocks = sorted(p.name for p in mine.glob("table-*.bin"))
+    assert not (mine / "table.bin").exists() and blocks
+    linked = [b for b in blocks if os.stat(mine / b).st_nlink > 1]
+    assert linked and "table-start-00000.bin" in linked and "table-priority-00000.bin" not in linked, linked
+    assert all(os.path.samefile(mine / b, one / ck.rank_dir(RANK) / b) for b in linked)
+    ck.verify(two)
+    expect = drive(replay, 3, seed=2)
+    COMM.Barrier()
+    if RANK == 0:
+        import shutil
+        shutil.rmtree(one)
+    COMM.Barrier()
+    loaded, _ = gm.Replay.load_latest(shared_dir)
+    assert loaded.loaded_from == two
+    for i, (a, b) in enumerate(zip(expect, drive(loaded, 3, seed=2))):
+        same_batch(a, b, f"batch {i}")
+    loaded.close()
+    handle.stop()
+    replay.close()
+
+
 def test_keep_and_interrupted_checkpoints(shared_dir):
     replay = make()
     fill(replay, 5, base=1)
@@ -206,7 +251,7 @@ def test_a_failure_is_raised_everywhere_and_the_previous_one_stays(shared_dir, m
     if RANK == SIZE - 1:
         for writer in ("write_file", "write_file_direct"):
             def broken(filename, chunks, real=getattr(ck.files, writer)):
-                if filename.endswith("table.bin"):
+                if os.path.basename(filename).startswith("table"):
                     raise OSError(28, "No space left on device")
                 return real(filename, chunks)
             monkeypatch.setattr(ck.files, writer, broken)
@@ -253,7 +298,7 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
         replay.checkpoint_every(shared_dir, cpu_share=2.0 if RANK == 0 else 0.1)
     with pytest.raises(ValueError, match="write_rate must be a number > 0"):
         replay.checkpoint_every(shared_dir, write_rate=-5)
-    with pytest.raises(ValueError, match="priority must be 'low' or 'normal'"):
+    with pytest.raises(ValueError, match="priority must be 'low', 'nice' or 'normal'"):
         replay.checkpoint_every(shared_dir, priority="high")
     assert replay._checkpoints is None and replay.shard.store.on_write is None
     with pytest.raises(ValueError, match="the same on every rank"):
