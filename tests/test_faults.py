@@ -367,3 +367,28 @@ def test_a_rank_killed_while_its_checkpoint_thread_writes(faults, mode):
         assert {f"PASS latest/{first}/2to{n} rank={r}" for r in range(n)} <= passes(again_job.stdout), \
             again_job.out
 
+
+WRITER_PROGRAM = str(PROGRAMS / "check_writer_faults.py")
+
+
+def test_ulfm_writers_of_survivors_go_on_those_of_the_dead_rank_fail(openmpi_faults):
+    """Open MPI with ULFM, 4 ranks: learners 0-2 (their replay on a communicator of their own) each with a
+    ``gm.Writer`` process inserting every 40 ms, and actor rank 3 (as on another node) feeding learners 1 and
+    2 with ``gm.MpiWriter``. Learner 2 dies in a sample; the survivors ``recover`` and sample on. The writer
+    processes of learners 0 and 1 and the actor's MpiWriter of learner 1 never fail: every episode they wrote,
+    before, during and after the recovery, is held by the new replay and drawn by its samples (uniform:
+    chi-square over everything held). The actor's MpiWriter of learner 2 and learner 2's writer process raise
+    WriterError; nothing they wrote after the checkpoint is held (tests/mpi_programs/check_writer_faults.py)."""
+    mpi = openmpi_faults.mpi
+    base = openmpi_faults.base / "writers"
+    base.mkdir()
+    cmd = [mpi.mpiexec, *mpi.args, *OPENMPI_SURVIVORS["ulfm"], "-n", "4", mpi.python, WRITER_PROGRAM, str(base),
+           str(TIMEOUT)]
+    job = run_job(cmd, 150, mpi)
+    no_hang(job)
+    got = passes(job.stdout)
+    assert {f"PASS writers-across-recover rank={r}" for r in (0, 1)} | {"PASS actor-done rank=3"} <= got, job.out
+    figures = re.search(r"FIGURES (.*)", job.stdout)
+    assert figures, job.out
+    print("writer figures:", figures[1])
+    assert job.returncode == 0, job.out
