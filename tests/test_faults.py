@@ -43,6 +43,7 @@ reload under Open MPI in tests/test_openmpi.py.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,7 @@ from mpi_util import (PROGRAMS, MpiRuntime, _mapped_paths, _mpi_env, default_run
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
 TIMEOUT = 4.0  # the replay's collective deadline in the kill scenario
+BG_TIMEOUT = 3.0  # the replay's collective deadline in the crash-background scenario
 SHELL = 'trap "" USR1; "$0" "$@"; exit $?'  # ignore hydra's SIGUSR1; exit (not die) when the rank is killed
 # what keeps the survivors of a killed rank alive under Open MPI's prterun (mpiexec's arguments)
 OPENMPI_SURVIVORS = {"plain": (), "kept": ("--enable-recovery",), "ulfm": ("--with-ft", "ulfm")}
@@ -153,6 +155,15 @@ class FaultJobs:
             (self.base / name).mkdir()
             args = ("recover", str(self.base / name), str(TIMEOUT), expect)
             self.done[name] = run_job(mpiexec(self.mpi, 3, *args, survivors=survivors), 120, self.mpi)
+        return self.done[name]
+
+    def crash_background(self, mode: str) -> Job:
+        """The ``crash-background`` scenario on 2 ranks, the survivor kept alive, in ``base/bg-<mode>``."""
+        name = f"bg-{mode}"
+        if name not in self.done:
+            (self.base / name).mkdir()
+            args = ("crash-background", str(self.base / name), mode, str(BG_TIMEOUT))
+            self.done[name] = run_job(mpiexec(self.mpi, 2, *args, survivors="kept"), 120, self.mpi)
         return self.done[name]
 
     def crash_save(self, mode: str) -> Job:
@@ -323,3 +334,61 @@ def test_checkpoints_from_crashed_jobs_load_bit_exact(faults):
     want = {f"PASS verify/{n}/{k}to2 rank={r}" for n, k in (("kill-plain", 3), ("kill-kept", 3), ("files/cp", 2),
                                                             ("rename/cp", 2)) for r in range(2)}
     assert want <= got, job.out
+
+
+@pytest.mark.parametrize("mode", ["segment", "manifest"])
+def test_a_rank_killed_while_its_checkpoint_thread_writes(faults, mode):
+    """A rank SIGKILLed inside its background checkpoint thread (``segment``: the last rank's, after one segment
+    file; ``manifest``: rank 0's, after the manifest was written aside and before it was renamed in): the
+    survivor's ``handle.wait()`` raises within its deadlines (its own thread gives up waiting for the dead
+    rank's files, then the agreement times out) and its next sample fails at once; the interrupted checkpoint
+    has no manifest; a later job's ``Replay.load_latest`` takes the previous, complete one, bit for bit, on 2
+    ranks and on 3."""
+    job = faults.crash_background(mode)
+    no_hang(job)
+    assert job.stdout.count("SAVED first") == 2, job.out
+    found = re.findall(r"PASS survivor-background rank=(\d+) took=([\d.]+)s again=([\d.]+)s error=(.*)", job.stdout)
+    survivor = 0 if mode == "segment" else 1
+    assert [int(f[0]) for f in found] == [survivor], job.out
+    took, again = float(found[0][1]), float(found[0][2])
+    # the thread's wait for the dead rank's files (about the timeout), then the agreement's deadline
+    assert took <= 3 * BG_TIMEOUT + 5 and again < 1.0, job.out
+    directory = faults.base / f"bg-{mode}" / "ckpts"
+    first = json.loads((faults.base / f"bg-{mode}" / "ckpts.expect.json").read_text())["name"]
+    names = sorted(p.name for p in directory.iterdir() if p.name.startswith("ckpt-"))
+    assert names[0] == first and len(names) == 2, names  # the complete one and the interrupted one
+    assert (directory / first / "MANIFEST.json").is_file()
+    assert not (directory / names[1] / "MANIFEST.json").exists(), os.listdir(directory / names[1])
+    if mode == "manifest":  # written aside, never renamed in
+        assert (directory / names[1] / "MANIFEST.json.tmp").exists(), os.listdir(directory / names[1])
+    for n in (2, 3):
+        again_job = run_job(mpiexec(faults.mpi, n, "latest", str(faults.base / f"bg-{mode}")), 120, faults.mpi)
+        assert again_job.returncode == 0 and not again_job.hung, again_job.out
+        assert {f"PASS latest/{first}/2to{n} rank={r}" for r in range(n)} <= passes(again_job.stdout), \
+            again_job.out
+
+
+WRITER_PROGRAM = str(PROGRAMS / "check_writer_faults.py")
+
+
+def test_ulfm_writers_of_survivors_go_on_those_of_the_dead_rank_fail(openmpi_faults):
+    """Open MPI with ULFM, 4 ranks: learners 0-2 (their replay on a communicator of their own) each with a
+    ``gm.Writer`` process inserting every 40 ms, and actor rank 3 (as on another node) feeding learners 1 and
+    2 with ``gm.MpiWriter``. Learner 2 dies in a sample; the survivors ``recover`` and sample on. The writer
+    processes of learners 0 and 1 and the actor's MpiWriter of learner 1 never fail: every episode they wrote,
+    before, during and after the recovery, is held by the new replay and drawn by its samples (uniform:
+    chi-square over everything held). The actor's MpiWriter of learner 2 and learner 2's writer process raise
+    WriterError; nothing they wrote after the checkpoint is held (tests/mpi_programs/check_writer_faults.py)."""
+    mpi = openmpi_faults.mpi
+    base = openmpi_faults.base / "writers"
+    base.mkdir()
+    cmd = [mpi.mpiexec, *mpi.args, *OPENMPI_SURVIVORS["ulfm"], "-n", "4", mpi.python, WRITER_PROGRAM, str(base),
+           str(TIMEOUT)]
+    job = run_job(cmd, 150, mpi)
+    no_hang(job)
+    got = passes(job.stdout)
+    assert {f"PASS writers-across-recover rank={r}" for r in (0, 1)} | {"PASS actor-done rank=3"} <= got, job.out
+    figures = re.search(r"FIGURES (.*)", job.stdout)
+    assert figures, job.out
+    print("writer figures:", figures[1])
+    assert job.returncode == 0, job.out

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "slurm" / "replay_sample.sbatch"
 RESUME_SBATCH = REPO / "slurm" / "resume_replay.sbatch"
 RESUME_TIMEOUT_S = 150   # both runs of the requeued job (the requeue delay skipped)
+REQUEUE_GRACE_S = 2.0    # seconds between seeing the requeued job pending and letting it start (see the test)
 JOB_TIMEOUT_S = 120      # sbatch --wait, whole job
 LINE = re.compile(r"^rank (\d+) of (\d+): sampled (\d+), total (\d+)$", re.M)
 SKIP_VAR = "GEAR_MPI_SKIP_SLURM"              # =1: skip the real-Slurm tests
@@ -128,9 +129,6 @@ def test_replay_sample_job_two_ranks(cluster, launcher):
     assert f"launcher {launcher} " in text, text
 
 
-@pytest.mark.skipif(os.environ.get("GEAR_MPI_TEST_SLURM_REQUEUE") != "1",
-                    reason="flaky here (passed 3 of 5 runs; the requeued attempt sometimes ends FAILED before it "
-                           "prints): set GEAR_MPI_TEST_SLURM_REQUEUE=1 to run it")
 def test_resume_job_requeued_after_a_rank_is_killed(cluster):
     """slurm/resume_replay.sbatch (sbatch --requeue): rank 1 SIGKILLs itself at step 14 of the first run, srun
     ends the step, the script requeues the job (scontrol requeue), and the second run resumes from the newest
@@ -147,18 +145,24 @@ def test_resume_job_requeued_after_a_rank_is_killed(cluster):
     assert r.returncode == 0, r.stdout
     job_id = r.stdout.strip().splitlines()[0].split(";")[0]
     # sbatch --wait returns at the requeue; the job's state is polled instead. Slurm holds a requeued batch
-    # job for about two minutes (its begin time) before it may start again: once it is pending after its
-    # first restart, the test lets it start at once
+    # job for cred_expire + 1 s (121 s by default: its begin time) before it may start again, because the
+    # first run's kill revoked the job's credential on slurmd: a credential made in the same second as that
+    # revocation, or before it, is refused ("Job N already killed, do not launch batch job") and the new run
+    # ends FAILED before its script starts. So the test lets it start at once only REQUEUE_GRACE_S after it
+    # saw it pending again (the revocation happened before that): the new credential is then newer.
     deadline = time.monotonic() + RESUME_TIMEOUT_S
-    released, state = False, ""
+    released, state, pending_since = False, "", None
     while time.monotonic() < deadline:
         show = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True,
                               timeout=10).stdout
         state = (re.search(r"JobState=(\w+)", show) or [None, ""])[1]
         restarts = int((re.search(r"Restarts=(\d+)", show) or [None, "0"])[1])
         if state == "PENDING" and restarts >= 1 and not released:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=10, check=True)
-            released = True
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since >= REQUEUE_GRACE_S:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=10,
+                               check=True)
+                released = True
         # (the first run's end state may show for a moment after the requeue counted it: a terminal state
         # counts only once the requeued job was seen pending)
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") and released:
@@ -168,6 +172,9 @@ def test_resume_job_requeued_after_a_rank_is_killed(cluster):
     text = path.read_text(errors="replace") if path.exists() else "(no output file)"
     if state != "COMPLETED":
         subprocess.run(["scancel", job_id], env=env, timeout=10)
+        slurmd = local_slurm._tail(cluster / "log" / "slurmd.log", 25)
+        slurmctld = local_slurm._tail(cluster / "log" / "slurmctld.log", 25)
+        text += f"\n--- slurmd.log ---\n{slurmd}\n--- slurmctld.log ---\n{slurmctld}"
     assert state == "COMPLETED", f"job {job_id} ended {state!r} (or not within {RESUME_TIMEOUT_S} s):\n{text}"
     assert released, f"the job was never seen pending after a requeue:\n{text}"
     assert "# attempt 1 " in text and "# attempt 2 " in text and "requeueing job" in text, text

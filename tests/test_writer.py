@@ -506,3 +506,40 @@ def test_adopt_moves_the_ingest_point_and_its_writer_to_another_shard():
         old.close(), new.close(), stranger.close()
         for s in (old_shard, new_shard, stranger_shard):
             s.close()
+
+
+class _Comm:
+    """Stands for an mpi4py communicator in ReplayFeeds.adopt (which asks only whether it was revoked)."""
+
+    def __init__(self, revoked: bool):
+        self.revoked = revoked
+
+    def Iprobe(self, **kwargs):
+        return False
+
+    def Is_revoked(self):
+        return self.revoked
+
+
+def test_adopt_moves_the_actor_ranks_inboxes_but_not_one_on_a_revoked_communicator():
+    """Replay.recover's hand-over of actor ranks: the inboxes (accept_remote) move to the new shard, so the
+    actors' MpiWriter go on; an inbox on a revoked communicator (the old replay's own) stays with the old
+    feeds, which close it; feeds with only inboxes (no ingest point) are taken over too."""
+    old_shard = gm.Shard(SPEC, 400, gm.Fifo(), max_items=100)
+    new_shard = gm.Shard(SPEC, 400, gm.Fifo(), max_items=100)
+    old = replay_feeds.ReplayFeeds(old_shard, 0, 1, lambda: None, None, 60.0)
+    new = replay_feeds.ReplayFeeds(new_shard, 0, 1, lambda: None, None, 60.0)
+    try:
+        live, revoked = _Comm(False), _Comm(True)
+        old.accept_remote(live)
+        old.accept_remote(revoked)
+        assert new.adopt(old) is None  # no ingest point to take over
+        assert [b.comm for b in new.inboxes] == [live] and new.inboxes[0].shard is new_shard
+        assert [b.comm for b in old.inboxes] == [revoked]
+        with pytest.raises(ValueError, match="actor ranks"):
+            new.adopt(old)
+        assert [b.comm for b in old.inboxes] == [revoked]  # refused: nothing taken
+    finally:
+        old.inboxes, new.inboxes = [], []  # stand-in communicators: nothing to tell
+        old.close(), new.close()
+        old_shard.close(), new_shard.close()

@@ -152,9 +152,10 @@ def recover(replay: Any, checkpoint: Any, **overrides) -> Recovery:
     survivor's own shard as it is in memory (everything it inserted, after the checkpoint too) and the dead
     ranks' shards of ``checkpoint``, dealt over the survivors (:func:`gear_mpi.checkpoint.survivors.rebuild`).
     What is lost is what the dead ranks inserted after ``checkpoint`` began. The new replay takes over
-    this rank's ingest point: its ``gm.Writer`` processes go on (same ``writer_address``, episodes they staged
-    included); a dead rank's writers raise WriterError (their owner is gone). The old replay then closes
-    locally (its ``MpiWriter`` actor ranks' inboxes with it). Every survivor must call it, e.g. after a
+    this rank's ingest point and its actor ranks' inboxes (``accept_remote``): its ``gm.Writer`` processes
+    and ``MpiWriter`` actor ranks go on (same ``writer_address``, episodes they staged or sent included); a
+    dead rank's writers and actors raise WriterError (their owner is gone). The old replay then closes
+    locally. Every survivor must call it, e.g. after a
     collective raised CollectiveTimeoutError; the job's old communicator (the replay's) is revoked: use
     ``Recovery.comm`` from then on.
 
@@ -198,8 +199,8 @@ def recover(replay: Any, checkpoint: Any, **overrides) -> Recovery:
     opts = rebuilding.options(replay, len(survivors), overrides)
     (new, key_map, counts), load_seconds = timed(rebuilding.rebuild, replay, comm, survivors, checkpoint, opts,
                                                  type(replay))
-    new._feeds.adopt(replay._feeds)  # this rank's writers go on into the new shard, at the same address
-    replay.close()  # locally: its communicator is broken; its actor ranks' inboxes close (MpiWriter: WriterError)
+    new._feeds.adopt(replay._feeds)  # this rank's writers and actor ranks go on into the new shard
+    replay.close()  # locally: its communicator is broken
     dead = sorted(set(range(mc.size)) - set(survivors))
     return Recovery(new, key_map, comm, survivors, dead, shrink_seconds, load_seconds, counts["kept"],
                     counts["restored"], counts["dropped"])

@@ -20,6 +20,14 @@ every rank if the job uses those tags or ``MPI.ANY_TAG`` receives on ``comm``):
 - BYE (actor -> learner) on close; CLOSED (learner -> actors) when the replay closes:
   an actor then raises WriterError.
 
+A dead rank (under ULFM: Open MPI's ``mpiexec --with-ft ulfm``, where the survivors go on): an actor whose
+learner died raises WriterError at its next call that talks to the learner (MPI reports the failure, or no
+acknowledgement comes within ``timeout``: WriterTimeoutError); its open episode and unacknowledged ones are
+lost. A learner whose ``comm`` lost a rank (an actor, or another learner) acknowledges the failure (so that
+its receives from any source work again), forgets the dead actors and goes on taking the others' episodes;
+``Replay.recover`` hands the inboxes to the survivors' new replay, so an actor of a surviving learner goes on.
+Without ULFM the launcher ends the whole job when a rank dies.
+
 Costs: an actor copies each episode once into its send buffer; the learner receives
 it into one buffer per episode and copies it once into its shard (one
 ``store_packed`` per drain).
@@ -30,7 +38,7 @@ import json
 
 import numpy as np
 
-from ..distributed.deadline import poll
+from ..distributed.deadline import _process_failed, poll
 from ..errors import WriterError, WriterTimeoutError
 from ..spec import TrajectorySpec
 from .writer import EpisodeWriter
@@ -45,6 +53,28 @@ def _mpi():
     return MPI
 
 
+def acknowledge_failures(comm) -> list[int]:
+    """ULFM: acknowledge the processes of ``comm`` known to have failed, so that receives and probes from
+    ``MPI.ANY_SOURCE`` work again, and return their ranks in ``comm``. Local, O(failed ranks).
+
+    Raises:
+        NotImplementedError: this mpi4py has neither ``Comm.Ack_failed`` (MPI 5 / ULFM) nor ``Failure_ack``.
+    """
+    MPI = _mpi()
+    if hasattr(comm, "Ack_failed"):
+        comm.Ack_failed()
+        group = comm.Get_failed()
+    elif hasattr(comm, "Failure_ack"):
+        comm.Failure_ack()
+        group = comm.Failure_get_acked()
+    else:
+        raise NotImplementedError("this mpi4py cannot acknowledge failed processes (no ULFM)")
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), comm.Get_group())]
+    finally:
+        group.Free()
+
+
 class MpiWriter(EpisodeWriter):
     """A writer on an actor rank, sending episodes to rank ``learner`` of ``comm`` (see the module docstring).
 
@@ -57,6 +87,8 @@ class MpiWriter(EpisodeWriter):
         check_finite: refuse NaN and infinite step values, as :class:`~gear_mpi.feeds.writer.Writer` does.
     Raises:
         ValueError: a bad argument. WriterTimeoutError: the learner did not answer within ``timeout``.
+        WriterError: MPI failed a call to the learner (it died; under ULFM). The same from any later call
+        that talks to the learner (``end_episode``, ``insert``, ``flush``): the writer is then closed.
     Cost: ``max_length * step_bytes`` for the open episode, up to ``max_in_flight`` episode buffers in flight.
     """
 
@@ -73,22 +105,46 @@ class MpiWriter(EpisodeWriter):
         self._MPI = _mpi()
         self._sends: list = []  # (request, buffer) of episodes and control messages in flight
         self._acked = 0
+        self._closed = False
         self._send(np.zeros(1, np.uint8), TAG_HELLO)
         status = self._MPI.Status()
-        if not poll(lambda: comm.Iprobe(source=self.learner, tag=TAG_SPEC, status=status), self.timeout):
-            raise WriterTimeoutError(f"MpiWriter: learner rank {learner} did not answer within {timeout:g} s "
-                                     f"(did it call replay.accept_remote(comm) and reach a collective?)")
-        buf = np.empty(status.Get_count(self._MPI.BYTE), np.uint8)
-        comm.Recv(buf, source=self.learner, tag=TAG_SPEC)
+        try:
+            if not poll(lambda: comm.Iprobe(source=self.learner, tag=TAG_SPEC, status=status), self.timeout):
+                raise WriterTimeoutError(f"MpiWriter: learner rank {learner} did not answer within {timeout:g} s "
+                                         f"(did it call replay.accept_remote(comm) and reach a collective?)")
+            buf = np.empty(status.Get_count(self._MPI.BYTE), np.uint8)
+            comm.Recv(buf, source=self.learner, tag=TAG_SPEC)
+        except self._MPI.Exception as e:
+            raise self._lost(e) from None
         spec = TrajectorySpec.from_dict(json.loads(bytes(buf)))
         self._buffer = {c.name: np.empty((spec.max_length,) + c.shape, c.dtype) for c in spec.columns}
         self._setup(spec, self._buffer, check_finite)
 
+    def _lost(self, e: Exception) -> WriterError:
+        """The learner is gone (MPI failed a call to it, e.g. ULFM's MPI_ERR_PROC_FAILED): close this writer."""
+        lost = self._episodes - self._acked if hasattr(self, "_episodes") else 0
+        self._closed, self._max_length, self._sends = True, 0, []
+        return WriterError(f"MpiWriter: learner rank {self.learner} is gone (MPI: {e}); the open episode and "
+                           f"{lost} episode(s) it had not stored are lost")
+
     def _send(self, buf: np.ndarray, tag: int) -> None:
-        self._sends.append((self.comm.Isend(buf, dest=self.learner, tag=tag), buf))
+        try:
+            self._sends.append((self.comm.Isend(buf, dest=self.learner, tag=tag), buf))
+        except self._MPI.Exception as e:
+            raise self._lost(e) from None
 
     def _listen(self) -> None:
-        """Take the learner's ACK and CLOSED messages; drop completed sends."""
+        """Take the learner's ACK and CLOSED messages; drop completed sends.
+
+        Raises:
+            WriterError: the replay was closed, or MPI failed a call to the learner (it died).
+        """
+        try:
+            self._take_messages()
+        except self._MPI.Exception as e:
+            raise self._lost(e) from None
+
+    def _take_messages(self) -> None:
         comm, status = self.comm, self._MPI.Status()
         while comm.Iprobe(source=self.learner, tag=TAG_ACK, status=status):
             ack = np.empty(1, np.int64)
@@ -137,18 +193,23 @@ class MpiWriter(EpisodeWriter):
                                      f"episodes in time")
 
     def close(self) -> None:
-        """Say goodbye to the learner and complete the sends in flight (an open episode is dropped). Idempotent.
+        """Say goodbye to the learner and complete the sends in flight (an open episode is dropped). Idempotent;
+        where the learner is gone (MPI fails the sends), there is nobody to wait for: it returns at once.
 
         Raises:
             WriterTimeoutError: the sends did not complete within ``timeout``.
         """
         if self._closed and not self._sends:
             return
-        if not self._closed:
-            super().close()
-            self._send(np.zeros(1, np.uint8), TAG_BYE)
         requests = [r for r, _ in self._sends]
-        ok = poll(lambda: self._MPI.Request.Testall(requests), self.timeout)
+        try:
+            if not self._closed:
+                super().close()
+                self._send(np.zeros(1, np.uint8), TAG_BYE)
+                requests = [r for r, _ in self._sends]
+            ok = poll(lambda: self._MPI.Request.Testall(requests), self.timeout)
+        except (WriterError, self._MPI.Exception):  # the learner is gone: nothing left to complete
+            ok = True
         self._sends = []
         if not ok:
             raise WriterTimeoutError(f"MpiWriter.close: sends to learner rank {self.learner} did not complete "
@@ -170,28 +231,68 @@ class RemoteInbox:
         self._spec = np.frombuffer(json.dumps(shard.spec.to_dict()).encode(), np.uint8).copy()
         self._sizes = [(c.name, c.dtype, c.shape, c.step_bytes) for c in shard.spec.columns]
         self.ingested = 0
+        self.failed: set[int] = set()  # ranks of comm that died (ULFM), acknowledged here
+
+    def _failure(self, e: Exception) -> None:
+        """MPI reported a dead rank of ``comm`` (ULFM): acknowledge it, forget it as an actor; re-raise ``e``
+        when it is not that or nothing new was acknowledged (no progress: it would repeat)."""
+        if not _process_failed(e):
+            raise e
+        try:
+            gone = set(acknowledge_failures(self.comm)) - self.failed
+        except Exception:
+            raise e from None
+        if not gone:
+            raise e
+        self.failed |= gone
+        for r in gone:
+            self.actors.pop(r, None)
+
+    def _probe(self, source: int, tag: int, status=None) -> bool:
+        """``comm.Iprobe``, going on past ranks that died (acknowledged: :meth:`_failure`)."""
+        while True:
+            try:
+                return self.comm.Iprobe(source=source, tag=tag, status=status)
+            except self._MPI.Exception as e:
+                self._failure(e)
 
     def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
-        self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag), buf))
+        try:
+            self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag), buf))
+        except self._MPI.Exception as e:  # a dead actor: nothing to tell it
+            self._failure(e)
+
+    def _done(self, request) -> bool:
+        """Whether a send completed; a send to a rank that died counts as done (dropped)."""
+        try:
+            return request.Test()
+        except self._MPI.Exception as e:
+            if not _process_failed(e):
+                raise
+            try:
+                self._failure(e)
+            except self._MPI.Exception:
+                pass  # that failure was acknowledged already
+            return True
 
     def _control(self) -> None:
         comm, MPI, status = self.comm, self._MPI, self._MPI.Status()
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status):
+        while self._probe(MPI.ANY_SOURCE, TAG_HELLO, status):
             src = status.Get_source()
             comm.Recv(np.empty(1, np.uint8), source=src, tag=TAG_HELLO)
             self.actors[src] = [0, 0]
             self._send(self._spec, src, TAG_SPEC)
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_BYE, status=status):
+        while self._probe(MPI.ANY_SOURCE, TAG_BYE, status):
             src = status.Get_source()
             comm.Recv(np.empty(1, np.uint8), source=src, tag=TAG_BYE)
             self.actors.pop(src, None)
         if self._sends:
-            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+            self._sends = [(r, b) for r, b in self._sends if not self._done(r)]
 
     def backlog(self) -> int:
         """1 when an episode is waiting to be received, else 0 (MPI shows one message at a time). O(1)."""
         self._control()
-        return int(bool(self.comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_EPISODE)))
+        return int(bool(self._probe(self._MPI.ANY_SOURCE, TAG_EPISODE)))
 
     def drain(self, budget: float) -> int:
         """Receive up to ``budget`` episodes into the shard (one store_packed), then acknowledge them. Local.
@@ -206,7 +307,7 @@ class RemoteInbox:
         spec, store = self.shard.spec, self.shard.store
         got, lengths, priorities, senders, steps = [], [], [], [], 0
         while len(got) < budget and len(got) < store.max_items and \
-                comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_EPISODE, status=status):
+                self._probe(MPI.ANY_SOURCE, TAG_EPISODE, status):
             src, nbytes = status.Get_source(), status.Get_count(MPI.BYTE)
             head = (nbytes - _HEAD) // max(spec.step_bytes, 1)
             if steps + head > store.capacity:
@@ -232,7 +333,7 @@ class RemoteInbox:
         self.shard.store_packed(columns, np.array(lengths, np.int64), np.array(priorities, np.float64))
         for src in senders:
             self.actors.setdefault(src, [0, 0])[1] += 1
-        for src in set(senders):
+        for src in set(senders) - self.failed:
             self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
         self.ingested += len(got)
         return len(got)
@@ -240,7 +341,10 @@ class RemoteInbox:
     def close(self) -> None:
         """Tell every known actor the replay is closed (it then raises WriterError). Local, best effort."""
         for src in list(self.actors):
-            self._send(np.zeros(1, np.uint8), src, TAG_CLOSED)
-        poll(lambda: self._MPI.Request.Testall([r for r, _ in self._sends]), 5.0)
+            try:
+                self._send(np.zeros(1, np.uint8), src, TAG_CLOSED)
+            except self._MPI.Exception:
+                pass
+        poll(lambda: all([self._done(r) for r, _ in self._sends]), 5.0)
         self._sends = []
         self.actors = {}

@@ -63,6 +63,14 @@ def check_rate_limit(rate_limiter: RateLimiter | None, rate_limit_timeout: float
         raise ValueError(f"rate_limit_timeout must be a positive number of seconds, got {rate_limit_timeout!r}")
 
 
+def _revoked(comm) -> bool:
+    """Whether an mpi4py communicator was revoked (ULFM); False where that cannot be asked."""
+    try:
+        return bool(comm.Is_revoked())
+    except Exception:
+        return False
+
+
 def split_budget(total: float, backlog: np.ndarray) -> np.ndarray:
     """Deal a global insert budget to the ranks: a fair share each, capped by its backlog, then what is left
     to ranks with backlog in rank order, then the rest evenly. The same on every rank (it sees the same table).
@@ -131,21 +139,32 @@ class ReplayFeeds:
         return self.intake.address
 
     def adopt(self, other: "ReplayFeeds") -> str | None:
-        """Take ``other``'s ingest point, its writers and the episodes they staged, so that they go on into this
-        rank's shard under the same address (``Replay.recover``: the survivors' new replay takes over the old
-        one's writers). Local, O(1); ``other`` keeps its actor ranks and no longer has an ingest point.
+        """Take ``other``'s ingest point, its writers and the episodes they staged, and its actor ranks'
+        inboxes, so that they go on into this rank's shard (the writers under the same address)
+        (``Replay.recover``: the survivors' new replay takes over the old one's writers and actor ranks). An
+        inbox on a revoked communicator (the old replay's own) is left to ``other``, which closes it. Local,
+        O(inboxes); ``other`` no longer has an ingest point nor those inboxes.
 
         Returns:
             The address taken over, or None when ``other`` had none.
         Raises:
-            ValueError: this one already has an ingest point, or the two shards' specs differ.
+            ValueError: this one already has an ingest point or inboxes, or the two shards' specs differ
+                (nothing taken).
         """
+        if other.intake is None and not other.inboxes:
+            return None
+        if self.intake is not None or self.inboxes:
+            raise ValueError("adopt: this replay already has an ingest point (writer_address was called) or "
+                             "actor ranks (accept_remote)")
+        if other.shard.spec.to_dict() != self.shard.spec.to_dict():
+            raise ValueError("adopt: the writers' spec differs from this replay's")
+        keep = [box for box in other.inboxes if not _revoked(box.comm)]
+        other.inboxes = [box for box in other.inboxes if box not in keep]
+        for box in keep:
+            box.shard = self.shard
+        self.inboxes = keep
         if other.intake is None:
             return None
-        if self.intake is not None:
-            raise ValueError("adopt: this replay already has an ingest point (writer_address was called)")
-        if other.intake.shard.spec.to_dict() != self.shard.spec.to_dict():
-            raise ValueError("adopt: the writers' spec differs from this replay's")
         self.intake, other.intake = other.intake, None
         self.intake.shard = self.shard
         self.hold()

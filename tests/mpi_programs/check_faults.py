@@ -33,6 +33,13 @@ Scenarios:
   every trajectory of ``ck-2`` bit for bit, samples, and its draws pass a chi-square test against the
   priorities (``PASS recovered`` with the times taken); EXPECT ``refused`` (MPICH): RecoveryError at
   once, pointing to resuming from a checkpoint (``PASS recover-refused``).
+- ``crash-background DIR MODE TIMEOUT``: background checkpoints (``checkpoint_every``) into ``DIR/ckpts``:
+  the first completes (its name and what it holds in ``DIR/ckpts.expect.json``); more inserts, then
+  ``handle.now()`` starts the second, and a rank dies *inside its checkpoint thread*: MODE ``segment`` --
+  the last rank's thread is SIGKILLed after writing one segment file; MODE ``manifest`` -- rank 0's thread
+  after writing the manifest aside, before renaming it in. The survivor's ``handle.wait()`` must raise
+  (CollectiveError or CheckpointError) within its deadlines, never hang (``PASS survivor-background``).
+  ``latest DIR/ckpts`` (a later job) loads with ``Replay.load_latest`` the first checkpoint, bit for bit.
 - ``verify DIR NAME...``: a later job loads each ``DIR/NAME`` (on however many
   ranks it runs: resharding when that differs) and compares every trajectory bit
   for bit, and every priority, with what was inserted before the save.
@@ -166,6 +173,78 @@ def scenario_crash_save(base: str, mode: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         ck_files.rename = rename_then_die
     survive(lambda: replay.save(path), "save", 10.0)
+
+
+def scenario_crash_background(base: str, mode: str, timeout: float) -> None:
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=9, timeout=timeout)
+    directory = os.path.join(base, "ckpts")
+    handle = replay.checkpoint_every(directory, seconds=None, keep=3, segment_bytes=256)
+    insert_batch(replay, 1)
+    handle.now()
+    first = handle.wait()
+    if RANK == 0:
+        ids = sorted(i for r in range(SIZE) for i in ids_of(r, 1))
+        with open(directory + ".expect.json", "w") as f:
+            json.dump({"ids": ids, "ranks": SIZE, "name": first.name}, f)
+    say("SAVED", "first")
+    insert_batch(replay, 2)
+    victim = SIZE - 1 if mode == "segment" else 0
+    if RANK == victim and mode == "segment":
+        original, written = ck_files.write_file_direct, []
+
+        def write_then_die(filename, chunks, *args, **kwargs):
+            if written:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = original(filename, chunks, *args, **kwargs)
+            written.append(filename)
+            return out
+        ck_files.write_file_direct = write_then_die
+    if RANK == victim and mode == "manifest":
+        original_manifest = ck_files.write_manifest
+
+        def manifest_then_die(*args, **kwargs):
+            out = original_manifest(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        ck_files.write_manifest = manifest_then_die
+    handle.now()  # the thread starts; the victim dies in it
+    for _ in range(3):
+        time.sleep(0.2)  # the training loop goes on meanwhile (local: no collective with a dead rank)
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+        say("WRONG", "handle.wait() returned although a rank died writing its checkpoint")
+    except (gm.CollectiveError, gm.CheckpointError) as e:
+        took = time.monotonic() - t0
+        try:
+            t1 = time.monotonic()
+            replay.sample(2, 1)
+            say("WRONG", "sample returned although a rank is dead")
+        except gm.CollectiveError as e2:
+            again = time.monotonic() - t1
+            print(f"PASS survivor-background rank={RANK} took={took:.1f}s again={again:.1f}s "
+                  f"error={type(e).__name__}: {e} then={type(e2).__name__}", flush=True)
+    except BaseException as e:
+        say("WRONG", f"handle.wait: {type(e).__name__}: {e}")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def scenario_latest(base: str) -> None:
+    """Load the newest complete checkpoint of ``base/ckpts`` with Replay.load_latest; check it bit for bit."""
+    directory = os.path.join(base, "ckpts")
+    expect = json.load(open(directory + ".expect.json"))
+    replay, _ = gm.Replay.load_latest(directory, timeout=30.0)
+    if replay is None or replay.loaded_from.name != expect["name"]:
+        say("WRONG", f"load_latest took {None if replay is None else replay.loaded_from.name}, not {expect['name']}")
+        return
+    got = live_ids(replay)
+    if got != expect["ids"]:
+        say("WRONG", f"holds {len(got)} trajectories, want {len(expect['ids'])}")
+    else:
+        replay.sample(3, 2)
+        say("PASS", f"latest/{expect['name']}/{expect['ranks']}to{SIZE}")
+    replay.close()
 
 
 def scenario_verify(base: str, names: list[str]) -> None:
@@ -386,6 +465,10 @@ if __name__ == "__main__":
         scenario_crash_save(base, sys.argv[3])
     elif scenario == "recover":
         scenario_recover(base, float(sys.argv[3]), sys.argv[4])
+    elif scenario == "crash-background":
+        scenario_crash_background(base, sys.argv[3], float(sys.argv[4]))
+    elif scenario == "latest":
+        scenario_latest(base)
     elif scenario == "verify":
         scenario_verify(base, sys.argv[3:])
     else:
