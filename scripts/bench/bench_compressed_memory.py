@@ -9,7 +9,7 @@ Real Atari frames (scripts/data/atari_frames.py: Pong, random policy, 84x84), st
 same run:
 
 - ``raw``: the frame column stored raw (private memory; ``file``: memory="file");
-- ``zstd``, ``lz4``: the frame column ``gm.Compressed()`` / ``gm.Compressed(codec="lz4")``, in private memory and
+- ``zstd``, ``lz4``: the frame column ``gm.Compressed(codec="zstd")`` / ``gm.Compressed()`` (lz4, the default), in private memory and
   (``file``) with their chunks in the shard's files;
 - the peers: TorchRL ``ReplayBuffer.dumps`` of a ``LazyMemmapStorage`` and of a ``CompressedListStorage`` holding
   the same transitions as stacked ``obs``/``next_obs`` (their own checkpoint format), where TorchRL is installed.

@@ -10,8 +10,8 @@ in one process, one core's share of the machine, in the same run:
 - ``gear raw``: a Shard storing stacked ``obs`` and ``next_obs`` per step (``[4, 84, 84]`` uint8 each);
 - ``gear frames-once``: one ``[84, 84]`` frame per step, ``obs = FrameStack("frame", 4)``,
   ``next_obs = NextStep("obs")`` rebuilt at sample time;
-- ``gear frames-once+zstd``: the same with the frame column ``gm.Compressed()`` (zstd, level 1, the default
-  chunks); ``gear frames-once+lz4``: ``gm.Compressed(codec="lz4")``;
+- ``gear frames-once+zstd``: the same with the frame column ``gm.Compressed(codec="zstd")`` (level 1, the default
+  chunks); ``gear frames-once+lz4``: ``gm.Compressed()`` (lz4, the default codec);
 - ``torchrl CompressedListStorage`` (its default level, 3) and ``torchrl LazyTensorStorage``, each transition
   a TensorDict of ``obs``, ``next_obs``, action, reward, done (flat keys: CompressedListStorage 0.14 compresses
   the top-level tensors of an item only and would keep a nested ``("next", "obs")`` raw);
