@@ -8,6 +8,10 @@
 - ``tests/mpi/`` (pytest modules that every rank of an ``mpiexec`` job runs) is collected
   only when named on the command line; a plain ``pytest tests`` runs them through the
   wrapper tests (tests/test_replay_mpi.py, tests/test_device_path.py) on K ranks instead.
+- Every process the tests start imports gear_mpi from this checkout: its root is put first on
+  ``PYTHONPATH``. A program started as ``python tests/mpi_programs/x.py`` has its own folder first on
+  ``sys.path`` and would otherwise find gear_mpi through the environment's editable install, which
+  may point at another checkout (a git worktree sharing the main checkout's ``.venv``).
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ from gear_mpi.storage import arenas as memory
 
 SHM_DIR = memory.SHM_DIR
 MPI_TESTS = Path(__file__).resolve().parent / "mpi"
+ROOT = MPI_TESTS.parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                          if p and Path(p).resolve() != ROOT])
 
 
 def pytest_ignore_collect(collection_path: Path, config):
