@@ -126,3 +126,20 @@ def test_wide_rows_match_the_general_path(b):
         out = fast.sample(b, window, align)
         _same(out, slow.sample(b, window, align))
         _same(fast.sample(b, window, align, out=out), slow.sample(b, window, align))
+
+
+def test_the_shard_holds_no_reference_to_a_reused_batch():
+    """The record of a reused batch holds the batch weakly and none of its arrays or tensors: the batch's
+    reference counts (``Batch.references``, which ``batches(recycle="auto")`` compares to tell whether the loop
+    still holds a batch) are the same whether the shard remembers it or not."""
+    sh = _shard(gm.Prioritized(0.6, 0.4))
+    out = sh.sample(16, 1)
+    sh.sample(16, 1, out=out)
+    held = sh._repeat is not None and sh._repeat.batch() is out
+    remembered = out.references()
+    other = sh.sample(16, 1)
+    sh.sample(16, 1, out=other)  # the shard now remembers another batch
+    moved = sh._repeat.batch() is other
+    now = out.references()
+    assert held and moved
+    assert now == remembered

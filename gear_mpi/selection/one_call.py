@@ -57,8 +57,8 @@ class Repeat:
         window, code: the checked window and align code.
     """
 
-    __slots__ = ("batch", "fitted", "args", "b", "window", "code", "uniforms", "draw_u", "place_u", "meta", "mask",
-                 "outs", "prioritized", "keys_tensor")
+    __slots__ = ("batch", "fitted", "args", "b", "window", "code", "uniforms", "draw_u", "place_u", "outs",
+                 "prioritized")
 
     def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool):
         b = args[0]
@@ -69,10 +69,10 @@ class Repeat:
         self.uniforms = u
         self.draw_u = u[:b]
         self.place_u = u[b:] if code == 0 else _NO_UNIFORMS
-        self.meta = batch.meta_numpy()
-        self.keys_tensor = batch.keys  # update_priorities(batch.keys, ...) reads self.meta[0] instead (no .numpy())
-        self.mask = batch._mask_np
-        self.outs = batch.column_addresses()
+        # nothing of the batch is held but the weak reference and its addresses (plain integers): its arrays and
+        # tensors are read from the batch at each reuse (cached there, O(1)), so that the batch's reference
+        # counts (Batch.references, batches(recycle="auto")) stay what its holders make them
+        self.outs = batch.column_addresses().copy()
 
     def same(self, out, batch_size, window, align, squeeze) -> bool:
         """Whether a call with these arguments may reuse this record: the same ``out`` object, still
@@ -134,12 +134,12 @@ def sample_again(shard, rep: Repeat):
     b = rep.b
     out = rep.batch()
     shard.rng.random(out=rep.uniforms)  # the same values as rng.random(len): the same stream
-    keys, probabilities, weights, lengths = rep.meta
+    keys, probabilities, weights, lengths = out.meta_numpy()
     iscr, fscr = local_sample._scratch(b)
     local_sample._sample_kernel(
         shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
         key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code, rep.prioritized,
-        shard.column_addresses()[0], shard.spec.step_bytes_array, rep.outs, rep.mask, keys, lengths,
+        shard.column_addresses()[0], shard.spec.step_bytes_array, rep.outs, out._mask_np, keys, lengths,
         probabilities, weights, iscr, fscr)
     if rep.prioritized:
         np.power(weights, np.float32(shard.selector.beta), out=weights)

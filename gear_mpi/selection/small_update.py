@@ -94,8 +94,9 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
     Cost: O(B log n), one numba call on the fast path; the general path's otherwise.
     """
     rep = shard._repeat
-    if rep is not None and keys is rep.keys_tensor:  # the keys of the last sample into a reused batch
-        keys = rep.meta[0]
+    batch = rep.batch() if rep is not None else None
+    if batch is not None and keys is batch.keys:  # the keys of the last sample into a reused batch
+        keys = batch.meta_numpy()[0]
     elif type(keys) is not np.ndarray and hasattr(keys, "detach"):
         try:
             keys = keys.numpy()  # a CPU tensor (a sample's keys), as keys.tensor_numpy takes it first
