@@ -39,6 +39,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..progress import human
+from .file_arenas import close_mapping
 
 #: blosc2's largest overhead over the raw bytes of a chunk (``BLOSC2_MAX_OVERHEAD``)
 MAX_OVERHEAD = 32
@@ -240,12 +241,8 @@ class FileChunkHeap:
     def close(self) -> None:
         """Unmap (once no array views it) and close the file (its space goes with the last mapping). Idempotent."""
         self.buffer = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # chunk views still alive: the mapping goes when they do
-            self._mmap = None
+        close_mapping(self._mmap)  # chunk views still alive: the mapping goes when they do
+        self._mmap = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -128,6 +128,16 @@ def _unlink_quietly(filename: str) -> None:
     remove_if_empty(os.path.dirname(filename))
 
 
+def close_mapping(mapping: mmap.mmap | None) -> None:
+    """Close ``mapping`` now if nothing views it; else leave it to go with its last view. O(1)."""
+    if mapping is None:
+        return
+    try:
+        mapping.close()
+    except BufferError:
+        pass  # arrays still view it; the mapping goes when they do
+
+
 class NamedMapping:
     """What a mapped, named arena (a file here, a POSIX shared-memory segment in :mod:`gear_mpi.storage.arenas`)
     does on unlink and close: it holds ``buffer``, ``_mmap`` and ``_finalizer`` (the creator's unlink,
@@ -142,12 +152,8 @@ class NamedMapping:
     def close(self) -> None:
         """Unmap (once no array views it); the creator also unlinks the name. Idempotent."""
         self.buffer = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # arrays still view it; the mapping goes when they do
-            self._mmap = None
+        close_mapping(self._mmap)
+        self._mmap = None
         self.unlink()
 
 

@@ -31,6 +31,7 @@ from numba import njit
 from ..kernels import ring
 from ..kernels.priority_tree import leaf_value
 from .arenas import anonymous_pages, commit_pages
+from .file_arenas import close_mapping
 
 CHUNK_ITEMS = 1 << 17  # trajectories per table pass (and per weights temporary: 1 MB of float64)
 SCRATCH_ENTRIES = 1 << 18  # eviction entries a chunk may need (2 MB): a chunk ends before its bound passes it
@@ -69,12 +70,8 @@ class InsertScratch:
     def drop(self) -> None:
         """Release the buffer (the store closes). O(1). Views handed out before must not be used."""
         self.buffer = np.zeros(0, np.int64)
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive somewhere: the mapping goes with it
-                pass
-            self._map = None
+        close_mapping(self._map)  # a view still alive somewhere: the mapping goes with it
+        self._map = None
 
 
 def mapped_empty(count: int, dtype=np.int64) -> np.ndarray:
