@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..progress import human
-from .file_arenas import close_mapping
+from .file_arenas import close_mapping, create_exclusive
 
 #: blosc2's largest overhead over the raw bytes of a chunk (``BLOSC2_MAX_OVERHEAD``)
 MAX_OVERHEAD = 32
@@ -87,13 +87,7 @@ class FileChunkHeap:
         self.slot = int(chunk_bytes) + MAX_OVERHEAD
         self.span = -(-2 * (int(n_chunks) + 1) * self.slot // BLOCK) * BLOCK
         self.filename = os.path.join(directory, filename)
-        try:
-            fd = os.open(self.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise StorageError(f"{self.filename!r} exists: a file-backed shard needs files of its own (left by a "
-                               f"crashed run? remove it, or give another path)") from None
-        except OSError as e:
-            raise StorageError(f"cannot create {self.filename!r}: {e.strerror or e}") from None
+        fd = create_exclusive(self.filename)
         try:
             os.ftruncate(fd, self.span)  # sparse: blocks are reserved as chunks need them
             self._mmap = mmap.mmap(fd, self.span, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

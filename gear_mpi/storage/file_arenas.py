@@ -128,6 +128,24 @@ def _unlink_quietly(filename: str) -> None:
     remove_if_empty(os.path.dirname(filename))
 
 
+def create_exclusive(filename: str) -> int:
+    """Create ``filename`` (read-write, mode 0600), failing if it exists: a file-backed shard's files are its
+    own. O(1).
+
+    Returns:
+        The open descriptor (the caller closes it).
+    Raises:
+        StorageError: the file exists already (left by a crashed run?) or cannot be created.
+    """
+    try:
+        return os.open(filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise StorageError(f"{filename!r} exists: a file-backed shard needs files of its own (left by a crashed "
+                           f"run? remove it, or give another path)") from None
+    except OSError as e:
+        raise StorageError(f"cannot create {filename!r}: {e.strerror or e}") from None
+
+
 def close_mapping(mapping: mmap.mmap | None) -> None:
     """Close ``mapping`` now if nothing views it; else leave it to go with its last view. O(1)."""
     if mapping is None:
@@ -209,13 +227,7 @@ class FileArena(NamedMapping):
         """
         full = os.path.join(directory, filename)
         require_space(directory, nbytes)
-        try:
-            fd = os.open(full, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise StorageError(f"{full!r} exists: a file-backed shard needs files of its own (left by a crashed "
-                               f"run? remove it, or give another path)") from None
-        except OSError as e:
-            raise StorageError(f"cannot create {full!r}: {e.strerror or e}") from None
+        fd = create_exclusive(full)
         try:
             try:
                 os.posix_fallocate(fd, 0, max(int(nbytes), 1))
