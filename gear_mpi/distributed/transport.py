@@ -59,7 +59,6 @@ class WindowTransport:
         self.spec = shard.spec
         self.torch_comm = None
         self.copy_seconds = 0.0  # time in exchange() outside MpiComm waits (gear_mpi.stats)
-        self._context_sent: dict | None = None  # see _exchange
         if device is not None and node.any_remote and kind == "nccl":
             from .torch_comm import TorchComm
             backend = "gloo" if device.simulator else "nccl"
@@ -100,7 +99,6 @@ class WindowTransport:
                   local: bool, out: Batch | None, counts: np.ndarray | None = None,
                   context: np.ndarray | None = None) -> Batch:
         node, size = self.node, self.comm.size
-        self._context_sent = None  # context windows _post_host decompressed for _derived_exchange (this call only)
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
         nb = int(row_of_owner[-1])
@@ -111,6 +109,7 @@ class WindowTransport:
             data = {c.name: self.device.empty((nb, window) + c.shape, c.dtype) for c in self.spec.columns}
             mask = self.device.empty((nb, window), np.bool_)
         board = node.board if counts is not None and self.device is None else None
+        context_sent = None  # context windows _post_host decompressed, for _derived_exchange to send
         if local:
             got = choices
         elif board is not None and int(counts.sum(0).max()) <= CHOICE_CAPACITY:  # every owner's fit
@@ -126,8 +125,8 @@ class WindowTransport:
                                              recv_counts * _WIDTH)]
             send_buffers = []  # must outlive the requests
             if node.any_remote and self.device is None:
-                send_buffers = self._post_host(requests, send_counts, win_start, n_valid, pad_front, recv_counts,
-                                               row_of_owner, batch, window, context)
+                send_buffers, context_sent = self._post_host(requests, send_counts, win_start, n_valid, pad_front,
+                                                             recv_counts, row_of_owner, batch, window, context)
             elif node.any_remote:
                 self._device_windows(send_counts, win_start, n_valid, pad_front, recv_counts, row_of_owner,
                                      data, window)
@@ -157,7 +156,7 @@ class WindowTransport:
             weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
-                                       local)
+                                       local, context_sent)
             return batch
         got_fields = gather_kernels.choice_records(got)
         g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
@@ -180,13 +179,14 @@ class WindowTransport:
 
     def _derived_exchange(self, choices: np.ndarray, context: np.ndarray, send_counts: np.ndarray,
                           recv_counts: np.ndarray, row_of_owner: np.ndarray, got: np.ndarray, batch: Batch,
-                          window: int, local: bool) -> None:
+                          window: int, local: bool, context_sent: dict | None = None) -> None:
         """The derived columns (frame stacks, next steps) of a host batch, rebuilt by this requester: each
         window's context (one int64) travels in one alltoallv; the frames of windows whose owner's memory
         this rank reads (itself, node peers) are read there, those of other owners travel as context
         windows (``context_before + W + tail`` source steps each, one alltoallv per source column: fewer
         bytes than the rebuilt columns' ``frames`` steps per window step and column). Collective unless
-        ``local``. Cost: these exchanges, then :func:`~gear_mpi.storage.derived.rebuild_derived`."""
+        ``local``. ``context_sent``: the context windows to send, where :meth:`_post_host` decompressed them
+        already (None: packed here). Cost: these exchanges, then :func:`~gear_mpi.storage.derived.rebuild_derived`."""
         spec, node, nb = self.spec, self.node, int(row_of_owner[-1])
         got_ctx = context
         buffers, remote_rows = {}, np.zeros(0, np.int64)
@@ -198,7 +198,7 @@ class WindowTransport:
             if node.any_remote:
                 recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
                 fields = gather_kernels.choice_records(choices)
-                send_buffers = self._context_sent  # decompressed with the windows sent (_post_host), or now:
+                send_buffers = context_sent  # decompressed with the windows sent (_post_host), or now:
                 if send_buffers is None:
                     send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
                                                                 self.shard.capacity_steps, fields["start"][pick],
@@ -288,18 +288,22 @@ class WindowTransport:
     def _post_host(self, requests: list, send_counts, win_start, n_valid, pad_front, recv_counts,
                    row_of_owner, batch: Batch, window: int, context: np.ndarray | None = None) -> list:
         """Post one alltoallv per column: windows for requesters that cannot read this rank's
-        memory, received straight into the batch rows. Returns the send buffers (keep them alive).
-        With ``context`` (derived columns) over compressed sources, the windows' context windows are
-        decompressed here once (kept for :meth:`_derived_exchange`) and the source columns' windows sent
-        are copied out of them rather than decompressed again."""
+        memory, received straight into the batch rows. With ``context`` (derived columns) over compressed
+        sources, the windows' context windows are decompressed here once and the source columns' windows
+        sent are copied out of them rather than decompressed again.
+
+        Returns:
+            ``(send buffers, context windows)``: keep the buffers alive until the requests end; the context
+            windows (None where none were decompressed) are :meth:`_derived_exchange`'s to send."""
         recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
         n_out = len(pick)
         store = self.shard.store
         views = store.byte_views()
         cap = self.shard.capacity_steps
         shared = derived_columns.chunk_sources(self.spec, store) if context is not None and n_out else frozenset()
+        context_sent = None
         if shared:
-            self._context_sent = derived_columns.pack_context(self.spec, views, cap, win_start[pick], context[pick],
+            context_sent = derived_columns.pack_context(self.spec, views, cap, win_start[pick], context[pick],
                                                               n_valid[pick], window, store)
             e = derived_columns.context_steps(self.spec, window)
         buffers = []
@@ -307,7 +311,7 @@ class WindowTransport:
             row_bytes = window * c.step_bytes
             sendbuf = np.empty(n_out * row_bytes, np.uint8)
             if c.name in shared:  # the window within its context window: a copy
-                gather_kernels.gather_windows(self._context_sent[c.name], n_out * e, c.step_bytes,
+                gather_kernels.gather_windows(context_sent[c.name], n_out * e, c.step_bytes,
                                               np.arange(n_out, dtype=np.int64) * e + context[pick], n_valid[pick],
                                               pad_front[pick], np.arange(n_out, dtype=np.int64), sendbuf, window)
             elif n_out and c.compression is not None:  # decompressed here: windows travel raw (see module docstring)
@@ -321,7 +325,7 @@ class WindowTransport:
             requests.append(self.comm.ialltoallv(sendbuf, send_to * row_bytes, dst, recv_from * row_bytes,
                                                  recv_displs=row_of_owner[:-1] * row_bytes))
             buffers.append(sendbuf)
-        return buffers
+        return buffers, context_sent
 
     def close(self) -> None:
         """Destroy the torch process group this transport created (if any). Idempotent."""
