@@ -5,7 +5,7 @@ A W2-sized step (``Shard.sample(256, 1, out=batch)`` + ``update_priorities``) sp
 180 us in the Python around the kernel: the argument checks, the batch's fit, the shard's hold, the random
 draws into a new array, the kernel's argument list (key head, column and batch addresses, scratch) and
 numba's dispatch of about 30 arrays. :class:`Repeat` keeps what does not change between two calls into one
-batch (its metadata rows, mask, column addresses, a buffer for the uniforms), checked once by the full
+batch (a weak reference to it, its column addresses, a buffer for the uniforms), checked once by the full
 path, and :func:`sample_again` makes the next call with them: the same kernel, the same random stream (the
 uniforms come from the shard's generator as before, into a kept buffer), the same rows bit for bit.
 
@@ -44,10 +44,10 @@ def fits(shard) -> bool:
 
 
 class Repeat:
-    """What a sample into ``out`` needs besides the shard's current table and index: the batch's rows and
-    addresses and the call's arguments (and the batch's ``keys`` tensor, so that an update of those keys
-    skips its conversion), made by :func:`sample_one_call` after the full checks of
-    ``Shard.sample``. A later call whose arguments compare equal (:meth:`same`) and whose ``out`` is this
+    """What a sample into ``out`` needs besides the shard's current table and index: a weak reference to the
+    batch, its column addresses and the call's arguments, made by :func:`sample_one_call` after the full
+    checks of ``Shard.sample``; the batch's metadata rows and mask are read from the batch at each reuse
+    (cached there), so that the shard holds none of its arrays. A later call whose arguments compare equal (:meth:`same`) and whose ``out`` is this
     batch, still fitted the same way, goes through :func:`sample_again`.
 
     Args:
