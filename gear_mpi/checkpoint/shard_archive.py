@@ -4,7 +4,11 @@ arrays in memory (what pickling a shard's owner needs).
 The arrays (:func:`shard_arrays`): ``meta`` (the JSON of the spec, sizes, selector and the shard's
 :meth:`~gear_mpi.shard.Shard.state`, as uint8), ``section/<name>`` for each part of the table and
 priority index (:meth:`~gear_mpi.shard.Shard.sections`) and ``column/<i>`` for each column's ring steps in
-use, oldest first (:meth:`~gear_mpi.shard.Shard.column_segments`). :func:`shard_from_arrays` builds a new
+use, oldest first (:meth:`~gear_mpi.shard.Shard.column_segments`); a compressed column
+(:class:`~gear_mpi.spec.Compressed`) is saved as its chunks are stored, ``compressed/<i>/<part>`` for the
+parts of :meth:`~gear_mpi.storage.compressed.CompressedRing.export` (no recompression; every chunk's CRC-32
+is checked at load, a corrupted one raising :class:`~gear_mpi.errors.CheckpointError` naming the column
+and trajectories). :func:`shard_from_arrays` builds a new
 shard from them and puts everything back where it was: the same items at the same ring steps, the same
 keys, priorities, counters and random stream, so the next samples are those the saved shard would have
 drawn. The file is written under a temporary name, fsynced and renamed over ``path``: a crash leaves the
@@ -27,6 +31,8 @@ from .protocol import _make_sampler, _sampler_dict
 
 FORMAT = "gear_mpi.shard"
 VERSION = 1
+#: the arrays of a compressed column (``compressed/<i>/<part>``: ``CompressedRing.export``'s)
+COMPRESSED_PARTS = ("sizes", "crc", "heap", "open", "geometry")
 
 
 def shard_arrays(shard: Shard) -> dict[str, np.ndarray]:
@@ -51,6 +57,10 @@ def shard_arrays(shard: Shard) -> dict[str, np.ndarray]:
     for name, arrs in parts.items():
         out["section/" + name] = np.concatenate(arrs) if len(arrs) > 1 else arrs[0].copy()
     for i, c in enumerate(shard.spec.columns):
+        if c.compression is not None:  # its chunks as stored (no recompression), checked again at load
+            for part, arr in shard.store.compressed[c.name].export().items():
+                out[f"compressed/{i}/{part}"] = arr
+            continue
         out[f"column/{i}"] = np.concatenate([np.asarray(v) for v in shard.column_segments(c.name)]
                                             or [np.zeros(0, np.uint8)])
     return out
@@ -86,6 +96,11 @@ def shard_from_arrays(arrays: Mapping[str, np.ndarray], **overrides: Any) -> Sha
         sections = {k[len("section/"):]: np.asarray(v) for k, v in arrays.items() if k.startswith("section/")}
         shard.restore_sections(state, sections)
         for i, c in enumerate(spec.columns):
+            if c.compression is not None:
+                parts = {p: np.asarray(arrays[f"compressed/{i}/{p}"]) for p in COMPRESSED_PARTS}
+                shard.store.compressed[c.name].restore(
+                    parts, lambda j, name=c.name: shard.store.describe_chunk(name, j))
+                continue
             data = np.asarray(arrays[f"column/{i}"], np.uint8).reshape(-1)
             segments = shard.column_segments(c.name)
             if data.nbytes != sum(s.nbytes for s in segments):

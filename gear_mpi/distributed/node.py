@@ -2,7 +2,9 @@
 
 A requester copies windows owned by ranks on its own node straight out of their
 shared memory (POSIX segments of ``memory="shm"`` shards, or the files of
-``memory="file"`` shards, mapped at construction); windows owned by any other
+``memory="file"`` shards, mapped at construction; under ``"shm"`` a compressed column's
+chunks and chunk table too, decoded by the requester: :mod:`gear_mpi.storage.shared_chunks`;
+under ``"file"`` compressed columns travel by MPI); windows owned by any other
 rank travel through the window transport (so do a node peer's windows when its
 arena is private or copy-on-write: ``memory="private"``, ``Replay.load(mmap=True)``). :class:`NodeView` holds what that needs: which owners this rank reads
 directly (``direct``), the address of every directly readable column ring (for
@@ -32,6 +34,7 @@ from ..kernels import hints
 from ..storage.arenas import SHARED_KINDS, SharedArena, reads_done_counter
 from ..shard import Shard
 from ..storage.columns import attach_columns, column_addresses
+from ..storage.shared_chunks import PeerChunks, unlink_rings
 
 NAME_BYTES = 4096  # room for a shared-memory segment's name or an arena file's path in the construction allgather
 
@@ -65,6 +68,8 @@ class NodeView:
         self.board: NodeBoard | None = None
         self._arenas: dict = {}
         self.peer_views: dict[int, dict[str, np.ndarray]] = {}
+        #: node peer -> its compressed columns read in place (``memory="shm"``; storage.shared_chunks)
+        self.peer_chunks: dict[int, PeerChunks] = {}
         self.device_views: dict[int, dict] = {}
         self._mapped: list = []
 
@@ -128,14 +133,20 @@ class NodeView:
         self.peer_views = {rank: shard.store.byte_views()}
         name = (shard.shm_name or "").encode()  # a file's path fits: PATH_MAX is 4096 with its NUL
         names = self.node_comm.allgather_bytes(name, NAME_BYTES, f"{what} (shared-memory names)")
+        # compressed columns: under "shm" node peers read the chunks in place (storage.shared_chunks); elsewhere
+        # (memory="file": the chunk logs are the owner's alone) their windows come through MPI
+        chunks_shared = memory == "shm" and bool(spec.compressed) and not force_alltoallv
         if memory in SHARED_KINDS:
             for peer, peer_name in zip(self.ranks, names):
                 if peer != rank and peer_name:
                     self._arenas[peer], self.peer_views[peer] = attach_columns(peer_name.decode(), spec, cap)
+                    if chunks_shared:
+                        self.peer_chunks[peer] = PeerChunks(spec, cap, peer_name.decode(), self.peer_views[peer],
+                                                            peer)
             self.node_comm.barrier(f"{what} (shared memory mapped)")  # every peer has mapped the segments:
             shard.store.arena.unlink()  # drop their names, so that no crash can leave them behind in /dev/shm
-        # a compressed column's chunks live in its owner's process memory: node peers get its windows by MPI
-        peers_direct = not force_alltoallv and not spec.compressed
+            unlink_rings(shard.store.compressed)
+        peers_direct = not force_alltoallv and (not spec.compressed or chunks_shared)
         self.direct = np.array([r in self.peer_views and (r == rank or peers_direct) for r in range(size)])
         anyone = self.comm.allgather(np.array([not bool(self.direct.all())], np.int64), f"{what} (transport)")
         self.any_remote = bool(anyone.any())
@@ -234,6 +245,9 @@ class NodeView:
             mapped.close()
         self._mapped, self.device_views = [], {}
         self.peer_views = {}
+        for chunks in self.peer_chunks.values():
+            chunks.close()
+        self.peer_chunks = {}
         if self.board is not None:
             self.board.close()
             self.board = None

@@ -15,8 +15,9 @@ three ways, decided per owner by the :class:`~gear_mpi.distributed.node.NodeView
   into its send buffer and travel raw: on the 2-core CI machine a 84x84 Pong window
   decompresses at about 1.4 GB/s, so sending compressed chunks would move the same
   decompression to the requester and add the bytes of every chunk a window only partly
-  covers (see docs/guide/storage.md); node peers of a replay with compressed columns
-  take this path too (their chunks are in the owner's process memory);
+  covers (see docs/guide/storage.md). Node peers under ``memory="shm"`` read a compressed
+  column directly: the requester decodes the owner's chunks from the node-shared chunk
+  table (:mod:`gear_mpi.storage.shared_chunks`); under ``memory="file"`` they take this path;
 - **device exchange** (``device="cuda"``): windows packed on the GPU, one
   ``all_to_all_single`` per column over NCCL (``window_transport="nccl"``) or a
   CUDA-aware MPI (``"mpi"``), then copied into the batch rows.
@@ -143,16 +144,18 @@ class WindowTransport:
                                                    self.shard.capacity_steps, node.direct, row_of_owner, got,
                                                    batch.column_addresses(), window, mask, keys, lengths,
                                                    probabilities)
-            if store.compressed:  # this rank's own windows of compressed columns (node peers' came by MPI)
-                me = self.comm.rank
-                lo, hi = int(row_of_owner[me]), int(row_of_owner[me + 1])
-                later = derived_columns.chunk_sources(self.spec, store)  # with their stacks: decoded once
-                if hi > lo:
+            if store.compressed:  # compressed columns of the windows read directly: decoded here
+                for o in np.flatnonzero(node.direct).tolist():
+                    lo, hi = int(row_of_owner[o]), int(row_of_owner[o + 1])
+                    if hi <= lo:
+                        continue
+                    src = self._chunks_of(o)
+                    later = derived_columns.chunk_sources(self.spec, src)  # with their stacks: decoded once
                     mine = gather_kernels.choice_records(got[lo:hi])
-                    store.gather_compressed(mine["start"], mine["valid"], mine["pad_front"],
-                                            np.arange(lo, hi, dtype=np.int64),
-                                            {n: v for n, v in zip(self.spec.names, batch.byte_views())
-                                             if n not in later}, window, mine["key"])
+                    src.gather_compressed(mine["start"], mine["valid"], mine["pad_front"],
+                                          np.arange(lo, hi, dtype=np.int64),
+                                          {n: v for n, v in zip(self.spec.names, batch.byte_views())
+                                           if n not in later}, window, mine["key"])
             weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
@@ -221,8 +224,10 @@ class WindowTransport:
         rows = np.arange(nb, dtype=np.int64)
         for o in range(self.comm.size):
             lo, hi = row_of_owner[o], row_of_owner[o + 1]
-            if hi > lo and o == self.comm.rank:  # this rank's own windows (compressed sources: their columns too)
-                store = self.shard.store
+            if hi > lo and (o == self.comm.rank or node.direct[o] and spec.compressed):
+                # windows decoded here: this rank's own, a node peer's shared chunks (compressed sources: their
+                # columns too)
+                store = self._chunks_of(o)
                 own = {n: v for n, v in zip(spec.names, batch.byte_views())
                        if n in derived_columns.chunk_sources(spec, store)}
                 derived_columns.rebuild_local(spec, store, node.column_addrs[o], starts[lo:hi], got_ctx[lo:hi],
@@ -234,6 +239,11 @@ class WindowTransport:
         if len(remote_rows):
             derived_columns.rebuild_from_context(spec, buffers, got_ctx[remote_rows], valid[remote_rows],
                                                  pad[remote_rows], remote_rows, outs, window)
+
+    def _chunks_of(self, owner: int):
+        """Where owner ``owner``'s compressed columns are decoded from: this rank's store, or a node peer's
+        shared chunks (:class:`~gear_mpi.storage.shared_chunks.PeerChunks`). O(1)."""
+        return self.shard.store if owner == self.comm.rank else self.node.peer_chunks[owner]
 
     def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
         """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""

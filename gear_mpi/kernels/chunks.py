@@ -1,7 +1,7 @@
 """Windows of a compressed column (:mod:`gear_mpi.storage.compressed`) into a batch, in one numba call.
 
 A compressed column's ring of ``capacity`` steps is cut into chunks ``j = position // k``; chunk ``j`` is
-*sealed* (``size[j] >= 0`` bytes of a blosc2 chunk at address ``addr[j]``, CRC-32 ``crc[j]``), *open*
+*sealed* (``size[j] >= 0`` bytes of a blosc2 chunk at address ``base + addr[j]``, CRC-32 ``crc[j]``), *open*
 (``j == open_index``: its raw steps in ``open_buf``) or *empty* (``size[j] < 0``: zeros).
 
 :func:`fill_windows` takes the windows in ring order, in parallel over windows (numba threads, each with
@@ -197,7 +197,7 @@ def _put_steps(i, src, r0, take, sb, n_valid, pad_front, rows, frames, offsets, 
 
 
 @njit(cache=True, inline="always")
-def _fill_window(i, fn, contexts, addr, size, crc, table, open_addr, open_index, k, capacity, sb, win_start, before,
+def _fill_window(i, fn, contexts, chunk_base, addr, size, crc, table, open_addr, open_index, k, capacity, sb, win_start, before,
                  n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, tmp_addr, held, err, bad, stream):
     nv, pf, first = n_valid[i], pad_front[i], -before[i]
     lo, hi = np.int64(1) << 62, -(np.int64(1) << 62)
@@ -239,11 +239,12 @@ def _fill_window(i, fn, contexts, addr, size, crc, table, open_addr, open_index,
             else:
                 at = 0 if held[2] == 1 else 1  # not the row decoded last: the window's chunk before stays
                 held[at] = -1
-                if crc32_at(addr[j], size[j], table) != crc[j]:
+                if crc32_at(chunk_base + addr[j], size[j], table) != crc[j]:
                     err[i], bad[i] = BAD_CRC, j
                     return
                 n = min(k, capacity - cs) * sb
-                got = _decompress_call(fn, contexts[get_thread_id()], addr[j], np.int32(size[j]), tmp_addr + at * row,
+                got = _decompress_call(fn, contexts[get_thread_id()], chunk_base + addr[j], np.int32(size[j]),
+                                       tmp_addr + at * row,
                                        np.int32(n))
                 if got != n:
                     err[i], bad[i] = BAD_FRAME, j
@@ -261,7 +262,7 @@ def _fill_window(i, fn, contexts, addr, size, crc, table, open_addr, open_index,
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def fill_windows(fn, contexts, addr, size, crc, table, open_buf, open_index, k, capacity, step_bytes, win_start,
+def fill_windows(fn, contexts, base, addr, size, crc, table, open_buf, open_index, k, capacity, step_bytes, win_start,
                  before, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, tmp, err, bad):
     """Windows of one compressed column ring into batch columns, each window's chunks decoded where they
     are copied: the windows are taken in ring order; for window ``i``, the chunks its steps cover (from
@@ -279,7 +280,9 @@ def fill_windows(fn, contexts, addr, size, crc, table, open_buf, open_index, k, 
 
     Args:
         fn, contexts: the address of ``blosc2_decompress_ctx`` and one decompression context per numba
-            thread (the caller keeps other threads off them); addr, size, crc: the ring's chunk table;
+            thread (the caller keeps other threads off them); base, addr, size, crc: the ring's chunk table
+            (chunk ``j``'s bytes at address ``base + addr[j]``: base 0 and addresses, or a mapping's address and
+            offsets in it, as a node peer reads an owner's shared table);
             table: :data:`CRC_TABLE`; open_buf, open_index: the open chunk.
         k, capacity, step_bytes: the ring's geometry.
         win_start, before, n_valid, pad_front, rows: int64 per window (``win_start`` in the ring).
@@ -321,12 +324,12 @@ def fill_windows(fn, contexts, addr, size, crc, table, open_buf, open_index, k, 
     if b * need < SERIAL_BYTES:
         for q in range(b):
             th = get_thread_id()
-            _fill_window(order[q], fn, contexts, addr, size, crc, table, o_addr, open_index, k, capacity, sb,
+            _fill_window(order[q], fn, contexts, base, addr, size, crc, table, o_addr, open_index, k, capacity, sb,
                          win_start, before, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window,
                          t_addr + th * row2, held[th], err, bad, stream)
     else:
         for q in prange(b):
             th = get_thread_id()
-            _fill_window(order[q], fn, contexts, addr, size, crc, table, o_addr, open_index, k, capacity, sb,
+            _fill_window(order[q], fn, contexts, base, addr, size, crc, table, o_addr, open_index, k, capacity, sb,
                          win_start, before, n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window,
                          t_addr + th * row2, held[th], err, bad, stream)

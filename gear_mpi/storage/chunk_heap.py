@@ -28,11 +28,13 @@ Local: nothing here communicates.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import errno
 import mmap
 import os
+import weakref
 from collections import deque
 
 import numpy as np
@@ -40,6 +42,13 @@ import numpy as np
 from ..errors import StorageError
 from ..progress import human
 from .file_arenas import close_mapping, create_exclusive
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 #: blosc2's largest overhead over the raw bytes of a chunk (``BLOSC2_MAX_OVERHEAD``)
 MAX_OVERHEAD = 32
@@ -83,21 +92,35 @@ class FileChunkHeap:
     Cost: one create, one ``ftruncate`` (no blocks), one mmap.
     """
 
-    def __init__(self, directory: str, filename: str, n_chunks: int, chunk_bytes: int):
+    def __init__(self, directory: str, filename: str, n_chunks: int, chunk_bytes: int, prefix: int = 0,
+                 keep_name: bool = False):
         self.slot = int(chunk_bytes) + MAX_OVERHEAD
         self.span = -(-2 * (int(n_chunks) + 1) * self.slot // BLOCK) * BLOCK
+        #: bytes before the log, reserved at once (``memory="shm"``: the chunk table node peers read)
+        self.prefix = -(-int(prefix) // BLOCK) * BLOCK
         self.filename = os.path.join(directory, filename)
         fd = create_exclusive(self.filename)
         try:
-            os.ftruncate(fd, self.span)  # sparse: blocks are reserved as chunks need them
-            self._mmap = mmap.mmap(fd, self.span, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(fd, self.prefix + self.span)  # sparse: blocks are reserved as chunks need them
+            if self.prefix:
+                try:
+                    os.posix_fallocate(fd, 0, self.prefix)
+                except OSError as e:
+                    raise StorageError(f"cannot reserve {human(self.prefix)} for {self.filename!r}: "
+                                       f"{e.strerror or e}") from None
+            self._mmap = mmap.mmap(fd, self.prefix + self.span, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if hasattr(mmap, "MADV_RANDOM"):
                 self._mmap.madvise(mmap.MADV_RANDOM)
         except BaseException:
             os.close(fd)
             os.unlink(self.filename)
             raise
-        os.unlink(self.filename)  # only this process maps it: no name is needed, none is left by a crash
+        self._finalizer = None
+        if keep_name:  # node peers map it by name: unlink() once they have (and at exit, or close, at the latest)
+            self._finalizer = weakref.finalize(self, _unlink_quietly, self.filename)
+            atexit.register(self._finalizer)
+        else:
+            os.unlink(self.filename)  # only this process maps it: no name is needed, none is left by a crash
         self._fd = fd
         self.buffer = np.frombuffer(self._mmap, np.uint8)
         self.head = self.tail = self.reserved = 0
@@ -121,7 +144,7 @@ class FileChunkHeap:
         while a < b:
             lo = a % self.span
             n = min(b - a, self.span - lo)
-            yield lo, n
+            yield self.prefix + lo, n
             a += n
 
     def _reserve_to(self, end: int) -> None:
@@ -196,7 +219,7 @@ class FileChunkHeap:
             raise StorageError(f"{self.filename}: the compressed chunks' log is full of chunks freed out of order "
                                f"({human(self.held_bytes)} held in {human(self.span)})")
         self._reserve_to(at + n)
-        lo = at % self.span
+        lo = self.prefix + at % self.span
         view = self.buffer[lo:lo + n]
         view[:] = np.frombuffer(data, np.uint8)
         entry = [j, at, n, True]
@@ -217,7 +240,9 @@ class FileChunkHeap:
             log.popleft()
         head = log[0][1] if log else self.tail
         if head > self.head:
-            self._punch(self.head // BLOCK * BLOCK, head)
+            # never a block that also holds positions one span on (the log wraps: with a span of a few blocks,
+            # the head's old block may be where the tail's newest chunks or reserved room now lie)
+            self._punch(max(self.head // BLOCK * BLOCK, max(self.tail, self.reserved) - self.span), head)
             self.head = head
 
     def reset(self) -> None:
@@ -232,8 +257,15 @@ class FileChunkHeap:
         self.reset()
         self.slot = int(chunk_bytes) + MAX_OVERHEAD
 
+    def unlink(self) -> None:
+        """Remove the file's name (``keep_name``; nothing otherwise): mappings stay valid. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+
     def close(self) -> None:
-        """Unmap (once no array views it) and close the file (its space goes with the last mapping). Idempotent."""
+        """Unmap (once no array views it) and close the file (its space goes with the last mapping), its name
+        removed (``keep_name``). Idempotent."""
+        self.unlink()
         self.buffer = None
         close_mapping(self._mmap)  # chunk views still alive: the mapping goes when they do
         self._mmap = None

@@ -92,6 +92,9 @@ def attach_columns(name: str, spec: TrajectorySpec, capacity_steps: int) -> tupl
     except ValueError:
         arena.close()
         raise
-    views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + c.step_bytes * capacity_steps]
-             for c in spec.columns if c.compression is None}
+    # a compressed column has no ring here (its chunks: storage.shared_chunks): an empty view the kernels read
+    # nothing from (the store's gather_step_bytes is 0 for it)
+    views = {c.name: arena.buffer[offsets[c.name]:offsets[c.name] + (c.step_bytes * capacity_steps
+                                                                     if c.compression is None else 0)]
+             for c in spec.columns}
     return arena, views

@@ -178,9 +178,15 @@ class CompressedRing:
         #: each sealed chunk's bytes: address and size (-1: not sealed), what the kernels read
         self.addr = np.zeros(self.n_chunks, np.int64)
         self.size = np.full(self.n_chunks, -1, np.int64)
-        self.open_index = -1
+        self._open_cell = np.full(1, -1, np.int64)  # the open chunk (-1: none); node peers read it (shm)
         self.open = np.zeros(self.k * self.sb, np.uint8)
         self.stored_bytes = 0
+        #: what :attr:`addr` counts from: 0 (addresses), or the mapping of a chunk log whose table node peers
+        #: read (``memory="shm"``: offsets from its start, :mod:`gear_mpi.storage.shared_chunks`)
+        self.base = 0
+        #: whether this ring's table and chunks are in a node-shared log (``"owner"``), a node peer's view
+        #: of one (``"peer"``: read only), or neither (None)
+        self.shared = None
         typesize = column.dtype.itemsize if column.dtype.itemsize <= 255 else 1
         self._cparams = blosc2.CParams(codec=getattr(blosc2.Codec, column.compression.codec.upper()),
                                        clevel=column.compression.level, typesize=typesize,
@@ -192,6 +198,15 @@ class CompressedRing:
         #: where sealed chunks live: None, each its own bytes object in process memory; ``memory="file"``: a
         #: :class:`~gear_mpi.storage.chunk_heap.FileChunkHeap` (set by :func:`~gear_mpi.storage.chunk_heap.file_heaps`)
         self.heap = None
+
+    @property
+    def open_index(self) -> int:
+        """The chunk being written (raw in :attr:`open`), or -1. O(1)."""
+        return int(self._open_cell[0])
+
+    @open_index.setter
+    def open_index(self, j: int) -> None:
+        self._open_cell[0] = j
 
     def decoder(self) -> _Decoder | None:
         """The compiled decoder the kernels use (:meth:`fill`), or None where it does not load or
@@ -281,7 +296,7 @@ class CompressedRing:
         if data is None:
             self.addr[j], self.size[j] = 0, -1
         else:
-            self.addr[j], self.size[j] = np.frombuffer(data, np.uint8).ctypes.data, len(data)
+            self.addr[j], self.size[j] = np.frombuffer(data, np.uint8).ctypes.data - self.base, len(data)
 
     def reset(self) -> None:
         """Forget every chunk (a cleared store). O(chunks)."""
@@ -412,7 +427,7 @@ class CompressedRing:
             need = 2 * len(dec.contexts) * self.chunk_bytes
             if len(self._kernel_scratch) < need:
                 self._kernel_scratch = np.empty(need, np.uint8)
-            chunk_kernels.fill_windows(dec.function, dec.contexts, self.addr, self.size, self.crc,
+            chunk_kernels.fill_windows(dec.function, dec.contexts, self.base, self.addr, self.size, self.crc,
                                        chunk_kernels.CRC_TABLE, self.open, self.open_index, self.k, self.capacity,
                                        self.sb, *args, *columns, outs, window, self._kernel_scratch, err[:b], err[b:])
         if err[:b].any():
@@ -517,7 +532,8 @@ class CompressedRing:
         """
         g = [int(x) for x in np.asarray(parts["geometry"], np.int64).reshape(-1)]
         if (len(g) == 4 and g[1] != self.k and 1 <= g[1] <= self.capacity and g[2:] == [self.capacity, self.sb]
-                and self.column.compression.chunk is None and self.stored_bytes == 0 and self.open_index < 0):
+                and self.column.compression.chunk is None and self.stored_bytes == 0 and self.open_index < 0
+                and self.shared is None):  # a shared table's geometry is fixed (node peers mapped it)
             k = self.k
             self._set_k(g[1])
             try:
@@ -552,7 +568,8 @@ class CompressedRing:
                 raise CorruptDataError(f"column {self.name!r}: compressed {where} fails its CRC-32 checksum "
                                        f"(the saved bytes are corrupted)")
             chunks.append(data)
-        self.chunks, self.crc = [None] * self.n_chunks, crc.copy()
+        self.chunks = [None] * self.n_chunks
+        self.crc[:] = crc  # in place: a shared table's arrays stay where node peers read them
         self.addr[:], self.size[:] = 0, -1
         if self.heap is not None:  # appended oldest first: the chunk after the open one is the next freed
             self.heap.reset()

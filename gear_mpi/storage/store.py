@@ -19,7 +19,8 @@ With ``memory="file"`` the columns (:mod:`gear_mpi.storage.file_arenas`, ``path/
 and the table (``slots.bin``) are memory-mapped files, both reserved on disk when the store is
 built; with ``memory="mapped"`` the columns are an existing ``columns.bin`` (a checkpoint's)
 mapped copy-on-write and the table is in memory. Compressed columns keep their chunks in a log file each
-with ``memory="file"`` (:mod:`gear_mpi.storage.chunk_heap`), in process memory otherwise.
+with ``memory="file"`` (:mod:`gear_mpi.storage.chunk_heap`), in a node-shared file each with ``memory="shm"``
+(:mod:`gear_mpi.storage.shared_chunks`), in process memory otherwise.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import numpy as np
 from .. import keys as keyspace
 from ..errors import CorruptDataError, InvalidKeyError, InvalidTrajectoryError, StaleKeyError
 from ..kernels import ring
-from . import chunk_heap, file_arenas as file_memory, store_insert, table as table_layout
+from . import chunk_heap, file_arenas as file_memory, shared_chunks, store_insert, table as table_layout
 from .arenas import (SharedArena, check_header, column_layout, commit_pages, make_arena, memory_kind, small_pages,
                      write_header)
 from .compressed import ChunkError, CompressedRing, codec_library
@@ -138,7 +139,7 @@ class TrajectoryStore:
         # (wrapping): a background checkpoint's record of what changed (gear_mpi.checkpoint.incremental)
         self.on_write: Callable[[int, int], None] | None = None
         self._collapser = None  # page_collapse.Collapser of the last large first fill
-        # compressed columns: chunks in process memory (gear_mpi.storage.compressed), no raw ring in the arena
+        # compressed columns: chunks in process memory or files (gear_mpi.storage.compressed), no raw ring here
         self.compressed: dict[str, CompressedRing] = {c.name: CompressedRing(c, self.capacity)
                                                       for c in spec.columns if c.compression is not None}
         if self.compressed and self._table_arena is not None:  # memory="file": their chunks in files of the shard's
@@ -147,6 +148,12 @@ class TrajectoryStore:
             except BaseException:
                 self.arena.close()
                 self._table_arena.close()
+                raise
+        elif self.compressed and self.arena.kind == "shm":  # chunks and table where node peers read them
+            try:
+                shared_chunks.share_rings(self.compressed, spec, self.arena.name)
+            except BaseException:
+                self.arena.close()
                 raise
         #: bytes per step the gather kernels copy from the arena: 0 for compressed columns (filled afterwards
         #: by :meth:`gather_compressed`)
