@@ -131,9 +131,6 @@ class Replay:
         if device_kind == "cuda" and spec.derived:
             raise ValueError("derived columns (FrameStack, NextStep) are rebuilt on the host: use device='cpu' "
                              "and move the batch (batch.to(...)), or store the columns")
-        if device_kind == "cuda" and spec.compressed:  # the same on every rank: the spec is agreed below
-            raise ValueError(f"compressed columns {list(spec.compressed)} are not supported with device='cuda' yet; "
-                             f"use a host replay (device=None) or declare them uncompressed")
         if memory is not None:
             memory = memory_kind(memory, stacklevel=2)
         signature = {"spec": spec.to_dict(), "capacity_steps": capacity_steps, "max_items": max_items,

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.storage import compressed as compressed_module
-from gear_mpi.storage.arenas import SHM_DIR
-from gear_mpi.storage.shared_chunks import PeerChunks, segment_name
+from gear_mpi.storage import arenas, compressed as compressed_module, shared_chunks
 from mpi_util import run_pytest_mpi
 
 SPEC = gm.TrajectorySpec({"pixels": ((6, 5), "uint8", gm.Compressed(chunk=3)), "r": ((), "float32")},
@@ -42,9 +40,10 @@ def test_a_peer_decodes_the_owners_shared_chunks(monkeypatch, kernels):
     rng = np.random.default_rng(3)
     with gm.Shard(SPEC, 40, memory="shm", seed=1) as owner:
         ring = owner.store.compressed["pixels"]
-        assert ring.shared == "owner" and os.path.exists(os.path.join(SHM_DIR, segment_name(owner.shm_name, 0)))
+        name = shared_chunks.segment_name(owner.shm_name, 0)
+        assert ring.shared == "owner" and os.path.exists(os.path.join(arenas.SHM_DIR, name))
         _, views = gm.attach_columns(owner.shm_name, SPEC, 40)
-        peer = PeerChunks(SPEC, 40, owner.shm_name, views, owner=0)
+        peer = shared_chunks.PeerChunks(SPEC, 40, owner.shm_name, views, owner=0)
         try:
             for lap in range(12):
                 for _ in range(3):
@@ -59,6 +58,25 @@ def test_a_peer_decodes_the_owners_shared_chunks(monkeypatch, kernels):
             peer.close()
 
 
+@pytest.mark.parametrize("memory", ["file", "shm"])
+def test_a_small_chunk_log_keeps_its_chunks_through_many_laps(tmp_path, memory):
+    """A chunk log of one or two blocks (a small ring): freeing the oldest chunks gives back only blocks that hold
+    no newer chunk (the log wraps within a block; it used to punch the newest chunks out: CRC errors on insert)."""
+    rng = np.random.default_rng(3)
+    a = gm.Shard(RAW, 40, seed=1, tag=1)
+    b = gm.Shard(SPEC, 40, seed=1, tag=1, memory=memory, **({"path": str(tmp_path)} if memory == "file" else {}))
+    try:
+        for _ in range(60):
+            t = trajectory(rng)
+            a.insert(t)
+            b.insert(t)
+        for _ in range(3):
+            assert np.array_equal(a.sample(8, 9, "head")["pixels"].numpy(), b.sample(8, 9, "head")["pixels"].numpy())
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_corrupted_shared_chunk_names_owner_column_and_chunk():
     rng = np.random.default_rng(4)
     with gm.Shard(SPEC, 40, memory="shm", seed=1) as owner:
@@ -67,7 +85,7 @@ def test_a_corrupted_shared_chunk_names_owner_column_and_chunk():
         ring = owner.store.compressed["pixels"]
         j = int(np.flatnonzero(ring.size >= 0)[0])
         _, views = gm.attach_columns(owner.shm_name, SPEC, 40)
-        peer = PeerChunks(SPEC, 40, owner.shm_name, views, owner=3)
+        peer = shared_chunks.PeerChunks(SPEC, 40, owner.shm_name, views, owner=3)
         try:
             ring.chunks[j][5] ^= 0x10  # a flipped byte in shared memory
             out = np.zeros(30 * 3, np.uint8)
@@ -129,3 +147,12 @@ def test_shm_replays_on_two_and_four_ranks(ranks):
     """tests/mpi/test_compressed_shm.py: node peers decode each other's chunks; twins bit-exact, draws exact."""
     run = run_pytest_mpi(ranks, "test_compressed_shm.py", timeout=400)
     assert len(run.passed(0)) == 6, run.passed(0)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_device_replays_decode_compressed_columns_on_the_host(ranks):
+    """tests/mpi/test_device_compressed.py on the CUDA simulator: a device="cuda" replay with compressed columns
+    returns a CPU replay's batches bit for bit (own windows, node peers' shared chunks, windows sent)."""
+    run = run_pytest_mpi(ranks, "test_device_compressed.py", env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=400,
+                         mpiexec=ranks > 1)
+    assert len(run.passed(0)) == (5 if ranks > 1 else 3), run.passed(0)

@@ -167,8 +167,9 @@ class NodeView:
             # page-lock the node's arenas and map them into this GPU's address space (zero copy)
             from ..storage.pinned import map_byte_views
             for r, arena in self._arenas.items():
-                try:
-                    mapped, views = map_byte_views(arena.buffer, self.peer_views[r])
+                try:  # compressed columns have no ring in the arena: decoded on the host (WindowTransport)
+                    mapped, views = map_byte_views(arena.buffer, {n: v for n, v in self.peer_views[r].items()
+                                                                  if spec[n].compression is None})
                 except Exception as e:
                     if arena.kind not in ("file", "mapped"):
                         raise

@@ -171,6 +171,8 @@ class WindowTransport:
                                                            rows[lo:hi]), data, mask)
         import torch
         from ..kernels import cuda_gather
+        if self.spec.compressed:
+            self._device_compressed(got_fields, row_of_owner, data, window)
         cuda_gather.fill_mask(g_valid, g_pad, rows, self.device.numba_view(mask), self.device.threads)
         dev = self.device.torch_device
         batch = Batch.from_tensors(data, mask, torch.from_numpy(got_fields["key"].copy()).to(dev),
@@ -245,6 +247,34 @@ class WindowTransport:
         shared chunks (:class:`~gear_mpi.storage.shared_chunks.PeerChunks`). O(1)."""
         return self.shard.store if owner == self.comm.rank else self.node.peer_chunks[owner]
 
+    def _host_decoded(self, src, column, starts, valid, pad, keys, window: int, dst) -> None:
+        """Windows of compressed ``column`` decoded on the host from ``src`` (a store or a node peer's shared
+        chunks) into the device's page-locked staging buffer, then copied into ``dst`` (a flat uint8 device
+        tensor of ``len(starts)`` rows). Cost: the decompression, one host-to-device copy."""
+        n, row_bytes = len(starts), window * column.step_bytes
+        if n == 0:
+            return
+        stage = self.device.staging(n * row_bytes)[:n * row_bytes]
+        src.gather_compressed(starts, valid, pad, np.arange(n, dtype=np.int64), {column.name: stage.numpy()}, window,
+                              keys)
+        dst.copy_(stage)
+
+    def _device_compressed(self, fields: dict, row_of_owner: np.ndarray, data: dict, window: int) -> None:
+        """A device batch's compressed columns of the windows read directly (this rank's own, node peers'
+        under ``memory="shm"``): decoded on the host, then copied (:meth:`_host_decoded`)."""
+        import torch
+        for c in self.spec.columns:
+            if c.compression is None:
+                continue
+            row_bytes = window * c.step_bytes
+            flat = data[c.name].view(-1).view(torch.uint8)
+            for o in np.flatnonzero(self.node.direct).tolist():
+                lo, hi = int(row_of_owner[o]), int(row_of_owner[o + 1])
+                if hi > lo:
+                    self._host_decoded(self._chunks_of(o), c, fields["start"][lo:hi], fields["valid"][lo:hi],
+                                       fields["pad_front"][lo:hi], fields["key"][lo:hi], window,
+                                       flat[lo * row_bytes:hi * row_bytes])
+
     def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
         """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""
         from ..kernels import cuda_gather
@@ -280,7 +310,10 @@ class WindowTransport:
         for c in self.spec.columns:
             row_bytes = window * c.step_bytes
             send = ctx.empty((n_out * row_bytes,), np.uint8)
-            if n_out:
+            if n_out and c.compression is not None:  # decoded on the host, then copied to the device
+                self._host_decoded(self.shard.store, c, win_start[pick] % cap, n_valid[pick], pad_front[pick], None,
+                                   window, send)
+            elif n_out:
                 cuda_gather.gather_windows(own_views[c.name], cap, c.step_bytes, win_start[pick] % cap,
                                            n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
                                            ctx.numba_view(send), window, ctx.threads)

@@ -197,7 +197,8 @@ def _put_steps(i, src, r0, take, sb, n_valid, pad_front, rows, frames, offsets, 
 
 
 @njit(cache=True, inline="always")
-def _fill_window(i, fn, contexts, chunk_base, addr, size, crc, table, open_addr, open_index, k, capacity, sb, win_start, before,
+def _fill_window(i, fn, contexts, chunk_base, addr, size, crc, table, open_addr, open_index, k, capacity, sb,
+                 win_start, before,
                  n_valid, pad_front, rows, frames, offsets, pad_zeros, outs, window, tmp_addr, held, err, bad, stream):
     nv, pf, first = n_valid[i], pad_front[i], -before[i]
     lo, hi = np.int64(1) << 62, -(np.int64(1) << 62)

@@ -215,6 +215,8 @@ def gather_into(byte_views, spec, capacity, win_start, n_valid, pad_front, out_r
     idx = [as_device(a, np.int64) for a in (win_start, n_valid, pad_front, out_rows)]
     window = mask.shape[1]
     for c in spec.columns:
+        if c.compression is not None:  # no ring to read on the device: decoded on the host (the transport's)
+            continue
         gather_windows(byte_views[c.name], capacity, c.step_bytes, *idx, as_bytes(columns[c.name]), window,
                        threads, vec)
     fill_mask(idx[1], idx[2], idx[3], mask, threads)

@@ -18,6 +18,8 @@ The rules of file memory (:mod:`gear_mpi.storage.file_arenas`) hold:
   back after it (:meth:`FileChunkHeap.trim`).
 - *Nothing left behind.* The file is unlinked as soon as it is mapped (only its shard reads it: node peers get
   compressed windows through MPI), so a crash leaves no file and its space is freed with the process.
+  (``memory="shm"`` uses the same log, after a table ``prefix``, in a file under ``/dev/shm`` whose name is
+  kept until node peers have mapped it: ``keep_name``, :mod:`gear_mpi.storage.shared_chunks`.)
 - As for the columns, nothing here is durable across a restart: a replay survives a restart through its
   checkpoints, which save the chunks as stored (:mod:`gear_mpi.checkpoint.compressed_file`).
 

@@ -13,9 +13,11 @@ capacity). Every chunk is, at any time, one of:
 
 The ring is written in order (inserts are FIFO along the ring), so each chunk is compressed once per lap
 of the ring; no byte heap is managed here: each sealed chunk is its own allocation in process memory
-(``memory="private"``; with ``"shm"`` the compressed columns stay in the owner's process memory too, see
-docs/guide/storage.md), freed when its chunk is opened again; with ``memory="file"`` it is appended to the
-column's log file instead (:attr:`CompressedRing.heap`, :mod:`gear_mpi.storage.chunk_heap`), and after a mapped
+(``memory="private"``), freed when its chunk is opened again; with ``memory="file"`` it is appended to the
+column's log file instead (:attr:`CompressedRing.heap`, :mod:`gear_mpi.storage.chunk_heap`), with ``"shm"`` to
+a log in a node-shared file that also holds the chunk table, so that node peers decode the chunks themselves
+(:mod:`gear_mpi.storage.shared_chunks`; :attr:`CompressedRing.base` then makes :attr:`CompressedRing.addr`
+offsets in that file), and after a mapped
 load (``load(mmap=True)``) the chunks saved are views of the mapped checkpoint file.
 
 A window is read by decompressing only the chunks it covers. By default the whole read is compiled

@@ -120,6 +120,18 @@ class DeviceContext:
         import torch
         return torch.empty(shape, dtype=_torch_dtype(dtype), device=self.torch_device)
 
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host buffer of at least ``nbytes`` bytes (uint8; plain host memory under the simulator),
+        kept and grown: where columns decoded on the host (compressed ones) are written before their copy to
+        the device. Valid until the next call. O(1), or one allocation when it grows.
+        """
+        import torch
+        buf = getattr(self, "_staging", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(int(nbytes), 1 << 16), dtype=torch.uint8, pin_memory=not self.simulator)
+            self._staging = buf
+        return buf
+
     def numba_view(self, tensor: torch.Tensor):
         """A numba-cuda device array over the tensor's memory (no copy).
 
