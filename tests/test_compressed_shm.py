@@ -77,6 +77,22 @@ def test_a_small_chunk_log_keeps_its_chunks_through_many_laps(tmp_path, memory):
         b.close()
 
 
+def test_chunks_saved_with_another_default_chunking_load_into_a_shared_table():
+    """A checkpoint of the older default chunking (``chunk=None``): a shared table keeps its geometry (peers mapped
+    it), so the saved chunks are decoded and compressed again; the steps read back the same."""
+    spec = gm.TrajectorySpec({"pixels": ((6, 5), "uint8", gm.Compressed())}, max_length=9)
+    rng = np.random.default_rng(2)
+    with gm.Shard(spec, 40, memory="shm") as s:
+        ring = s.store.compressed["pixels"]
+        old = compressed_module.CompressedRing(spec["pixels"], 40)
+        old._set_k(2 if ring.k != 2 else 4)
+        data = (rng.random((40, 6, 5)) < 0.3).astype(np.uint8) * 7
+        old.write(0, data[:37])
+        ring.restore(old.export())
+        assert ring.k != old.k and ring.shared == "owner"
+        assert np.array_equal(ring.read_steps(np.arange(37)), data[:37])
+
+
 def test_a_corrupted_shared_chunk_names_owner_column_and_chunk():
     rng = np.random.default_rng(4)
     with gm.Shard(SPEC, 40, memory="shm", seed=1) as owner:
@@ -146,7 +162,7 @@ def test_save_shard_keeps_compressed_chunks(tmp_path, memory):
 def test_shm_replays_on_two_and_four_ranks(ranks):
     """tests/mpi/test_compressed_shm.py: node peers decode each other's chunks; twins bit-exact, draws exact."""
     run = run_pytest_mpi(ranks, "test_compressed_shm.py", timeout=400)
-    assert len(run.passed(0)) == 6, run.passed(0)
+    assert len(run.passed(0)) == 7, run.passed(0)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -533,9 +533,15 @@ class CompressedRing:
             CorruptDataError: a chunk whose bytes fail their checksum (``describe(j)`` names it).
         """
         g = [int(x) for x in np.asarray(parts["geometry"], np.int64).reshape(-1)]
-        if (len(g) == 4 and g[1] != self.k and 1 <= g[1] <= self.capacity and g[2:] == [self.capacity, self.sb]
-                and self.column.compression.chunk is None and self.stored_bytes == 0 and self.open_index < 0
-                and self.shared is None):  # a shared table's geometry is fixed (node peers mapped it)
+        older = (len(g) == 4 and g[1] != self.k and 1 <= g[1] <= self.capacity and g[2:] == [self.capacity, self.sb]
+                 and self.column.compression.chunk is None and self.stored_bytes == 0 and self.open_index < 0)
+        if older and self.shared is not None:  # a shared table's geometry is fixed (node peers mapped it):
+            saved = CompressedRing(self.column, self.capacity)  # decode the saved chunks, compress them again here
+            saved._set_k(g[1])
+            saved.restore(parts, describe, False, check)
+            self.write(0, saved.read_steps(np.arange(self.capacity, dtype=np.int64)))
+            return
+        if older:
             k = self.k
             self._set_k(g[1])
             try:

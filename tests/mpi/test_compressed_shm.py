@@ -163,3 +163,27 @@ def test_draws_are_exact_and_rows_hold_their_trajectory(mode):
         counts = np.bincount([index[k] for part in parts for k in part], minlength=len(keys))
         p = float(chisquare(counts, w / w.sum() * counts.sum()).pvalue)
         assert p > 1e-3, (mode, p)
+
+
+def test_checkpoint_of_a_shared_chunk_replay_loads_into_shared_chunks(tmp_path_factory):
+    """save / load of a shm replay with compressed columns: chunks saved as stored, loaded into the new shards'
+    shared tables (node peers read them again), batches equal to the raw twin's."""
+    raw_spec, comp_spec = twin_specs(3)
+    kw = dict(sampler=gm.Prioritized(0.7, 0.5), seed=9, memory="shm")
+    raw, comp = gm.Replay(raw_spec, 50, **kw), gm.Replay(comp_spec, 50, **kw)
+    try:
+        for traj, p in trajectories(12, 30):
+            raw.insert(traj, p)
+            comp.insert(traj, p)
+        path = COMM.bcast(str(tmp_path_factory.mktemp("ck") / "ck") if RANK == 0 else None)
+        comp.save(path)
+        comp.close()
+        comp, _ = gm.Replay.load(path, memory="shm")
+        assert comp.shard.store.compressed["pixels"].shared == "owner"
+        assert len(comp.node.peer_chunks) == comp.node.size - 1
+        for align, window in (("random", 4), ("tail", 6)):
+            same_batch(raw.sample(4 + RANK, window, align), comp.sample(4 + RANK, window, align))
+        assert windows_crossed(comp) == 0
+    finally:
+        raw.close()
+        comp.close()
