@@ -679,7 +679,7 @@ class Replay:
         checkpoint.save(self, path, progress)
 
     def checkpoint_every(self, directory, seconds: float | None = 60.0, keep: int = 2, *, segment_bytes: int = 16 << 20,
-                         copy_limit: int = 1 << 30, write_rate: float | None = None, cpu_share: float | None = 0.05,
+                         copy_limit: int = 1 << 30, write_rate: float | None = None, cpu_share: float | None = 0.02,
                          priority: str = "low"):
         """Collective: take incremental checkpoints in the background, about every ``seconds``, into
         ``directory/ckpt-NNNNNNNN`` (:mod:`gear_mpi.checkpoint.background`; docs/guide/faults.md).

@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..progress import human, log
 from . import incremental, pacing, segment_file, series
 from .arrival import assumed_rate
-from .files import BLOCKED_VERSION, rank_dir
+from .files import PARTED_VERSION, rank_dir
 
 
 class BackgroundCheckpoints:
@@ -147,7 +147,7 @@ class BackgroundCheckpoints:
                 shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
                 body["shards"] = shards
                 body["items"] = sum(int(s["items"]) for s in shards)
-                series.install(path, body, BLOCKED_VERSION)
+                series.install(path, body, PARTED_VERSION)
                 self._prune = True  # by the training thread, at the next start or wait: fewer GIL handovers here
             self.completed += 1
             self.last.update(thread_seconds=time.monotonic() - t0, paced_seconds=pacer.slept,

@@ -4,8 +4,12 @@ A :class:`Changes` record hangs on the shard's store (``store.on_write``) and no
 segments (:mod:`~gear_mpi.checkpoint.segment_file`) each insert writes. :func:`snapshot`, called by
 the training thread between two collectives, decides per segment holding steps in use:
 
-- not written since the previous checkpoint of this rank (its *base*): a hard link to the base's file
-  (its manifest entry reused, nothing read or written);
+- not written since the previous checkpoint of this rank (its *base*): a hard link to the base's file(s)
+  (their manifest entries reused, nothing read or written);
+- written since only past the end of what the base stored of it (the segment at the write position, partly
+  filled at the base and filled further since): the base's parts linked, and one new *part* pending for
+  the steps from there to the segment's last step worth storing (:mod:`~gear_mpi.checkpoint.segment_file`,
+  parts) -- so a second checkpoint writes about what was inserted, not two whole segments more;
 - written since (or no base): *pending*. Nothing is copied now: :func:`write`, in a thread of its own,
   writes each pending segment's file straight from the shard's memory. An insert that is about to
   overwrite a segment still pending (or being written) first copies it (:meth:`Snapshot.protect`, called
@@ -39,9 +43,12 @@ from . import compressed_file, files, segment_file, series, shard_files, table_b
 from .files import SHARD_JSON, rank_dir
 from .pacing import CHUNK, Pacer
 
+MAX_PARTS = 8  # parts a segment is stored in at most: past it, the segment is written again whole
+
 
 class Changes:
-    """The ring segments written since the last :meth:`take` (called by every insert: ``store.on_write``).
+    """The ring segments written since the last :meth:`take`, each with the first ring step written in it
+    (called by every insert: ``store.on_write``).
 
     Args:
         k: ring steps per segment; capacity: the ring's steps.
@@ -50,21 +57,31 @@ class Changes:
 
     def __init__(self, k: int, capacity: int):
         self.k, self.capacity = int(k), int(capacity)
-        self.segments: set[int] = set()
+        self.segments: dict[int, int] = {}  # segment -> the lowest ring step written in it
         self._last = -1  # the segment the last insert ended in (already noted)
 
     def __call__(self, first: int, steps: int) -> None:
         if steps <= 0:
             return
-        if steps < self.k and first // self.k == self._last and (first + steps - 1) // self.k == self._last:
+        first, steps, k = int(first), int(steps), self.k
+        last = self._last
+        if steps < k and first // k == last and (first + steps - 1) // k == last and first + steps <= self.capacity:
+            if first < self.segments[last]:  # a ring of one segment, wrapped
+                self.segments[last] = first
             return
-        seg = segment_file.touched(int(first), int(steps), self.capacity, self.k)
-        self.segments.update(seg)
+        seg = segment_file.touched(first, steps, self.capacity, k)
+        whole = steps >= self.capacity
+        for s in seg:
+            lo = first if (s == first // k and not whole) else s * k
+            if lo < self.segments.get(s, lo + 1):
+                self.segments[s] = lo
+        if not whole and first + steps > self.capacity and first // k in seg[-1:]:  # wrapped into its own segment
+            self.segments[first // k] = (first // k) * k
         self._last = seg[-1]
 
-    def take(self) -> set[int]:
-        """The segments written since the last call, and start over. O(1)."""
-        out, self.segments, self._last = self.segments, set(), -1
+    def take(self) -> dict[int, int]:
+        """The segments written since the last call (each with its lowest ring step written), and start over. O(1)."""
+        out, self.segments, self._last = self.segments, {}, -1
         return out
 
 
@@ -72,7 +89,7 @@ class Changes:
 class Base:
     """A rank's part of its previous checkpoint: where its files are and their manifest entries."""
     directory: str
-    entries: dict[int, dict]  # segment -> {"bytes", "sha256"}
+    entries: dict[int, list[tuple[int, int, dict]]]  # segment -> its parts: (lo, hi, {"bytes", "sha256"})
     tables: dict[str, dict] = field(default_factory=dict)      # table block file -> {"bytes", "sha256"}
     flats: dict[str, np.ndarray] = field(default_factory=dict)  # section stem -> the copy its blocks hold
 
@@ -83,7 +100,8 @@ class Snapshot:
     memory until an insert copies them (:meth:`protect`); :meth:`release` ends those reads."""
     directory: str                   # this rank's directory of the checkpoint
     rank: int
-    links: list[tuple[int, str, dict]] = field(default_factory=list)     # segment -> base file, entry
+    links: list[tuple[str, str, dict]] = field(default_factory=list)     # (name, base file, entry)
+    parts: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # segment -> its parts' ring steps
     link_copies: list[tuple[str, str]] = field(default_factory=list)     # (base file, name): no hard links here
     entries: dict[str, dict] = field(default_factory=dict)               # files already written
     sections: list[np.ndarray] = field(default_factory=list)   # the table's copy (table_blocks.Copies)
@@ -105,7 +123,8 @@ class Snapshot:
     k: int = 1               # ring steps per segment
     capacity: int = 0
     order: list[int] = field(default_factory=list)                  # pending segments, in the order to write
-    pending: dict[int, tuple[int, int]] = field(default_factory=dict)  # segment -> ring steps [a, b)
+    pending: dict[int, tuple[int, int]] = field(default_factory=dict)  # segment -> its new part's steps [a, b)
+    ranges: dict[int, tuple[int, int]] = field(default_factory=dict)   # segment -> its new part's steps (kept)
     saved: dict[int, np.ndarray] = field(default_factory=dict)      # segment -> its bytes, copied by an insert
     busy: int = -1           # the segment the thread is writing from the shard's memory (-1: none)
     closed: bool = False     # released: the shard's memory may be gone
@@ -131,18 +150,18 @@ class Snapshot:
         if steps <= 0 or not (self.pending or self.busy >= 0):
             return
         with self.lock:
-            touched = segment_file.touched(int(first), int(steps), self.capacity, self.k)
+            touched = [s for s in segment_file.touched(int(first), int(steps), self.capacity, self.k)
+                       if not self._past(s, int(first), int(steps))]
             for s in touched:  # first those not begun: copied, or written here
                 if s not in self.pending:
                     continue
-                a, b = segment_file.bounds(s, self.k, self.capacity)
+                a, b = self.pending.pop(s)
                 n = segment_file.nbytes(self.spec, a, b)
-                del self.pending[s]
                 if self.copied + n <= self.copy_limit:
                     self.saved[s] = segment_file.copy(self.views, self.spec, a, b)
                     self.copied += n
                 else:
-                    name = segment_file.name(s)
+                    name = segment_file.part_name(s, a, self.k)
                     try:
                         self.entries[name] = files.write_file(os.path.join(self.directory, name),
                                                               segment_file.pieces(self.views, self.spec, a, b))
@@ -156,7 +175,7 @@ class Snapshot:
                     self.written_now += n
             s = self.busy
             if s >= 0 and s not in self.saved and s in touched:  # the one the thread is reading now
-                a, b = segment_file.bounds(s, self.k, self.capacity)
+                a, b = self.ranges[s]
                 n = segment_file.nbytes(self.spec, a, b)
                 if not self.closed and self.copied + n <= self.copy_limit:  # the thread writes this copy instead
                     self.saved[s] = segment_file.copy(self.views, self.spec, a, b)
@@ -166,6 +185,14 @@ class Snapshot:
                 while self.busy == s:
                     self.lock.wait()
                 self.rush = False
+
+    def _past(self, s: int, first: int, steps: int) -> bool:
+        """Whether an insert of ``steps`` ring steps from ``first`` writes segment ``s`` only past the end of
+        its new part (the free steps after the write position): nothing to protect. O(1)."""
+        r = self.ranges.get(s)
+        if r is None or s != first // self.k or first < r[1]:
+            return False
+        return first + steps - self.capacity <= r[0]  # no wrap back into the part
 
     def release(self) -> None:
         """End every read of the shard's memory (the replay closes): waits for the segment being read (one
@@ -196,7 +223,7 @@ class Snapshot:
 
     def _live(self, s: int, pacer: Pacer) -> Iterator[memoryview]:
         """Segment ``s``'s bytes from the shard's memory, in paced chunks; stops early when an insert copied it."""
-        a, b = segment_file.bounds(s, self.k, self.capacity)
+        a, b = self.ranges[s]
         for part in segment_file.pieces(self.views, self.spec, a, b):
             mv = memoryview(part).cast("B")
             for x in range(0, len(mv), CHUNK):
@@ -235,16 +262,27 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
     os.makedirs(d, exist_ok=True)
     snap = Snapshot(d, replay.rank, copy_limit=int(copy_limit), k=changes.k, capacity=cap,
                     views=store.byte_views(), spec=spec)
-    segs = segment_file.in_use(head, used, cap, changes.k)
+    k = changes.k
+    segs = segment_file.in_use(head, used, cap, k)
     for s in segs:
-        a, b = segment_file.bounds(s, changes.k, cap)
-        n = segment_file.nbytes(spec, a, b)
-        if base is not None and s not in changed and s in base.entries:
-            snap.links.append((s, os.path.join(base.directory, segment_file.name(s)), base.entries[s]))
-            snap.linked += n
-        else:
-            snap.pending[s] = (a, b)
-            snap.changed += n
+        a, _ = segment_file.bounds(s, k, cap)
+        end = segment_file.stored_end(s, head, used, cap, k)
+        low = changed.get(s, cap)  # the first step written since the base (``cap``: none)
+        kept = []
+        if base is not None and s in base.entries:  # the base's parts before the first step written since
+            kept = [p for p in base.entries[s] if p[1] <= low]
+            if kept and kept[-1][1] < end and len(kept) >= MAX_PARTS:  # one part more: too many, all again
+                kept = []
+        start = kept[-1][1] if kept else a
+        for lo, hi, entry in kept:
+            snap.links.append((segment_file.part_name(s, lo, k), os.path.join(base.directory,
+                               segment_file.part_name(s, lo, k)), entry))
+            snap.linked += segment_file.nbytes(spec, lo, hi)
+        snap.parts[s] = [(lo, hi) for lo, hi, _ in kept]
+        if start < end:
+            snap.pending[s] = snap.ranges[s] = (start, end)
+            snap.parts[s].append(snap.ranges[s])
+            snap.changed += segment_file.nbytes(spec, *snap.ranges[s])
     # the segments just past the write position are the next an insert overwrites: written first
     tail = ((head + used) % cap) // changes.k if cap else 0
     count = (cap - 1) // changes.k + 1 if cap else 1
@@ -254,12 +292,15 @@ def snapshot(replay, changes: Changes, base: Base | None, path: str, copy_limit:
     snap.sections, snap.flats = (copies or table_blocks.Copies()).copy(sections, keep)
     meta = shard_files.rank_meta(shard.state(), replay.state(), sections)
     snap.stems = [stem for stem, _, _ in table_blocks.groups(meta["table_layout"])]
-    meta.update(column_layout=segment_file.LAYOUT, segment_steps=changes.k, segments=segs,
-                table_block=table_blocks.BLOCK)
+    meta.update(column_layout=segment_file.LAYOUT, segment_steps=k, segments=segs, table_block=table_blocks.BLOCK)
+    whole = {s: [list(p) for p in ps] for s, ps in snap.parts.items()
+             if ps != [segment_file.bounds(s, k, cap)]}
+    if whole:
+        meta["segment_parts"] = {str(s): ps for s, ps in whole.items()}
     # the links here, in the loop (about 15 us each): the writer thread takes the GIL back less often
-    for s, src, _ in snap.links:
-        if not table_blocks.link(src, os.path.join(d, segment_file.name(s))):
-            snap.link_copies.append((src, segment_file.name(s)))
+    for fn, src, _ in snap.links:
+        if not table_blocks.link(src, os.path.join(d, fn)):
+            snap.link_copies.append((src, fn))
     prev = None if base is None else (base.directory, base.tables, base.flats)
     snap.table_entries, snap.table_pending, copied, snap.table_linked = table_blocks.plan(
         d, snap.stems, snap.flats, prev, table_blocks.BLOCK)
@@ -293,13 +334,13 @@ def write(snap: Snapshot, pacer: Pacer | None = None) -> tuple[dict, Base]:
     d = snap.directory
     pacer = pacer if pacer is not None else Pacer()
     try:
-        entries: dict[str, dict] = {segment_file.name(s): dict(entry) for s, _, entry in snap.links}  # linked
+        entries: dict[str, dict] = {fn: dict(entry) for fn, _, entry in snap.links}  # linked
         while True:
             nxt = snap._next()
             if nxt is None:
                 break
             s, data = nxt
-            name = segment_file.name(s)
+            name = segment_file.part_name(s, snap.ranges[s][0], snap.k)
             filename = os.path.join(d, name)
             if data is not None:  # an insert's copy: freed once on disk
                 entries[name] = files.write_file_direct(filename, pacer.chunks([data]))
@@ -347,6 +388,7 @@ def write(snap: Snapshot, pacer: Pacer | None = None) -> tuple[dict, Base]:
             snap.order.clear()
             snap.views = None
             snap.table_pending = []
-    segs = {int(n[4:9]): e for n, e in entries.items() if n.startswith("seg-")}
+    segs = {s: [(lo, hi, entries[segment_file.part_name(s, lo, snap.k)]) for lo, hi in ps]
+            for s, ps in snap.parts.items()}
     tables = {n: e for n, e in entries.items() if n.startswith(table_blocks.PREFIX)}
     return done, Base(d, segs, tables, dict(zip(snap.stems, snap.flats)))

@@ -11,6 +11,7 @@ the same error (:class:`~gear_mpi.errors.CheckpointError` for file problems).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -70,7 +71,10 @@ def saved_spec(body: dict) -> TrajectorySpec:
                                      "max_length": body["spec"]["max_length"]})
 
 
+@functools.lru_cache(maxsize=1)
 def _package_version() -> str | None:
+    """The installed gear-mpi's version (read once: importlib.metadata takes milliseconds, a background
+    checkpoint's snapshot in the training loop asks at every checkpoint)."""
     try:
         from importlib.metadata import PackageNotFoundError, version
         return version("gear-mpi")

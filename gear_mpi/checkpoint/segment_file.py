@@ -10,6 +10,15 @@ the manifest with its size and sha256. A step's bytes change only when an insert
 no insert has touched since the previous checkpoint is that checkpoint's file again: a hard link to it,
 not a copy.
 
+Parts (format version 6): a segment may instead be stored as *parts*, consecutive files each holding
+the steps ``[lo, hi)`` (same layout: each raw column's bytes of those steps back to back), listed in
+``shard.json``'s ``"segment_parts"`` (``{"s": [[lo, hi], ...]}``; a segment not listed is one file of its
+whole range). The first part starts at the segment's first step; steps past the last part's end held
+nothing in use (they are not stored). This is how the segment at the write position is saved: the
+previous checkpoint's part(s) linked, and only the steps inserts added since written as a new part
+(:func:`part_name`: ``seg-NNNNN+OFFSET.bin``) -- a second checkpoint writes what was inserted, not whole
+partly filled segments again.
+
 Reading is what a version-3 ``columns.bin`` allows except mapping: :func:`read_into` (an exact restore),
 :func:`verify_rank` (the sha256 of every segment) and :func:`ring_reader` (resharding).
 """
@@ -32,6 +41,48 @@ SEGMENT_BYTES = 16 << 20  # the default size of a segment file
 def name(s: int) -> str:
     """The file name of segment ``s`` inside a rank's directory (``seg-00000.bin``). O(1)."""
     return f"seg-{s:05d}.bin"
+
+
+def part_name(s: int, lo: int, k: int) -> str:
+    """The file name of the part of segment ``s`` that starts at ring step ``lo`` (``k`` steps per segment):
+    :func:`name` for the first part, ``seg-NNNNN+OFFSET.bin`` (OFFSET: steps after the segment's first)
+    for the others. O(1)."""
+    off = int(lo) - int(s) * int(k)
+    return name(s) if off == 0 else f"seg-{s:05d}+{off}.bin"
+
+
+def parts_of(meta: dict, s: int, k: int, capacity: int) -> list[tuple[int, int]]:
+    """The ring step ranges ``[lo, hi)`` of the files of segment ``s`` in a ``shard.json`` (in order). O(parts).
+
+    Raises:
+        CheckpointError: the parts listed do not tile the start of the segment.
+    """
+    a, b = bounds(s, k, capacity)
+    listed = (meta.get("segment_parts") or {}).get(str(s))
+    if listed is None:
+        return [(a, b)]
+    out, at = [], a
+    for lo, hi in listed:
+        lo, hi = int(lo), int(hi)
+        if lo != at or not lo < hi <= b:
+            raise CheckpointError(f"shard.json: the parts of segment {s} {listed} do not tile [{a}, {b})")
+        out.append((lo, hi))
+        at = hi
+    if not out:
+        raise CheckpointError(f"shard.json: segment {s} has no parts")
+    return out
+
+
+def stored_end(s: int, head: int, used: int, capacity: int, k: int) -> int:
+    """Where the steps worth storing of segment ``s`` end: its last step, or the write position when the
+    steps from there to the segment's end hold nothing in use (a partly filled segment). O(1)."""
+    a, b = bounds(s, k, capacity)
+    if used >= capacity or capacity <= 0:
+        return b
+    w = (head + used) % capacity
+    if a < w < b and b - w <= capacity - used:  # [w, b) inside the free range [w, head)
+        return w
+    return b
 
 
 def raw_columns(spec: TrajectorySpec) -> list:
@@ -127,13 +178,14 @@ def read_into(directory: str, entries: dict, shard, meta: dict, verify: bool = T
     k, segs = _segments(meta)
     views = shard.store.byte_views()
     for s in segs:
-        a, b = bounds(s, k, cap)
-        with CheckedFile(os.path.join(directory, name(s)), entries.get(name(s))) as chk:
-            _check_size(chk, spec, a, b)
-            for part in pieces(views, spec, a, b):
-                chk.read_into(part)
-            if verify:
-                chk.finish()
+        for a, b in parts_of(meta, s, k, cap):
+            fn = part_name(s, a, k)
+            with CheckedFile(os.path.join(directory, fn), entries.get(fn)) as chk:
+                _check_size(chk, spec, a, b)
+                for part in pieces(views, spec, a, b):
+                    chk.read_into(part)
+                if verify:
+                    chk.finish()
 
 
 def verify_rank(directory: str, entries: dict, meta: dict, spec: TrajectorySpec) -> None:
@@ -145,10 +197,11 @@ def verify_rank(directory: str, entries: dict, meta: dict, spec: TrajectorySpec)
     k, segs = _segments(meta)
     cap = int(meta["capacity_steps"])
     for s in segs:
-        a, b = bounds(s, k, cap)
-        with CheckedFile(os.path.join(directory, name(s)), entries.get(name(s))) as chk:
-            _check_size(chk, spec, a, b)
-            chk.finish()
+        for a, b in parts_of(meta, s, k, cap):
+            fn = part_name(s, a, k)
+            with CheckedFile(os.path.join(directory, fn), entries.get(fn)) as chk:
+                _check_size(chk, spec, a, b)
+                chk.finish()
 
 
 def ring_reader(directory: str, spec: TrajectorySpec, meta: dict, index: int) -> Callable[[int, int], np.ndarray]:
@@ -166,21 +219,29 @@ def ring_reader(directory: str, spec: TrajectorySpec, meta: dict, index: int) ->
     c = spec.columns[index]
     before = sum(x.step_bytes for x in spec.columns[:index] if x.compression is None)
     maps: dict[int, np.ndarray] = {}
+    ranges: dict[int, list[tuple[int, int]]] = {}
 
-    def segment(s: int) -> np.ndarray:
-        if s not in maps:
-            a, b = bounds(s, k, cap)
-            maps[s] = np.memmap(os.path.join(directory, name(s)), dtype=c.dtype, mode="r",
+    def part(p: int) -> tuple[int, int, np.ndarray]:
+        """The part holding ring step ``p``: its steps ``[a, b)`` and their mapped values."""
+        s = p // k
+        if s not in ranges:
+            ranges[s] = parts_of(meta, s, k, cap)
+        for a, b in ranges[s]:
+            if a <= p < b:
+                break
+        else:
+            raise CheckpointError(f"{directory}: ring step {p} is in no stored part of segment {s}")
+        if a not in maps:
+            maps[a] = np.memmap(os.path.join(directory, part_name(s, a, k)), dtype=c.dtype, mode="r",
                                 offset=(b - a) * before, shape=(b - a,) + c.shape)
-        return maps[s]
+        return a, b, maps[a]
 
     def steps(offset: int, length: int) -> np.ndarray:
         parts, p, left = [], (head + offset) % cap, length
         while left > 0:
-            s = p // k
-            a, b = bounds(s, k, cap)
+            a, b, values = part(p)
             n = min(left, b - p)
-            parts.append(segment(s)[p - a:p - a + n])
+            parts.append(values[p - a:p - a + n])
             left -= n
             p = 0 if p + n == cap else p + n
         if len(parts) == 1:

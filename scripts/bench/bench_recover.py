@@ -5,7 +5,9 @@ MB more; the last rank SIGKILLs itself before the next ``sample``, which the oth
 deadline (``--timeout``). The survivors call ``replay.recover(checkpoint)`` and print, on rank 0: the failing
 sample's time, the shrink and rebuild (``Recovery.shrink_seconds``, ``load_seconds``), the next sample, the
 trajectories held afterwards and those lost (of every rank's inserted after the checkpoint, and the dead
-rank's). Only public calls: it runs against any version of ``Replay.recover``.
+rank's); and every survivor prints its memory: resident set before ``recover``, its peak (``ru_maxrss``)
+before and after, and the bytes of its ring before and after (the peak's growth shows the copy of its own
+shard that ``recover`` makes). Only public calls: it runs against any version of ``Replay.recover``.
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 .venv-ompi/bin/mpiexec --oversubscribe \\
         --with-ft ulfm -n 3 .venv-ompi/bin/python -m scripts.bench.bench_recover --mb 64 --after 16 --dir /tmp/rb
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -31,6 +34,20 @@ LENGTH = 100        # steps a trajectory: 400 KiB
 def trajectories(count: int, first: int) -> list[dict[str, np.ndarray]]:
     return [{"obs": np.full((LENGTH, STEP_FLOATS), first + i, np.float32), "id": np.full(LENGTH, first + i, np.int64)}
             for i in range(count)]
+
+
+def rss_mb() -> float:
+    """This process's resident set now, MB (Linux ``/proc/self/statm``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def peak_mb() -> float:
+    """This process's peak resident set so far, MB (``ru_maxrss``: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,9 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     except gm.CollectiveError:
         failed = time.monotonic() - t0
+    ring_before = replay.shard.capacity_steps * spec.step_bytes / 1e6
+    rss0, peak0 = rss_mb(), peak_mb()
     t0 = time.monotonic()
     rec = replay.recover(path)
     recover_s = time.monotonic() - t0
+    peak1 = peak_mb()
+    ring_after = rec.replay.shard.capacity_steps * spec.step_bytes / 1e6
+    print(f"memory rank={rank} ring_before={ring_before:.0f}MB ring_after={ring_after:.0f}MB "
+          f"rss_before_recover={rss0:.0f}MB peak_before={peak0:.0f}MB peak_after_recover={peak1:.0f}MB "
+          f"peak_growth={peak1 - peak0:.0f}MB", flush=True)
     t0 = time.monotonic()
     rec.replay.sample(8, 4)
     first = time.monotonic() - t0
