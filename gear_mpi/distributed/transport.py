@@ -142,7 +142,7 @@ class WindowTransport:
             gather_kernels.gather_rows_from_owners(node.column_addrs, store.gather_step_bytes,
                                                    self.shard.capacity_steps, node.direct, row_of_owner, got,
                                                    batch.column_addresses(), window, mask, keys, lengths,
-                                                   probabilities)
+                                                   probabilities, weights)
             if store.compressed:  # this rank's own windows of compressed columns (node peers' came by MPI)
                 me = self.comm.rank
                 lo, hi = int(row_of_owner[me]), int(row_of_owner[me + 1])
@@ -153,7 +153,6 @@ class WindowTransport:
                                             np.arange(lo, hi, dtype=np.int64),
                                             {n: v for n, v in zip(self.spec.names, batch.byte_views())
                                              if n not in later}, window, mine["key"])
-            weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
                                        local, context_sent)
