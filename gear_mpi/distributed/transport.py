@@ -143,7 +143,7 @@ class WindowTransport:
             gather_kernels.gather_rows_from_owners(node.column_addrs, store.gather_step_bytes,
                                                    self.shard.capacity_steps, node.direct, row_of_owner, got,
                                                    batch.column_addresses(), window, mask, keys, lengths,
-                                                   probabilities)
+                                                   probabilities, weights)
             if store.compressed:  # compressed columns of the windows read directly: decoded here
                 for o in np.flatnonzero(node.direct).tolist():
                     lo, hi = int(row_of_owner[o]), int(row_of_owner[o + 1])
@@ -156,7 +156,6 @@ class WindowTransport:
                                           np.arange(lo, hi, dtype=np.int64),
                                           {n: v for n, v in zip(self.spec.names, batch.byte_views())
                                            if n not in later}, window, mine["key"])
-            weights[:] = got[:, gather_kernels.WEIGHT].view(np.float64)
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
                                        local, context_sent)
