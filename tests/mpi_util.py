@@ -46,6 +46,11 @@ TEST_MPI_VAR = "GEAR_MPI_TEST_MPI"
 OPENMPI_ENV_VAR = "GEAR_MPI_OPENMPI_ENV"
 #: ``1``: fail (instead of skip) when the Open MPI environment cannot be built
 REQUIRE_OPENMPI_VAR = "GEAR_MPI_REQUIRE_OPENMPI"
+#: pytest plugins that every rank of a tests/mpi job would load and none of its modules uses: importing
+#: hypothesis's alone costs a rank about 1 s of CPU (2-3 s of wall time for a 2-rank job on 2 cores);
+#: ``-p no:cacheprovider``: the ranks would race over one .pytest_cache
+CHILD_PYTEST_PLUGINS_OFF = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio",
+                            "-p", "no:platformdirs")
 #: what MPI runtimes leave in /dev/shm when their ranks end without MPI_Finalize: MPICH's segment,
 #: Open MPI 5's (btl/sm) and Open MPI 4's (btl/vader) segments
 MPI_SHM_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
@@ -247,7 +252,7 @@ def run_pytest_mpi(nprocs: int, *modules_and_args: str, timeout: float = 300.0, 
     """
     args = [str(MPI_TESTS / a) if a.startswith("test_") else a for a in modules_and_args]
     mpi = mpi or default_runtime()
-    pytest_cmd = [mpi.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    pytest_cmd = [mpi.python, "-m", "pytest", "-q", "-x", *CHILD_PYTEST_PLUGINS_OFF, *args]
     if mpiexec:
         cmd = mpi.command(nprocs, *pytest_cmd)
     else:

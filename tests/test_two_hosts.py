@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_util import MpiPytestRun, _read_junit, mpiexec_path
+from mpi_util import CHILD_PYTEST_PLUGINS_OFF, MpiPytestRun, _read_junit, mpiexec_path
 from scripts.hosts import two_host_slurm, two_hosts
 from scripts.hosts.two_hosts import HostsError, TwoHosts
 
@@ -99,7 +99,7 @@ def assert_gone(h: TwoHosts, holders: list[int]) -> None:
 
 def _pytest_program(args: list[str]) -> list[str]:
     args = [str(MPI_TESTS / a) if a.startswith("test_") else a for a in args]
-    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    return [sys.executable, "-m", "pytest", "-q", "-x", *CHILD_PYTEST_PLUGINS_OFF, *args]
 
 
 def _job_env(h: TwoHosts, env: dict, reports: str) -> dict:

@@ -268,7 +268,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     n = args.transitions or (1500 if args.quick else 10_000)
     games = (args.games or ("Pong" if args.quick else "Pong,Breakout")).split(",")
-    calls = 20 if args.quick else 200
+    calls = 8 if args.quick else 200  # quick: 8 calls, best of 3 (a smoke run, not figures)
     rows = []
     for game in games:
         rows += atari_case(game, n, calls, not args.no_peers)

@@ -58,14 +58,11 @@ from mpi4py import MPI
 import gear_mpi as gm
 from gear_mpi.checkpoint import files as ck_files
 from gear_mpi.kernels import ring
+from fault_checks import die_in_next_sample, draws_problems, sample_must_fail, say  # beside this file
 
 comm = MPI.COMM_WORLD
 RANK, SIZE = comm.rank, comm.size
 SPEC = gm.TrajectorySpec({"obs": ((4,), "float32"), "id": ((), "int64"), "pix": ((3,), "uint8")}, max_length=7)
-
-
-def say(word: str, name: str) -> None:
-    print(f"{word} {name} rank={RANK}", flush=True)
 
 
 def traj(ident: int) -> dict[str, np.ndarray]:
@@ -136,9 +133,7 @@ def sample_then_arm_the_kill(replay) -> None:
         replay.sample(4, 3)
     say("PASS", "sampled-before-kill")
     if RANK == SIZE - 1:
-        def die(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
-        replay._exchange = die
+        die_in_next_sample(replay)
 
 
 def scenario_kill(base: str, timeout: float, name: str) -> None:
@@ -328,7 +323,6 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     """Batches 1 and 2, checkpoints ck-1 and ck-2, batch 3 (after them); rank SIZE-1 dies in a sample. The
     survivors first pass a checkpoint of another replay (CheckpointError on both, the replay kept), then the
     newest: they keep all their own batches and get the dead rank's batches 1 and 2 back; its batch 3 is lost."""
-    from scipy import stats as sps
     other = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=8, timeout=timeout)
     insert_batch(other, 9)
     other.save(os.path.join(base, "foreign"))
@@ -356,13 +350,7 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     if RANK == SIZE - 1:
         open(report + ".go", "w").close()  # its writer process starts inserting (after ck-2: lost)
     sample_then_arm_the_kill(replay)
-    t0 = time.monotonic()
-    try:
-        replay.sample(4, 3)
-        say("WRONG", "sample returned although a rank is dead")
-        os._exit(0)
-    except gm.CollectiveError:
-        failed = time.monotonic() - t0
+    failed = sample_must_fail(replay, 4, 3)
     problems = []
     try:
         t1 = time.monotonic()
@@ -437,15 +425,9 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
         if not text.startswith("WriterError"):
             problems.append(f"the dead rank's writer: {text}")
     # the draws: P(item) = priority / total priority (alpha 1) over the kept and restored items
-    counts = dict.fromkeys(want, 0)
-    for _ in range(80):
-        for ident in new.sample(64, 1)["id"][:, 0].tolist():
-            counts[int(ident)] += 1
-    drawn = np.sum(rec.comm.allgather(np.array([counts[i] for i in want])), axis=0)
-    p = np.array([priority(i) for i in want])
-    pvalue = sps.chisquare(drawn, drawn.sum() * p / p.sum()).pvalue
-    if pvalue < 1e-3:
-        problems.append(f"chi-square p={pvalue:.2g}")
+    wrong, figures = draws_problems(new, rec.comm, want, 80, [priority(i) for i in want])
+    problems += wrong
+    pvalue = figures["pvalue"]
     new.close()
     if problems:
         say("WRONG", "; ".join(problems))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 import gear_mpi as gm
+from fault_checks import die_in_next_sample, draws_problems, sample_must_fail, say  # beside this file
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.rank
@@ -40,10 +40,6 @@ LEARNERS, ACTOR, DEAD = 3, 3, 2
 SPEC = gm.TrajectorySpec({"id": ((), "int64"), "obs": ((3,), "float32")}, max_length=3)
 WRITER_PERIOD = 0.04  # seconds between a writer's episodes
 AFTER_RECOVERY = 0.6  # seconds the survivors sample on before the writers are told to stop
-
-
-def say(word: str, what: str) -> None:
-    print(f"{word} {what} rank={RANK}", flush=True)
 
 
 def traj(ident: int) -> dict[str, np.ndarray]:
@@ -135,7 +131,6 @@ def held_ids(replay: gm.Replay, comm) -> list[int]:
 
 
 def learner(base: str, timeout: float) -> None:
-    from scipy import stats as sps
     comm = WORLD.Split(0, RANK)
     replay = gm.Replay(SPEC, 6000, gm.Uniform(), comm=comm, seed=3, timeout=timeout, max_items=3000)
     replay.accept_remote(WORLD)
@@ -158,16 +153,8 @@ def learner(base: str, timeout: float) -> None:
         replay.sample(8, 1)
         time.sleep(WRITER_PERIOD)
     if RANK == DEAD:
-        def die(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
-        replay._exchange = die
-    t0 = time.monotonic()
-    try:
-        replay.sample(8, 1)
-        say("WRONG", "sample returned although a rank is dead")
-        os._exit(0)
-    except gm.CollectiveError:
-        failed = time.monotonic() - t0
+        die_in_next_sample(replay)
+    failed = sample_must_fail(replay, 8, 1)
     rec = replay.recover(checkpoint, seed=5)
     new, rcomm = rec.replay, rec.comm
     problems = []
@@ -222,19 +209,13 @@ def learner(base: str, timeout: float) -> None:
     if not set(i for r in range(LEARNERS) for i in range(r * 1000, r * 1000 + 5)) <= hs:
         problems.append("the checkpoint's trajectories are not all held")
     # the draws: uniform over everything held; every episode the survivors' writers wrote is drawn
-    draws = 150
-    counts = dict.fromkeys(held, 0)
-    for _ in range(draws):
-        for ident in new.sample(64, 1)["id"][:, 0].tolist():
-            counts[int(ident)] += 1
-    drawn = np.sum(rcomm.allgather(np.array([counts[i] for i in held])), axis=0)
+    wrong, figures = draws_problems(new, rcomm, held, 150)
+    drawn, pvalue = figures["drawn"], figures["pvalue"]
     by_id = dict(zip(held, drawn.tolist()))
     never = [i for i in survivors_writers + actor_kept if by_id.get(i, 0) == 0]
     if never:
         problems.append(f"{len(never)} writer episodes never drawn in {drawn.sum()} draws: {never[:6]}")
-    pvalue = sps.chisquare(drawn).pvalue
-    if pvalue < 1e-3:
-        problems.append(f"chi-square p={pvalue:.2g}")
+    problems += wrong
     new.close()
     if problems:
         say("WRONG", "; ".join(problems))
