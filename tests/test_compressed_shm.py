@@ -163,12 +163,3 @@ def test_shm_replays_on_two_and_four_ranks(ranks):
     """tests/mpi/test_compressed_shm.py: node peers decode each other's chunks; twins bit-exact, draws exact."""
     run = run_pytest_mpi(ranks, "test_compressed_shm.py", timeout=400)
     assert len(run.passed(0)) == 7, run.passed(0)
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_device_replays_decode_compressed_columns_on_the_host(ranks):
-    """tests/mpi/test_device_compressed.py on the CUDA simulator: a device="cuda" replay with compressed columns
-    returns a CPU replay's batches bit for bit (own windows, node peers' shared chunks, windows sent)."""
-    run = run_pytest_mpi(ranks, "test_device_compressed.py", env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=400,
-                         mpiexec=ranks > 1)
-    assert len(run.passed(0)) == (5 if ranks > 1 else 3), run.passed(0)

@@ -14,10 +14,16 @@ from mpi_util import run_pytest_mpi
 
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_gpu_replay_matches_cpu_replay(nprocs):
-    run = run_pytest_mpi(nprocs, "test_device.py::test_gpu_replay_matches_cpu_replay",
+    """On the CUDA simulator, in one job (one start-up of the simulator): tests/mpi/test_device.py's device
+    replay against a CPU replay, and tests/mpi/test_device_compressed.py's device replay with compressed
+    columns (decoded on the host: own windows, node peers' shared chunks, windows sent) against a CPU replay."""
+    run = run_pytest_mpi(nprocs, "test_device.py::test_gpu_replay_matches_cpu_replay", "test_device_compressed.py",
                          env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=600)
     paths = 5 if nprocs > 1 else 3   # (mode, window path) pairs
-    assert len(run.passed(0)) == 2 * paths, sorted(run.passed(0))
+    device = [t for t in run.passed(0) if "test_gpu_replay_matches_cpu_replay" in t]
+    compressed = [t for t in run.passed(0) if "test_device_compressed" in t]
+    assert len(device) == 2 * paths, sorted(run.passed(0))
+    assert len(compressed) == paths, sorted(run.passed(0))
 
 
 def test_gpu_follows_the_local_rank():
