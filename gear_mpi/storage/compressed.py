@@ -39,7 +39,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -592,3 +592,36 @@ class CompressedRing:
         self.open_index = j_open
         if j_open >= 0:
             self.open[:len(opened)] = opened
+
+
+def gather_rings(rings: Mapping[str, "CompressedRing"], capacity: int, starts: np.ndarray, n_valid: np.ndarray,
+                 pad_front: np.ndarray, out_rows: np.ndarray, outs: Mapping[str, np.ndarray], window: int,
+                 keys: np.ndarray | None, corrupt: Callable[[str, "ChunkError", str], CorruptDataError]) -> None:
+    """Windows of the compressed rings named in ``outs`` into batch rows: what a shard's store does for its own
+    columns and a node peer does from the owner's shared chunks. Cost: per ring, one decompression per chunk
+    the windows cover (:meth:`CompressedRing.gather`). Local.
+
+    Args:
+        rings: column name -> that column's compressed ring.
+        capacity: ring steps (``starts`` are taken modulo it).
+        starts, n_valid, pad_front, out_rows: each window's ring start, real steps, leading padding and batch row.
+        outs: column name -> that column's batch bytes (flat uint8); other names are ignored.
+        window: steps per window.
+        keys: each window's trajectory key (for the error message), or None.
+        corrupt: builds the error for a chunk that fails (column name, the ChunkError, what read it).
+
+    Raises:
+        CorruptDataError: from ``corrupt``, for a chunk that fails its checksum or does not decompress.
+    """
+    if not rings or len(starts) == 0:
+        return
+    starts = np.asarray(starts, np.int64) % capacity
+    for name, ring in rings.items():
+        if name not in outs:
+            continue
+        try:
+            ring.gather(starts, n_valid, pad_front, out_rows, outs[name], window)
+        except ChunkError as e:
+            w = getattr(e, "window", None)
+            what = f"trajectory key {int(keys[w])}" if keys is not None and w is not None else "a sampled window"
+            raise corrupt(name, e, what) from None

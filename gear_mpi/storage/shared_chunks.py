@@ -36,7 +36,7 @@ from ..errors import CorruptDataError
 from ..spec import TrajectorySpec
 from .arenas import SHM_DIR, SharedArena
 from .chunk_heap import BLOCK, FileChunkHeap
-from .compressed import ChunkError, CompressedRing
+from .compressed import ChunkError, CompressedRing, gather_rings
 
 _OPEN, _GEOMETRY, _TABLE = 0, 64, 128  # byte offsets: open chunk index, geometry (4 int64), the table
 
@@ -189,18 +189,8 @@ class PeerChunks:
             CorruptDataError: a chunk that fails its checksum or does not decompress (naming column, owner,
                 chunk and trajectory key).
         """
-        if len(starts) == 0:
-            return
-        starts = np.asarray(starts, np.int64) % self.capacity
-        for name, ring in self.compressed.items():
-            if name not in outs:
-                continue
-            try:
-                ring.gather(starts, n_valid, pad_front, out_rows, outs[name], window)
-            except ChunkError as e:
-                w = getattr(e, "window", None)
-                what = f"trajectory key {int(keys[w])}" if keys is not None and w is not None else "a sampled window"
-                raise self.corrupt(name, e, what) from None
+        gather_rings(self.compressed, self.capacity, starts, n_valid, pad_front, out_rows, outs, window, keys,
+                     self.corrupt)
 
     def corrupt(self, name: str, error: ChunkError, what: str) -> CorruptDataError:
         """The error for a corrupted chunk of the owner's column ``name``. O(1)."""

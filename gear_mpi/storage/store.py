@@ -36,7 +36,7 @@ from ..kernels import ring
 from . import chunk_heap, file_arenas as file_memory, shared_chunks, store_insert, table as table_layout
 from .arenas import (SharedArena, check_header, column_layout, commit_pages, make_arena, memory_kind, small_pages,
                      write_header)
-from .compressed import ChunkError, CompressedRing, codec_library
+from .compressed import ChunkError, CompressedRing, codec_library, gather_rings
 from .huge_pages import Collapser
 from ..spec import TrajectorySpec
 
@@ -743,18 +743,8 @@ class TrajectoryStore:
             CorruptDataError: a chunk that fails its checksum or does not decompress, naming the column,
                 the chunk's ring steps and the trajectories it holds.
         """
-        if not self.compressed or len(starts) == 0:
-            return
-        starts = np.asarray(starts, np.int64) % self.capacity
-        for name, chunks in self.compressed.items():
-            if name not in outs:
-                continue
-            try:
-                chunks.gather(starts, n_valid, pad_front, out_rows, outs[name], window)
-            except ChunkError as e:
-                w = getattr(e, "window", None)
-                what = f"trajectory key {int(keys[w])}" if keys is not None and w is not None else "a sampled window"
-                raise self.corrupt(name, e, what) from None
+        gather_rings(self.compressed, self.capacity, starts, n_valid, pad_front, out_rows, outs, window, keys,
+                     self.corrupt)
 
     def corrupt(self, name: str, error: ChunkError, what: str) -> CorruptDataError:
         """The error for a corrupted chunk of column ``name``: its ring steps and the live trajectories on them.
