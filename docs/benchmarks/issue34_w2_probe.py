@@ -8,22 +8,15 @@ batch's keys; floor = compare_peers' bare gather of 256 random rows; sample; upd
 """
 import sys, time, ctypes, os
 import numpy as np
-import gear_mpi as gm
 from gear_mpi.kernels import gather, local_sample
 from gear_mpi.keys import GEN_MASK, SLOT_BITS, key_head
 import numba
+from issue34_w2_shard import w2_shard
 
 N, B = 100_000, 256
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 PH = float(sys.argv[2]) if len(sys.argv) > 2 else 0.4
-spec = gm.TrajectorySpec({"obs": ((4096,), "uint8"), "action": ((), "float32"), "reward": ((), "float32")}, max_length=1)
-shard = gm.Shard(spec, N, gm.Prioritized(0.6, 0.4), seed=0)
-rng = np.random.default_rng(0)
-shard.insert_packed({"obs": rng.integers(0, 255, (N, 4096), dtype=np.uint8), "action": rng.random(N, dtype=np.float32),
-                     "reward": rng.random(N, dtype=np.float32)}, np.ones(N, np.int64), rng.random(N) + 0.01)
-new_p = rng.random(B) + 0.01
-batch = shard.sample(B, 1)
-keys = batch.keys.numpy().copy()
+shard, new_p, batch, keys = w2_shard(N, B)
 
 cap = shard.store.capacity
 addrs = shard.column_addresses()[0]
