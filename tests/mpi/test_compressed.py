@@ -19,6 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
+import twin_replays
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
@@ -26,8 +27,7 @@ COLUMNS = {"pixels": ((7, 6), "uint8"), "reward": ((), "float32")}
 
 
 def twin_specs(chunk):
-    comp = dict(COLUMNS, pixels=COLUMNS["pixels"] + (gm.Compressed(level=1, chunk=chunk),))
-    return gm.TrajectorySpec(COLUMNS, max_length=9), gm.TrajectorySpec(comp, max_length=9)
+    return twin_replays.twin_specs(COLUMNS, chunk)
 
 
 def trajectories(seed: int, n: int):
@@ -40,10 +40,7 @@ def trajectories(seed: int, n: int):
 
 
 def same_batch(a: gm.Batch, b: gm.Batch) -> None:
-    for name in COLUMNS:
-        assert np.array_equal(a[name].numpy(), b[name].numpy()), name
-    for field in ("mask", "probabilities", "weights", "lengths"):
-        assert np.array_equal(getattr(a, field).numpy(), getattr(b, field).numpy()), field
+    twin_replays.same_batch(a, b, COLUMNS)
 
 
 def shared_dir(tmp_path_factory, name: str) -> str:
@@ -59,17 +56,7 @@ def test_twin_replays_sample_identical_batches(memory, mode, chunk, force, tmp_p
     raw = gm.Replay(raw_spec, 50, memory="private" if memory == "file" else memory, **kw)  # file: against private
     comp = gm.Replay(comp_spec, 50, memory=memory, **where, **kw)
     try:
-        for i, (traj, p) in enumerate(trajectories(3, 40)):
-            raw.insert(traj, p)
-            comp.insert(traj, p)
-            if i % 4 != 3:
-                continue
-            for align, window in (("random", 4), ("head", 9), ("tail", 6)):
-                a, b = raw.sample(5 + RANK, window, align), comp.sample(5 + RANK, window, align)
-                same_batch(a, b)
-                new = np.linspace(0.5, 2.0, len(a))
-                raw.update_priorities(a.keys, new)
-                comp.update_priorities(b.keys, new)
+        twin_replays.feed_and_compare(raw, comp, trajectories(3, 40), COLUMNS, RANK)
         assert comp.shard.stored_bytes() < raw.shard.stored_bytes() + 2 * 9 * 42
         if memory != "shm":  # a checkpoint of the compressed replay loads back (same ranks), chunks as saved
             path = COMM.bcast(str(tmp_path_factory.mktemp("ck") / "ck") if RANK == 0 else None)

@@ -15,6 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
+import twin_replays
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
@@ -22,8 +23,7 @@ COLUMNS = {"pixels": ((7, 6), "uint8"), "ident": ((), "int64")}
 
 
 def twin_specs(chunk):
-    comp = dict(COLUMNS, pixels=COLUMNS["pixels"] + (gm.Compressed(level=1, chunk=chunk),))
-    return gm.TrajectorySpec(COLUMNS, max_length=9), gm.TrajectorySpec(comp, max_length=9)
+    return twin_replays.twin_specs(COLUMNS, chunk)
 
 
 def pixels_of(ident: int, length: int) -> np.ndarray:
@@ -44,10 +44,7 @@ def trajectories(seed: int, n: int):
 
 
 def same_batch(a: gm.Batch, b: gm.Batch, names=COLUMNS) -> None:
-    for name in names:
-        assert np.array_equal(a[name].numpy(), b[name].numpy()), name
-    for field in ("mask", "probabilities", "weights", "lengths"):
-        assert np.array_equal(getattr(a, field).numpy(), getattr(b, field).numpy()), field
+    twin_replays.same_batch(a, b, names)
 
 
 def windows_crossed(replay) -> int:
@@ -61,17 +58,8 @@ def test_shm_twins_sample_identical_batches(mode, chunk):
     raw, comp = gm.Replay(raw_spec, 50, **kw), gm.Replay(comp_spec, 50, **kw)
     try:
         assert len(comp.node.peer_chunks) == comp.node.size - 1  # every node peer's chunks mapped
-        for i, (traj, p) in enumerate(trajectories(3, 48)):  # 48 inserts of ~5 steps: the 50-step rings wrap
-            raw.insert(traj, p)
-            comp.insert(traj, p)
-            if i % 4 != 3:
-                continue
-            for align, window in (("random", 4), ("head", 9), ("tail", 6)):
-                a, b = raw.sample(5 + RANK, window, align), comp.sample(5 + RANK, window, align)
-                same_batch(a, b)
-                new = np.linspace(0.5, 2.0, len(a))
-                raw.update_priorities(a.keys, new)
-                comp.update_priorities(b.keys, new)
+        # 48 inserts of ~5 steps: the 50-step rings wrap
+        twin_replays.feed_and_compare(raw, comp, trajectories(3, 48), COLUMNS, RANK)
         assert windows_crossed(comp) == 0  # the node's windows were read in place, compressed ones included
         if SIZE > 1:
             assert int(COMM.allreduce(comp.windows_shared)) > 0

@@ -1,0 +1,41 @@
+"""Twin replays for the compressed-column tests (test_compressed.py, test_compressed_shm.py): a raw replay and
+its compressed twin fed the same trajectories must sample the same batches, bit for bit."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+
+import gear_mpi as gm
+
+
+def twin_specs(columns: Mapping[str, tuple], chunk: int | None) -> tuple[gm.TrajectorySpec, gm.TrajectorySpec]:
+    """(raw spec, the same with column "pixels" compressed: the default codec at level 1, ``chunk`` steps a
+    chunk), trajectories of at most 9 steps."""
+    comp = dict(columns, pixels=columns["pixels"] + (gm.Compressed(level=1, chunk=chunk),))
+    return gm.TrajectorySpec(columns, max_length=9), gm.TrajectorySpec(comp, max_length=9)
+
+
+def same_batch(a: gm.Batch, b: gm.Batch, names: Iterable[str]) -> None:
+    """Columns ``names``, mask, probabilities, weights and lengths of ``a`` and ``b`` are equal."""
+    for name in names:
+        assert np.array_equal(a[name].numpy(), b[name].numpy()), name
+    for field in ("mask", "probabilities", "weights", "lengths"):
+        assert np.array_equal(getattr(a, field).numpy(), getattr(b, field).numpy()), field
+
+
+def feed_and_compare(raw: gm.Replay, comp: gm.Replay, trajectories: Iterable[tuple[Mapping, float]],
+                     names: Iterable[str], rank: int) -> None:
+    """Insert every trajectory into both replays; after every 4th, sample windows of 4, 9 and 6 steps (aligned at
+    random, head, tail) from both, check they are the same batch, and give both the same new priorities."""
+    for i, (traj, p) in enumerate(trajectories):
+        raw.insert(traj, p)
+        comp.insert(traj, p)
+        if i % 4 != 3:
+            continue
+        for align, window in (("random", 4), ("head", 9), ("tail", 6)):
+            a, b = raw.sample(5 + rank, window, align), comp.sample(5 + rank, window, align)
+            same_batch(a, b, names)
+            new = np.linspace(0.5, 2.0, len(a))
+            raw.update_priorities(a.keys, new)
+            comp.update_priorities(b.keys, new)
