@@ -8,6 +8,15 @@
 - ``tests/mpi/`` (pytest modules that every rank of an ``mpiexec`` job runs) is collected
   only when named on the command line; a plain ``pytest tests`` runs them through the
   wrapper tests (tests/test_replay_mpi.py, tests/test_device_path.py) on K ranks instead.
+- A whole-suite run (``pytest tests``, or ``pytest`` with no path) runs on two pytest-xdist workers
+  when pytest-xdist is installed and the machine has two cores or more: most multi-rank tests
+  wait on their ranks, start-up or a deadline for a good part of their time, and a second worker
+  fills it (946 s -> 687 s on 2 cores). Files stay whole on one worker (their module fixtures are
+  built once); the files that drive a machine-wide runtime (Open MPI's session folders, the local
+  Slurm cluster, the two-host namespaces, the rank-killing fault tests) run one after another on
+  the same worker. ``GEAR_MPI_TEST_WORKERS=N`` sets the count (``1``: one process, as before); an
+  explicit ``-n`` / ``-p no:xdist`` wins; a run of named files, an mpiexec job's ranks and
+  ``--pdb`` stay in one process.
 - Every process the tests start imports gear_mpi from this checkout: its root is put first on
   ``PYTHONPATH``. A program started as ``python tests/mpi_programs/x.py`` has its own folder first on
   ``sys.path`` and would otherwise find gear_mpi through the environment's editable install, which
@@ -40,6 +49,65 @@ def pytest_ignore_collect(collection_path: Path, config):
     if any(p == MPI_TESTS or MPI_TESTS in p.parents for p in named):
         return None
     return True
+
+
+#: the variable that sets how many xdist workers a whole-suite run uses (``1``: no workers)
+WORKERS_VAR = "GEAR_MPI_TEST_WORKERS"
+#: test files that drive something machine-wide and must not overlap one another: Open MPI (its
+#: session folders, which a failed job's clean-up removes by age), the local Slurm cluster (one node,
+#: started and reconfigured by these tests), the two-host namespaces, the jobs whose ranks are killed
+EXCLUSIVE_FILES = frozenset({"test_openmpi.py", "test_faults.py", "test_slurm.py", "test_two_hosts.py"})
+
+
+def _whole_suite(config) -> bool:
+    """Whether this run collects the whole suite: no path named, or only the tests folder itself."""
+    here = MPI_TESTS.parent
+    args = [Path(str(a).split("::")[0]) for a in config.args] or [here]
+    return all(a.resolve() == here for a in args)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Run a whole-suite run on ``$GEAR_MPI_TEST_WORKERS`` (default 2) xdist workers, files kept whole."""
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    if os.environ.get("GEAR_MPI_REPORT_DIR") or config.getoption("numprocesses", None) is not None:
+        return None  # a rank of an mpiexec job, or a count given on the command line
+    if config.getoption("dist", "no") != "no" or config.getoption("usepdb", False):
+        return None
+    if config.getoption("collectonly", False) or not _whole_suite(config):
+        return None
+    raw = os.environ.get(WORKERS_VAR, "").strip()
+    try:
+        workers = int(raw) if raw else (2 if (os.cpu_count() or 1) >= 2 else 1)
+    except ValueError:
+        raise pytest.UsageError(f"{WORKERS_VAR}={raw!r}: expected a whole number of workers (1: none)")
+    if not raw and os.environ.get("GEAR_MPI_TEST_MPI", "mpich").strip().lower() == "openmpi":
+        workers = 1  # every test's jobs under Open MPI: a failed job's clean-up removes session folders by age
+    if workers > 1:
+        config.option.numprocesses = workers
+        config.option.dist = "loadfile"  # what the scheduler below refines
+        config.stash[_GROUPED] = True
+    return None
+
+
+_GROUPED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """A whole-suite run's scheduler: a file's tests go to one worker together (its module fixtures are
+    built once), and :data:`EXCLUSIVE_FILES` go to one worker one after another."""
+    if not config.stash.get(_GROUPED, False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "exclusive" if Path(path).name in EXCLUSIVE_FILES else path
+
+    return FileGroups(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -125,3 +193,5 @@ def shard_factory():
     yield build
     for s in shards:
         s.close()
+
+

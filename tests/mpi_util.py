@@ -352,22 +352,57 @@ def _mapped_paths() -> set[str]:
     return paths
 
 
+#: seconds a just-written, unmapped segment is watched before it counts as left behind: another test
+#: (a second xdist worker) may be between creating its segment and mapping it (``posix_fallocate`` of
+#: a large one takes a while)
+SETTLE_SECONDS = 1.0
+
+
+def _segment_state(path: str):
+    st = os.stat(path)
+    return st.st_size, st.st_blocks, st.st_mtime_ns
+
+
+def unmapped_segments(since: float, prefixes: tuple[str, ...]) -> list[str]:
+    """Names in /dev/shm with one of ``prefixes``, created or written since ``since``, that no process
+    of this machine maps, and that stay so: one written in the last :data:`SETTLE_SECONDS` is looked at
+    again after that long, and left out if it was mapped, removed, grown or written meanwhile (a
+    segment some concurrent test is still setting up)."""
+    def candidates() -> dict[str, tuple]:
+        mapped = _mapped_paths()
+        found = {}
+        for name in os.listdir("/dev/shm"):
+            path = os.path.join("/dev/shm", name)
+            try:
+                if name.startswith(prefixes) and os.stat(path).st_mtime >= since - 1 and path not in mapped:
+                    found[name] = _segment_state(path)
+            except OSError:
+                continue
+        return found
+
+    first = candidates()
+    young = [n for n, state in first.items() if state[2] / 1e9 > time.time() - SETTLE_SECONDS]
+    if not young:
+        return sorted(first)
+    time.sleep(SETTLE_SECONDS)
+    again = candidates()
+    return sorted(n for n, state in first.items() if again.get(n) == state)
+
+
 def remove_leaked_mpich_segments(since: float, prefixes: tuple[str, ...] = ("mpich_shm_",)) -> list[str]:
     """Unlink MPICH shared-memory segments created after ``since`` that no process maps any more.
 
     MPICH unlinks its ``/dev/shm/mpich_shm_*`` segment in MPI_Finalize; a test whose
     ranks end without finalizing (killed, or ``os._exit`` with a collective pending)
     leaves it behind. Call this after such a run. ``prefixes`` names other segments to
-    remove the same way (``gear_mpi_`` after ranks were aborted).
+    remove the same way (``gear_mpi_`` after ranks were aborted). A segment that another
+    process is still setting up is left alone (:func:`unmapped_segments`).
     """
-    mapped = _mapped_paths()
     removed = []
-    for name in os.listdir("/dev/shm"):
-        path = os.path.join("/dev/shm", name)
+    for name in unmapped_segments(since, prefixes):
         try:
-            if name.startswith(prefixes) and os.stat(path).st_mtime >= since - 1 and path not in mapped:
-                os.unlink(path)
-                removed.append(name)
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(name)
         except OSError:
             continue
     # hydra's topology file (``mpiexec`` removes it at exit, a killed one cannot), once no hydra runs

@@ -54,8 +54,8 @@ from pathlib import Path
 
 import pytest
 
-from mpi_util import (PROGRAMS, MpiRuntime, _mapped_paths, _mpi_env, default_runtime, openmpi_runtime, passes,
-                      reap_session, remove_leaked_mpi_leftovers, run_pytest_mpi)
+from mpi_util import (PROGRAMS, MpiRuntime, _mpi_env, default_runtime, openmpi_runtime, passes,
+                      reap_session, remove_leaked_mpi_leftovers, run_pytest_mpi, unmapped_segments)
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
 TIMEOUT = 4.0  # the replay's collective deadline in the kill scenario
@@ -111,8 +111,7 @@ def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
     elapsed = time.monotonic() - t0
     leftovers = reap_session(proc.pid, 5.0)  # give stragglers a moment, then record and kill them
     remove_leaked_mpi_leftovers(started, mpi)
-    mapped = _mapped_paths()
-    leaked = [n for n in _gear_segments() - before if f"/dev/shm/{n}" not in mapped and _created_since(n, started)]
+    leaked = [n for n in unmapped_segments(started, ("gear_mpi_",)) if n not in before and _created_since(n, started)]
     assert not leaked, f"shared-memory segments left behind: {leaked}"
     return Job(proc.returncode, out, err, elapsed, hung, leftovers)
 
