@@ -116,8 +116,15 @@ def test_the_rate_limiter_holds_fast_writers_back():
                    timeout=60) as replay:
         seeds = [10 * COMM.rank + i for i in range(writers)]
         procs = actors(replay.writer_address(), seeds, "--episodes", "1000000000")  # flat out, but for the hold
-        meter = gm.log_every(replay, seconds=1.0, log=lines.append)
+        meter = None
         try:
+            # every actor connected before the clock starts: on a loaded machine (a second test worker
+            # beside this job) a spawned actor's imports alone can take seconds
+            started = time.monotonic()
+            while COMM.bcast(replay.stats()["total"]["writers"] < writers * COMM.size
+                             and time.monotonic() - started < 120.0):
+                time.sleep(0.05)
+            meter = gm.log_every(replay, seconds=1.0, log=lines.append)
             t0, calls, seen = time.monotonic(), 0, []
             while COMM.bcast(time.monotonic() - t0 < 5.0):
                 replay.sample(batch, window=1)
@@ -143,7 +150,8 @@ def test_the_rate_limiter_holds_fast_writers_back():
                 assert any("staged" in line and "newest ingested step" in line for line in lines), lines
             assert meter.last["total"]["staged"] <= bound and meter.last["total"]["ingested_age"] < 2.0
         finally:
-            meter.close()
+            if meter is not None:
+                meter.close()
             for p in procs:
                 p.kill()
                 p.wait()
