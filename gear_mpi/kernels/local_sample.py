@@ -157,6 +157,23 @@ def _scratch(nb: int) -> tuple[tuple, tuple]:
     return _local.rows
 
 
+def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """What this thread's last one-call sample of ``nb`` items left in its scratch: the slots in ascending order,
+    the batch row of each and the inverse (views, valid until this thread's next sample), for the update of that
+    batch (:mod:`~gear_mpi.kernels.priority_sampled`, which checks them against the keys); None when the
+    scratch holds no sorted draw of ``nb`` items (fewer than ``DRAW_PIPE`` are drawn unsorted). O(1).
+
+    Args:
+        nb: the batch size.
+    Returns:
+        ``(sslots, order, inv)`` int64 rows of ``nb``, or None.
+    """
+    if nb < DRAW_PIPE or getattr(_local, "nb", -1) != nb:
+        return None
+    iscr = _local.rows[0]
+    return iscr[0], iscr[5], iscr[6]
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
