@@ -7,8 +7,7 @@ import pytest
 
 import gear_mpi as gm
 from gear_mpi.errors import InvalidKeyError, InvalidPriorityError
-from gear_mpi.kernels import local_sample, priority_sampled
-from gear_mpi.kernels.priority_tree import TREE_FIELDS
+from gear_mpi.kernels import local_sample, priority_sampled, priority_tree
 from gear_mpi.selection import sampled_update
 from gear_mpi.shard import Shard
 
@@ -31,7 +30,7 @@ def _insert_some(sh, count, seed):
 
 
 def _state(sh):
-    out = {name: arr.copy() for name, arr in zip(TREE_FIELDS, sh.index.tree)}
+    out = {name: arr.copy() for name, arr in zip(priority_tree.TREE_FIELDS, sh.index.tree)}
     row = sh.store.layout.priority
     if isinstance(row, np.ndarray) and sh.store.layout.priority_constant is None:
         out["raw"] = row.copy()
