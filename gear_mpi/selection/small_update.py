@@ -79,7 +79,9 @@ def update_few(keys, priorities, tag, rank, max_items, status, raw, keep_raw, al
 
 
 def update_priorities(shard, keys: Any, priorities: Any) -> int:
-    """:meth:`Shard.update_priorities <gear_mpi.shard.Shard.update_priorities>`: through :func:`update_few`
+    """:meth:`Shard.update_priorities <gear_mpi.shard.Shard.update_priorities>`: the keys of the batch the last
+    one-call sample into ``out=`` filled through that sample's sorted draw
+    (:func:`~gear_mpi.selection.sampled_update.update_batch`, any size); else through :func:`update_few`
     where it applies (a host index, ``Uniform`` or ``Prioritized`` exactly, a table whose raw-priority row
     does not stand for one value, at most ``SET_SERIAL_MAX`` keys, no bad input), else the general path.
 
