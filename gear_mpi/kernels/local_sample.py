@@ -157,6 +157,23 @@ def _scratch(nb: int) -> tuple[tuple, tuple]:
     return _local.rows
 
 
+def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """What this thread's last one-call sample of ``nb`` items left in its scratch: the slots in ascending order,
+    the batch row of each and the inverse (views, valid until this thread's next sample), for the update of that
+    batch (:mod:`~gear_mpi.kernels.priority_sampled`, which checks them against the keys); None when the
+    scratch holds no sorted draw of ``nb`` items (fewer than ``DRAW_PIPE`` are drawn unsorted). O(1).
+
+    Args:
+        nb: the batch size.
+    Returns:
+        ``(sslots, order, inv)`` int64 rows of ``nb``, or None.
+    """
+    if nb < DRAW_PIPE or getattr(_local, "nb", -1) != nb:
+        return None
+    iscr = _local.rows[0]
+    return iscr[0], iscr[5], iscr[6]
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
@@ -173,8 +190,9 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             wmin = min(wmin, l2_min[j])
     sslots, skey, ws, nv, pf, order, inv, ident = iscr
     sw, skeys = fscr  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
-    for k in range(nb):
-        ident[k] = k
+    if nb < DRAW_THREADS_MIN:  # (large batches: each run fills its part of ident and inv below)
+        for k in range(nb):
+            ident[k] = k
     if nb < DRAW_PIPE:
         order = ident
         inv = ident
@@ -183,8 +201,9 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             sslots[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
     else:
         _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
-        for k in range(nb):
-            inv[order[k]] = k
+        if nb < DRAW_THREADS_MIN:
+            for k in range(nb):
+                inv[order[k]] = k
     row_bytes = 0
     for c in range(step_bytes.shape[0]):
         row_bytes += window * step_bytes[c]
@@ -193,6 +212,9 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
         for t in prange(runs):
             lo = t * nb // runs
             hi = (t + 1) * nb // runs
+            for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
+                ident[k] = k
+                inv[order[k]] = k
             _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
             _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                        window, align_code, place_u, order, skey, sw, ws, nv, pf)

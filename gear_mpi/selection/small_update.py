@@ -23,6 +23,7 @@ from ..kernels import ring
 from ..kernels.priority_tree import SET_SERIAL_MAX, _rebuild_prefix, _set_serial
 from ..kernels.weights import _power
 from ..spec import validate_priorities
+from . import sampled_update
 from .priority_index import PriorityIndex
 from .selectors import Prioritized, Uniform
 
@@ -78,7 +79,9 @@ def update_few(keys, priorities, tag, rank, max_items, status, raw, keep_raw, al
 
 
 def update_priorities(shard, keys: Any, priorities: Any) -> int:
-    """:meth:`Shard.update_priorities <gear_mpi.shard.Shard.update_priorities>`: through :func:`update_few`
+    """:meth:`Shard.update_priorities <gear_mpi.shard.Shard.update_priorities>`: the keys of the batch the last
+    one-call sample into ``out=`` filled through that sample's sorted draw
+    (:func:`~gear_mpi.selection.sampled_update.update_batch`, any size); else through :func:`update_few`
     where it applies (a host index, ``Uniform`` or ``Prioritized`` exactly, a table whose raw-priority row
     does not stand for one value, at most ``SET_SERIAL_MAX`` keys, no bad input), else the general path.
 
@@ -97,6 +100,9 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
     batch = rep.batch() if rep is not None else None
     if batch is not None and keys is batch.keys:  # the keys of the last sample into a reused batch
         keys = batch.meta_numpy()[0]
+        applied = sampled_update.update_batch(shard, keys, priorities)  # through that sample's sorted draw
+        if applied is not None:
+            return applied
     elif type(keys) is not np.ndarray and hasattr(keys, "detach"):
         try:
             keys = keys.numpy()  # a CPU tensor (a sample's keys), as keys.tensor_numpy takes it first

@@ -1,0 +1,199 @@
+"""A priority update of the keys of the batch just sampled, in the draw's slot order (CPU kernels; issue 34).
+
+A training loop samples a batch, computes new priorities and sets them for the batch's keys. The one-call
+sample (:mod:`~gear_mpi.kernels.local_sample`) has just drawn those slots in ascending order: its scratch
+holds the sorted slots (``sslots``), the batch row of each (``order``) and the inverse (``inv``). The
+general update (``resolve_live``, the weights' power, then :func:`~gear_mpi.kernels.priority_tree.set_leaves`)
+resolves the keys in batch order, one random table line after another on one thread, powers the weights in a
+second pass, and groups the slots again by level-2 block (a counting sort) before writing the tree. Here the
+sorted slots serve as they are: one check pass, then each thread walks a run of sorted slots that starts and
+ends on a level-2 block boundary, checks each key's status, writes its raw priority and leaf, and recounts
+each line, level-1 block and level-2 block once, when the walk leaves it. The table's and tree's lines are
+read in ascending address order, prefetched ahead.
+
+The result is the general path's, bit for bit: the same raw priorities, leaves, sums and minima (every sum
+recomputed from its children in index order; a block minimum lowered in place or recounted where the value
+it held was overwritten), the same count of applied keys; of duplicate keys the last live one in batch
+order wins (duplicates of a slot are adjacent in slot order: the one with the largest batch row). Nothing is
+written unless every check passes: priorities finite and non-negative, every key this shard's, and the
+scratch describing exactly these keys (``order`` and ``inv`` inverse permutations, ``sslots``
+non-decreasing, ``sslots[inv[i]]`` the slot of ``keys[i]``); otherwise the caller takes the general path,
+which raises the errors.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
+from .hints import prefetch as _prefetch
+from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group, \
+    leaf_value
+from .weights import _power
+
+AHEAD = 16  # sorted items ahead whose lines are requested
+PARALLEL_MIN = 2048  # from this many keys the update is shared among the threads (parallel region)
+
+
+@njit(cache=True, inline="always")
+def _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi):
+    """Whether keys ``lo:hi`` and their priorities pass every check (see the module)."""
+    n = keys.shape[0]
+    for i in range(lo, hi):
+        v = priorities[i]
+        if not (v >= 0.0 and v < np.inf):
+            return False
+        k = keys[i]
+        if k < 0 or ((k >> _TAG_SHIFT) & TAG_MASK) != tag or ((k >> _RANK_SHIFT) & RANK_MASK) != rank \
+                or (k & SLOT_MASK) >= max_items:
+            return False
+        j = inv[i]
+        if j < 0 or j >= n or order[j] != i or sslots[j] != (k & SLOT_MASK):
+            return False
+        if j > 0 and sslots[j - 1] > sslots[j]:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def _boundary(sslots, k):
+    """The first sorted position at or after ``k`` where a new level-2 block starts (or ``len(sslots)``)."""
+    n = sslots.shape[0]
+    if k <= 0:
+        return 0
+    while k < n and sslots[k] // FANOUT2 == sslots[k - 1] // FANOUT2:
+        k += 1
+    return k
+
+
+@njit(cache=True, inline="always")
+def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, alpha, powered,
+               leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, lo, hi):
+    """Sorted items ``lo:hi`` (whole level-2 blocks): statuses checked, raw priorities and leaves written, each
+    touched line, level-1 block and level-2 block recounted once. Returns the live keys applied."""
+    n = leaves.shape[0]
+    n0 = l0_sum.shape[0]
+    n1 = l1_sum.shape[0]
+    applied = 0
+    gcur = -1
+    bcur = -1
+    ccur = -1
+    recount = False
+    for k in range(lo, min(lo + AHEAD, hi)):
+        t = sslots[k]
+        _prefetch(status, t)
+        _prefetch(leaves, t)
+        _prefetch(l0_sum, t // LINE)
+    k = lo
+    while k < hi:
+        s = sslots[k]
+        best = -1
+        live = 0
+        st = np.int64(status[s])
+        alive = (st >> alive_shift) == live_code
+        while k < hi and sslots[k] == s:  # duplicates of a slot are adjacent: the last live one in batch order wins
+            if k + AHEAD < hi:
+                t = sslots[k + AHEAD]
+                _prefetch(status, t)
+                _prefetch(leaves, t)
+                _prefetch(l0_sum, t // LINE)
+                if keep_raw:
+                    _prefetch(raw, t)
+            i = order[k]
+            if alive and (st & GEN_MASK) == ((keys[i] >> _GEN_SHIFT) & GEN_MASK):
+                live += 1
+                if i > best:
+                    best = i
+            k += 1
+        if live == 0:
+            continue
+        applied += live
+        p = priorities[best] + 0.0  # -0.0 as +0.0
+        if keep_raw:
+            raw[s] = p
+        g = s // LINE
+        b = s // FANOUT
+        c = s // FANOUT2
+        if g != gcur:  # leaving a line, then a block, then a level-2 block: each recounted once, inner first
+            if gcur >= 0:
+                _sum_group(leaves, l0_sum, gcur, n)
+            gcur = g
+        if b != bcur:
+            if bcur >= 0:
+                _sum_group(l0_sum, l1_sum, bcur, n0)
+                if recount:
+                    _recompute_l1_min(leaves, l1_min, bcur, n)
+            bcur = b
+            recount = False
+        if c != ccur:
+            if ccur >= 0:
+                _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, ccur, n1)
+            ccur = c
+        v = leaf_value(_power(p, alpha) if powered else 1.0)
+        old = np.float64(leaves[s])
+        leaves[s] = v
+        if v > 0.0 and v < l1_min[b]:
+            l1_min[b] = v
+        elif old > 0.0 and old == l1_min[b] and v != old:
+            recount = True
+    if gcur >= 0:
+        _sum_group(leaves, l0_sum, gcur, n)
+        _sum_group(l0_sum, l1_sum, bcur, n0)
+        if recount:
+            _recompute_l1_min(leaves, l1_min, bcur, n)
+        _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, ccur, n1)
+    return applied
+
+
+@njit(cache=True, nogil=True)
+def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift, live_code, raw,
+                   keep_raw, alpha, powered, tree):
+    """Set the priorities of ``keys``, the batch whose sorted draw ``sslots``/``order``/``inv`` describe (see the
+    module), on one thread: each live key's raw priority (``raw[slot] = p + 0.0`` where ``keep_raw``) and index
+    weight (``p ** alpha`` as ``weights._power`` where ``powered``, else 1).
+
+    Args:
+        keys: int64 keys; priorities: float64, one per key (not yet checked).
+        sslots, order, inv: int64 rows of ``len(keys)``: the sample's sorted slots, batch row of each, inverse.
+        tag, rank, max_items: the shard's key tag, rank and table slots; status: the table's status row;
+            alive_shift, live_code: its live test (``ring.ALIVE_SHIFT``, ``ring.LIVE``).
+        raw, keep_raw: the table's raw-priority row (any float64 array when not kept) and whether it is kept.
+        alpha, powered: the selector's exponent, and whether weights are powers (else all 1).
+        tree: the host index's arrays (``PriorityIndex._arrays``).
+    Returns:
+        The live keys applied, or -1 (nothing written) when a check fails: the caller takes the general path.
+    Cost: O(B), two passes; the table's and tree's lines in ascending address order.
+    """
+    if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, 0, keys.shape[0]):
+        return -1
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
+    applied = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, alpha,
+                         powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, 0, keys.shape[0])
+    _rebuild_prefix(l2_sum, prefix)
+    return applied
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift,
+                            live_code, raw, keep_raw, alpha, powered, tree, chunks):
+    """:func:`update_sampled` shared among the threads: the checks in ``chunks`` slices of the keys, then the
+    writes in ``chunks`` runs of sorted items cut at level-2 block boundaries (no two threads share a line or a
+    block). The same result. Cost: O(B) over the threads plus O(n / 4096) for the prefix."""
+    n = keys.shape[0]
+    ok = np.ones(chunks, np.bool_)
+    for t in prange(chunks):
+        ok[t] = _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, t * n // chunks,
+                        (t + 1) * n // chunks)
+    for t in range(chunks):
+        if not ok[t]:
+            return -1
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
+    counts = np.zeros(chunks, np.int64)
+    for t in prange(chunks):
+        lo = _boundary(sslots, t * n // chunks)
+        hi = _boundary(sslots, (t + 1) * n // chunks)
+        if hi > lo:
+            counts[t] = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw,
+                                   alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, lo, hi)
+    _rebuild_prefix(l2_sum, prefix)
+    return counts.sum()

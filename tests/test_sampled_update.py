@@ -1,0 +1,143 @@
+"""The priority update of the batch just sampled into ``out=`` (gear_mpi.selection.sampled_update), through the
+sample's sorted draw: the same index arrays, raw priorities, counts and stale counts, bit for bit, as a twin
+shard updated through the general path with the same keys; duplicates, evicted keys and both kernels (serial
+and parallel); and every input it does not serve goes the general way (errors raised, nothing changed)."""
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+from gear_mpi.errors import InvalidKeyError, InvalidPriorityError
+from gear_mpi.kernels import local_sample, priority_sampled, priority_tree
+from gear_mpi.selection import sampled_update
+from gear_mpi.shard import Shard
+
+
+def _shard(sel, items=3000, maxlen=1):
+    spec = gm.TrajectorySpec({"x": ((2,), "float32")}, max_length=maxlen)
+    sh = Shard(spec, items * maxlen, sel, seed=11, tag=5, rank=2)
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, maxlen + 1, items)
+    sh.insert_packed({"x": rng.standard_normal((lengths.sum(), 2)).astype(np.float32)}, lengths,
+                     rng.random(items) * 3 + 0.05)
+    return sh
+
+
+def _insert_some(sh, count, seed):
+    """Evicts the oldest items: some keys of the last batch go stale."""
+    rng = np.random.default_rng(seed)
+    sh.insert_packed({"x": rng.standard_normal((count, 2)).astype(np.float32)}, np.ones(count, np.int64),
+                     rng.random(count) + 0.1)
+
+
+def _state(sh):
+    out = {name: arr.copy() for name, arr in zip(priority_tree.TREE_FIELDS, sh.index.tree)}
+    row = sh.store.layout.priority
+    if isinstance(row, np.ndarray) and sh.store.layout.priority_constant is None:
+        out["raw"] = row.copy()
+    out["stale"] = sh.stale_updates
+    return out
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of the two sorted-update kernels."""
+    seen = []
+    for name in ("update_sampled", "update_sampled_parallel"):
+        fn = getattr(priority_sampled, name)
+        monkeypatch.setattr(priority_sampled, name, lambda *a, _f=fn, _n=name: seen.append(_n) or _f(*a))
+    return seen
+
+
+@pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Prioritized(1.0, 0.5), gm.Prioritized(0.0, 0.5),
+                                 gm.Uniform()], ids=["alpha0.6", "alpha1", "alpha0", "uniform"])
+@pytest.mark.parametrize("b", [40, 300, 2500])
+def test_same_as_general_path(sel, b, calls, monkeypatch):
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call for 2500 items too
+    fast, slow = _shard(sel), _shard(sel)
+    out = fast.sample(b, 1)
+    slow.sample(b, 1)
+    for step in range(5):
+        fast.sample(b, 1, out=out)
+        want = slow.sample(b, 1)
+        np.testing.assert_array_equal(out.keys.numpy(), want.keys.numpy())
+        keys = out.keys.numpy()
+        assert len(np.unique(keys)) < b or b == 40  # duplicates: the last one in batch order wins
+        if step >= 2:  # some of the batch's items evicted since the draw: counted as stale, not written
+            _insert_some(fast, 200, step)
+            _insert_some(slow, 200, step)
+        new = np.random.default_rng(step).random(b) * 2
+        new[::7] = 0.0  # zero weights: block minima recounted
+        new[1::9] = -0.0
+        before = len(calls)
+        lazy = fast.store.layout.priority_constant is not None  # Uniform's row until its first update
+        got = fast.update_priorities(out.keys, new)
+        assert got == slow.apply_priorities(keys.copy(), np.abs(new)).sum()
+        _assert_same(_state(fast), _state(slow))
+        if not lazy:
+            assert len(calls) == before + 1 and calls[-1] == ("update_sampled_parallel" if b >= priority_sampled.PARALLEL_MIN
+                                                              else "update_sampled")
+    assert fast.stale_updates > 0
+    assert fast.rng.random() == slow.rng.random()
+
+
+def test_other_inputs_go_the_general_way(calls, monkeypatch):
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    sel = gm.Prioritized(0.6, 0.4)
+    sh, twin = _shard(sel), _shard(sel)
+    out = sh.sample(300, 1)
+    sh.sample(300, 1, out=out)
+    twin_out = twin.sample(300, 1)
+    twin_out = twin.sample(300, 1)
+    new = np.random.default_rng(1).random(300)
+    # a bad priority or a foreign key: the general path's error, nothing changed
+    before = _state(sh)
+    bad = new.copy()
+    bad[17] = np.nan
+    with pytest.raises(InvalidPriorityError):
+        sh.update_priorities(out.keys, bad)
+    with pytest.raises(InvalidPriorityError):
+        sh.update_priorities(out.keys, new[:10])
+    keys = out.keys.numpy()
+    saved = keys[5]
+    keys[5] = saved ^ (1 << 62)  # in place: the batch's keys tensor sees it
+    with pytest.raises(InvalidKeyError):
+        sh.update_priorities(out.keys, new)
+    keys[5] = saved
+    _assert_same(_state(sh), before)
+    assert calls == ["update_sampled"] * 2  # the NaN and the foreign key: refused by the kernel, raised by the general path
+    # another shard's sample in between takes this thread's scratch: the general path, the same result
+    other = _shard(gm.Prioritized(0.6, 0.4))
+    other.sample(300, 1)
+    assert sh.update_priorities(out.keys, list(new)) == twin.update_priorities(twin_out.keys.clone(), new)
+    _assert_same(_state(sh), _state(twin))
+    assert len(calls) == 3  # tried (a list of priorities, validated), refused: its scratch is the other sample's
+    # keys changed in place to other live keys of the batch: refused (the draw no longer describes them)
+    sh.sample(300, 1, out=out)
+    twin_out = twin.sample(300, 1)
+    keys[[0, 1]] = keys[[1, 0]]
+    if keys[0] != keys[1]:
+        twin_keys = twin_out.keys.numpy().copy()
+        twin_keys[[0, 1]] = twin_keys[[1, 0]]
+        assert sh.update_priorities(out.keys, new) == twin.update_priorities(twin_keys, new)
+        _assert_same(_state(sh), _state(twin))
+    # the kernel refuses a scratch that is not a sorted draw of these keys
+    sh.sample(300, 1, out=out)
+    sslots, order, inv = local_sample.sorted_draw(300)
+    order[[3, 4]] = order[[4, 3]]
+    assert sampled_update.update_batch(sh, out.keys.numpy(), new) is None
+    assert sh.update_priorities(out.keys, new) >= 0  # the general path
+
+
+def test_small_batches_and_no_draw(monkeypatch):
+    sh = _shard(gm.Prioritized(0.6, 0.4))
+    out = sh.sample(8, 1)
+    sh.sample(8, 1, out=out)  # fewer than DRAW_PIPE: drawn unsorted, no sorted draw to take
+    assert local_sample.sorted_draw(8) is None
+    assert sampled_update.update_batch(sh, out.keys.numpy(), np.ones(8)) is None
+    assert sh.update_priorities(out.keys, np.ones(8)) == 8
