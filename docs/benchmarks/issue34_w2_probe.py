@@ -6,31 +6,18 @@ Arguments: rounds, seconds per phase, phases (step = Shard.sample(256, 1, out=) 
 batch's keys; floor = compare_peers' bare gather of 256 random rows; sample; update). The shard is W2's:
 100,000 one-step items of 4104 bytes (obs uint8[4096], action, reward), Prioritized(0.6, 0.4).
 """
-import sys, time, ctypes, os
+import sys, os
 import numpy as np
-from gear_mpi.kernels import gather, local_sample
-from gear_mpi.keys import GEN_MASK, SLOT_BITS, key_head
 import numba
-from issue34_w2_shard import w2_shard
+from issue34_w2_shard import w2_floor, w2_shard
+from probe_timing import median_time
 
 N, B = 100_000, 256
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 PH = float(sys.argv[2]) if len(sys.argv) > 2 else 0.4
 shard, new_p, batch, keys = w2_shard(N, B)
 
-cap = shard.store.capacity
-addrs = shard.column_addresses()[0]
-sizes = shard.spec.step_bytes_array
-rows = np.arange(B, dtype=np.int64)
-one, zero = np.ones(B, np.int64), np.zeros(B, np.int64)
-outs = batch.byte_views()
-rings = tuple(np.frombuffer((ctypes.c_uint8 * int(cap * sz)).from_address(int(a)), np.uint8) for a, sz in zip(addrs, sizes))
-pool = np.random.default_rng(4).integers(0, N, (400, B))
-turn = [0]
-no_mask = np.zeros((0, 1), np.bool_)
-def floor():
-    turn[0] = (turn[0] + 1) % len(pool)
-    gather.gather_columns(rings, sizes, cap, pool[turn[0]], one, zero, rows, outs, 1, no_mask)
+floor = w2_floor(shard, batch, B)
 def step():
     shard.sample(B, 1, out=batch)
     shard.update_priorities(batch.keys, new_p)
@@ -46,11 +33,7 @@ for f in [phases[k] for k in sel]:
 for r in range(ROUNDS):
     for name in sel:
         f = phases[name]
-        ts = []
-        t_end = time.perf_counter() + PH
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
-        res[name].append(np.median(ts) * 1e6)
+        res[name].append(median_time(f, PH) * 1e6)
 print("threads", numba.get_num_threads(), "load", os.getloadavg())
 for k, v in res.items():
     print(f"{k:14s} med {np.median(v):7.1f} us  rounds {' '.join(f'{x:.1f}' for x in v)}")

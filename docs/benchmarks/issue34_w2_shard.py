@@ -1,10 +1,14 @@
-"""Issue 34, item 3: the W2 shard both probe scripts time (issue34_w2_probe.py, issue34_w2_parts.py).
+"""Issue 34, item 3: the W2 shard the probe scripts time (issue34_w2_probe.py, issue34_w2_parts.py,
+issue34_w2_update.py) and the bare-gather floor beside it.
 
 One-step items of 4104 bytes (obs uint8[4096], action, reward), Prioritized(0.6, 0.4), filled with seed 0.
 """
+import ctypes
+
 import numpy as np
 
 import gear_mpi as gm
+from gear_mpi.kernels import gather
 
 
 def w2_shard(n: int, b: int):
@@ -19,3 +23,22 @@ def w2_shard(n: int, b: int):
     new_p = rng.random(b) + 0.01
     batch = shard.sample(b, 1)
     return shard, new_p, batch, batch.keys.numpy().copy()
+
+
+def w2_floor(shard, batch, b: int):
+    """compare_peers' floor: a callable gathering ``b`` random rows of ``shard`` into ``batch``'s buffers
+    with the bare gather kernel (400 fixed row sets, seed 4, taken in turn)."""
+    cap = shard.store.capacity
+    sizes = shard.spec.step_bytes_array
+    rings = tuple(np.frombuffer((ctypes.c_uint8 * int(cap * sz)).from_address(int(a)), np.uint8)
+                  for a, sz in zip(shard.column_addresses()[0], sizes))
+    rows, one, zero = np.arange(b, dtype=np.int64), np.ones(b, np.int64), np.zeros(b, np.int64)
+    outs, no_mask = batch.byte_views(), np.zeros((0, 1), np.bool_)
+    pool = np.random.default_rng(4).integers(0, len(shard), (400, b))
+    turn = [0]
+
+    def floor():
+        turn[0] = (turn[0] + 1) % len(pool)
+        gather.gather_columns(rings, sizes, cap, pool[turn[0]], one, zero, rows, outs, 1, no_mask)
+    return floor
+

@@ -6,39 +6,22 @@ through the sample's sorted draw ("sorted", gear_mpi.selection.sampled_update) a
 
 Arguments: rounds, seconds per phase. The shard is W2's (issue34_w2_shard.py); the floor is compare_peers'.
 """
-import ctypes
 import os
 import sys
-import time
 
 import numba
 import numpy as np
 
-from gear_mpi.kernels import gather
 from gear_mpi.selection import sampled_update
-from issue34_w2_shard import w2_shard
+from issue34_w2_shard import w2_floor, w2_shard
+from probe_timing import median_time
 
 N, B = 100_000, 256
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 PH = float(sys.argv[2]) if len(sys.argv) > 2 else 0.4
 shard, new_p, batch, keys = w2_shard(N, B)
-cap = shard.store.capacity
-addrs = shard.column_addresses()[0]
-sizes = shard.spec.step_bytes_array
-rows = np.arange(B, dtype=np.int64)
-one, zero = np.ones(B, np.int64), np.zeros(B, np.int64)
-outs = batch.byte_views()
-rings = tuple(np.frombuffer((ctypes.c_uint8 * int(cap * sz)).from_address(int(a)), np.uint8)
-              for a, sz in zip(addrs, sizes))
-pool = np.random.default_rng(4).integers(0, N, (400, B))
-turn = [0]
-no_mask = np.zeros((0, 1), np.bool_)
+floor = w2_floor(shard, batch, B)
 real = sampled_update.update_batch
-
-
-def floor():
-    turn[0] = (turn[0] + 1) % len(pool)
-    gather.gather_columns(rings, sizes, cap, pool[turn[0]], one, zero, rows, outs, 1, no_mask)
 
 
 def step():
@@ -53,13 +36,7 @@ for _ in range(50):
 for r in range(ROUNDS):
     for name in res:
         sampled_update.update_batch = (lambda *a: None) if name == "step general" else real
-        ts = []
-        t_end = time.perf_counter() + PH
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            (floor if name == "floor" else step)()
-            ts.append(time.perf_counter() - t0)
-        res[name].append(np.median(ts) * 1e6)
+        res[name].append(median_time(floor if name == "floor" else step, PH) * 1e6)
 sampled_update.update_batch = real
 print("threads", numba.get_num_threads(), "load", os.getloadavg())
 for k, v in res.items():

@@ -9,7 +9,6 @@ kernel (local_sample._sample_kernel as sample_again calls it); power (np.power o
 """
 import os
 import sys
-import time
 
 import numba
 import numpy as np
@@ -17,17 +16,14 @@ import numpy as np
 import gear_mpi as gm
 from gear_mpi.keys import GEN_MASK, SLOT_BITS, key_head
 from gear_mpi.kernels import local_sample, priority_draw
+from issue34_w3_shard import w3_shard
+from probe_timing import median_time
 
 N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 10_000_000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 PH = float(sys.argv[3]) if len(sys.argv) > 3 else 0.3
 B = 65536
-spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
-sh = gm.Shard(spec, N, gm.Prioritized(0.6, 0.4), seed=0)
-sh.insert_packed({"x": np.arange(N, dtype=np.float32)}, np.ones(N, np.int64),
-                 np.random.default_rng(7).uniform(0.5, 2, N))
-new_p = np.random.default_rng(3).random(B) + 0.01
-batch = sh.sample(B, 1)
+sh, new_p, batch = w3_shard(N, B)
 sh.sample(B, 1, out=batch)
 rep = sh._repeat
 st = sh.store
@@ -57,13 +53,7 @@ for r in range(ROUNDS):
     for name, fn in parts.items():
         sh.sample(B, 1, out=batch)
         fn()
-        ts = []
-        t_end = time.perf_counter() + PH
-        while time.perf_counter() < t_end or len(ts) < 5:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        res[name].append(np.median(ts) * 1e3)
+        res[name].append(median_time(fn, PH, 5) * 1e3)
 print("threads", numba.get_num_threads(), "N", N, "load", os.getloadavg(), gm.__file__)
 for k, v in res.items():
     print(f"{k:9s} med {np.median(v):7.3f} ms  rounds {' '.join(f'{x:.3f}' for x in v)}")

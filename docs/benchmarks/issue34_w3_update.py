@@ -9,13 +9,14 @@ Prioritized(0.6, 0.4), priorities uniform in [0.5, 2) (seed 7); new priorities r
 """
 import os
 import sys
-import time
 
 import numba
 import numpy as np
 
 import gear_mpi as gm
 from gear_mpi.selection import sampled_update
+from issue34_w3_shard import w3_shard
+from probe_timing import median_time
 
 Ns = [int(float(x)) for x in (sys.argv[1] if len(sys.argv) > 1 else "1e7").split(",")]
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -24,12 +25,7 @@ B = int(sys.argv[4]) if len(sys.argv) > 4 else 65536
 real = sampled_update.update_batch
 print("threads", numba.get_num_threads(), "load", os.getloadavg(), gm.__file__)
 for n in Ns:
-    spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
-    sh = gm.Shard(spec, n, gm.Prioritized(0.6, 0.4), seed=0)
-    sh.insert_packed({"x": np.arange(n, dtype=np.float32)}, np.ones(n, np.int64),
-                     np.random.default_rng(7).uniform(0.5, 2, n))
-    new_p = np.random.default_rng(3).random(B) + 0.01
-    batch = sh.sample(B, 1)
+    sh, new_p, batch = w3_shard(n, B)
 
     def step():
         sh.sample(B, 1, out=batch)
@@ -46,13 +42,7 @@ for n in Ns:
                 sh.sample(B, 1, out=batch)
                 for _ in range(2):
                     fn()
-                ts = []
-                t_end = time.perf_counter() + PH
-                while time.perf_counter() < t_end or len(ts) < 5:
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                res[f"{name} {mode}"].append(np.median(ts) * 1e3)
+                res[f"{name} {mode}"].append(median_time(fn, PH, 5) * 1e3)
     sampled_update.update_batch = real
     for k, v in res.items():
         print(f"N={n:.0e} B={B} {k:15s} med {np.median(v):7.3f} ms  rounds {' '.join(f'{x:.3f}' for x in v)}")
