@@ -45,11 +45,15 @@ from .plans import multinomial_rows
 from ..batch import check_window
 from ..kernels import gather as gather_kernels
 from ..kernels import ring
+from ..kernels import serve as serve_kernels
+from ..keys import GEN_MASK, SLOT_BITS, key_head
 from ..selection.priority_index import PriorityIndex
+from ..selection.selectors import Prioritized, Uniform
 
 _DECENTRALIZED = header.MODES.index("decentralized")
 _SAMPLE_OP = 0  # the index of "sample" in calls.OPS: a head's call is number * 64 + it
 _NO_ERROR = -1.0
+_NO_UNIFORMS = np.zeros(0)
 
 
 def qualifies(replay) -> bool:
@@ -58,7 +62,7 @@ def qualifies(replay) -> bool:
     shard = replay.shard
     st = shard.store
     return (replay.node.board is not None and replay.device is None and isinstance(shard.index, PriorityIndex)
-            and shard.selector.proportional and not shard.spec.derived and not st.compressed
+            and type(shard.selector) in (Uniform, Prioritized) and not shard.spec.derived and not st.compressed
             and st.arena is not None and st.arena.kind not in ("file", "mapped") and replay._feeds.idle
             and replay._checkpoints is None)
 
@@ -74,7 +78,7 @@ class SampleRecord:
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "head", "outs", "got", "row_of_owner",
-                 "counts", "peer_direct")
+                 "counts", "peer_direct", "key_head", "prioritized", "slots", "w", "ratio", "uniforms")
 
     def __init__(self, replay, batch, args: tuple, window: int, code: int):
         size = replay.comm.size
@@ -90,6 +94,12 @@ class SampleRecord:
         self.row_of_owner = np.zeros(size + 1, np.int64)
         self.counts = np.empty((size, size), np.int64)
         self.peer_direct = [int(x) for x in replay.node.peer_direct.tolist()]
+        st = replay.shard.store
+        self.key_head = key_head(st.tag, st.rank)
+        self.prioritized = type(replay.shard.selector) is Prioritized
+        # the owner's scratch (kernels.serve), grown to the largest count served
+        self.slots, self.w, self.ratio, self.uniforms = (np.empty(0, np.int64), np.empty(0),
+                                                         np.empty(0, np.float32), np.empty(0))
 
     def same(self, out, batch_size, window, align, mode) -> bool:
         """Whether a call with these arguments may reuse this record: the same ``out`` object, still fitted as
@@ -170,33 +180,62 @@ def sample_again(replay, rec: SampleRecord):
         counts = rec.counts
         counts[:] = multinomial_rows(replay.shared_rng, np.array(asked, np.int64), np.array(masses) / mass)
         serve = int(counts[:, me].sum())
-        if serve:  # Shard.select
-            shard.check_can_sample()
-            slots = index.draw(shard.rng.random(serve))
-        else:
-            slots = np.zeros(0, np.int64)
-        choices = shard.make_choices(slots, rec.window, rec.code, mass, min(r[MIN_WEIGHT] for r in rows))
+        wmin = min(r[MIN_WEIGHT] for r in rows)
         recv = counts[me]
         out = rec.batch()
-        transport = replay.transport
         if int(counts.sum(0).max()) > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
-            transport.exchange(choices, np.ascontiguousarray(counts[:, me]), recv, rec.window, out=out,
-                               counts=counts)
-        else:  # WindowTransport.exchange's node-board path
-            start, waited = time.perf_counter(), comm.waited
-            try:
-                row_of_owner = rec.row_of_owner
-                np.cumsum(recv, out=row_of_owner[1:])
-                board.post(choices, node.epoch)
-                board.collect(counts, node.epoch, choices, rec.got, "sample (choices)")
-                keys, probabilities, weights, lengths = out.meta_numpy()
-                gather_kernels.gather_rows_from_owners(node.column_addrs, st.gather_step_bytes, shard.capacity_steps,
-                                                       node.direct, row_of_owner, rec.got, rec.outs, rec.window,
-                                                       out._mask_np, keys, lengths, probabilities, weights)
-            finally:
-                transport.copy_seconds += time.perf_counter() - start - (comm.waited - waited)
+            slots = shard.select(serve)
+            choices = shard.make_choices(slots, rec.window, rec.code, mass, wmin)
+            replay.transport.exchange(choices, np.ascontiguousarray(counts[:, me]), recv, rec.window, out=out,
+                                      counts=counts)
+        else:
+            slots = _serve(rec, shard, board.choices[me], serve, mass, wmin)  # into this rank's board rows
+            _deliver(rec, replay, out, counts, recv)
         replay._state.windows_shared += sum(n * d for n, d in zip(recv.tolist(), rec.peer_direct))
         shard.after_sampling(slots)
     finally:
         node.publish()  # this rank's reads of its node peers' memory for this sample are over
     return out
+
+
+def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, wmin: float) -> np.ndarray:
+    """Owner: draw ``serve`` slots and write their choices into ``mine`` (this rank's board rows), as
+    ``Shard.select`` + ``Shard.make_choices`` do, on the same stream (draws, then placements). Returns the slots."""
+    if serve:
+        shard.check_can_sample()
+    if serve > len(rec.slots):  # the scratch grows to the largest count served
+        rec.slots, rec.w, rec.ratio = np.empty(serve, np.int64), np.empty(serve), np.empty(serve, np.float32)
+        rec.uniforms = np.empty(2 * serve)
+    u = rec.uniforms[:serve]
+    shard.rng.random(out=u)
+    place = _NO_UNIFORMS
+    if rec.code == 0:  # random alignment: a placement uniform per window, drawn after the draws'
+        place = rec.uniforms[serve:2 * serve]
+        shard.rng.random(out=place)
+    st, slots, ratio = shard.store, rec.slots[:serve], rec.ratio[:serve]
+    serve_kernels.serve_choices(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
+                                SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
+                                slots, mine[:serve], rec.w[:serve], ratio, shard.spec.tail_steps)
+    if rec.prioritized:  # Prioritized.importance_weights' power, in float32
+        np.power(ratio, np.float32(shard.selector.beta), out=ratio)
+        mine[:serve, gather_kernels.WEIGHT].view(np.float64)[:] = ratio
+    return slots
+
+
+def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, recv: np.ndarray) -> None:
+    """Publish this rank's choices on its board, collect its own from every owner's, and gather its windows:
+    :meth:`WindowTransport.exchange`'s node-board path (its copy time counted as there)."""
+    node, comm, shard = replay.node, replay.comm, replay.shard
+    board, transport = node.board, replay.transport
+    start, waited = time.perf_counter(), comm.waited
+    try:
+        row_of_owner = rec.row_of_owner
+        np.cumsum(recv, out=row_of_owner[1:])
+        board.posted(node.epoch)
+        board.collect(counts, node.epoch, board.choices[comm.rank], rec.got, "sample (choices)")
+        keys, probabilities, weights, lengths = out.meta_numpy()
+        gather_kernels.gather_rows_from_owners(node.column_addrs, shard.store.gather_step_bytes, shard.capacity_steps,
+                                               node.direct, row_of_owner, rec.got, rec.outs, rec.window,
+                                               out._mask_np, keys, lengths, probabilities, weights)
+    finally:
+        transport.copy_seconds += time.perf_counter() - start - (comm.waited - waited)
