@@ -38,7 +38,7 @@ import weakref
 import numpy as np
 
 from . import header
-from .calls import WIDTH, ReplayCalls
+from .calls import _SPAN, OPS, WIDTH, ReplayCalls
 from .header import ALIGN, BATCH, INSERTED, ITEMS, MASS, MIN_WEIGHT, MODE, SAMPLED, WINDOW
 from .node import CHOICE_CAPACITY
 from .plans import multinomial_rows
@@ -51,7 +51,7 @@ from ..selection.priority_index import PriorityIndex
 from ..selection.selectors import Prioritized, Uniform
 
 _DECENTRALIZED = header.MODES.index("decentralized")
-_SAMPLE_OP = 0  # the index of "sample" in calls.OPS: a head's call is number * 64 + it
+_SAMPLE_OP = OPS.index("sample")  # a head's call is number * _SPAN + operation (distributed.calls)
 _NO_ERROR = -1.0
 _NO_UNIFORMS = np.zeros(0)
 
@@ -154,7 +154,7 @@ def sample_again(replay, rec: SampleRecord):
     calls: ReplayCalls = replay.calls
     calls.count += 1
     head = rec.head
-    head[1] = float(calls.count * 64 + _SAMPLE_OP)
+    head[1] = float(calls.count * _SPAN + _SAMPLE_OP)
     head[2 + MASS] = index.total
     head[2 + ITEMS] = len(st)
     head[2 + MIN_WEIGHT] = index.min_positive
