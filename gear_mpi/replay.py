@@ -1,33 +1,27 @@
 """Replay: a distributed replay whose sampling, collection and updates are SPMD collectives.
 
-Every rank of ``comm`` owns one :class:`~gear_mpi.shard.Shard`. ``insert`` and
-``insert_many`` are local. Construction, ``sample``, ``update_priorities``,
-``stats``, ``get_many`` and ``close`` are collectives: every rank calls them, in the
-same order, like an ``MPI_Allreduce``. A rank may ask for any batch size (0
-included), but ``window``, ``align`` and the call's ``mode`` must be the same on
-every rank. The mode given at construction is the default; ``sample(..., mode=)``
-picks another for one call (the plans of every mode work over the same shards).
+Every rank of ``comm`` owns one :class:`~gear_mpi.shard.Shard`. ``insert`` and ``insert_many`` are local.
+Construction, ``sample``, ``update_priorities``, ``stats``, ``get_many`` and ``close`` are collectives: every rank
+calls them, in the same order, like an ``MPI_Allreduce``. A rank may ask for any batch size (0 included), but
+``window``, ``align`` and the call's ``mode`` must be the same on every rank. The mode given at construction is the
+default; ``sample(..., mode=)`` picks another for one call (the plans of every mode work over the same shards).
 
-A sample reads as its protocol: the ranks agree on the arguments (one allgather
-of a 13-value head: a status, the call and its number, the call's arguments, the shard's mass, and the rate
-limiter's counts; :mod:`gear_mpi.distributed.header`); the mode's plan
-(:mod:`gear_mpi.distributed.plans`) turns the header into the items each owner serves each requester; the window transport
-(:mod:`gear_mpi.distributed.transport`) delivers a 48-byte *choice* per item and the
-windows, copied straight out of a node peer's shared memory or sent by MPI
-(``force_alltoallv=True``: every window owned by another rank); the owners count
-the uses. The node fence (:mod:`gear_mpi.distributed.node`) keeps an owner from overwriting
-a window a node peer still reads. Decentralized and proportional: P(item) =
-weight / (total weight of all shards), exactly.
+A sample reads as its protocol: the ranks agree on the arguments (one allgather of a 13-value head: a status, the
+call and its number, the call's arguments, the shard's mass, and the rate limiter's counts;
+:mod:`gear_mpi.distributed.header`); the mode's plan (:mod:`gear_mpi.distributed.plans`) turns the header into the
+items each owner serves each requester; the window transport (:mod:`gear_mpi.distributed.transport`) delivers a
+48-byte *choice* per item and the windows, copied straight out of a node peer's shared memory or sent by MPI
+(``force_alltoallv=True``: every window owned by another rank); the owners count the uses. The node fence
+(:mod:`gear_mpi.distributed.node`) keeps an owner from overwriting a window a node peer still reads. Decentralized
+and proportional: P(item) = weight / (total weight of all shards), exactly.
 
-Failures: arguments are checked on every rank and agreed in the first
-collective of the call, so a bad argument on one rank raises the same error
-(``"sample: rank R: ..."``) on every rank. A rank that does not arrive within
-``timeout`` seconds -- at any collective, construction included -- makes the
-others raise :class:`CollectiveTimeoutError`; the replay is then unusable.
-Every collective begins with a head of one size that names the call and numbers it
-(:mod:`gear_mpi.distributed.calls`): ranks in different calls (rank 0 in ``stats``,
-rank 1 in ``update_priorities``) all raise the same :class:`CollectiveError` naming
-each rank's call, and the replay is then unusable too.
+Failures: arguments are checked on every rank and agreed in the first collective of the call, so a bad argument on
+one rank raises the same error (``"sample: rank R: ..."``) on every rank. A rank that does not arrive within
+``timeout`` seconds -- at any collective, construction included -- makes the others raise
+:class:`CollectiveTimeoutError`; the replay is then unusable. Every collective begins with a head of one size that
+names the call and numbers it (:mod:`gear_mpi.distributed.calls`): ranks in different calls (rank 0 in ``stats``,
+rank 1 in ``update_priorities``) all raise the same :class:`CollectiveError` naming each rank's call, and the
+replay is then unusable too.
 """
 from __future__ import annotations
 
@@ -39,7 +33,7 @@ import numpy as np
 
 from . import checkpoint
 from .storage import budget
-from .distributed import header, routing
+from .distributed import header, repeat, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch, check_batch_size, check_window
@@ -183,6 +177,7 @@ class Replay:
                                   force_alltoallv=self.force_alltoallv, device=self.device, shard=self.shard)
         self._prefetch = ReplayPrefetch()
         self._checkpoints = None  # checkpoint.background.BackgroundCheckpoints, from checkpoint_every
+        self._repeat: dict = {}  # id(out=) -> distributed.repeat.SampleRecord of a call into it
         self.loaded_from = None  # the checkpoint load_latest read (a pathlib.Path), else None
         self._feeds = ReplayFeeds(self.shard, rank, size, self.settle, rate_limiter, rate_limit_timeout,
                                   writer_slack)
@@ -353,22 +348,28 @@ class Replay:
 
         First the rank's writers are drained (within its insert budget); with a rate limiter that does
         not admit the call, every rank repeats drain + header allgather, backing off, until it does.
-        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 112 bytes
-        per rank (the head: status, call, header), then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per
-        column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI call, both
-        rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter published at the end (read by an
-        owner before it next writes its shard; see the module docstring) keeps owners
-        from overwriting windows that node peers still copy.
-        Selection on the owner: O(items log n); copies: each delivered byte once
-        on a node, twice (pack + MPI) across nodes. One rank on the host: no header, plan or exchange --
-        the arguments are checked, the writers drained and the rate limiter asked as above, then the shard
-        samples itself (:meth:`Shard.sample <gear_mpi.shard.Shard.sample>`), in every mode.
+        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 112 bytes per rank
+        (the head: status, call, header), then, in flight together, one alltoallv of 48 bytes per item and one
+        alltoallv per column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI
+        call, both rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter
+        published at the end (read by an owner before it next writes its shard; see the module docstring) keeps
+        owners from overwriting windows that node peers still copy. Selection on the owner: O(items log n);
+        copies: each delivered byte once on a node, twice (pack + MPI) across nodes. A call repeated into the
+        same ``out=`` on one node skips the checks the first one made (:mod:`gear_mpi.distributed.repeat`).
+        One rank on the host: no header, plan or exchange -- the arguments are checked, the writers drained
+        and the rate limiter asked as above, then the shard samples itself (:meth:`Shard.sample`), in every mode.
         """
         self._check_open()
+        rec = self._repeat.get(id(out))  # the same out= and arguments as a recorded call: no checks again
+        if rec is not None and rec.same(out, batch_size, window, align, mode) and rec.usable(self):
+            return repeat.sample_again(self, rec)
         # mapped columns (load(mmap=True)): a writer of the file waits until the call ends; once one came, the
         # call raises CheckpointError instead, agreed with the arguments' errors
         with self.shard.hold(strict=False) as problem:
-            return self._sample(batch_size, window, align, mode, out, problem)
+            batch = self._sample(batch_size, window, align, mode, out, problem)
+        if out is not None:  # a record for the next call into it (when the call qualifies)
+            repeat.remember(self, out, batch_size, window, align, mode)
+        return batch
 
     def _sample(self, batch_size: int, window: int | None, align: str, mode: str | None, out: Batch | None,
                 problem: Exception | None) -> Batch:

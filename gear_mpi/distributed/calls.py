@@ -180,6 +180,23 @@ class ReplayCalls:
                 _ABANDONED.append(sent)  # the head is pending too (comm.wait marked the communicator)
             self._abandon(posted)
             raise
+        self.check(table, error, what, posted)
+        if posted is None:
+            return table[:, 2:2 + n]
+        return table[:, 2:2 + n], self._finish(posted, what)
+
+    def check(self, table: np.ndarray, error: BaseException | None, what: str, posted=None) -> None:
+        """Raise what an agreed head table says, the same on every rank: ranks in different calls, or a rank
+        whose arguments failed. Local, O(ranks) (:meth:`agree`'s second half; a repeated sample,
+        :mod:`gear_mpi.distributed.repeat`, agrees its head itself and calls this).
+
+        Args:
+            table: the agreed heads, ``[ranks, WIDTH]`` float64; error: this rank's error, or None;
+            what: the call; posted: a payload posted behind the head (:meth:`agree`), or None.
+        Raises:
+            CollectiveError, the lowest failing rank's error class: as :meth:`agree`.
+        """
+        comm = self.comm
         codes = table[:, 1].tolist()  # a few numbers: cheaper in Python than numpy
         if len(set(codes)) > 1:
             message = mismatch_message(codes)
@@ -192,9 +209,6 @@ class ReplayCalls:
         if max(table[:, 0].tolist()) >= 0:  # somebody failed: every rank knows, and all raise its error
             self._finish(posted, what)
             comm.raise_agreed(error, what, table[:, 0])
-        if posted is None:
-            return table[:, 2:2 + n]
-        return table[:, 2:2 + n], self._finish(posted, what)
 
     def _post(self, payload: np.ndarray | None):
         if payload is None:

@@ -379,6 +379,11 @@ class NodeBoard:
         self.choices[self.rank][:len(choices)] = choices
         self._publish(self.choice_count, epoch)
 
+    def posted(self, epoch: int) -> None:
+        """Owner: the choices written straight into this rank's board rows (``choices[rank]``, as :meth:`post`
+        copies them) are sample ``epoch``'s: publish them. Local, O(1)."""
+        self._publish(self.choice_count, epoch)
+
     def collect(self, counts: np.ndarray, epoch: int, own: np.ndarray, got: np.ndarray, what: str) -> None:
         """Requester: this rank's choices of every owner, in owner order, into ``got``.
 

@@ -1,0 +1,241 @@
+"""A repeated decentralized ``Replay.sample`` into the same ``out=`` batch, on one node (issue 34, item 6).
+
+A training loop calls ``replay.sample(B, W, align, out=batch)`` with the same arguments every step. On a
+two-rank W1 call (32 hopper windows of 1000 steps, 2 MB a rank) about 90 us of the 0.24 ms went to the
+Python around the gather: the argument checks, the batch's fit, the head's row and agreement, the header
+checks, the plan's :class:`~gear_mpi.distributed.plans.Assignment`, the transport's dispatch and the
+counters, in some 45 calls of 1-13 us. The first call of a series takes the full path and, where the call
+qualifies (:func:`remember`), leaves a :class:`SampleRecord` on the replay: a weak reference to the batch,
+the checked arguments, the head row with the call's fixed values, and the buffers a call reuses.
+:func:`sample_again` then makes the same collective with them, in one function:
+
+- the head (:mod:`gear_mpi.distributed.calls`): the same row through the node board, the same checks of
+  the agreed table (another rank in another call, a rank's failed arguments: the same errors, raised on
+  every rank by :meth:`ReplayCalls.check <gear_mpi.distributed.calls.ReplayCalls.check>`);
+- the header checks (:func:`gear_mpi.distributed.header.check_mode` and ``check_header``, called when a
+  quick test of the agreed rows finds anything to say);
+- the decentralized plan's draws (:func:`gear_mpi.distributed.plans.multinomial_rows` on the shared stream,
+  then the owner's draw with its own stream) and choices (:meth:`Shard.make_choices`), in the order and on
+  the streams of the full path, so that a series gives the same batches bit for bit whichever path each
+  call took (tests/test_replay_repeat.py);
+- the choices through the node board and the requester's one gather kernel, the window counters, the
+  owner's use counts and the node fence's publication, as :meth:`WindowTransport.exchange` and
+  ``Replay._exchange`` do them.
+
+Which calls qualify: a host replay whose ranks all share one node (a node board), a proportional selector
+on a host index, decentralized, no rate limiter, writers, actor ranks or background checkpoints, no
+derived or compressed columns, memory columns (no mapped checkpoint to hold), and an ``out=`` batch of an
+``int`` batch size of at least 1. Whatever changes that (a writer's address asked for, ``checkpoint_every``)
+sends the next call down the full path (:meth:`SampleRecord.usable`). The record holds no strong reference
+to the batch or its arrays (its column addresses are plain integers), so a dropped batch is freed and its
+reference counts stay what its holders make them (``batches(recycle="auto")``).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+
+from . import header
+from .calls import _SPAN, OPS, WIDTH, ReplayCalls
+from .header import ALIGN, BATCH, INSERTED, ITEMS, MASS, MIN_WEIGHT, MODE, SAMPLED, WINDOW
+from .node import CHOICE_CAPACITY
+from .plans import multinomial_rows
+from ..batch import check_window
+from ..kernels import gather as gather_kernels
+from ..kernels import ring
+from ..kernels import serve as serve_kernels
+from ..keys import GEN_MASK, SLOT_BITS, key_head
+from ..selection.priority_index import PriorityIndex
+from ..selection.selectors import Prioritized, Uniform
+
+_DECENTRALIZED = header.MODES.index("decentralized")
+_SAMPLE_OP = OPS.index("sample")  # a head's call is number * _SPAN + operation (distributed.calls)
+_NO_ERROR = -1.0
+_NO_UNIFORMS = np.zeros(0)
+
+
+def qualifies(replay) -> bool:
+    """Whether ``replay``'s decentralized samples can repeat through :func:`sample_again` (see the module
+    docstring). Local, O(1)."""
+    shard = replay.shard
+    st = shard.store
+    return (replay.node.board is not None and replay.device is None and isinstance(shard.index, PriorityIndex)
+            and type(shard.selector) in (Uniform, Prioritized) and not shard.spec.derived and not st.compressed
+            and st.arena is not None and st.arena.kind not in ("file", "mapped") and replay._feeds.idle
+            and replay._checkpoints is None)
+
+
+class SampleRecord:
+    """What a repeated sample into ``out`` needs besides the replay's current state (see the module docstring).
+
+    Args:
+        replay: the :class:`~gear_mpi.replay.Replay` (not kept: the record lives on it).
+        batch: the ``out=`` batch, checked to fit by the full path.
+        args: ``(batch_size, window, align, mode)`` as the caller passed them.
+        window, code: the checked window and align code.
+    """
+
+    __slots__ = ("batch", "fitted", "args", "b", "window", "code", "head", "outs", "got", "row_of_owner",
+                 "counts", "peer_direct", "key_head", "prioritized", "slots", "w", "ratio", "uniforms")
+
+    def __init__(self, replay, batch, args: tuple, window: int, code: int):
+        size = replay.comm.size
+        self.batch = weakref.ref(batch)  # the replay does not keep a batch its caller dropped
+        self.fitted, self.args = batch._fits, args
+        self.b, self.window, self.code = args[0], window, code
+        head = np.zeros(WIDTH, np.float64)  # the fixed values of the call's head; the shard's are set per call
+        head[0] = _NO_ERROR
+        head[2 + BATCH], head[2 + WINDOW], head[2 + ALIGN], head[2 + MODE] = self.b, window, code, _DECENTRALIZED
+        self.head = head
+        self.outs = batch.column_addresses().copy()  # plain integers: no reference to the batch's arrays
+        self.got = np.empty((self.b, gather_kernels.CHOICE_WIDTH), np.int64)  # the requester's choices, in owner order
+        self.row_of_owner = np.zeros(size + 1, np.int64)
+        self.counts = np.empty((size, size), np.int64)
+        self.peer_direct = [int(x) for x in replay.node.peer_direct.tolist()]
+        st = replay.shard.store
+        self.key_head = key_head(st.tag, st.rank)
+        self.prioritized = type(replay.shard.selector) is Prioritized
+        # the owner's scratch (kernels.serve), grown to the largest count served
+        self.slots, self.w, self.ratio, self.uniforms = (np.empty(0, np.int64), np.empty(0),
+                                                         np.empty(0, np.float32), np.empty(0))
+
+    def same(self, out, batch_size, window, align, mode) -> bool:
+        """Whether a call with these arguments may reuse this record: the same ``out`` object, still fitted as
+        it was, and arguments equal to the recorded ones with the same types (a ``1.0`` or a ``True`` still
+        reaches the checks that refuse it). O(1)."""
+        return (out is not None and out is self.batch() and out._fits is self.fitted and type(batch_size) is int
+                and (window is None or type(window) is int) and (batch_size, window, align, mode) == self.args)
+
+    def usable(self, replay) -> bool:
+        """Whether the replay still qualifies in what may change between calls: no rate limiter, writers,
+        actor ranks or background checkpoints, and the call's mode decentralized. O(1)."""
+        feeds = replay._feeds
+        return (replay._checkpoints is None and feeds.rate_limiter is None and feeds.intake is None
+                and not feeds.inboxes and (self.args[3] or replay.mode) == "decentralized")
+
+
+KEPT = 8  # records a replay keeps (by out= batch): a batches() ring refills prefetch + 2 batches in turn
+
+
+def remember(replay, out, batch_size, window, align, mode) -> None:
+    """Keep a record of this call on ``replay._repeat`` (by ``id(out)``, the oldest of :data:`KEPT` dropped) for
+    the next call into the same ``out``, when it qualifies (see the module docstring). Called after a full-path
+    sample returned. Local, O(ranks)."""
+    if (out is None or type(batch_size) is not int or batch_size < 1 or out._fits is None
+            or out._meta_np is None or (replay.mode if mode is None else mode) != "decentralized"
+            or not qualifies(replay)):
+        return
+    checked, code = check_window(replay.spec, window, align)  # the full path checked them: no error here
+    kept = replay._repeat
+    kept.pop(id(out), None)
+    while len(kept) >= KEPT:
+        del kept[next(iter(kept))]
+    kept[id(out)] = SampleRecord(replay, out, (batch_size, window, align, mode), checked, code)
+
+
+def sample_again(replay, rec: SampleRecord):
+    """The sample ``rec`` recorded, made again: the same collective as the full path of ``Replay.sample``
+    (see the module docstring), with the arguments' checks ``rec`` stands for skipped.
+
+    Collective over the node board: one head round (a row written, a counter published, the peers' awaited),
+    one round of choices; then the requester's gather kernel. Cost: the full path's, less about the Python
+    of its layers.
+    Returns:
+        ``rec``'s batch, filled.
+    Raises:
+        as ``Replay.sample``: CollectiveError (another rank in another call, or an earlier failure),
+        another rank's argument error, ValueError (ranks asking for different windows, aligns or modes),
+        EmptyReplayError, CollectiveTimeoutError.
+    """
+    comm, node, shard = replay.comm, replay.node, replay.shard
+    board, index, st = node.board, shard.index, shard.store
+    calls: ReplayCalls = replay.calls
+    calls.count += 1
+    head = rec.head
+    head[1] = float(calls.count * _SPAN + _SAMPLE_OP)
+    head[2 + MASS] = index.total
+    head[2 + ITEMS] = len(st)
+    head[2 + MIN_WEIGHT] = index.min_positive
+    head[2 + INSERTED] = st.state[ring.INSERTED_TOTAL]
+    head[2 + SAMPLED] = shard.samples_drawn
+    table = board.gather(board.share(head), WIDTH, "sample")
+    calls.check(table, None, "sample")
+    rows = table[:, 2:].tolist()
+    first = rows[0]
+    masses = [r[MASS] for r in rows]
+    mass = sum(masses)  # in rank order, as plans._mass sums
+    asked = [r[BATCH] for r in rows]
+    odd = (any(r[WINDOW] != first[WINDOW] or r[ALIGN] != first[ALIGN] or r[MODE] != _DECENTRALIZED for r in rows)
+           or sum(asked) > 0 and (mass <= 0.0 or sum(r[ITEMS] for r in rows) == 0))
+    if odd:  # the full path's checks, at the same points of the call: the same errors on every rank
+        header.check_mode(table[:, 2:])
+    node.epoch += 1  # node.begin_sample()
+    node.settled = node.epoch - 1
+    try:
+        if odd:
+            header.check_header(table[:, 2:], True)
+        me = comm.rank
+        counts = rec.counts
+        counts[:] = multinomial_rows(replay.shared_rng, np.array(asked, np.int64), np.array(masses) / mass)
+        serve = int(counts[:, me].sum())
+        wmin = min(r[MIN_WEIGHT] for r in rows)
+        recv = counts[me]
+        out = rec.batch()
+        if int(counts.sum(0).max()) > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
+            slots = shard.select(serve)
+            choices = shard.make_choices(slots, rec.window, rec.code, mass, wmin)
+            replay.transport.exchange(choices, np.ascontiguousarray(counts[:, me]), recv, rec.window, out=out,
+                                      counts=counts)
+        else:
+            slots = _serve(rec, shard, board.choices[me], serve, mass, wmin)  # into this rank's board rows
+            _deliver(rec, replay, out, counts, recv)
+        replay._state.windows_shared += sum(n * d for n, d in zip(recv.tolist(), rec.peer_direct))
+        shard.after_sampling(slots)
+    finally:
+        node.publish()  # this rank's reads of its node peers' memory for this sample are over
+    return out
+
+
+def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, wmin: float) -> np.ndarray:
+    """Owner: draw ``serve`` slots and write their choices into ``mine`` (this rank's board rows), as
+    ``Shard.select`` + ``Shard.make_choices`` do, on the same stream (draws, then placements). Returns the slots."""
+    if serve:
+        shard.check_can_sample()
+    if serve > len(rec.slots):  # the scratch grows to the largest count served
+        rec.slots, rec.w, rec.ratio = np.empty(serve, np.int64), np.empty(serve), np.empty(serve, np.float32)
+        rec.uniforms = np.empty(2 * serve)
+    u = rec.uniforms[:serve]
+    shard.rng.random(out=u)
+    place = _NO_UNIFORMS
+    if rec.code == 0:  # random alignment: a placement uniform per window, drawn after the draws'
+        place = rec.uniforms[serve:2 * serve]
+        shard.rng.random(out=place)
+    st, slots, ratio = shard.store, rec.slots[:serve], rec.ratio[:serve]
+    serve_kernels.serve_choices(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
+                                SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
+                                slots, mine[:serve], rec.w[:serve], ratio, shard.spec.tail_steps)
+    if rec.prioritized:  # Prioritized.importance_weights' power, in float32
+        np.power(ratio, np.float32(shard.selector.beta), out=ratio)
+        mine[:serve, gather_kernels.WEIGHT].view(np.float64)[:] = ratio
+    return slots
+
+
+def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, recv: np.ndarray) -> None:
+    """Publish this rank's choices on its board, collect its own from every owner's, and gather its windows:
+    :meth:`WindowTransport.exchange`'s node-board path (its copy time counted as there)."""
+    node, comm, shard = replay.node, replay.comm, replay.shard
+    board, transport = node.board, replay.transport
+    start, waited = time.perf_counter(), comm.waited
+    try:
+        row_of_owner = rec.row_of_owner
+        np.cumsum(recv, out=row_of_owner[1:])
+        board.posted(node.epoch)
+        board.collect(counts, node.epoch, board.choices[comm.rank], rec.got, "sample (choices)")
+        keys, probabilities, weights, lengths = out.meta_numpy()
+        gather_kernels.gather_rows_from_owners(node.column_addrs, shard.store.gather_step_bytes, shard.capacity_steps,
+                                               node.direct, row_of_owner, rec.got, rec.outs, rec.window,
+                                               out._mask_np, keys, lengths, probabilities, weights)
+    finally:
+        transport.copy_seconds += time.perf_counter() - start - (comm.waited - waited)
