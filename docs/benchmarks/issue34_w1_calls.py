@@ -7,23 +7,12 @@ on rank 0.
 import cProfile, pstats, sys, time, io
 import numpy as np
 from mpi4py import MPI
-import gear_mpi as gm
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from scripts.peers._common import HOPPER, HOPPER_T, hopper_trajectory, hopper_priorities
+from issue34_w1_data import HOPPER_T, w1_replay
 comm = MPI.COMM_WORLD
 k, rank = comm.size, comm.rank
-mine = 1024 // k
-spec = gm.TrajectorySpec(HOPPER, max_length=HOPPER_T)
-traj = [hopper_trajectory(rank * 100_000 + i) for i in range(16)]
-trajs = [traj[i % 16] for i in range(mine)]
-prio = hopper_priorities(1024)[rank::k][:mine]
 res = {}
 for mode in ("decentralized", "local"):
-    rp = gm.Replay(spec, mine * HOPPER_T, gm.Prioritized(0.6, 0.4), mode=mode, comm=comm, seed=0, timeout=300)
-    rp.insert_many(trajs, prio)
-    b = None
-    for _ in range(50):
-        b = rp.sample(32, HOPPER_T, "head", out=b)
+    rp, b = w1_replay(comm, mode)
     meds = []
     for rnd in range(3):
         comm.Barrier()

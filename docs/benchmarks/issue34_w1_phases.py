@@ -5,28 +5,19 @@ Prioritized, as W1; one numba thread per rank.
 
     PYTHONPATH=$PWD NUMBA_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py docs/benchmarks/issue34_w1_phases.py
 """
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-import gear_mpi as gm
 from gear_mpi.distributed import repeat
 from gear_mpi.kernels import gather as gather_kernels
 from gear_mpi.kernels import local_sample
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.peers._common import HOPPER, HOPPER_T, hopper_priorities, hopper_trajectory  # noqa: E402
+from issue34_w1_data import HOPPER_T, w1_replay
 
 comm = MPI.COMM_WORLD
 k, rank = comm.size, comm.rank
-mine = 1024 // k
-spec = gm.TrajectorySpec(HOPPER, max_length=HOPPER_T)
-traj = [hopper_trajectory(rank * 100_000 + i) for i in range(16)]
-trajs = [traj[i % 16] for i in range(mine)]
-prio = hopper_priorities(1024)[rank::k][:mine]
 spent = {"kernel": 0.0}
 
 
@@ -58,11 +49,7 @@ def install():
 
 res = {}
 for mode in ("decentralized", "local"):
-    rp = gm.Replay(spec, mine * HOPPER_T, gm.Prioritized(0.6, 0.4), mode=mode, comm=comm, seed=0, timeout=300)
-    rp.insert_many(trajs, prio)
-    b = None
-    for _ in range(50):
-        b = rp.sample(32, HOPPER_T, "head", out=b)
+    rp, b = w1_replay(comm, mode)
     if mode == "decentralized":
         install()
     rows = []
