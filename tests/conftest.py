@@ -219,5 +219,3 @@ def shard_factory():
     yield build
     for s in shards:
         s.close()
-
-

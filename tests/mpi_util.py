@@ -358,11 +358,6 @@ def _mapped_paths() -> set[str]:
 SETTLE_SECONDS = 1.0
 
 
-def _segment_state(path: str):
-    st = os.stat(path)
-    return st.st_size, st.st_blocks, st.st_mtime_ns
-
-
 def unmapped_segments(since: float, prefixes: tuple[str, ...]) -> list[str]:
     """Names in /dev/shm with one of ``prefixes``, created or written since ``since``, that no process
     of this machine maps, and that stay so: one written in the last :data:`SETTLE_SECONDS` is looked at
@@ -373,11 +368,14 @@ def unmapped_segments(since: float, prefixes: tuple[str, ...]) -> list[str]:
         found = {}
         for name in os.listdir("/dev/shm"):
             path = os.path.join("/dev/shm", name)
+            if not name.startswith(prefixes) or path in mapped:
+                continue
             try:
-                if name.startswith(prefixes) and os.stat(path).st_mtime >= since - 1 and path not in mapped:
-                    found[name] = _segment_state(path)
+                st = os.stat(path)
             except OSError:
                 continue
+            if st.st_mtime >= since - 1:
+                found[name] = (st.st_size, st.st_blocks, st.st_mtime_ns)
         return found
 
     first = candidates()
