@@ -63,6 +63,14 @@ def check(name):
     print(f"PASS {name} rank={rank}", flush=True)
 
 
+def repeats_again(replay, out, b, name):
+    """After an error: the next call into ``out`` takes the repeated path again; then every rank passes ``name``."""
+    before = fast_calls[0]
+    replay.sample(b, 6, "head", out=out)
+    assert fast_calls[0] == before + 1
+    check(name)
+
+
 for sampler in (gm.Prioritized(0.6, 0.4), gm.Uniform()):
     kind = type(sampler).__name__
     own = comm.Dup()  # the mismatch at the end leaves stats' payload pending on it: the next replays get another
@@ -109,10 +117,7 @@ for sampler in (gm.Prioritized(0.6, 0.4), gm.Uniform()):
     except ValueError as e:
         msgs = comm.allgather(str(e))
         assert len(set(msgs)) == 1 and "window and align must be the same" in msgs[0], msgs
-    before = fast_calls[0]
-    fast.sample(b, 6, "head", out=out)
-    assert fast_calls[0] == before + 1
-    check(f"window-differs-{kind}")
+    repeats_again(fast, out, b, f"window-differs-{kind}")
 
     # an empty replay: EmptyReplayError on every rank from the repeated call; filled again, it repeats on
     fast.clear()
@@ -122,10 +127,7 @@ for sampler in (gm.Prioritized(0.6, 0.4), gm.Uniform()):
     except gm.EmptyReplayError as e:
         assert "empty" in str(e), str(e)
     fill([fast], rng, 4)
-    before = fast_calls[0]
-    fast.sample(b, 6, "head", out=out)
-    assert fast_calls[0] == before + 1
-    check(f"empty-{kind}")
+    repeats_again(fast, out, b, f"empty-{kind}")
     full.close()
 
     # another rank in another call: the same CollectiveError on every rank, then the replay is unusable
