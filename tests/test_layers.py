@@ -29,6 +29,7 @@ FLOORS = {
     "kernels": 1, "kernels.cuda_support": 0,
     # storage/: arenas first, then the store over them
     "storage": 2, "storage.arenas": 1, "storage.file_arenas": 1, "storage.file_guard": 1, "storage.chunk_heap": 1, "storage.huge_pages": 1,
+    "storage.shared_pages": 1,
     "storage.pinned": 1,
     "storage.device": 1,
     # selection/: selectors and priority indexes

@@ -17,10 +17,9 @@ time of copying the ranges once (about 0.5 s per 256 MB here), in the background
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
-
-from .arenas import advise_range
 
 MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
@@ -31,24 +30,44 @@ CHUNK_BYTES = 64 << 20  # per madvise call: how long stop() may wait
 ENABLED = os.environ.get("GEAR_MPI_COLLAPSE", "0") == "1"
 
 
+try:  # madvise on any address range, the GIL released during the call (ctypes.CDLL)
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _madvise.restype = ctypes.c_int
+except (OSError, AttributeError):  # no C library to call: advise_range does nothing
+    _madvise = None
+
+
+def advise_range(address: int, nbytes: int, advice: int) -> bool | None:
+    """``madvise(address, nbytes, advice)``, the GIL released: True when done, False when refused, None when
+    the kernel does not know ``advice`` (EINVAL) or there is no C library to call. O(pages) for some advice."""
+    if _madvise is None:
+        return None
+    if _madvise(address, nbytes, advice) == 0:
+        return True
+    return None if ctypes.get_errno() == 22 else False
+
+
 class Collapser:
-    """Collapses ``ranges`` (``(address, nbytes)`` of memory already written, in anonymous private
-    mappings advised ``MADV_HUGEPAGE``) into huge pages from a daemon thread, one chunk a call.
+    """Collapses ``ranges`` (``(address, nbytes)`` of memory already written, in mappings advised
+    ``MADV_HUGEPAGE``: anonymous private ones, or node-shared segments of :mod:`~gear_mpi.storage.shared_pages`)
+    into huge pages from a daemon thread, one chunk a call.
 
     The owner calls :meth:`stop` before it unmaps any of that memory. Local; no collective.
 
     Args:
         ranges: the written ranges; each is rounded inwards to whole 2 MB pages (smaller ones dropped).
+        force: start the thread whatever ``$GEAR_MPI_COLLAPSE`` says (:data:`ENABLED`).
     """
 
-    def __init__(self, ranges):
+    def __init__(self, ranges, force: bool = False):
         self.ranges = [(lo, hi) for lo, hi in ((-(-a // HUGE_PAGE) * HUGE_PAGE, (a + n) // HUGE_PAGE * HUGE_PAGE)
                                                for a, n in ranges) if hi > lo]
         self.collapsed = 0  # bytes the kernel merged
         self.failed = 0  # bytes it refused (busy, out of huge pages, not supported)
         self._stop = threading.Event()
         self.thread = None
-        if self.ranges and ENABLED:
+        if self.ranges and (ENABLED or force):
             self.thread = threading.Thread(target=self._run, name="gear_mpi-collapse", daemon=True)
             self.thread.start()
 
