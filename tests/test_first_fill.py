@@ -3,12 +3,13 @@ committed ahead of the writes, and huge pages asked again once a large first fil
 from __future__ import annotations
 
 import mmap
+import time
 
 import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.storage import TrajectoryStore, arenas as memory, store_insert
+from gear_mpi.storage import TrajectoryStore, arenas as memory, store as store_module, store_insert
 
 
 def _spec():
@@ -135,7 +136,7 @@ def _anon_huge_kb(address: int) -> int:
 
 
 def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_factory, monkeypatch):
-    """With $GEAR_MPI_COLLAPSE=1, after a large first fill on 4 KiB pages, the written ranges (and only those)
+    """By default ($GEAR_MPI_COLLAPSE unset), after a large first fill on 4 KiB pages, the written ranges (and only those)
     are collapsed into huge pages by a background thread (MADV_COLLAPSE); the contents do not change."""
     if not memory.PrivateArena.huge_pages or memory.PrivateArena.first_fill_huge:
         pytest.skip("huge pages off, or kept for a first fill, here")
@@ -143,7 +144,7 @@ def test_a_large_first_fill_is_merged_into_huge_pages_in_the_background(shard_fa
     n = 1 << 19  # 4 MB of x in a ring of 8 MB: half of it written
     s = shard_factory(_spec(), 2 * n, gm.Uniform())
     monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 20)
-    monkeypatch.setattr(page_collapse, "ENABLED", True)  # $GEAR_MPI_COLLAPSE=1 (off by default)
+    monkeypatch.setattr(page_collapse, "ENABLED", True)  # the default, whatever this run's environment says
     cols = _cols(n, 9)
     keys = s.insert_packed(cols, np.ones(n, np.int64))
     collapser = s.store._collapser
@@ -180,8 +181,8 @@ def test_huge_pages_always_leaves_the_advice_alone(monkeypatch):
     assert memory.small_pages([view]).maps == []
 
 
-def test_collapse_is_off_unless_asked(monkeypatch):
-    """$GEAR_MPI_COLLAPSE unset or 0 (page_collapse.ENABLED False): no thread, nothing advised."""
+def test_collapse_is_off_when_asked(monkeypatch):
+    """$GEAR_MPI_COLLAPSE=0 (page_collapse.ENABLED False): no thread, nothing advised."""
     from gear_mpi.storage import huge_pages as page_collapse
     monkeypatch.setattr(page_collapse, "ENABLED", False)
     pages = memory.anonymous_pages(8 << 20)
@@ -190,3 +191,42 @@ def test_collapse_is_off_unless_asked(monkeypatch):
     c = page_collapse.Collapser([(view.ctypes.data, view.nbytes)])
     assert c.thread is None and c.done() and c.collapsed == 0 and len(c.ranges) >= 1
     c.stop()
+
+
+def test_a_collapse_waits_while_its_owner_is_busy():
+    """Collapser(busy=...): no chunk is collapsed while busy() says an insert runs; all of them once it stops."""
+    from gear_mpi.storage import huge_pages as page_collapse
+    pages = memory.anonymous_pages(8 << 20)
+    view = np.frombuffer(pages, np.uint8)
+    view[:] = 5
+    asked, state = [], {"busy": True}
+
+    def busy():
+        asked.append(state["busy"])
+        return state["busy"]
+
+    c = page_collapse.Collapser([(view.ctypes.data, view.nbytes)], force=True, busy=busy)
+    deadline = time.monotonic() + 30
+    while len(asked) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(asked) >= 3 and c.collapsed == 0 and c.failed == 0 and not c.done()  # it waits, nothing advised
+    state["busy"] = False
+    c.thread.join(60)
+    assert c.done() and c.collapsed + c.failed == sum(hi - lo for lo, hi in c.ranges) > 0
+    assert (view == 5).all()
+    c.stop()
+
+
+def test_an_insert_is_busy_while_it_runs_and_a_large_one_just_after(shard_factory, monkeypatch):
+    """TrajectoryStore.insert_busy: True inside an insert, for INSERT_QUIET_S after a large one, else False."""
+    s = shard_factory(_spec(), 1 << 12, gm.Uniform())
+    seen = []
+    monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1 << 40)  # no insert here is large
+    s.store.on_write = lambda first, total: seen.append(s.store.insert_busy())
+    s.insert_packed(_cols(64, 1), np.ones(64, np.int64))
+    assert seen == [True] and not s.store.insert_busy()  # a small insert: busy only while it runs
+    monkeypatch.setattr(store_insert, "OVERLAP_BYTES", 1)  # now every insert is large
+    s.insert_packed(_cols(64, 2), np.ones(64, np.int64))
+    assert s.store.insert_busy()  # a bulk load may go on: still busy just after
+    time.sleep(store_module.INSERT_QUIET_S + 0.05)
+    assert not s.store.insert_busy()

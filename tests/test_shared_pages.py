@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from gear_mpi.storage import shared_pages
-from gear_mpi.storage.arenas import SharedArena
-from gear_mpi.storage.huge_pages import HUGE_PAGE
+from gear_mpi.storage import SharedArena, huge_pages, shared_pages
+
+HUGE_PAGE = huge_pages.HUGE_PAGE
 
 MB = 1 << 20
 
@@ -44,7 +44,7 @@ needs_collapse = pytest.mark.skipif(not _collapse_supported(), reason="the kerne
 ATTACH = """
 import sys
 import numpy as np
-from gear_mpi.storage.arenas import SharedArena
+from gear_mpi.storage import SharedArena
 from test_shared_pages import _segment_stats
 a = SharedArena.attach(sys.argv[1])
 want = np.arange(a.nbytes // 8, dtype=np.int64)

@@ -6,28 +6,34 @@ sampling then reads them through 4 KiB TLB entries until khugepaged merges them,
 10 s at the kernel's default pace: minutes for a ring of gigabytes. On 4 KiB pages the table rows
 alone made W3 (N=1e7, B=65536, sample + update) slower: 30.3 / 21.9 ms a cycle on 1 / 2 threads
 against 28.1 / 18.9 ms with huge pages (h15d, 2026-12-02). :class:`Collapser` asks the kernel to
-merge the ranges an insert wrote (``madvise(MADV_COLLAPSE)``, Linux 6.1+, 64 MB a call) from a
+merge the ranges an insert wrote (``madvise(MADV_COLLAPSE)``, Linux 6.1+, 16 MB a call) from a
 daemon thread, so the insert returns at once and sampling soon reads huge pages. The contents
 never change (the kernel copies the pages into a huge page and swaps the mapping); only ranges
 written already are given (a collapse would commit memory under never-written pages), rounded
-inwards to 2 MB. Off unless ``$GEAR_MPI_COLLAPSE=1`` (:data:`ENABLED`): it pays for sampling that starts
-right after a bulk load and runs long (W3 above), and costs inserts that follow at once. A kernel
-without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the
-time of copying the ranges once (about 0.5 s per 256 MB here), in the background.
+inwards to 2 MB. On by default (``$GEAR_MPI_COLLAPSE=0`` turns it off: :data:`ENABLED`): it pays for sampling
+that follows a bulk load (W3 above; N = 1e7, 2 threads, 2026-12-04: 7.1-7.6 ms a step on the fill's 4 KiB
+pages against 6.85 ms collapsed). So that it does not slow the inserts that follow one another in a bulk
+load, the thread waits, before each chunk, while its owner says it is busy (``busy``: an insert running,
+or a large one ended less than 50 ms ago: :meth:`gear_mpi.storage.store.TrajectoryStore.insert_busy`).
+A kernel without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the time of copying the
+ranges once (about 0.5 s per 256 MB here), in the background, between inserts.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import threading
+import weakref
+from typing import Callable
 
 MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
-CHUNK_BYTES = 64 << 20  # per madvise call: how long stop() may wait
-# opt-in ($GEAR_MPI_COLLAPSE=1): the thread competes with what follows the insert for memory bandwidth and a core
-# (bench_offline part a, 16:33-16:38 UTC: warm inserts right after a cold one took 0.37-0.43 s against
-# 0.24-0.25 s for 1e7 one-step items, T=1000 hopper 53-57 % of memcpy against 78-86 %)
-ENABLED = os.environ.get("GEAR_MPI_COLLAPSE", "0") == "1"
+CHUNK_BYTES = 16 << 20  # per madvise call: how long stop() may wait, and an insert starting meanwhile
+# Once opt-in ($GEAR_MPI_COLLAPSE=1): the thread competed with what follows the insert for memory bandwidth and a
+# core (bench_offline part a, 2026-12-02: warm inserts right after a cold one took 0.37-0.43 s against 0.24-0.25 s
+# for 1e7 one-step items, T=1000 hopper 53-57 % of memcpy against 78-86 %); now it waits while inserts run.
+ENABLED = os.environ.get("GEAR_MPI_COLLAPSE", "1") != "0"
+IDLE_POLL_S = 0.01  # how often a waiting thread asks its owner again
 
 
 try:  # madvise on any address range, the GIL released during the call (ctypes.CDLL)
@@ -48,6 +54,17 @@ def advise_range(address: int, nbytes: int, advice: int) -> bool | None:
     return None if ctypes.get_errno() == 22 else False
 
 
+def weak_busy(owner) -> Callable[[], bool]:
+    """``owner.insert_busy()`` through a weak reference (False once ``owner`` is gone), for :class:`Collapser`'s
+    ``busy``: a collapse thread does not keep its store alive. O(1) a call."""
+    ref = weakref.ref(owner)
+
+    def busy() -> bool:
+        o = ref()
+        return o is not None and o.insert_busy()
+    return busy
+
+
 class Collapser:
     """Collapses ``ranges`` (``(address, nbytes)`` of memory already written, in mappings advised
     ``MADV_HUGEPAGE``: anonymous private ones, or node-shared segments of :mod:`~gear_mpi.storage.shared_pages`)
@@ -58,14 +75,17 @@ class Collapser:
     Args:
         ranges: the written ranges; each is rounded inwards to whole 2 MB pages (smaller ones dropped).
         force: start the thread whatever ``$GEAR_MPI_COLLAPSE`` says (:data:`ENABLED`).
+        busy: asked before each chunk; while it returns True the thread waits (polling every
+            :data:`IDLE_POLL_S`). None: never waits.
     """
 
-    def __init__(self, ranges, force: bool = False):
+    def __init__(self, ranges, force: bool = False, busy: Callable[[], bool] | None = None):
         self.ranges = [(lo, hi) for lo, hi in ((-(-a // HUGE_PAGE) * HUGE_PAGE, (a + n) // HUGE_PAGE * HUGE_PAGE)
                                                for a, n in ranges) if hi > lo]
         self.collapsed = 0  # bytes the kernel merged
         self.failed = 0  # bytes it refused (busy, out of huge pages, not supported)
         self._stop = threading.Event()
+        self._busy = busy
         self.thread = None
         if self.ranges and (ENABLED or force):
             self.thread = threading.Thread(target=self._run, name="gear_mpi-collapse", daemon=True)
@@ -74,6 +94,8 @@ class Collapser:
     def _run(self) -> None:
         for lo, hi in self.ranges:
             for a in range(lo, hi, CHUNK_BYTES):
+                while self._busy is not None and self._busy() and not self._stop.is_set():
+                    self._stop.wait(IDLE_POLL_S)
                 if self._stop.is_set():
                     return
                 n = min(CHUNK_BYTES, hi - a)

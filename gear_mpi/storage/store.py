@@ -37,8 +37,10 @@ from . import chunk_heap, file_arenas as file_memory, shared_chunks, store_inser
 from .arenas import (SharedArena, check_header, column_layout, commit_pages, make_arena, memory_kind, small_pages,
                      write_header)
 from .compressed import ChunkError, CompressedRing, codec_library, gather_rings
-from .huge_pages import Collapser
+from .huge_pages import Collapser, weak_busy
 from ..spec import TrajectorySpec
+
+INSERT_QUIET_S = 0.05  # a large insert counts as running this long after it ends (insert_busy)
 
 _NONE_REMOVED = np.zeros(0, np.int64)
 
@@ -139,6 +141,7 @@ class TrajectoryStore:
         # (wrapping): a background checkpoint's record of what changed (gear_mpi.checkpoint.incremental)
         self.on_write: Callable[[int, int], None] | None = None
         self._collapser = None  # page_collapse.Collapser of the last large first fill
+        self._inserts_running, self._quiet_from = 0, 0.0  # insert_busy
         # compressed columns: chunks in process memory or files (gear_mpi.storage.compressed), no raw ring here
         self.compressed: dict[str, CompressedRing] = {c.name: CompressedRing(c, self.capacity)
                                                       for c in spec.columns if c.compression is not None}
@@ -308,6 +311,20 @@ class TrajectoryStore:
         this thread, done planning, copies those still left (a cold ring's fresh pages: 1e7 one-step items,
         first insert 1.97-2.35 s -> 1.59-1.71 s here). All of it ends before this returns, or raises.
         """
+        self._inserts_running += 1  # (insert_busy: a collapse thread waits meanwhile)
+        try:
+            return self._insert_chunked(columns, lengths, priorities, slots_out, on_evicted, steps, after_chunk)
+        finally:
+            self._inserts_running -= 1
+            if (int(lengths.sum()) if steps is None else int(steps)) * self.spec.step_bytes >= store_insert.OVERLAP_BYTES:
+                self._quiet_from = time.monotonic() + INSERT_QUIET_S
+
+    def insert_busy(self) -> bool:
+        """Whether an insert runs, or a large one (``store_insert.OVERLAP_BYTES`` or more) ended less than
+        :data:`INSERT_QUIET_S` ago: a bulk load is under way, which a background collapse should not slow. O(1)."""
+        return self._inserts_running > 0 or time.monotonic() < self._quiet_from
+
+    def _insert_chunked(self, columns, lengths, priorities, slots_out, on_evicted, steps, after_chunk) -> int:
         total = int(lengths.sum()) if steps is None else int(steps)
         shared = priorities.strides == (0,)
         now = time.time_ns()
@@ -684,7 +701,7 @@ class TrajectoryStore:
         after a large first fill on 4 KiB pages). Local; returns at once."""
         if self._collapser is not None:
             self._collapser.stop()
-        self._collapser = Collapser(self.written_ranges())
+        self._collapser = Collapser(self.written_ranges(), busy=weak_busy(self))
 
     def close(self) -> None:
         """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
@@ -770,3 +787,4 @@ class TrajectoryStore:
         """The name node peers map the columns by: a shared-memory segment's name, or (``memory="file"``)
         the columns file's absolute path; None for private and copy-on-write memory."""
         return self.arena.name if isinstance(self.arena, (SharedArena, file_memory.FileArena)) else None
+
