@@ -14,7 +14,7 @@ inwards to 2 MB. On by default (``$GEAR_MPI_COLLAPSE=0`` turns it off: :data:`EN
 that follows a bulk load (W3 above; N = 1e7, 2 threads, 2026-12-04: 7.1-7.6 ms a step on the fill's 4 KiB
 pages against 6.85 ms collapsed). So that it does not slow the inserts that follow one another in a bulk
 load, the thread waits, before each chunk, while its owner says it is busy (``busy``: an insert running,
-or a large one ended less than 50 ms ago: :meth:`gear_mpi.storage.store.TrajectoryStore.insert_busy`).
+or a large one ended less than 0.1 s ago: :meth:`gear_mpi.storage.store.TrajectoryStore.insert_busy`).
 A kernel without ``MADV_COLLAPSE``: nothing happens. Cost: one core for about the time of copying the
 ranges once (about 0.5 s per 256 MB here), in the background, between inserts.
 """

@@ -122,8 +122,13 @@ class ShardInserter:
             InvalidTrajectoryError: more steps than ``capacity_steps`` or more trajectories than ``max_items``
                 (nothing is stored).
         """
-        store = self.store
         steps = int(lengths.sum()) if steps is None else int(steps)
+        with self.store.inserting(steps * self.spec.step_bytes):  # (the index work after the store's insert too)
+            return self._store_packed(columns, lengths, priorities, steps)
+
+    def _store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
+                      steps: int) -> np.ndarray:
+        store = self.store
         store.check_batch(lengths, steps)
         n = len(lengths)
         out = store_insert.mapped_empty(n)  # the slots, then (in place) the keys returned

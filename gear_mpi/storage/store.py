@@ -24,6 +24,7 @@ with ``memory="file"`` (:mod:`gear_mpi.storage.chunk_heap`), in a node-shared fi
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import time
 from typing import Callable, Mapping
@@ -40,7 +41,7 @@ from .compressed import ChunkError, CompressedRing, codec_library, gather_rings
 from .huge_pages import Collapser, weak_busy
 from ..spec import TrajectorySpec
 
-INSERT_QUIET_S = 0.05  # a large insert counts as running this long after it ends (insert_busy)
+INSERT_QUIET_S = 0.1  # a large insert counts as running this long after it ends (insert_busy)
 
 _NONE_REMOVED = np.zeros(0, np.int64)
 
@@ -311,12 +312,20 @@ class TrajectoryStore:
         this thread, done planning, copies those still left (a cold ring's fresh pages: 1e7 one-step items,
         first insert 1.97-2.35 s -> 1.59-1.71 s here). All of it ends before this returns, or raises.
         """
-        self._inserts_running += 1  # (insert_busy: a collapse thread waits meanwhile)
+        total = int(lengths.sum()) if steps is None else int(steps)
+        with self.inserting(total * self.spec.step_bytes):
+            return self._insert_chunked(columns, lengths, priorities, slots_out, on_evicted, total, after_chunk)
+
+    @contextlib.contextmanager
+    def inserting(self, nbytes: int):
+        """The span of an insert of ``nbytes`` (the shard's whole insert wraps the store's), for
+        :meth:`insert_busy`. Nests. O(1)."""
+        self._inserts_running += 1
         try:
-            return self._insert_chunked(columns, lengths, priorities, slots_out, on_evicted, steps, after_chunk)
+            yield
         finally:
             self._inserts_running -= 1
-            if (int(lengths.sum()) if steps is None else int(steps)) * self.spec.step_bytes >= store_insert.OVERLAP_BYTES:
+            if nbytes >= store_insert.OVERLAP_BYTES:
                 self._quiet_from = time.monotonic() + INSERT_QUIET_S
 
     def insert_busy(self) -> bool:
@@ -324,8 +333,7 @@ class TrajectoryStore:
         :data:`INSERT_QUIET_S` ago: a bulk load is under way, which a background collapse should not slow. O(1)."""
         return self._inserts_running > 0 or time.monotonic() < self._quiet_from
 
-    def _insert_chunked(self, columns, lengths, priorities, slots_out, on_evicted, steps, after_chunk) -> int:
-        total = int(lengths.sum()) if steps is None else int(steps)
+    def _insert_chunked(self, columns, lengths, priorities, slots_out, on_evicted, total, after_chunk) -> int:
         shared = priorities.strides == (0,)
         now = time.time_ns()
         # the batch's steps go to the ring's tail, where the table pass will put them: evictions take steps
