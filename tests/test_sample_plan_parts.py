@@ -27,6 +27,22 @@ def test_multinomial_rows_is_numpys_multinomial_on_the_same_stream(ranks):
         assert ours.random() == numpys.random()  # the shared stream is left where numpy leaves it
 
 
+def test_two_owner_rows_are_numpys_multinomial_on_the_same_stream():
+    spec_rng = np.random.default_rng(5)
+    for seed in range(20):
+        sizes = [float(n) for n in spec_rng.integers(0, 300, 2)]  # the head table's floats, as a repeat passes them
+        masses = [float(x) for x in spec_rng.random(2) * 1e3]
+        if seed % 5 == 0:
+            masses[seed % 2] = 0.0  # an empty shard
+        mass = sum(masses)
+        ours, numpys = np.random.default_rng(seed), np.random.default_rng(seed)
+        for _ in range(4):
+            got = plans.two_owner_rows(ours, sizes, masses[0], mass)
+            want = numpys.multinomial(np.array(sizes, np.int64), np.array(masses) / mass)
+            assert [list(r) for r in got] == want.tolist()
+        assert ours.random() == numpys.random()
+
+
 def test_gather_rows_from_owners_writes_the_weights_numpy_would():
     rng = np.random.default_rng(3)
     capacity, window, nb = 64, 8, 37

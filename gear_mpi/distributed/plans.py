@@ -261,6 +261,27 @@ def multinomial_rows(rng: np.random.Generator, sizes: np.ndarray, pvals: np.ndar
     return counts
 
 
+def two_owner_rows(rng: np.random.Generator, sizes: list, mass0: float, mass: float) -> list[tuple[int, int]]:
+    """:func:`multinomial_rows` over two owners, in Python lists: ``binomial(n, mass0 / mass)`` a row, the same
+    values from the same stream as ``multinomial_rows(rng, np.array(sizes, np.int64), np.array([mass0, mass1])
+    / mass)`` (``mass0 / mass`` is that array's first entry, bit for bit), without its arrays (about 2 us of a
+    5 us call). Local, O(rows).
+
+    Args:
+        rng: the stream (the shared one); sizes: trials per row, integral (floats of the head table allowed);
+        mass0: the first owner's mass; mass: the total, ``mass0 + mass1`` as the caller summed it.
+    Returns:
+        ``[(first owner's count, second owner's count), ...]``, one pair per row.
+    """
+    p0 = mass0 / mass
+    rows = []
+    for n in sizes:
+        n = int(n)
+        first = int(rng.binomial(n, p0))
+        rows.append((first, n - first))
+    return rows
+
+
 def global_order(keys: np.ndarray, ncand: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge candidate lists (concatenated by owner, each best first) into the global order.
 

@@ -41,7 +41,7 @@ from . import header
 from .calls import _SPAN, OPS, WIDTH, ReplayCalls
 from .header import ALIGN, BATCH, INSERTED, ITEMS, MASS, MIN_WEIGHT, MODE, SAMPLED, WINDOW
 from .node import CHOICE_CAPACITY
-from .plans import multinomial_rows
+from .plans import multinomial_rows, two_owner_rows
 from ..batch import check_window
 from ..kernels import gather as gather_kernels
 from ..kernels import ring
@@ -178,8 +178,13 @@ def sample_again(replay, rec: SampleRecord):
             header.check_header(table[:, 2:], True)
         me = comm.rank
         counts = rec.counts
-        counts[:] = multinomial_rows(replay.shared_rng, np.array(asked, np.int64), np.array(masses) / mass)
-        serve = int(counts[:, me].sum())
+        if len(masses) == 2:  # the same draws as multinomial_rows, in lists (about 3 us less)
+            pairs = two_owner_rows(replay.shared_rng, asked, masses[0], mass)
+            counts[:] = pairs
+            serve = pairs[0][me] + pairs[1][me]
+        else:
+            counts[:] = multinomial_rows(replay.shared_rng, np.array(asked, np.int64), np.array(masses) / mass)
+            serve = int(counts[:, me].sum())
         wmin = min(r[MIN_WEIGHT] for r in rows)
         recv = counts[me]
         out = rec.batch()
