@@ -29,7 +29,8 @@ from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_S
 from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
 from .hints import staggered_rows
-from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _sort_order_into, draw_one
+from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
+                            _sort_order_into, draw_one)
 
 AHEAD = 16  # table rows requested this many items ahead
 
@@ -190,7 +191,12 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             wmin = min(wmin, l2_min[j])
     sslots, skey, ws, nv, pf, order, inv, ident = iscr
     sw, skeys = fscr  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
-    if nb < DRAW_THREADS_MIN:  # (large batches: each run fills its part of ident and inv below)
+    row_bytes = 0
+    for c in range(step_bytes.shape[0]):
+        row_bytes += window * step_bytes[c]
+    # threads draw too: large batches, and small ones whose copy is shared among the threads anyway
+    runs = _runs(nb, row_bytes)
+    if runs == 0:  # (otherwise each run fills its part of ident and inv below)
         for k in range(nb):
             ident[k] = k
     if nb < DRAW_PIPE:
@@ -200,18 +206,28 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
         for i in range(nb):
             sslots[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
     else:
-        _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
-        if nb < DRAW_THREADS_MIN:
+        if nb >= SORT_PARALLEL_MIN:  # the bucket pass on the threads; each run below sorts its buckets
+            _bucket_parallel(uniforms, inv, order, skeys)
+        else:
+            _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
+        if runs == 0:
             for k in range(nb):
                 inv[order[k]] = k
-    row_bytes = 0
-    for c in range(step_bytes.shape[0]):
-        row_bytes += window * step_bytes[c]
-    if nb >= DRAW_THREADS_MIN:  # draw, place and copy each run of sorted uniforms on one thread
-        runs = max(2, min(DRAW_RUNS, nb // 256))
+    if runs > 0:  # draw, place and copy each run of sorted uniforms on one thread
+        rb = np.empty(runs + 1, np.int64)  # where each run starts: whole buckets when the runs end the sort
+        for t in range(runs):
+            rb[t] = t * nb // runs
+        rb[runs] = nb
+        nbk = max(1, nb // 2)
+        if nb >= SORT_PARALLEL_MIN:
+            for t in range(1, runs):  # the end of the bucket before the run's first (the last slice's offsets)
+                kb = t * nbk // runs
+                rb[t] = inv[(SORT_PARTS - 1) * nbk + kb - 1] if kb > 0 else 0
         for t in prange(runs):
-            lo = t * nb // runs
-            hi = (t + 1) * nb // runs
+            lo = rb[t]
+            hi = rb[t + 1]
+            if nb >= SORT_PARALLEL_MIN:
+                _insertion_fix(order, skeys, lo, hi)
             for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
                 ident[k] = k
                 inv[order[k]] = k
@@ -219,10 +235,14 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                        window, align_code, place_u, order, skey, sw, ws, nv, pf)
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
-        chunks = max(2, min(64, nb // 1024))
-        for t in prange(chunks):
-            _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin, prioritized,
-                           window, keys, lengths, probabilities, weights, mask)
+        if nb >= DRAW_THREADS_MIN:
+            chunks = max(2, min(64, nb // 1024))
+            for t in prange(chunks):
+                _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin,
+                               prioritized, window, keys, lengths, probabilities, weights, mask)
+        else:
+            _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths,
+                           probabilities, weights, mask)
     else:
         if nb >= DRAW_PIPE:
             _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
@@ -237,6 +257,60 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             for t in prange(chunks):
                 _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, t * nb // chunks,
                           (t + 1) * nb // chunks)
+
+
+#: from this many items the uniforms are bucketed by the threads (SORT_PARTS slices), and each run of the draw
+#: finishes the sort of its own buckets (:func:`_bucket_parallel`)
+SORT_PARALLEL_MIN = 8192
+SORT_PARTS = 2
+
+
+@njit(cache=True, inline="always")
+def _bucket_parallel(uniforms, cnt, order, keys):
+    """The bucket pass of ``priority_draw._sort_order_into`` on the threads: ``SORT_PARTS`` slices of the
+    uniforms each counted into their own buckets, one offset per (bucket, slice) in bucket then slice order,
+    each slice scattered from its offsets. So a bucket holds its values in index order, as the serial pass
+    leaves them (the insertion sort, :func:`priority_draw._insertion_fix` over whole buckets, then gives the
+    same ``order`` and ``keys``). ``cnt`` (int64, at least ``SORT_PARTS * max(1, n // 2)`` entries) keeps
+    the offsets: after the pass ``cnt[(SORT_PARTS - 1) * nbk + k]`` is where bucket ``k`` ends."""
+    b = uniforms.shape[0]
+    nbk = max(1, b // 2)
+    for p in prange(SORT_PARTS):
+        base = p * nbk
+        for k in range(nbk):
+            cnt[base + k] = 0
+        for i in range(p * b // SORT_PARTS, (p + 1) * b // SORT_PARTS):
+            cnt[base + _bucket(uniforms[i], nbk)] += 1
+    run = 0
+    for k in range(nbk):
+        for p in range(SORT_PARTS):
+            c = cnt[p * nbk + k]
+            cnt[p * nbk + k] = run
+            run += c
+    for p in prange(SORT_PARTS):
+        base = p * nbk
+        for i in range(p * b // SORT_PARTS, (p + 1) * b // SORT_PARTS):
+            u = uniforms[i]
+            j = base + _bucket(u, nbk)
+            q = cnt[j]
+            order[q] = i
+            keys[q] = u
+            cnt[j] = q + 1
+
+
+#: a small batch (fewer than DRAW_THREADS_MIN items) whose copy is shared among the threads (SERIAL_BYTES or
+#: more) is drawn by the threads too, in runs of about this many sorted items
+SMALL_RUN = 64
+
+
+@njit(cache=True, inline="always")
+def _runs(nb, row_bytes):
+    """How many runs of sorted items the threads draw, place and copy (0: the calling thread draws)."""
+    if nb >= DRAW_THREADS_MIN:
+        return max(2, min(DRAW_RUNS, nb // 256))
+    if nb >= 2 * DRAW_PIPE and nb * row_bytes >= SERIAL_BYTES:
+        return max(2, nb // SMALL_RUN)
+    return 0
 
 
 @njit(cache=True, nogil=True)
