@@ -25,14 +25,19 @@ def load_base(path: str):
     return importlib.import_module("gear_mpi_base.kernels.local_sample")
 
 
-def base_sample(base, shard, batch, b: int):
+def base_sample(base, shard, batch, b: int, kernel_only: bool = False):
     """What ``Shard.sample(b, 1, out=batch)`` did in the base tree through its repeated call (``sample_again``):
     ``2 b`` (random alignment) or ``b`` uniforms from the shard's stream, the base kernel (into this tree's
-    scratch, so that this tree's update finds the sorted draw there), the weights' power."""
+    scratch, so that this tree's update finds the sorted draw there), the weights' power. ``kernel_only``: the
+    uniforms as this tree draws them, so that only the kernels differ."""
     from gear_mpi.kernels import local_sample
+    from gear_mpi.selection import one_call
     rep = shard._repeat
     st = shard.store
-    shard.rng.random(out=rep.uniforms)
+    if kernel_only:
+        one_call.draw_uniforms(shard.rng, rep.draw_u, b, rep.skip, rep.uniforms)
+    else:
+        shard.rng.random(out=rep.uniforms)
     keys, probabilities, weights, lengths = batch.meta_numpy()
     iscr, fscr = local_sample._scratch(b)
     base._sample_kernel(shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,

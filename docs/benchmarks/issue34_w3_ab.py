@@ -5,6 +5,7 @@
 BASE: a copy of the base tree (``git archive``); its sampling kernel runs beside this tree's on the same shard
 (issue34_ab.py). Phases: step (Shard.sample(65536, 1, out=) + update_priorities of the batch's keys) and sample,
 each "new" (this tree) and "base"; the update is this tree's in both. Prints medians and each round.
+With AB_KERNEL_ONLY=1 the base draws its uniforms as this tree does, so that only the kernels differ.
 """
 import os
 import sys
@@ -16,6 +17,7 @@ from issue34_ab import base_sample, load_base
 from issue34_w3_shard import w3_shard
 from probe_timing import median_time
 
+KERNEL_ONLY = os.environ.get("AB_KERNEL_ONLY") == "1"  # base drawn with this tree's uniforms: kernels alone
 base = load_base(sys.argv[1])
 N = int(float(sys.argv[2])) if len(sys.argv) > 2 else 10_000_000
 ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
@@ -25,9 +27,9 @@ sh, new_p, batch = w3_shard(N, B)
 sh.sample(B, 1, out=batch)
 phases = {
     "step new": lambda: (sh.sample(B, 1, out=batch), sh.update_priorities(batch.keys, new_p)),
-    "step base": lambda: (base_sample(base, sh, batch, B), sh.update_priorities(batch.keys, new_p)),
+    "step base": lambda: (base_sample(base, sh, batch, B, KERNEL_ONLY), sh.update_priorities(batch.keys, new_p)),
     "sample new": lambda: sh.sample(B, 1, out=batch),
-    "sample base": lambda: base_sample(base, sh, batch, B),
+    "sample base": lambda: base_sample(base, sh, batch, B, KERNEL_ONLY),
 }
 for f in phases.values():
     f()
