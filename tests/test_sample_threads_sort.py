@@ -142,3 +142,44 @@ def test_unread_placement_uniforms_are_skipped_in_the_stream(monkeypatch):
         assert fast._repeat.skip and (fast._repeat.place_u == -1.0).all() == (k == 1)
     bf, bs = fast.sample(b, 1), slow.sample(b, 1)  # trajectories of 2 steps, windows of 1: the uniforms are read
     _same(bf, bs, fast, slow)
+
+
+@pytest.mark.parametrize("n, skip", [(2 * 8192, 0), (65536 + 3, 65536), (40_001, 7)])
+def test_pcg_fill_is_numpy_random(n, skip, threads):
+    """pcg_fill.fill: the doubles of ``Generator(PCG64).random``, bit for bit, and the generator's state
+    afterwards (a buffered 32-bit half kept as it was); too few values or another bit generator: not filled."""
+    from gear_mpi.kernels import pcg_fill
+    for seed in (0, 12345):
+        a, b = (np.random.Generator(np.random.PCG64(seed)) for _ in range(2))
+        for g in (a, b):
+            g.random(3)
+            g.integers(0, 10, dtype=np.uint32)  # a 32-bit half buffered
+        out = np.empty(n)
+        assert pcg_fill.fill(a, out, skip)
+        want = b.random(n)
+        b.random(skip)
+        np.testing.assert_array_equal(out.view(np.uint64), want.view(np.uint64))
+        assert a.bit_generator.state == b.bit_generator.state
+        np.testing.assert_array_equal(a.integers(0, 1 << 30, 5, dtype=np.uint32),
+                                      b.integers(0, 1 << 30, 5, dtype=np.uint32))
+    assert not pcg_fill.fill(np.random.default_rng(0), np.empty(2 * pcg_fill.SLICE - 1))
+    assert not pcg_fill.fill(np.random.Generator(np.random.MT19937(0)), np.empty(4 * pcg_fill.SLICE))
+
+
+def test_kernel_draws_the_uniforms_with_a_buffered_half(monkeypatch):
+    """From SORT_PARALLEL_MIN the kernel draws the uniforms itself (placements unread): the same batch and
+    stream as the general path, a buffered 32-bit half included; where placements are read, numpy draws."""
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    b = SORT_MIN + 5
+    fast, slow = _pair(6000, 20_000, 2)
+    for sh in (fast, slow):
+        sh.rng.integers(0, 10, dtype=np.uint32)
+    assert one_call.kernel_stream(fast.rng, b, 0, True)[1] is not None
+    assert one_call.kernel_stream(fast.rng, b, 0, False)[1] is None
+    assert one_call.kernel_stream(fast.rng, SORT_MIN - 1, 1, False)[1] is None
+    out = fast.sample(b, 2)
+    _same(out, slow.sample(b, 2), fast, slow)
+    for window in (2, 2, 1, 3):
+        bf, bs = fast.sample(b, window, out=out) if window == 2 else fast.sample(b, window), slow.sample(b, window)
+        _same(bf, bs, fast, slow)
+    assert fast.rng.bit_generator.state["has_uint32"]
