@@ -1,7 +1,8 @@
 """The one-call sample's parallel paths (issue 34, round 4): the uniforms bucketed by the threads and each draw run
-sorting its own buckets (``local_sample.SORT_PARALLEL_MIN``), small batches with a shared copy drawn by the
-threads (``local_sample._runs``), and placement uniforms that no window reads skipped in the stream
-(``one_call.placement_unread``). Each gives what the general path gives, bit for bit, on one thread and two."""
+sorting its own buckets (``local_sample.SORT_PARALLEL_MIN``), the uniforms drawn by the kernel's threads from
+the shard's PCG64 state (``gear_mpi.kernels.pcg_fill``), placement uniforms that no window reads skipped in
+the stream (``one_call.placement_unread``), small batches around the thresholds. Each gives what the general
+path gives, bit for bit, on one thread and two."""
 import numba
 import numpy as np
 import pytest
@@ -100,9 +101,9 @@ def test_crowded_buckets_stay_exact(threads):
 @pytest.mark.parametrize("b", [2 * priority_draw.DRAW_PIPE - 1, 2 * priority_draw.DRAW_PIPE,
                                2 * priority_draw.DRAW_PIPE + 1, priority_draw.DRAW_THREADS_MIN - 1,
                                priority_draw.DRAW_THREADS_MIN])
-def test_small_batches_drawn_by_the_threads(b, threads):
-    """4 KiB rows (a shared copy from 64 rows): below, at and above the threshold where the threads draw too,
-    the same batch, stream and update as the general path, into a kept ``out=`` batch as well."""
+def test_small_batches_with_a_shared_copy(b, threads):
+    """4 KiB rows (a shared copy from 64 rows): around 2 * DRAW_PIPE and DRAW_THREADS_MIN (where the threads
+    draw too), the same batch, stream and update as the general path, into a kept ``out=`` batch as well."""
     fast, slow = _pair(300, 900, 1, row=4096)
     rows = b * 4100
     assert (rows >= local_sample.SERIAL_BYTES) == (b >= 64)

@@ -231,7 +231,6 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     row_bytes = 0
     for c in range(step_bytes.shape[0]):
         row_bytes += window * step_bytes[c]
-    # threads draw too: large batches, and small ones whose copy is shared among the threads anyway
     runs = _runs(nb, row_bytes)
     if runs == 0:  # (otherwise each run fills its part of ident and inv below)
         for k in range(nb):
@@ -333,18 +332,13 @@ def _bucket_parallel(uniforms, cnt, order, keys, gen):
             cnt[j] = q + 1
 
 
-#: a small batch (fewer than DRAW_THREADS_MIN items) whose copy is shared among the threads (SERIAL_BYTES or
-#: more) is drawn by the threads too, in runs of about this many sorted items
-SMALL_RUN = 64
-
-
 @njit(cache=True, inline="always")
 def _runs(nb, row_bytes):
-    """How many runs of sorted items the threads draw, place and copy (0: the calling thread draws)."""
+    """How many runs of sorted items the threads draw, place and copy (0: the calling thread draws). Small
+    batches are drawn by the calling thread even where their copy is shared (4 KiB rows, B = 256: the threads
+    drawing too made no difference, 154-157 against 152-154 us a W2 step, round 4)."""
     if nb >= DRAW_THREADS_MIN:
         return max(2, min(DRAW_RUNS, nb // 256))
-    if nb >= 2 * DRAW_PIPE and nb * row_bytes >= SERIAL_BYTES:
-        return max(2, nb // SMALL_RUN)
     return 0
 
 
