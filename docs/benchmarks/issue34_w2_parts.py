@@ -27,11 +27,11 @@ bca = batch.column_addresses(); bca1 = batch1.column_addresses()
 tree = shard.index._arrays
 def kern():
     local_sample._sample_kernel(tree, u[:B], u[B:], st.start, st.length, st.status, kh, SLOT_BITS, GEN_MASK, st.capacity, 1, 0, True,
-        ca, sba, bca, batch._mask_np, kk, ll, pp, ww, iscr, fscr)
+        ca, sba, bca, batch._mask_np, kk, ll, pp, ww, iscr, fscr, local_sample.NO_GEN)
 u1 = u[:1]
 def kern1():
     local_sample._sample_kernel(tree, u1, u1, st.start, st.length, st.status, kh, SLOT_BITS, GEN_MASK, st.capacity, 1, 0, True,
-        ca, sba, bca1, batch1._mask_np, kk1, ll1, pp1, ww1, iscr1, fscr1)
+        ca, sba, bca1, batch1._mask_np, kk1, ll1, pp1, ww1, iscr1, fscr1, local_sample.NO_GEN)
 idx = shard.index
 lay = st.layout
 def upd_few():

@@ -36,7 +36,8 @@ def kernel():
     local_sample._sample_kernel(sh.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
                                 key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code,
                                 rep.prioritized, sh.column_addresses()[0], sh.spec.step_bytes_array, rep.outs,
-                                batch._mask_np, keys, lengths, probabilities, weights, iscr, fscr)
+                                batch._mask_np, keys, lengths, probabilities, weights, iscr, fscr,
+                                local_sample.NO_GEN)
 
 
 parts = dict(

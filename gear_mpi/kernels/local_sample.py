@@ -29,7 +29,9 @@ from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_S
 from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
 from .hints import staggered_rows
-from .priority_draw import DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _draw_run, _sort_order_into, draw_one
+from .pcg_fill import _draw_slice, _jump
+from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
+                            _sort_order_into, draw_one)
 
 AHEAD = 16  # table rows requested this many items ahead
 
@@ -96,6 +98,36 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
         _mask_row(mask, i, pf[k], pf[k] + nv[k], window)
 
 
+@njit(cache=True, inline="always")
+def _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
+                    window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
+                    probabilities, weights, mask):
+    """:func:`_place_run` and :func:`_describe_rows` in one pass over sorted items ``lo:hi``: the placement
+    into the scratch rows the copy reads (``ws``, ``nv``, ``pf``, at ``k``) and the batch row of each item
+    (at ``order[k]``: key, real steps, probability, importance weight ratio, mask row), with the same values.
+    One pass and one parallel region less than the two (a region wakes the sleeping workers: about 45 us on
+    this VM)."""
+    for k in range(lo, hi):
+        if k + AHEAD < hi:
+            t = sslots[k + AHEAD]
+            _prefetch(start, t)
+            _prefetch(length, t)
+            _prefetch(generation, t)
+        s = sslots[k]
+        i = order[k]
+        w = np.float64(leaves[s])
+        keys[i] = key_head | ((generation[s] & gen_mask) << gen_shift) | s
+        u = place_u[i] if align_code == 0 and length[s] > window else 0.0
+        a, b, c = _placement(start[s], length[s], window, align_code, u)
+        ws[k] = a - capacity if a >= capacity else a
+        nv[k] = b
+        pf[k] = c
+        lengths[i] = b
+        probabilities[i] = w / total
+        weights[i] = wmin / w if prioritized else 1.0
+        _mask_row(mask, i, c, c + b, window)
+
+
 def sample_proportional(tree, uniforms, place_u, start, length, generation, key_head, gen_shift,
                         gen_mask, capacity, window, align_code, prioritized, addrs, step_bytes, outs,
                         mask, keys, lengths, probabilities, weights):
@@ -130,9 +162,10 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
         out_addrs = out_addresses(outs, uniforms.shape[0], window, step_bytes)
     _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
-                   probabilities, weights, iscr, fscr)
+                   probabilities, weights, iscr, fscr, NO_GEN)
 
 
+NO_GEN = np.zeros(0, np.uint64)  # _sample_kernel's gen when the uniforms are given
 _I_ROWS, _F_ROWS = 8, 2  # int64 rows: sslots skey ws nv pf order inv ident; float64 rows: sw, sorted uniforms
 _SCRATCH_KEEP = 1 << 20  # batches up to this many items keep their scratch (80 bytes an item) for the next call
 _local = threading.local()
@@ -177,9 +210,12 @@ def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
-                   probabilities, weights, iscr, fscr):
+                   probabilities, weights, iscr, fscr, gen):
     """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64),
-    with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`)."""
+    with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``: empty, or the
+    four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
+    first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
+    ``SORT_PARALLEL_MIN`` items)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
@@ -190,7 +226,13 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             wmin = min(wmin, l2_min[j])
     sslots, skey, ws, nv, pf, order, inv, ident = iscr
     sw, skeys = fscr  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
-    if nb < DRAW_THREADS_MIN:  # (large batches: each run fills its part of ident and inv below)
+    if gen.shape[0] == 4 and nb < SORT_PARALLEL_MIN:  # (from SORT_PARALLEL_MIN the bucket pass draws them)
+        _draw_slice(gen[0], gen[1], gen[2], gen[3], uniforms, 0, nb)
+    row_bytes = 0
+    for c in range(step_bytes.shape[0]):
+        row_bytes += window * step_bytes[c]
+    runs = _runs(nb, row_bytes)
+    if runs == 0:  # (otherwise each run fills its part of ident and inv below)
         for k in range(nb):
             ident[k] = k
     if nb < DRAW_PIPE:
@@ -200,29 +242,36 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
         for i in range(nb):
             sslots[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
     else:
-        _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
-        if nb < DRAW_THREADS_MIN:
+        if nb >= SORT_PARALLEL_MIN:  # the bucket pass on the threads; each run below sorts its buckets
+            _bucket_parallel(uniforms, inv, order, skeys, gen)
+        else:
+            _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
+        if runs == 0:
             for k in range(nb):
                 inv[order[k]] = k
-    row_bytes = 0
-    for c in range(step_bytes.shape[0]):
-        row_bytes += window * step_bytes[c]
-    if nb >= DRAW_THREADS_MIN:  # draw, place and copy each run of sorted uniforms on one thread
-        runs = max(2, min(DRAW_RUNS, nb // 256))
+    if runs > 0:  # draw, place and copy each run of sorted uniforms on one thread
+        rb = np.empty(runs + 1, np.int64)  # where each run starts: whole buckets when the runs end the sort
+        for t in range(runs):
+            rb[t] = t * nb // runs
+        rb[runs] = nb
+        nbk = max(1, nb // 2)
+        if nb >= SORT_PARALLEL_MIN:
+            for t in range(1, runs):  # the end of the bucket before the run's first (the last slice's offsets)
+                kb = t * nbk // runs
+                rb[t] = inv[(SORT_PARTS - 1) * nbk + kb - 1] if kb > 0 else 0
         for t in prange(runs):
-            lo = t * nb // runs
-            hi = (t + 1) * nb // runs
+            lo = rb[t]
+            hi = rb[t + 1]
+            if nb >= SORT_PARALLEL_MIN:
+                _insertion_fix(order, skeys, lo, hi)
             for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
                 ident[k] = k
                 inv[order[k]] = k
             _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
-            _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
-                       window, align_code, place_u, order, skey, sw, ws, nv, pf)
+            _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask,
+                            capacity, window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys,
+                            lengths, probabilities, weights, mask)
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
-        chunks = max(2, min(64, nb // 1024))
-        for t in prange(chunks):
-            _describe_rows(t * nb // chunks, (t + 1) * nb // chunks, inv, skey, sw, nv, pf, total, wmin, prioritized,
-                           window, keys, lengths, probabilities, weights, mask)
     else:
         if nb >= DRAW_PIPE:
             _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
@@ -237,6 +286,60 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             for t in prange(chunks):
                 _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, t * nb // chunks,
                           (t + 1) * nb // chunks)
+
+
+#: from this many items the uniforms are bucketed by the threads (SORT_PARTS slices), and each run of the draw
+#: finishes the sort of its own buckets (:func:`_bucket_parallel`)
+SORT_PARALLEL_MIN = 8192
+SORT_PARTS = 2
+
+
+@njit(cache=True, inline="always")
+def _bucket_parallel(uniforms, cnt, order, keys, gen):
+    """The bucket pass of ``priority_draw._sort_order_into`` on the threads: ``SORT_PARTS`` slices of the
+    uniforms each counted into their own buckets, one offset per (bucket, slice) in bucket then slice order,
+    each slice scattered from its offsets. So a bucket holds its values in index order, as the serial pass
+    leaves them (the insertion sort, :func:`priority_draw._insertion_fix` over whole buckets, then gives the
+    same ``order`` and ``keys``). ``cnt`` (int64, at least ``SORT_PARTS * max(1, n // 2)`` entries) keeps
+    the offsets: after the pass ``cnt[(SORT_PARTS - 1) * nbk + k]`` is where bucket ``k`` ends. With a
+    generator state ``gen`` (four words, see :func:`_sample_kernel`) each slice draws its uniforms first."""
+    b = uniforms.shape[0]
+    nbk = max(1, b // 2)
+    for p in prange(SORT_PARTS):
+        base = p * nbk
+        lo = p * b // SORT_PARTS
+        if gen.shape[0] == 4:
+            h, l = _jump(gen[0], gen[1], gen[2], gen[3], lo)
+            _draw_slice(h, l, gen[2], gen[3], uniforms, lo, (p + 1) * b // SORT_PARTS)
+        for k in range(nbk):
+            cnt[base + k] = 0
+        for i in range(lo, (p + 1) * b // SORT_PARTS):
+            cnt[base + _bucket(uniforms[i], nbk)] += 1
+    run = 0
+    for k in range(nbk):
+        for p in range(SORT_PARTS):
+            c = cnt[p * nbk + k]
+            cnt[p * nbk + k] = run
+            run += c
+    for p in prange(SORT_PARTS):
+        base = p * nbk
+        for i in range(p * b // SORT_PARTS, (p + 1) * b // SORT_PARTS):
+            u = uniforms[i]
+            j = base + _bucket(u, nbk)
+            q = cnt[j]
+            order[q] = i
+            keys[q] = u
+            cnt[j] = q + 1
+
+
+@njit(cache=True, inline="always")
+def _runs(nb, row_bytes):
+    """How many runs of sorted items the threads draw, place and copy (0: the calling thread draws). Small
+    batches are drawn by the calling thread even where their copy is shared (4 KiB rows, B = 256: the threads
+    drawing too made no difference, 154-157 against 152-154 us a W2 step, round 4)."""
+    if nb >= DRAW_THREADS_MIN:
+        return max(2, min(DRAW_RUNS, nb // 256))
+    return 0
 
 
 @njit(cache=True, nogil=True)

@@ -150,24 +150,36 @@ def _sort_order_into(uniforms, bounds, order, keys):
     for k in range(nb + 1):
         bounds[k] = 0
     for i in range(b):
-        k = min(max(int(uniforms[i] * nb), 0), nb - 1)
+        k = _bucket(uniforms[i], nb)
         bounds[k + 1] += 1
     for k in range(nb):
         bounds[k + 1] += bounds[k]
     for i in range(b):
         u = uniforms[i]
-        k = min(max(int(u * nb), 0), nb - 1)
+        k = _bucket(u, nb)
         order[bounds[k]] = i
         keys[bounds[k]] = u
         bounds[k] += 1
-    # insertion sort of the whole, nearly sorted array: no value moves past its bucket
-    # (and none by more than 64 places, so a crowded bucket costs O(64 B), not O(B^2))
-    for a in range(1, b):
+    _insertion_fix(order, keys, 0, b)
+
+
+@njit(cache=True, inline="always")
+def _bucket(u, nb):
+    """The counting sort's bucket of ``u`` among ``nb`` (non-decreasing in ``u``)."""
+    return min(max(int(u * nb), 0), nb - 1)
+
+
+@njit(cache=True, inline="always")
+def _insertion_fix(order, keys, lo, hi):
+    """The insertion sort that ends :func:`_sort_order_into`, over ``keys[lo:hi]`` (whole buckets: no value
+    moves past its bucket, and none by more than 64 places, so a crowded bucket costs O(64 B), not O(B^2));
+    on whole buckets the same result as over the whole array, as values never cross a bucket's start."""
+    for a in range(lo + 1, hi):
         ux = keys[a]
         if ux < keys[a - 1]:
             x = order[a]
             c = a - 1
-            while c >= 0 and keys[c] > ux and a - c <= 64:
+            while c >= lo and keys[c] > ux and a - c <= 64:
                 order[c + 1] = order[c]
                 keys[c + 1] = keys[c]
                 c -= 1
