@@ -14,17 +14,12 @@ import numba
 import numpy as np
 
 from issue34_ab import base_sample, load_base
-from issue34_w3_shard import w3_shard
+from issue34_w3_shard import w3_setup
 from probe_timing import median_time
 
 KERNEL_ONLY = os.environ.get("AB_KERNEL_ONLY") == "1"  # base drawn with this tree's uniforms: kernels alone
 base = load_base(sys.argv[1])
-N = int(float(sys.argv[2])) if len(sys.argv) > 2 else 10_000_000
-ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-PH = float(sys.argv[4]) if len(sys.argv) > 4 else 0.3
-B = 65536
-sh, new_p, batch = w3_shard(N, B)
-sh.sample(B, 1, out=batch)
+N, ROUNDS, PH, B, sh, new_p, batch = w3_setup(sys.argv[2:])
 phases = {
     "step new": lambda: (sh.sample(B, 1, out=batch), sh.update_priorities(batch.keys, new_p)),
     "step base": lambda: (base_sample(base, sh, batch, B, KERNEL_ONLY), sh.update_priorities(batch.keys, new_p)),

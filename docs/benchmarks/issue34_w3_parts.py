@@ -16,15 +16,10 @@ import numpy as np
 import gear_mpi as gm
 from gear_mpi.keys import GEN_MASK, SLOT_BITS, key_head
 from gear_mpi.kernels import local_sample, priority_draw
-from issue34_w3_shard import w3_shard
+from issue34_w3_shard import w3_setup
 from probe_timing import median_time
 
-N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 10_000_000
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-PH = float(sys.argv[3]) if len(sys.argv) > 3 else 0.3
-B = 65536
-sh, new_p, batch = w3_shard(N, B)
-sh.sample(B, 1, out=batch)
+N, ROUNDS, PH, B, sh, new_p, batch = w3_setup(sys.argv[1:])
 rep = sh._repeat
 st = sh.store
 keys, probabilities, weights, lengths = batch.meta_numpy()

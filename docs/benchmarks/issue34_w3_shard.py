@@ -14,3 +14,15 @@ def w3_shard(n: int, b: int):
                         np.random.default_rng(7).uniform(0.5, 2, n))
     new_p = np.random.default_rng(3).random(b) + 0.01
     return shard, new_p, shard.sample(b, 1)
+
+
+def w3_setup(args: list):
+    """The probes' arguments ``N ROUNDS PH`` (defaults 1e7, 5, 0.3 s) and their W3 shard, B = 65536, sampled
+    once into its batch: ``(N, ROUNDS, PH, B, shard, new priorities, batch)``."""
+    n = int(float(args[0])) if len(args) > 0 else 10_000_000
+    rounds = int(args[1]) if len(args) > 1 else 5
+    ph = float(args[2]) if len(args) > 2 else 0.3
+    b = 65536
+    shard, new_p, batch = w3_shard(n, b)
+    shard.sample(b, 1, out=batch)
+    return n, rounds, ph, b, shard, new_p, batch
