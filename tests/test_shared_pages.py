@@ -31,7 +31,7 @@ def _segment_stats(name: str, pid: str = "self") -> dict:
 
 def _collapse_supported() -> bool:
     """Whether this kernel merges a tmpfs file's pages on MADV_COLLAPSE (Linux 6.1+)."""
-    arena = SharedArena(4 * MB)
+    arena = SharedArena(4 * MB, huge=True)
     try:
         arena.buffer[:] = 1
         return _segment_stats(arena.name)["ShmemPmdMapped"] > 0
@@ -57,12 +57,13 @@ a.close()
 
 
 def test_a_segment_is_mapped_aligned_and_keeps_its_bytes():
-    arena = SharedArena(6 * MB + 4096)
+    arena = SharedArena(6 * MB + 4096)  # (not huge: a staging segment; aligned all the same)
     try:
         assert isinstance(arena._mmap, shared_pages.AlignedMapping)
         assert arena.buffer.ctypes.data % HUGE_PAGE == 0
         assert arena.buffer.nbytes == 6 * MB + 4096 and arena.buffer.flags.writeable
         assert not arena.buffer.any()  # zero-filled, as a plain segment
+        assert arena._collapser is None and _segment_stats(arena.name)["ShmemPmdMapped"] == 0  # not collapsed
         arena.buffer[-1] = 9  # the last byte, past the last whole huge page, is writable too
         assert arena.buffer[-1] == 9
     finally:
@@ -71,7 +72,7 @@ def test_a_segment_is_mapped_aligned_and_keeps_its_bytes():
 
 @needs_collapse
 def test_the_creator_collapses_and_a_peer_maps_the_huge_pages():
-    arena = SharedArena(8 * MB)
+    arena = SharedArena(8 * MB, huge=True)
     try:
         arena.buffer.view(np.int64)[:] = np.arange(arena.nbytes // 8)
         stats = _segment_stats(arena.name)

@@ -303,8 +303,8 @@ class SharedArena(NamedMapping):
     :class:`~gear_mpi.storage.file_arenas.NamedMapping`; a Replay unlinks once every node peer has attached).
 
     ``SharedArena(nbytes)`` creates a new segment (this process owns and unlinks
-    it); ``SharedArena.attach(name)`` maps an existing one. Every mapping sits at a 2 MB-aligned address and
-    the creator merges the segment into huge pages (:mod:`gear_mpi.storage.shared_pages`: fewer TLB misses
+    it); ``SharedArena.attach(name)`` maps an existing one. Every mapping sits at a 2 MB-aligned address and,
+    with ``huge=True`` (a shard's columns: :func:`make_arena`), the creator merges the segment into huge pages (:mod:`gear_mpi.storage.shared_pages`: fewer TLB misses
     on the random window reads of sampling, its own and its node peers'). Cost: one mmap, the pages
     committed at creation (``posix_fallocate``) and collapsed (0.3-2.5 s per GB here, beyond 512 MB in the
     background).
@@ -312,7 +312,7 @@ class SharedArena(NamedMapping):
 
     kind = "shm"
 
-    def __init__(self, nbytes: int, name: str | None = None, *, _attach: bool = False):
+    def __init__(self, nbytes: int, name: str | None = None, *, huge: bool = False, _attach: bool = False):
         if name is None:
             name = SHM_PREFIX + uuid.uuid4().hex[:16]
         if "/" in name or not name:
@@ -342,8 +342,9 @@ class SharedArena(NamedMapping):
             os.close(fd)
         self.buffer = np.asarray(self._mmap) if isinstance(self._mmap, shared_pages.AlignedMapping) \
             else np.frombuffer(self._mmap, dtype=np.uint8)
-        # the creator merges the committed pages into huge pages (peers' mappings then map them too)
-        self._collapser = shared_pages.collapse(self._mmap) if self.owner else None
+        # the creator of a ring (huge=True) merges its committed pages into huge pages (peers' mappings then map
+        # them too); small staging and registry segments, written a little at a time, are left as they are
+        self._collapser = shared_pages.collapse(self._mmap) if self.owner and huge else None
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.path) if self.owner else None
         if self.owner:
             atexit.register(self._finalizer)
@@ -401,7 +402,7 @@ def make_arena(kind: str, nbytes: int, path=None, rank: int = 0) -> PrivateArena
     if kind in ("private", "shm"):
         if path is not None:
             raise ValueError(f'path= is for memory="file"; memory={kind!r} takes none')
-        return PrivateArena(nbytes) if kind == "private" else SharedArena(nbytes)
+        return PrivateArena(nbytes) if kind == "private" else SharedArena(nbytes, huge=True)
     if kind == "file":
         return FileArena.create(rank_directory(path, rank), COLUMNS_FILE, nbytes)
     if path is None:
