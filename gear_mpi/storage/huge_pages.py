@@ -36,12 +36,13 @@ ENABLED = os.environ.get("GEAR_MPI_COLLAPSE", "1") != "0"
 IDLE_POLL_S = 0.01  # how often a waiting thread asks its owner again
 
 
-try:  # madvise on any address range, the GIL released during the call (ctypes.CDLL)
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+try:  # the C library, for madvise (and shared_pages' mmap) on any address range, the GIL released (ctypes.CDLL)
+    LIBC = ctypes.CDLL(None, use_errno=True)
+    _madvise = LIBC.madvise
     _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     _madvise.restype = ctypes.c_int
 except (OSError, AttributeError):  # no C library to call: advise_range does nothing
-    _madvise = None
+    LIBC = _madvise = None
 
 
 def advise_range(address: int, nbytes: int, advice: int) -> bool | None:
@@ -68,44 +69,60 @@ def weak_busy(owner) -> Callable[[], bool]:
 class Collapser:
     """Collapses ``ranges`` (``(address, nbytes)`` of memory already written, in mappings advised
     ``MADV_HUGEPAGE``: anonymous private ones, or node-shared segments of :mod:`~gear_mpi.storage.shared_pages`)
-    into huge pages from a daemon thread, one chunk a call.
+    into huge pages: the first ``now_bytes`` on the caller's thread, the rest from a daemon thread, one
+    :data:`CHUNK_BYTES` chunk a call.
 
     The owner calls :meth:`stop` before it unmaps any of that memory. Local; no collective.
 
     Args:
         ranges: the written ranges; each is rounded inwards to whole 2 MB pages (smaller ones dropped).
         force: start the thread whatever ``$GEAR_MPI_COLLAPSE`` says (:data:`ENABLED`).
-        busy: asked before each chunk; while it returns True the thread waits (polling every
+        busy: asked before each chunk of the thread; while it returns True the thread waits (polling every
             :data:`IDLE_POLL_S`). None: never waits.
+        now_bytes: bytes collapsed before the constructor returns (whatever ``busy`` says).
     """
 
-    def __init__(self, ranges, force: bool = False, busy: Callable[[], bool] | None = None):
+    def __init__(self, ranges, force: bool = False, busy: Callable[[], bool] | None = None, now_bytes: int = 0):
         self.ranges = [(lo, hi) for lo, hi in ((-(-a // HUGE_PAGE) * HUGE_PAGE, (a + n) // HUGE_PAGE * HUGE_PAGE)
                                                for a, n in ranges) if hi > lo]
         self.collapsed = 0  # bytes the kernel merged
         self.failed = 0  # bytes it refused (busy, out of huge pages, not supported)
+        self.supported = True  # False once the kernel said it does not know MADV_COLLAPSE
+        self._left = list(self.ranges)  # what is still to collapse (only the thread changes it once started)
         self._stop = threading.Event()
         self._busy = busy
         self.thread = None
-        if self.ranges and (ENABLED or force):
+        if now_bytes > 0:
+            self._advance(now_bytes, waits=False)
+        if self._left and (ENABLED or force):
             self.thread = threading.Thread(target=self._run, name="gear_mpi-collapse", daemon=True)
             self.thread.start()
 
-    def _run(self) -> None:
-        for lo, hi in self.ranges:
-            for a in range(lo, hi, CHUNK_BYTES):
+    def _advance(self, budget: int, waits: bool) -> None:
+        """Collapse chunks from the front of what is left of :attr:`ranges` until ``budget`` bytes are done, the
+        ranges end, :meth:`stop` is called or the kernel turns out not to know the advice (then nothing is left
+        to do). ``waits``: wait while ``busy`` says so before each chunk."""
+        while self._left and budget > 0:
+            if waits:
                 while self._busy is not None and self._busy() and not self._stop.is_set():
                     self._stop.wait(IDLE_POLL_S)
-                if self._stop.is_set():
-                    return
-                n = min(CHUNK_BYTES, hi - a)
-                ok = advise_range(a, n, MADV_COLLAPSE)
-                if ok is None:  # the kernel does not know MADV_COLLAPSE
-                    return
-                if ok:
-                    self.collapsed += n
-                else:
-                    self.failed += n
+            if self._stop.is_set():
+                return
+            lo, hi = self._left[0]
+            n = min(CHUNK_BYTES, hi - lo, max(HUGE_PAGE, budget // HUGE_PAGE * HUGE_PAGE))
+            ok = advise_range(lo, n, MADV_COLLAPSE)
+            if ok is None:  # the kernel does not know MADV_COLLAPSE
+                self.supported, self._left = False, []
+                return
+            if ok:
+                self.collapsed += n
+            else:
+                self.failed += n
+            budget -= n
+            self._left[0:1] = [(lo + n, hi)] if lo + n < hi else []
+
+    def _run(self) -> None:
+        self._advance(1 << 62, waits=True)
 
     def done(self) -> bool:
         """Whether the thread has finished (or never started). O(1)."""

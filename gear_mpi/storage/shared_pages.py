@@ -20,7 +20,7 @@ and swaps the mapping); a kernel without ``MADV_COLLAPSE``, or one that refuses,
 
 Cost of the collapse, on the creator: about 0.26 s per GB here where the host had backed the memory before
 and up to 2.5 s per GB on memory it had not (a VM whose host backs guest memory lazily); the first
-:data:`COLLAPSE_NOW_BYTES` are collapsed in the constructor, anything beyond by a daemon thread, 64 MB a call
+:data:`COLLAPSE_NOW_BYTES` are collapsed in the constructor, anything beyond by a daemon thread, 16 MB a call
 (:class:`~gear_mpi.storage.huge_pages.Collapser`), so that a large segment does not hold up the job's start.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import ctypes
 import mmap
 import weakref
 
-from .huge_pages import HUGE_PAGE, MADV_COLLAPSE, Collapser, advise_range
+from .huge_pages import HUGE_PAGE, LIBC, Collapser, advise_range
 
 #: bytes of a new segment collapsed before its constructor returns (the rest in the background)
 COLLAPSE_NOW_BYTES = 512 << 20
@@ -37,14 +37,13 @@ _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _mmap = _libc.mmap
+    _mmap = LIBC.mmap
     _mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
     _mmap.restype = ctypes.c_void_p
-    _munmap = _libc.munmap
+    _munmap = LIBC.munmap
     _munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     _munmap.restype = ctypes.c_int
-except (OSError, AttributeError):  # no C library to call: plain mmap objects
+except AttributeError:  # no C library to call (LIBC is None): plain mmap objects
     _mmap = _munmap = None
 
 
@@ -127,12 +126,5 @@ def collapse(mapping: mmap.mmap | AlignedMapping, now_bytes: int = COLLAPSE_NOW_
         mapping.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
     except OSError:
         return None
-    end = mapping.address + mapping.nbytes // HUGE_PAGE * HUGE_PAGE
-    now_end = min(end, mapping.address + max(0, now_bytes) // HUGE_PAGE * HUGE_PAGE)
-    step = 64 << 20
-    for a in range(mapping.address, now_end, step):
-        if advise_range(a, min(step, now_end - a), MADV_COLLAPSE) is None:
-            return None  # EINVAL: this kernel cannot collapse shared memory
-    if end > now_end:
-        return Collapser([(now_end, end - now_end)], force=True)
-    return None
+    collapser = Collapser([(mapping.address, mapping.nbytes)], force=True, now_bytes=now_bytes)
+    return None if collapser.thread is None else collapser
