@@ -320,6 +320,50 @@ def session_processes(sid: int) -> list[str]:
     return found
 
 
+def descendants(pid: int) -> list[str]:
+    """``pid cmdline`` of every live descendant of process ``pid`` (launchers put ranks in sessions of their
+    own, so a session does not find them), from /proc."""
+    parent, args = {}, {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                args[int(p)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            parent[int(p)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        found += [f"{p} {args[p]}" for p in kids]
+        frontier = kids
+    return found
+
+
+def dump_stacks(pid: int, marker: str = "mpi_programs/", wait: float = 3.0) -> int:
+    """Send SIGUSR2 to the descendants of process ``pid`` that run a Python program whose path contains
+    ``marker`` (the test programs, which print every thread's stack on it: tests/mpi_programs/fault_checks.py),
+    then give them ``wait`` seconds to write. Returns how many were signalled."""
+    sent = 0
+    for line in descendants(pid):
+        p, args = line.split(" ", 1)
+        words = args.split()
+        if len(words) > 1 and "python" in os.path.basename(words[0]) and marker in words[1]:
+            try:
+                os.kill(int(p), signal.SIGUSR2)
+                sent += 1
+            except ProcessLookupError:
+                pass
+    if sent:
+        time.sleep(wait)
+    return sent
+
+
 def reap_session(sid: int, grace: float) -> list[str]:
     """Wait up to ``grace`` seconds for the processes of session ``sid`` (a job started with
     ``start_new_session=True``) to end, then SIGKILL the ones left; returns those (``pid cmdline``)."""

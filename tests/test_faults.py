@@ -54,7 +54,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_util import (PROGRAMS, MpiRuntime, _mpi_env, default_runtime, openmpi_runtime, passes,
+from mpi_util import (PROGRAMS, MpiRuntime, _mpi_env, default_runtime, dump_stacks, openmpi_runtime, passes,
                       reap_session, remove_leaked_mpi_leftovers, run_pytest_mpi, unmapped_segments)
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
@@ -93,6 +93,7 @@ def _created_since(name: str, since: float) -> bool:
 def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
     """Run a job in its own session; kill the whole session if it outlives ``limit`` (a hang).
 
+    A hung job's ranks are first asked for their stacks (SIGUSR2), which end up in its stderr.
     Afterwards: no process of the session may remain, the MPI runtime's leftovers of
     ranks that died unfinalized are removed, and no gear_mpi segment may be left.
     """
@@ -106,6 +107,7 @@ def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         hung = True
+        dump_stacks(proc.pid)  # the ranks print where they hang (tests/mpi_programs/fault_checks.py)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
     elapsed = time.monotonic() - t0
@@ -196,7 +198,7 @@ def jobs(request) -> FaultJobs:
 
 
 def no_hang(job: Job) -> None:
-    assert not job.hung, f"the job hung (killed after {job.elapsed:.0f}s)\n{job.out}"
+    assert not job.hung, f"the job hung (killed after {job.elapsed:.0f}s)\n{job.stdout}{job.stderr[-20000:]}"
     assert not job.leftovers, f"processes left behind: {job.leftovers}"
     assert "WRONG" not in job.stdout, job.out
 

@@ -35,6 +35,7 @@ it into one buffer per episode and copies it once into its shard (one
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -45,6 +46,7 @@ from .writer import EpisodeWriter
 
 TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE, TAG_CLOSED = range(31000, 31006)
 TAGS = (TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE, TAG_CLOSED)
+FAILURE_RETRIES = 5  # tries again after acknowledging a failure (RemoteInbox._retry)
 _HEAD = 16  # bytes before an episode's columns: length (int64), priority (float64)
 
 
@@ -57,13 +59,16 @@ def acknowledge_failures(comm) -> list[int]:
     """ULFM: acknowledge the processes of ``comm`` known to have failed, so that receives and probes from
     ``MPI.ANY_SOURCE`` work again, and return their ranks in ``comm``. Local, O(failed ranks).
 
+    The failed group is read first and exactly its members are acknowledged, so a failure that MPI notices
+    between the two calls is neither acknowledged nor returned (the next call takes it).
+
     Raises:
         NotImplementedError: this mpi4py has neither ``Comm.Ack_failed`` (MPI 5 / ULFM) nor ``Failure_ack``.
     """
     MPI = _mpi()
     if hasattr(comm, "Ack_failed"):
-        comm.Ack_failed()
         group = comm.Get_failed()
+        comm.Ack_failed(group.Get_size())  # the first n of that group, in its order (MPI 5)
     elif hasattr(comm, "Failure_ack"):
         comm.Failure_ack()
         group = comm.Failure_get_acked()
@@ -234,27 +239,41 @@ class RemoteInbox:
         self.failed: set[int] = set()  # ranks of comm that died (ULFM), acknowledged here
 
     def _failure(self, e: Exception) -> None:
-        """MPI reported a dead rank of ``comm`` (ULFM): acknowledge it, forget it as an actor; re-raise ``e``
-        when it is not that or nothing new was acknowledged (no progress: it would repeat)."""
+        """MPI reported a dead rank of ``comm`` (ULFM): acknowledge what has failed and forget those ranks as
+        actors; re-raise ``e`` when it is not that."""
         if not _process_failed(e):
             raise e
         try:
             gone = set(acknowledge_failures(self.comm)) - self.failed
         except Exception:
             raise e from None
-        if not gone:
-            raise e
         self.failed |= gone
         for r in gone:
             self.actors.pop(r, None)
 
+    def _retry(self, op, source: int | None = None):
+        """``op()``; where MPI reports a dead rank (ULFM), acknowledge it and try again, up to
+        ``FAILURE_RETRIES`` times (MPI may report a failure before it lists the rank as failed). Returns
+        ``op()``'s result, or None where ``source`` (the rank ``op`` receives from) is the one that died."""
+        for attempt in range(FAILURE_RETRIES + 1):
+            try:
+                return op()
+            except self._MPI.Exception as e:
+                if attempt == FAILURE_RETRIES:
+                    raise
+                self._failure(e)
+                if source is not None and source in self.failed:
+                    return None
+                if attempt:
+                    time.sleep(0.001 * 2 ** attempt)
+
     def _probe(self, source: int, tag: int, status=None) -> bool:
         """``comm.Iprobe``, going on past ranks that died (acknowledged: :meth:`_failure`)."""
-        while True:
-            try:
-                return self.comm.Iprobe(source=source, tag=tag, status=status)
-            except self._MPI.Exception as e:
-                self._failure(e)
+        return bool(self._retry(lambda: self.comm.Iprobe(source=source, tag=tag, status=status)))
+
+    def _recv(self, buf: np.ndarray, source: int, tag: int) -> bool:
+        """``comm.Recv`` of a message a probe found; False where its sender died meanwhile."""
+        return self._retry(lambda: self.comm.Recv(buf, source=source, tag=tag) or True, source) is not None
 
     def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
         try:
@@ -276,16 +295,18 @@ class RemoteInbox:
             return True
 
     def _control(self) -> None:
-        comm, MPI, status = self.comm, self._MPI, self._MPI.Status()
+        MPI, status = self._MPI, self._MPI.Status()
         while self._probe(MPI.ANY_SOURCE, TAG_HELLO, status):
             src = status.Get_source()
-            comm.Recv(np.empty(1, np.uint8), source=src, tag=TAG_HELLO)
+            if not self._recv(np.empty(1, np.uint8), src, TAG_HELLO):
+                break  # its sender died: the next call looks again
             self.actors[src] = [0, 0]
             self._send(self._spec, src, TAG_SPEC)
         while self._probe(MPI.ANY_SOURCE, TAG_BYE, status):
             src = status.Get_source()
-            comm.Recv(np.empty(1, np.uint8), source=src, tag=TAG_BYE)
             self.actors.pop(src, None)
+            if not self._recv(np.empty(1, np.uint8), src, TAG_BYE):
+                break
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not self._done(r)]
 
@@ -303,7 +324,7 @@ class RemoteInbox:
             WriterError: a message that is not a well-formed episode of this spec (names the actor rank).
         """
         self._control()
-        comm, MPI, status = self.comm, self._MPI, self._MPI.Status()
+        MPI, status = self._MPI, self._MPI.Status()
         spec, store = self.shard.spec, self.shard.store
         got, lengths, priorities, senders, steps = [], [], [], [], 0
         while len(got) < budget and len(got) < store.max_items and \
@@ -313,7 +334,8 @@ class RemoteInbox:
             if steps + head > store.capacity:
                 break  # the next drain takes it
             buf = np.empty(nbytes, np.uint8)
-            comm.Recv(buf, source=src, tag=TAG_EPISODE)
+            if not self._recv(buf, src, TAG_EPISODE):
+                break  # its sender died after the probe: never acknowledged, not held; the next drain goes on
             length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
             if not (1 <= length <= spec.max_length) or nbytes != _HEAD + length * spec.step_bytes or \
                     not (priority >= 0 and np.isfinite(priority)):

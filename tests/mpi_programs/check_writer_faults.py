@@ -40,6 +40,7 @@ LEARNERS, ACTOR, DEAD = 3, 3, 2
 SPEC = gm.TrajectorySpec({"id": ((), "int64"), "obs": ((3,), "float32")}, max_length=3)
 WRITER_PERIOD = 0.04  # seconds between a writer's episodes
 AFTER_RECOVERY = 0.6  # seconds the survivors sample on before the writers are told to stop
+RECOVERED_TIMEOUT = 60.0  # the recovered replay's deadline (the killed learner's replay: the one given)
 
 
 def traj(ident: int) -> dict[str, np.ndarray]:
@@ -155,7 +156,9 @@ def learner(base: str, timeout: float) -> None:
     if RANK == DEAD:
         die_in_next_sample(replay)
     failed = sample_must_fail(replay, 8, 1)
-    rec = replay.recover(checkpoint, seed=5)
+    # the recovered replay waits longer: what follows checks the writers, not the deadline, and on a loaded
+    # machine (load average 46 beside other MPI jobs, 2026-12-05) a survivor fell 4 s behind in the draws
+    rec = replay.recover(checkpoint, seed=5, timeout=RECOVERED_TIMEOUT)
     new, rcomm = rec.replay, rec.comm
     # the survivors meet (an MPI barrier, no deadline) before the samples bound by the short one: on a loaded
     # machine one reached its first sample after recovery more than 4 s after the other (CI, 2026-12-05)

@@ -8,9 +8,13 @@ chi-square test of the recovered replay's draws.
   ``WRONG ... rank=R`` and leaves with ``os._exit(0)`` (MPI_Finalize would wait for the dead rank).
 - :func:`draws_problems`: sample the (recovered) replay, count every id's draws over all its ranks and test
   the counts against the expected probabilities (chi-square).
+
+Importing this module makes SIGUSR2 print every thread's stack to stderr (``faulthandler``): the tests send it
+to a job's ranks before they kill a job that outlived its limit, so that a hang says where it hung.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import time
@@ -21,6 +25,7 @@ from mpi4py import MPI
 import gear_mpi as gm
 
 RANK = MPI.COMM_WORLD.rank
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def say(word: str, what: str) -> None:
