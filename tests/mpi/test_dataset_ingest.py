@@ -28,7 +28,7 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
-from gear_mpi.storage.arenas import SharedArena
+from gear_mpi.storage import SharedArena
 from dataset_files import episodes, root_from_env, step_table
 from replay_checks import RANK, SIZE, expect_same_error
 
