@@ -301,47 +301,39 @@ def run_single(program: str, *args: str, timeout: float = 120.0) -> subprocess.C
                           timeout=timeout, env=env)
 
 
-def session_processes(sid: int) -> list[str]:
-    """``pid cmdline`` of every live process (zombies left out) of session ``sid``, from /proc."""
+def _live_processes() -> list[tuple[int, int, int, str]]:
+    """``(pid, parent pid, session, cmdline)`` of every live process (zombies left out), from /proc."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid or fields[0] == "Z":  # field 6 of stat: the session
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            if fields[0] == "Z":
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 args = f.read().replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{pid} {args[:160]}")
+            found.append((int(pid), int(fields[1]), int(fields[3]), args))
         except (OSError, IndexError, ValueError):
             continue
     return found
 
 
+def session_processes(sid: int) -> list[str]:
+    """``pid cmdline`` of every live process (zombies left out) of session ``sid``, from /proc."""
+    return [f"{pid} {args[:160]}" for pid, _, session, args in _live_processes() if session == sid]
+
+
 def descendants(pid: int) -> list[str]:
     """``pid cmdline`` of every live descendant of process ``pid`` (launchers put ranks in sessions of their
     own, so a session does not find them), from /proc."""
-    parent, args = {}, {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] == "Z":
-                continue
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                args[int(p)] = f.read().replace(b"\0", b" ").decode(errors="replace")
-            parent[int(p)] = int(fields[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, frontier = [], [pid]
+    procs = _live_processes()
+    found, frontier = [], {pid}
     while frontier:
-        kids = [p for p, pp in parent.items() if pp in frontier]
-        found += [f"{p} {args[p]}" for p in kids]
-        frontier = kids
+        kids = [(p, args) for p, parent, _, args in procs if parent in frontier]
+        found += [f"{p} {args}" for p, args in kids]
+        frontier = {p for p, _ in kids}
     return found
 
 

@@ -43,6 +43,7 @@ reload under Open MPI in tests/test_openmpi.py.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,8 +55,8 @@ from pathlib import Path
 
 import pytest
 
-from mpi_util import (PROGRAMS, MpiRuntime, _mpi_env, default_runtime, dump_stacks, openmpi_runtime, passes,
-                      reap_session, remove_leaked_mpi_leftovers, run_pytest_mpi, unmapped_segments)
+from mpi_util import (PROGRAMS, MpiRuntime, _mpi_env, default_runtime, descendants, dump_stacks, openmpi_runtime,
+                      passes, reap_session, remove_leaked_mpi_leftovers, run_pytest_mpi, unmapped_segments)
 
 PROGRAM = str(PROGRAMS / "check_faults.py")
 TIMEOUT = 4.0  # the replay's collective deadline in the kill scenario
@@ -108,7 +109,11 @@ def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
     except subprocess.TimeoutExpired:
         hung = True
         dump_stacks(proc.pid)  # the ranks print where they hang (tests/mpi_programs/fault_checks.py)
+        ranks = [int(line.split(" ", 1)[0]) for line in descendants(proc.pid)]  # in sessions of their own
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
     elapsed = time.monotonic() - t0
     leftovers = reap_session(proc.pid, 5.0)  # give stragglers a moment, then record and kill them

@@ -24,7 +24,9 @@ A dead rank (under ULFM: Open MPI's ``mpiexec --with-ft ulfm``, where the surviv
 learner died raises WriterError at its next call that talks to the learner (MPI reports the failure, or no
 acknowledgement comes within ``timeout``: WriterTimeoutError); its open episode and unacknowledged ones are
 lost. A learner whose ``comm`` lost a rank (an actor, or another learner) acknowledges the failure (so that
-its receives from any source work again), forgets the dead actors and goes on taking the others' episodes;
+its receives from any source work again; a probe or receive that MPI fails for a failure it has not listed
+yet is tried again, up to :data:`FAILURE_RETRIES` times), forgets the dead actors and goes on taking the
+others' episodes;
 ``Replay.recover`` hands the inboxes to the survivors' new replay, so an actor of a surviving learner goes on.
 Without ULFM the launcher ends the whole job when a rank dies.
 
