@@ -395,13 +395,14 @@ class NodeBoard:
         mine = counts[me]
         owners = [o for o in range(self.size) if mine[o] and o != me]
         self.wait(self.choice_count, owners, epoch, what)
-        first = counts[:me].sum(0)
+        # where each owner's rows for this rank begin: after those it serves the ranks before this one
+        first = counts[:me].sum(0).tolist() if me > 1 else counts[0].tolist() if me else [0] * self.size
         row = 0
         for o in range(self.size):
             k = int(mine[o])
             if k:
                 src = own if o == me else self.choices[o]
-                got[row:row + k] = src[int(first[o]):int(first[o]) + k]
+                got[row:row + k] = src[first[o]:first[o] + k]
                 row += k
 
     def _publish(self, counters: list, value: int) -> None:

@@ -182,13 +182,15 @@ def sample_again(replay, rec: SampleRecord):
             pairs = two_owner_rows(replay.shared_rng, asked, masses[0], mass)
             counts[:] = pairs
             serve = pairs[0][me] + pairs[1][me]
+            busiest = max(pairs[0][0] + pairs[1][0], pairs[0][1] + pairs[1][1])
         else:
             counts[:] = multinomial_rows(replay.shared_rng, np.array(asked, np.int64), np.array(masses) / mass)
             serve = int(counts[:, me].sum())
+            busiest = int(counts.sum(0).max())
         wmin = min(r[MIN_WEIGHT] for r in rows)
         recv = counts[me]
         out = rec.batch()
-        if int(counts.sum(0).max()) > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
+        if busiest > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
             slots = shard.select(serve)
             choices = shard.make_choices(slots, rec.window, rec.code, mass, wmin)
             replay.transport.exchange(choices, np.ascontiguousarray(counts[:, me]), recv, rec.window, out=out,
