@@ -239,6 +239,7 @@ class RemoteInbox:
         self._sizes = [(c.name, c.dtype, c.shape, c.step_bytes) for c in shard.spec.columns]
         self.ingested = 0
         self.failed: set[int] = set()  # ranks of comm that died (ULFM), acknowledged here
+        self._held = None  # an episode matched (MPI_Improbe) that the last drain had no room for
 
     def _failure(self, e: Exception) -> None:
         """MPI reported a dead rank of ``comm`` (ULFM): acknowledge what has failed and forget those ranks as
@@ -276,6 +277,25 @@ class RemoteInbox:
     def _recv(self, buf: np.ndarray, source: int, tag: int) -> bool:
         """``comm.Recv`` of a message a probe found; False where its sender died meanwhile."""
         return self._retry(lambda: self.comm.Recv(buf, source=source, tag=tag) or True, source) is not None
+
+    def _match(self, tag: int):
+        """The next message of ``tag`` from any rank, matched (``MPI_Improbe``: only :meth:`_take` receives it),
+        as ``(message, source, bytes)``; None when there is none. Goes on past ranks that died."""
+        status = self._MPI.Status()
+        message = self._retry(lambda: self.comm.Improbe(source=self._MPI.ANY_SOURCE, tag=tag, status=status))
+        if message is None or message == self._MPI.MESSAGE_NULL:
+            return None
+        return message, status.Get_source(), status.Get_count(self._MPI.BYTE)
+
+    def _take(self, message, buf: np.ndarray) -> bool:
+        """Receive a matched message into ``buf``; False where its sender died before it all arrived (the
+        message is gone then: a later probe cannot meet it again)."""
+        try:
+            message.Recv(buf)
+            return True
+        except self._MPI.Exception as e:
+            self._failure(e)  # anything but a dead sender is raised
+            return False
 
     def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
         try:
@@ -315,7 +335,7 @@ class RemoteInbox:
     def backlog(self) -> int:
         """1 when an episode is waiting to be received, else 0 (MPI shows one message at a time). O(1)."""
         self._control()
-        return int(bool(self._probe(self._MPI.ANY_SOURCE, TAG_EPISODE)))
+        return int(self._held is not None or bool(self._probe(self._MPI.ANY_SOURCE, TAG_EPISODE)))
 
     def drain(self, budget: float) -> int:
         """Receive up to ``budget`` episodes into the shard (one store_packed), then acknowledge them. Local.
@@ -326,18 +346,21 @@ class RemoteInbox:
             WriterError: a message that is not a well-formed episode of this spec (names the actor rank).
         """
         self._control()
-        MPI, status = self._MPI, self._MPI.Status()
         spec, store = self.shard.spec, self.shard.store
         got, lengths, priorities, senders, steps = [], [], [], [], 0
-        while len(got) < budget and len(got) < store.max_items and \
-                self._probe(MPI.ANY_SOURCE, TAG_EPISODE, status):
-            src, nbytes = status.Get_source(), status.Get_count(MPI.BYTE)
+        while len(got) < budget and len(got) < store.max_items:
+            held = self._held if self._held is not None else self._match(TAG_EPISODE)
+            if held is None:
+                break
+            message, src, nbytes = held
             head = (nbytes - _HEAD) // max(spec.step_bytes, 1)
-            if steps + head > store.capacity:
-                break  # the next drain takes it
+            if got and steps + head > store.capacity:
+                self._held = held  # the next drain takes it (a first one that cannot fit is read, and refused)
+                break
+            self._held = None
             buf = np.empty(nbytes, np.uint8)
-            if not self._recv(buf, src, TAG_EPISODE):
-                break  # its sender died after the probe: never acknowledged, not held; the next drain goes on
+            if not self._take(message, buf):
+                continue  # its sender died before the episode arrived: never acknowledged, not held
             length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
             if not (1 <= length <= spec.max_length) or nbytes != _HEAD + length * spec.step_bytes or \
                     not (priority >= 0 and np.isfinite(priority)):
@@ -364,6 +387,13 @@ class RemoteInbox:
 
     def close(self) -> None:
         """Tell every known actor the replay is closed (it then raises WriterError). Local, best effort."""
+        if self._held is not None:  # a matched message must be received: its episode is dropped, never acknowledged
+            message, _, nbytes = self._held
+            self._held = None
+            try:
+                self._take(message, np.empty(nbytes, np.uint8))
+            except self._MPI.Exception:
+                pass
         for src in list(self.actors):
             try:
                 self._send(np.zeros(1, np.uint8), src, TAG_CLOSED)

@@ -222,6 +222,56 @@ def test_actor_ranks_send_episodes_over_mpi():
         group.Free()
 
 
+def test_an_inbox_keeps_what_a_drain_has_no_room_for():
+    """A learner whose ring holds two longest episodes: each drain takes what fits and keeps the next matched
+    episode for the next drain (``RemoteInbox._held``); every episode the actors sent enters once, in order,
+    and the ring ends holding the newest."""
+    if COMM.size < 2:
+        pytest.skip("needs an actor rank")
+    learners = 1
+    is_learner = COMM.rank < learners
+    group = COMM.Split(0 if is_learner else 1, COMM.rank)
+    sent = 12
+    try:
+        if is_learner:
+            actors_ = list(range(learners, COMM.size))
+            with gm.Replay(SPEC, 2 * MAX_LENGTH, gm.Fifo(), comm=group, timeout=60) as replay:
+                replay.accept_remote(COMM)
+                connected = COMM.Ibarrier()  # the actors' MpiWriter wait for this rank to answer them
+                deadline, drains = time.monotonic() + 60, []
+                while not connected.Test():  # (an actor may start sending before this rank sees the barrier end)
+                    drains.append(replay.ingest())
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                COMM.Barrier()  # every actor has sent everything: the drains below see the rest of it waiting
+                rounds = 0
+                while replay.stats()["total"]["ingested"] < sent * len(actors_):  # (stats drains too)
+                    drains.append(replay.ingest())
+                    rounds += 1
+                    assert time.monotonic() < deadline, drains
+                assert replay.stats()["total"]["ingested"] == sent * len(actors_)
+                # the ring holds the newest episodes, whole (Fifo eviction): of each actor the last ones it sent
+                held = {(int(replay.get(int(k))["x"][0, 0]), int(replay.get(int(k))["x"][0, 1]))
+                        for k in replay.shard.live_keys()}
+                for actor in {a for a, _ in held}:
+                    got = sorted(i for a, i in held if a == actor)
+                    assert got == list(range(sent - len(got), sent)), (actor, got)
+                check_exact(replay.shard, held)
+                assert rounds > 1, drains  # more than a ring's worth was waiting: drains held episodes back
+                COMM.Barrier()  # the actors may close
+        else:
+            with gm.MpiWriter(COMM, 0, timeout=60, max_in_flight=sent) as w:
+                COMM.Ibarrier().Wait()  # connected (a non-blocking barrier matches only its kind: the learner's)
+                for i in range(sent):
+                    cols, p = episode(COMM.rank, i)
+                    w.insert(cols, p)
+                COMM.Barrier()
+                w.flush()
+            COMM.Barrier()
+    finally:
+        group.Free()
+
+
 def test_a_replay_larger_than_the_node_is_refused_on_every_rank():
     from gear_mpi.storage import budget
     have, where = budget.mem_available()
