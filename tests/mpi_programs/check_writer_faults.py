@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 import numpy as np
 from mpi4py import MPI
@@ -40,6 +41,7 @@ LEARNERS, ACTOR, DEAD = 3, 3, 2
 SPEC = gm.TrajectorySpec({"id": ((), "int64"), "obs": ((3,), "float32")}, max_length=3)
 WRITER_PERIOD = 0.04  # seconds between a writer's episodes
 AFTER_RECOVERY = 0.6  # seconds the survivors sample on before the writers are told to stop
+CHILDREN: list = []  # this rank's writer process, killed if the rank fails
 RECOVERED_TIMEOUT = 60.0  # the recovered replay's deadline (the killed learner's replay: the one given)
 
 
@@ -133,6 +135,10 @@ def held_ids(replay: gm.Replay, comm) -> list[int]:
 
 def learner(base: str, timeout: float) -> None:
     comm = WORLD.Split(0, RANK)
+    # MPI barriers (no deadline) before the steps bound by the short one, here and below: on a loaded machine
+    # (load average 54 beside other MPI jobs, 2026-12-05) the learners reached the first save more than 4 s
+    # apart; the deadline is for the dead rank, not for them
+    comm.Barrier()
     replay = gm.Replay(SPEC, 6000, gm.Uniform(), comm=comm, seed=3, timeout=timeout, max_items=3000)
     replay.accept_remote(WORLD)
     go, stop = os.path.join(base, "go"), os.path.join(base, "stop")
@@ -140,12 +146,14 @@ def learner(base: str, timeout: float) -> None:
     proc = subprocess.Popen([sys.executable, "-c", WRITER, replay.writer_address(), mine,
                              str(5_000_000 + 10_000 * RANK), go, stop, str(WRITER_PERIOD)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    CHILDREN.append(proc)
     deadline = time.monotonic() + 60
     while not os.path.exists(mine + ".started") and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
     before = [RANK * 1000 + i for i in range(5)]
     replay.insert_many([traj(i) for i in before])
     checkpoint = os.path.join(base, "ck")
+    comm.Barrier()
     replay.save(checkpoint)  # before the writers' episodes: those of learner 2 are all lost
     WORLD.Barrier()  # the actor starts; no deadline: the writer processes may take a while to start
     if RANK == 0:
@@ -243,8 +251,16 @@ if __name__ == "__main__":
     base, timeout = sys.argv[1], float(sys.argv[2])
     if WORLD.size != LEARNERS + 1:
         raise SystemExit(f"run on {LEARNERS + 1} ranks, not {WORLD.size}")
-    if RANK == ACTOR:
-        WORLD.Split(1, RANK)  # the learners' split is collective over COMM_WORLD
-        actor(base, timeout)
-    else:
-        learner(base, timeout)
+    try:
+        if RANK == ACTOR:
+            WORLD.Split(1, RANK)  # the learners' split is collective over COMM_WORLD
+            actor(base, timeout)
+        else:
+            learner(base, timeout)
+    except BaseException:  # an unexpected error: this rank leaves at once (MPI_Finalize could wait on the others)
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        for child in CHILDREN:
+            child.kill()
+        os._exit(1)
