@@ -182,10 +182,13 @@ def learner(base: str, timeout: float) -> None:
         open(stop, "w").close()
     # sample on until every report is written (the writers flush: their owners must take their episodes in)
     reports = [report_path(base, w) for w in ("writer-0", "writer-1", f"writer-{DEAD}", "actor")]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    # the survivors leave together: once every report is there, or once one of them has waited 90 s (each
+    # deadline is its own rank's: one leaving alone strands the other in its next sample, CI 2026-12-05)
+    deadline = time.monotonic() + 90
+    while True:
         new.sample(8, 1)
-        if rcomm.allreduce(int(all(os.path.exists(p) for p in reports)), op=MPI.MIN):
+        if rcomm.allreduce(int(not all(os.path.exists(p) for p in reports) and time.monotonic() < deadline),
+                           op=MPI.MIN) == 0:
             break
         time.sleep(0.01)
     new.ingest()

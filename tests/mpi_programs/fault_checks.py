@@ -36,6 +36,7 @@ def say(word: str, what: str) -> None:
 def die_in_next_sample(replay: gm.Replay) -> None:
     """Make this rank die (SIGKILL) inside its next ``replay.sample()``, after the call has begun."""
     def die(*args, **kwargs):
+        print(f"DYING rank={RANK} at={time.time():.3f}", flush=True)  # the wall clock of the kill, for the tests
         os.kill(os.getpid(), signal.SIGKILL)
     replay._exchange = die
 
