@@ -325,14 +325,14 @@ def session_processes(sid: int) -> list[str]:
     return [f"{pid} {args[:160]}" for pid, _, session, args in _live_processes() if session == sid]
 
 
-def descendants(pid: int) -> list[str]:
-    """``pid cmdline`` of every live descendant of process ``pid`` (launchers put ranks in sessions of their
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """``(pid, cmdline)`` of every live descendant of process ``pid`` (launchers put ranks in sessions of their
     own, so a session does not find them), from /proc."""
     procs = _live_processes()
     found, frontier = [], {pid}
     while frontier:
         kids = [(p, args) for p, parent, _, args in procs if parent in frontier]
-        found += [f"{p} {args}" for p, args in kids]
+        found += kids
         frontier = {p for p, _ in kids}
     return found
 
@@ -342,12 +342,11 @@ def dump_stacks(pid: int, marker: str = "mpi_programs/", wait: float = 3.0) -> i
     ``marker`` (the test programs, which print every thread's stack on it: tests/mpi_programs/fault_checks.py),
     then give them ``wait`` seconds to write. Returns how many were signalled."""
     sent = 0
-    for line in descendants(pid):
-        p, args = line.split(" ", 1)
+    for p, args in descendants(pid):
         words = args.split()
         if len(words) > 1 and "python" in os.path.basename(words[0]) and marker in words[1]:
             try:
-                os.kill(int(p), signal.SIGUSR2)
+                os.kill(p, signal.SIGUSR2)
                 sent += 1
             except ProcessLookupError:
                 pass

@@ -110,7 +110,7 @@ def run_job(args: list[str], limit: float, mpi: MpiRuntime) -> Job:
     except subprocess.TimeoutExpired:
         hung = True
         dump_stacks(proc.pid)  # the ranks print where they hang (tests/mpi_programs/fault_checks.py)
-        ranks = [int(line.split(" ", 1)[0]) for line in descendants(proc.pid)]  # in sessions of their own
+        ranks = [p for p, _ in descendants(proc.pid)]  # in sessions of their own
         os.killpg(proc.pid, signal.SIGKILL)
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):

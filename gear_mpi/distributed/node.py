@@ -396,7 +396,7 @@ class NodeBoard:
         owners = [o for o in range(self.size) if mine[o] and o != me]
         self.wait(self.choice_count, owners, epoch, what)
         # where each owner's rows for this rank begin: after those it serves the ranks before this one
-        first = counts[:me].sum(0).tolist() if me > 1 else counts[0].tolist() if me else [0] * self.size
+        first = counts[:me].sum(0).tolist() if me > 1 else (counts[0].tolist() if me == 1 else [0] * self.size)
         row = 0
         for o in range(self.size):
             k = int(mine[o])

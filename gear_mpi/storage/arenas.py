@@ -304,8 +304,9 @@ class SharedArena(NamedMapping):
 
     ``SharedArena(nbytes)`` creates a new segment (this process owns and unlinks
     it); ``SharedArena.attach(name)`` maps an existing one. Every mapping sits at a 2 MB-aligned address and,
-    with ``huge=True`` (a shard's columns: :func:`make_arena`), the creator merges the segment into huge pages (:mod:`gear_mpi.storage.shared_pages`: fewer TLB misses
-    on the random window reads of sampling, its own and its node peers'). Cost: one mmap, the pages
+    with ``huge=True`` (a shard's columns: :func:`make_arena`), the creator merges the segment into huge pages
+    (:mod:`gear_mpi.storage.shared_pages`: fewer TLB misses on the random window reads of sampling, its own and
+    its node peers'). Cost: one mmap, the pages
     committed at creation (``posix_fallocate``) and collapsed (0.3-2.5 s per GB here, beyond 512 MB in the
     background).
     """

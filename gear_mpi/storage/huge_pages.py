@@ -87,7 +87,6 @@ class Collapser:
                                                for a, n in ranges) if hi > lo]
         self.collapsed = 0  # bytes the kernel merged
         self.failed = 0  # bytes it refused (busy, out of huge pages, not supported)
-        self.supported = True  # False once the kernel said it does not know MADV_COLLAPSE
         self._left = list(self.ranges)  # what is still to collapse (only the thread changes it once started)
         self._stop = threading.Event()
         self._busy = busy
@@ -112,7 +111,7 @@ class Collapser:
             n = min(CHUNK_BYTES, hi - lo, max(HUGE_PAGE, budget // HUGE_PAGE * HUGE_PAGE))
             ok = advise_range(lo, n, MADV_COLLAPSE)
             if ok is None:  # the kernel does not know MADV_COLLAPSE
-                self.supported, self._left = False, []
+                self._left = []
                 return
             if ok:
                 self.collapsed += n
