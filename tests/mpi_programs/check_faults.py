@@ -58,7 +58,8 @@ from mpi4py import MPI
 import gear_mpi as gm
 from gear_mpi.checkpoint import files as ck_files
 from gear_mpi.kernels import ring
-from fault_checks import die_in_next_sample, draws_problems, sample_must_fail, say  # beside this file
+from fault_checks import (SETUP_TIMEOUT, die_in_next_sample, draws_problems, sample_must_fail, say,
+                          shorten_deadline)  # beside this file
 
 comm = MPI.COMM_WORLD
 RANK, SIZE = comm.rank, comm.size
@@ -126,12 +127,14 @@ def survive(call, what: str, timeout: float) -> None:
     os._exit(0)
 
 
-def sample_then_arm_the_kill(replay) -> None:
-    """Three samples on every rank; then the last rank is set to die (SIGKILL) inside its next sample(), after
-    that sample's first collective."""
+def sample_then_arm_the_kill(replay, timeout: float) -> None:
+    """Three samples on every rank; then, aligned, the replay gets the short deadline ``timeout`` and the last rank
+    is set to die (SIGKILL) inside its next sample(), after that sample's first collective."""
     for _ in range(3):
         replay.sample(4, 3)
     say("PASS", "sampled-before-kill")
+    aligned()
+    shorten_deadline(replay, timeout)
     if RANK == SIZE - 1:
         die_in_next_sample(replay)
 
@@ -145,12 +148,12 @@ def aligned() -> None:
 
 def scenario_kill(base: str, timeout: float, name: str) -> None:
     aligned()
-    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=5, timeout=timeout)
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=5, timeout=SETUP_TIMEOUT)
     insert_batch(replay, 1)
     aligned()
     save_with_expectation(replay, os.path.join(base, name), [1])
     aligned()
-    sample_then_arm_the_kill(replay)
+    sample_then_arm_the_kill(replay, timeout)
     survive(lambda: replay.sample(4, 3), "sample", timeout)
 
 
@@ -336,12 +339,12 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     survivors first pass a checkpoint of another replay (CheckpointError on both, the replay kept), then the
     newest: they keep all their own batches and get the dead rank's batches 1 and 2 back; its batch 3 is lost."""
     aligned()
-    other = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=8, timeout=timeout)
+    other = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=8, timeout=SETUP_TIMEOUT)
     insert_batch(other, 9)
     aligned()
     other.save(os.path.join(base, "foreign"))
     other.close()
-    replay = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=7, timeout=timeout)
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=7, timeout=SETUP_TIMEOUT)
     report = os.path.join(base, "dead-writer.txt")
     if RANK == SIZE - 1:  # a writer process of the rank that dies: it must get WriterError
         import subprocess
@@ -363,12 +366,12 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     writer.insert(traj(7_000_000 + RANK), priority(7_000_000 + RANK))  # staged; the samples below take it in
     if RANK == SIZE - 1:
         open(report + ".go", "w").close()  # its writer process starts inserting (after ck-2: lost)
-    sample_then_arm_the_kill(replay)
+    sample_then_arm_the_kill(replay, timeout)
     failed = sample_must_fail(replay, 4, 3)
     problems = []
     try:
         t1 = time.monotonic()
-        replay.recover(os.path.join(base, "foreign"), seed=RECOVER_SEED)
+        replay.recover(os.path.join(base, "foreign"), seed=RECOVER_SEED, timeout=SETUP_TIMEOUT)
         problems.append("recover took another replay's checkpoint")
     except gm.RecoveryError as e:
         took = time.monotonic() - t1
@@ -385,7 +388,7 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
         os._exit(0)
     try:
         t1 = time.monotonic()
-        rec = replay.recover(newest_checkpoint(base), seed=RECOVER_SEED)
+        rec = replay.recover(newest_checkpoint(base), seed=RECOVER_SEED, timeout=SETUP_TIMEOUT)
         recover_seconds = time.monotonic() - t1
     except BaseException as e:
         say("WRONG", f"recover: {type(e).__name__}: {e}")

@@ -2,6 +2,8 @@
 this from their own folder): a rank killed inside a ``sample()``, the survivors' failing sample, and the
 chi-square test of the recovered replay's draws.
 
+- :func:`shorten_deadline`: a replay built with the long :data:`SETUP_TIMEOUT` gets the scenario's short
+  deadline only for the steps that meet the dead rank.
 - :func:`die_in_next_sample`: the calling rank SIGKILLs itself inside its next ``replay.sample()``, after that
   call has begun (in place of the sample's exchange), so the others are left in the collective.
 - :func:`sample_must_fail`: the survivors' next sample must raise CollectiveError; one that returns prints
@@ -26,6 +28,17 @@ import gear_mpi as gm
 
 RANK = MPI.COMM_WORLD.rank
 faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+#: the deadline of every step before a rank is killed: on a loaded machine (CI's other test worker beside the
+#: job) ranks reach the same save or sample seconds apart, and the short deadline is meant for the dead rank only
+SETUP_TIMEOUT = 120.0
+
+
+def shorten_deadline(replay: gm.Replay, seconds: float) -> None:
+    """Give every communicator ``replay`` waits on (its own, its node's and its closing duplicate; the node
+    communicators copied the deadline when they were made) the deadline ``seconds``, on this rank."""
+    for mc in (replay.comm, replay.node.node_comm, replay.node.closing):
+        mc.timeout = float(seconds)
 
 
 def say(word: str, what: str) -> None:
