@@ -42,12 +42,18 @@ def test_gpu_replay_with_compressed_columns_matches_cpu_replay(mode, force):
             cpu.insert(t, p)
             if i % 4 == 3:
                 for align in ("random", "tail"):
+                    # this rank's mass and smallest weight as each replay's header carries them (for a failure's
+                    # message: CI once saw every weight of a device batch 0, 2026-12-05, never reproduced since)
+                    before = {"gpu": (gpu.shard.total_weight, gpu.shard.min_weight),
+                              "cpu": (cpu.shard.total_weight, cpu.shard.min_weight)}
                     a, b = gpu.sample(2 + RANK, 4, align), cpu.sample(2 + RANK, 4, align)
                     assert a.device == gpu.device.torch_device
                     for name in SPEC.names:
                         np.testing.assert_array_equal(a[name].cpu().numpy(), b[name].numpy(), err_msg=name)
                     for attr in ("mask", "lengths", "probabilities", "weights"):
-                        np.testing.assert_array_equal(getattr(a, attr).cpu().numpy(), getattr(b, attr).numpy())
+                        np.testing.assert_array_equal(getattr(a, attr).cpu().numpy(), getattr(b, attr).numpy(),
+                                                      err_msg=f"{attr} at step {i}, {align}; keys {b.keys.tolist()}; "
+                                                              f"(mass, smallest weight) of this rank: {before}")
                     gpu.update_priorities(a.keys, np.linspace(0.5, 1.5, len(a)))
                     cpu.update_priorities(b.keys, np.linspace(0.5, 1.5, len(b)))
     finally:
