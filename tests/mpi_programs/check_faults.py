@@ -10,7 +10,9 @@ Lines printed (whole lines, flush=True):
 - ``PASS <check> rank=R`` for each check passed;
 - ``WRONG <what> rank=R`` when a survivor saw anything but the expected clear error.
 
-Scenarios:
+Scenarios (in ``kill``, ``recover`` and ``crash-background`` every step before the rank dies runs with the long
+``fault_checks.SETUP_TIMEOUT``; the ranks then align and take the short TIMEOUT for the steps that meet the dead
+rank):
 - ``kill DIR TIMEOUT NAME``: every rank inserts trajectories and saves a checkpoint
   (``DIR/NAME``, what it holds in ``DIR/NAME.expect.json``), then samples; in the
   next ``sample()`` the last rank kills itself (SIGKILL) after the call has begun.
@@ -185,7 +187,7 @@ def scenario_crash_save(base: str, mode: str) -> None:
 
 def scenario_crash_background(base: str, mode: str, timeout: float) -> None:
     aligned()
-    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=9, timeout=timeout)
+    replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=9, timeout=SETUP_TIMEOUT)
     directory = os.path.join(base, "ckpts")
     handle = replay.checkpoint_every(directory, seconds=None, keep=3, segment_bytes=256)
     insert_batch(replay, 1)
@@ -198,6 +200,8 @@ def scenario_crash_background(base: str, mode: str, timeout: float) -> None:
             json.dump({"ids": ids, "ranks": SIZE, "name": first.name}, f)
     say("SAVED", "first")
     insert_batch(replay, 2)
+    aligned()
+    shorten_deadline(replay, timeout)  # for the checkpoint that meets the dead rank, and what follows
     victim = SIZE - 1 if mode == "segment" else 0
     if RANK == victim and mode == "segment":
         original, written = ck_files.write_file_direct, []

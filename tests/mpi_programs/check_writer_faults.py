@@ -33,7 +33,8 @@ import numpy as np
 from mpi4py import MPI
 
 import gear_mpi as gm
-from fault_checks import die_in_next_sample, draws_problems, sample_must_fail, say  # beside this file
+from fault_checks import (SETUP_TIMEOUT, die_in_next_sample, draws_problems, sample_must_fail, say,
+                          shorten_deadline)  # beside this file
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.rank
@@ -135,11 +136,11 @@ def held_ids(replay: gm.Replay, comm) -> list[int]:
 
 def learner(base: str, timeout: float) -> None:
     comm = WORLD.Split(0, RANK)
-    # MPI barriers (no deadline) before the steps bound by the short one, here and below: on a loaded machine
-    # (load average 54 beside other MPI jobs, 2026-12-05) the learners reached the first save more than 4 s
-    # apart; the deadline is for the dead rank, not for them
+    # MPI barriers (no deadline) and the long SETUP_TIMEOUT until the armed sample, which alone gets the short
+    # deadline: on a loaded machine (load average 54 beside other MPI jobs, 2026-12-05) the learners reached the
+    # first save more than 4 s apart; the deadline is for the dead rank, not for them
     comm.Barrier()
-    replay = gm.Replay(SPEC, 6000, gm.Uniform(), comm=comm, seed=3, timeout=timeout, max_items=3000)
+    replay = gm.Replay(SPEC, 6000, gm.Uniform(), comm=comm, seed=3, timeout=SETUP_TIMEOUT, max_items=3000)
     replay.accept_remote(WORLD)
     go, stop = os.path.join(base, "go"), os.path.join(base, "stop")
     mine = report_path(base, f"writer-{RANK}")
@@ -161,6 +162,8 @@ def learner(base: str, timeout: float) -> None:
     for _ in range(15):  # the writers and the actor go on meanwhile; each sample takes their episodes in
         replay.sample(8, 1)
         time.sleep(WRITER_PERIOD)
+    comm.Barrier()
+    shorten_deadline(replay, timeout)  # the deadline is for the dead rank: the armed sample only
     if RANK == DEAD:
         die_in_next_sample(replay)
     failed = sample_must_fail(replay, 8, 1)
