@@ -274,10 +274,6 @@ class RemoteInbox:
         """``comm.Iprobe``, going on past ranks that died (acknowledged: :meth:`_failure`)."""
         return bool(self._retry(lambda: self.comm.Iprobe(source=source, tag=tag, status=status)))
 
-    def _recv(self, buf: np.ndarray, source: int, tag: int) -> bool:
-        """``comm.Recv`` of a message a probe found; False where its sender died meanwhile."""
-        return self._retry(lambda: self.comm.Recv(buf, source=source, tag=tag) or True, source) is not None
-
     def _match(self, tag: int):
         """The next message of ``tag`` from any rank, matched (``MPI_Improbe``: only :meth:`_take` receives it),
         as ``(message, source, bytes)``; None when there is none. Goes on past ranks that died."""
@@ -317,18 +313,17 @@ class RemoteInbox:
             return True
 
     def _control(self) -> None:
-        MPI, status = self._MPI, self._MPI.Status()
-        while self._probe(MPI.ANY_SOURCE, TAG_HELLO, status):
-            src = status.Get_source()
-            if not self._recv(np.empty(1, np.uint8), src, TAG_HELLO):
-                break  # its sender died: the next call looks again
-            self.actors[src] = [0, 0]
-            self._send(self._spec, src, TAG_SPEC)
-        while self._probe(MPI.ANY_SOURCE, TAG_BYE, status):
-            src = status.Get_source()
+        """Take every HELLO (answered with the spec) and BYE waiting, each with a matched probe: the message of
+        an actor that died is consumed once and dropped, never met again in front of the live actors' ones."""
+        while (found := self._match(TAG_HELLO)) is not None:
+            message, src, _ = found
+            if self._take(message, np.empty(1, np.uint8)):
+                self.actors[src] = [0, 0]
+                self._send(self._spec, src, TAG_SPEC)
+        while (found := self._match(TAG_BYE)) is not None:
+            message, src, _ = found
             self.actors.pop(src, None)
-            if not self._recv(np.empty(1, np.uint8), src, TAG_BYE):
-                break
+            self._take(message, np.empty(1, np.uint8))
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not self._done(r)]
 
