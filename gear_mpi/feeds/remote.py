@@ -26,7 +26,8 @@ acknowledgement comes within ``timeout``: WriterTimeoutError); its open episode 
 lost. A learner whose ``comm`` lost a rank (an actor, or another learner) acknowledges the failure (so that
 its receives from any source work again; a probe or receive that MPI fails for a failure it has not listed
 yet is tried again, up to :data:`FAILURE_RETRIES` times), forgets the dead actors and goes on taking the
-others' episodes;
+others' messages (each taken with a matched probe, ``MPI_Improbe``: a dead actor's message is consumed once
+and dropped, never met again in front of the others');
 ``Replay.recover`` hands the inboxes to the survivors' new replay, so an actor of a surviving learner goes on.
 Without ULFM the launcher ends the whole job when a rank dies.
 
