@@ -230,8 +230,13 @@ def test_killed_rank_tears_down_the_job_without_a_hang(jobs):
     dying = re.search(r"DYING rank=\d+ at=([\d.]+)", job.stdout)
     assert dying and job.ended - float(dying[1]) < 30, (job.ended - float(dying[1]) if dying else None, job.out)
     if jobs.mpi.name == "openmpi":
-        assert job.returncode == 128 + signal.SIGKILL, job.out
-        assert "noticed that process rank 2" in job.stderr and "signal 9" in job.stderr, job.out
+        # prterun kills the job when it notices the killed rank (128 + SIGKILL, and it names rank 2); on a loaded
+        # machine both survivors may time out first and leave (os._exit), which prterun reports as an improper
+        # exit of rank 0 or 1 (CI, 2026-12-05: rank 2's death unnoticed for 10 s)
+        noticed = job.returncode == 128 + signal.SIGKILL and "noticed that process rank 2" in job.stderr \
+            and "signal 9" in job.stderr
+        survivors_first = len(survivor_errors(job)) == 2 and re.search(r"exiting\s+improperly", job.stderr)
+        assert noticed or survivors_first, job.out
 
 
 def test_survivors_of_a_killed_rank_raise_a_clear_error(jobs):
