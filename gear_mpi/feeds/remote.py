@@ -255,10 +255,10 @@ class RemoteInbox:
         for r in gone:
             self.actors.pop(r, None)
 
-    def _retry(self, op, source: int | None = None):
-        """``op()``; where MPI reports a dead rank (ULFM), acknowledge it and try again, up to
+    def _retry(self, op):
+        """``op()`` (a probe); where MPI reports a dead rank (ULFM), acknowledge it and try again, up to
         ``FAILURE_RETRIES`` times (MPI may report a failure before it lists the rank as failed). Returns
-        ``op()``'s result, or None where ``source`` (the rank ``op`` receives from) is the one that died."""
+        ``op()``'s result."""
         for attempt in range(FAILURE_RETRIES + 1):
             try:
                 return op()
@@ -266,8 +266,6 @@ class RemoteInbox:
                 if attempt == FAILURE_RETRIES:
                     raise
                 self._failure(e)
-                if source is not None and source in self.failed:
-                    return None
                 if attempt:
                     time.sleep(0.001 * 2 ** attempt)
 
