@@ -142,19 +142,16 @@ def sample_then_arm_the_kill(replay, timeout: float) -> None:
 
 
 def aligned() -> None:
-    """An MPI barrier with no deadline before a step bound by the scenario's short one: on a loaded machine
-    (another test's job beside this one) ranks reach it seconds apart from start-up and local work alone,
-    and the deadline is for the dead rank, not for them."""
+    """An MPI barrier with no deadline before the replay takes the scenario's short one (``shorten_deadline``):
+    on a loaded machine (another test's job beside this one) ranks reach a step seconds apart from local work
+    alone, and the short deadline is for the dead rank, not for them."""
     comm.barrier()
 
 
 def scenario_kill(base: str, timeout: float, name: str) -> None:
-    aligned()
     replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=5, timeout=SETUP_TIMEOUT)
     insert_batch(replay, 1)
-    aligned()
     save_with_expectation(replay, os.path.join(base, name), [1])
-    aligned()
     sample_then_arm_the_kill(replay, timeout)
     survive(lambda: replay.sample(4, 3), "sample", timeout)
 
@@ -186,12 +183,10 @@ def scenario_crash_save(base: str, mode: str) -> None:
 
 
 def scenario_crash_background(base: str, mode: str, timeout: float) -> None:
-    aligned()
     replay = gm.Replay(SPEC, 300, gm.Prioritized(0.6, 0.4), seed=9, timeout=SETUP_TIMEOUT)
     directory = os.path.join(base, "ckpts")
     handle = replay.checkpoint_every(directory, seconds=None, keep=3, segment_bytes=256)
     insert_batch(replay, 1)
-    aligned()
     handle.now()
     first = handle.wait()
     if RANK == 0:
@@ -342,10 +337,8 @@ def scenario_recover(base: str, timeout: float, expect: str) -> None:
     """Batches 1 and 2, checkpoints ck-1 and ck-2, batch 3 (after them); rank SIZE-1 dies in a sample. The
     survivors first pass a checkpoint of another replay (CheckpointError on both, the replay kept), then the
     newest: they keep all their own batches and get the dead rank's batches 1 and 2 back; its batch 3 is lost."""
-    aligned()
     other = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=8, timeout=SETUP_TIMEOUT)
     insert_batch(other, 9)
-    aligned()
     other.save(os.path.join(base, "foreign"))
     other.close()
     replay = gm.Replay(SPEC, 300, gm.Prioritized(1.0, 0.4), seed=7, timeout=SETUP_TIMEOUT)

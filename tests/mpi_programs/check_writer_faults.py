@@ -136,10 +136,9 @@ def held_ids(replay: gm.Replay, comm) -> list[int]:
 
 def learner(base: str, timeout: float) -> None:
     comm = WORLD.Split(0, RANK)
-    # MPI barriers (no deadline) and the long SETUP_TIMEOUT until the armed sample, which alone gets the short
-    # deadline: on a loaded machine (load average 54 beside other MPI jobs, 2026-12-05) the learners reached the
-    # first save more than 4 s apart; the deadline is for the dead rank, not for them
-    comm.Barrier()
+    # the long SETUP_TIMEOUT until the armed sample, which alone gets the short deadline: on a loaded machine
+    # (load average 54 beside other MPI jobs, 2026-12-05) the learners reached the first save more than 4 s
+    # apart; the deadline is for the dead rank, not for them
     replay = gm.Replay(SPEC, 6000, gm.Uniform(), comm=comm, seed=3, timeout=SETUP_TIMEOUT, max_items=3000)
     replay.accept_remote(WORLD)
     go, stop = os.path.join(base, "go"), os.path.join(base, "stop")
@@ -154,7 +153,6 @@ def learner(base: str, timeout: float) -> None:
     before = [RANK * 1000 + i for i in range(5)]
     replay.insert_many([traj(i) for i in before])
     checkpoint = os.path.join(base, "ck")
-    comm.Barrier()
     replay.save(checkpoint)  # before the writers' episodes: those of learner 2 are all lost
     WORLD.Barrier()  # the actor starts; no deadline: the writer processes may take a while to start
     if RANK == 0:
