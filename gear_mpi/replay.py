@@ -295,7 +295,8 @@ class Replay:
         return self._feeds.writer_address()
 
     def accept_remote(self, comm) -> None:
-        """Take episodes from :class:`gear_mpi.MpiWriter` actor ranks of ``comm`` from now on (local).
+        """Take episodes from :class:`gear_mpi.MpiWriter` actor ranks of ``comm`` from now on (local). ``close``
+        then tells the actors and waits up to ``timeout`` for their goodbyes (see :mod:`gear_mpi.feeds.remote`).
 
         Args:
             comm: an mpi4py communicator holding this rank and its actors (e.g. ``MPI.COMM_WORLD``).
@@ -303,7 +304,7 @@ class Replay:
             RuntimeError: the replay is closed. TypeError: not a communicator.
         """
         self._check_open()
-        self._feeds.accept_remote(comm)
+        self._feeds.accept_remote(comm, getattr(self.comm, "timeout", 60.0))
 
     def ingest(self) -> int:
         """Move the writers' and actor ranks' ended episodes into this rank's shard now (local), within

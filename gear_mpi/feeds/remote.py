@@ -17,8 +17,14 @@ every rank if the job uses those tags or ``MPI.ANY_TAG`` receives on ``comm``):
   ``max_in_flight`` episodes not yet acknowledged; the learner sends ACK (the count it
   has stored) per drain, so an actor blocks (backpressure) when the learner does not
   keep up, and raises WriterTimeoutError after ``timeout``.
-- BYE (actor -> learner) on close; CLOSED (learner -> actors) when the replay closes:
-  an actor then raises WriterError.
+- Goodbye, a handshake, so that no message is ever left unreceived on ``comm`` (MPICH's
+  ``MPI_Finalize`` fails on a communicator holding one, and its launcher then kills the job):
+  the actor's ``close`` sends BYE (``int64``: the episodes it sent) and waits until the
+  learner has received them all and answers FAREWELL (an ACK message of value -2). A
+  replay that closes first sends CLOSED (an ACK of value -1) to its actors, receives and
+  drops what they still send until each one's BYE (an actor answers CLOSED with BYE at
+  its next call, then raises WriterError), for at most its ``timeout``; ACK, FAREWELL and
+  CLOSED share a tag, so an actor receives them in the order they were sent.
 
 A dead rank (under ULFM: Open MPI's ``mpiexec --with-ft ulfm``, where the survivors go on): an actor whose
 learner died raises WriterError at its next call that talks to the learner (MPI reports the failure, or no
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import numpy as np
 
@@ -47,8 +54,9 @@ from ..errors import WriterError, WriterTimeoutError
 from ..spec import TrajectorySpec
 from .writer import EpisodeWriter
 
-TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE, TAG_CLOSED = range(31000, 31006)
-TAGS = (TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE, TAG_CLOSED)
+TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE = range(31000, 31005)
+TAGS = (TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE)
+CLOSED, FAREWELL = -1, -2  # ACK values: the replay closed; the actor's BYE is answered (the learner's last word)
 FAILURE_RETRIES = 5  # tries again after acknowledging a failure (RemoteInbox._retry)
 _HEAD = 16  # bytes before an episode's columns: length (int64), priority (float64)
 
@@ -114,6 +122,9 @@ class MpiWriter(EpisodeWriter):
         self._sends: list = []  # (request, buffer) of episodes and control messages in flight
         self._acked = 0
         self._closed = False
+        self._said_bye = False  # BYE sent
+        self._answered = False  # the learner's last word (FAREWELL or CLOSED) received: it sends nothing more
+        self._learner_closed = False  # that word was CLOSED
         self._send(np.zeros(1, np.uint8), TAG_HELLO)
         status = self._MPI.Status()
         try:
@@ -131,7 +142,7 @@ class MpiWriter(EpisodeWriter):
     def _lost(self, e: Exception) -> WriterError:
         """The learner is gone (MPI failed a call to it, e.g. ULFM's MPI_ERR_PROC_FAILED): close this writer."""
         lost = self._episodes - self._acked if hasattr(self, "_episodes") else 0
-        self._closed, self._max_length, self._sends = True, 0, []
+        self._closed, self._max_length, self._sends, self._answered = True, 0, [], True
         return WriterError(f"MpiWriter: learner rank {self.learner} is gone (MPI: {e}); the open episode and "
                            f"{lost} episode(s) it had not stored are lost")
 
@@ -142,28 +153,42 @@ class MpiWriter(EpisodeWriter):
             raise self._lost(e) from None
 
     def _listen(self) -> None:
-        """Take the learner's ACK and CLOSED messages; drop completed sends.
+        """Take the learner's ACK, FAREWELL and CLOSED messages; drop completed sends.
 
         Raises:
-            WriterError: the replay was closed, or MPI failed a call to the learner (it died).
+            WriterError: the replay was closed (the first call that sees it), or MPI failed a call to the
+                learner (it died).
         """
         try:
             self._take_messages()
         except self._MPI.Exception as e:
             raise self._lost(e) from None
-
-    def _take_messages(self) -> None:
-        comm, status = self.comm, self._MPI.Status()
-        while comm.Iprobe(source=self.learner, tag=TAG_ACK, status=status):
-            ack = np.empty(1, np.int64)
-            comm.Recv(ack, source=self.learner, tag=TAG_ACK)
-            self._acked = max(self._acked, int(ack[0]))
-        if comm.Iprobe(source=self.learner, tag=TAG_CLOSED):
-            comm.Recv(np.empty(1, np.uint8), source=self.learner, tag=TAG_CLOSED)
+        if self._learner_closed and not self._closed:
             self._closed, self._max_length = True, 0
             raise WriterError(f"MpiWriter: the replay of learner rank {self.learner} was closed")
+
+    def _take_messages(self) -> None:
+        """Receive every learner message that has arrived (one tag: in the order sent); answer CLOSED with BYE."""
+        comm, word = self.comm, np.empty(1, np.int64)
+        while comm.Iprobe(source=self.learner, tag=TAG_ACK):
+            comm.Recv(word, source=self.learner, tag=TAG_ACK)
+            value = int(word[0])
+            if value >= 0:
+                self._acked = max(self._acked, value)
+                continue
+            self._answered = True
+            if value == CLOSED:
+                self._learner_closed = True
+                if not self._said_bye:
+                    self._bye()
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def _bye(self) -> None:
+        """Send BYE with the number of episodes sent: the learner answers once it has received them all."""
+        self._said_bye = True
+        self._sends.append((self.comm.Isend(b := np.array([self._episodes], np.int64), dest=self.learner,
+                                            tag=TAG_BYE), b))
 
     def _room(self, steps: int) -> None:
         if self._closed:
@@ -195,33 +220,44 @@ class MpiWriter(EpisodeWriter):
         """
         def done() -> bool:
             self._listen()
+            if self._learner_closed and self._acked < self._episodes:
+                raise WriterError(f"flush: the replay of learner rank {self.learner} was closed; it stored "
+                                  f"{self._acked} of {self._episodes} episodes")
             return self._acked >= self._episodes
         if not poll(done, self.timeout if timeout is None else timeout):
             raise WriterTimeoutError(f"flush: learner rank {self.learner} stored {self._acked} of {self._episodes} "
                                      f"episodes in time")
 
     def close(self) -> None:
-        """Say goodbye to the learner and complete the sends in flight (an open episode is dropped). Idempotent;
-        where the learner is gone (MPI fails the sends), there is nobody to wait for: it returns at once.
+        """Say goodbye (BYE) and wait for the learner's answer: it answers once it has received every episode
+        sent (at its next collective or ``ingest`` after they arrive), or when its replay closes. So nothing
+        is left unreceived on ``comm`` (see the module docstring). An open episode is dropped. Idempotent;
+        where the learner is gone (MPI fails the calls), there is nobody to wait for: it returns at once.
 
         Raises:
-            WriterTimeoutError: the sends did not complete within ``timeout``.
+            WriterTimeoutError: no answer within ``timeout`` (the learner is not reaching its collectives).
         """
-        if self._closed and not self._sends:
+        if self._answered and not self._sends:
+            self._closed = True
             return
-        requests = [r for r, _ in self._sends]
+        if not self._closed:
+            super().close()
+
+        def answered() -> bool:
+            self._take_messages()
+            return self._answered and bool(self._MPI.Request.Testall([r for r, _ in self._sends]))
         try:
-            if not self._closed:
-                super().close()
-                self._send(np.zeros(1, np.uint8), TAG_BYE)
-                requests = [r for r, _ in self._sends]
-            ok = poll(lambda: self._MPI.Request.Testall(requests), self.timeout)
-        except (WriterError, self._MPI.Exception):  # the learner is gone: nothing left to complete
+            if not self._said_bye and not self._answered:
+                self._bye()
+            ok = poll(answered, self.timeout)
+        except self._MPI.Exception:  # the learner is gone: nothing left to complete
             ok = True
         self._sends = []
+        self._answered = True
         if not ok:
-            raise WriterTimeoutError(f"MpiWriter.close: sends to learner rank {self.learner} did not complete "
-                                     f"within {self.timeout:g} s")
+            raise WriterTimeoutError(f"MpiWriter.close: learner rank {self.learner} did not answer the goodbye "
+                                     f"within {self.timeout:g} s: it must reach a collective (or ingest) after "
+                                     f"receiving this writer's {self._episodes} episodes, or close its replay")
 
 
 class RemoteInbox:
@@ -230,11 +266,15 @@ class RemoteInbox:
     Args:
         comm: the communicator the actors' :class:`MpiWriter` use.
         shard: the shard the episodes enter.
+        timeout: seconds :meth:`close` waits for the actors' goodbyes.
     """
 
-    def __init__(self, comm, shard):
-        self.comm, self.shard, self._MPI = comm, shard, _mpi()
+    def __init__(self, comm, shard, timeout: float = 60.0):
+        self.comm, self.shard, self._MPI, self.timeout = comm, shard, _mpi(), float(timeout)
         self.actors: dict[int, list[int]] = {}  # rank -> [episodes received, episodes stored]
+        self._byes: dict[int, int] = {}  # actor rank -> episodes it sent in all (its BYE), until all are received
+        self._told: set[int] = set()  # actors sent CLOSED: they get no other message
+        self._closing = False
         self._sends: list = []
         self._spec = np.frombuffer(json.dumps(shard.spec.to_dict()).encode(), np.uint8).copy()
         self._sizes = [(c.name, c.dtype, c.shape, c.step_bytes) for c in shard.spec.columns]
@@ -313,18 +353,41 @@ class RemoteInbox:
 
     def _control(self) -> None:
         """Take every HELLO (answered with the spec) and BYE waiting, each with a matched probe: the message of
-        an actor that died is consumed once and dropped, never met again in front of the live actors' ones."""
+        an actor that died is consumed once and dropped, never met again in front of the live actors' ones.
+        Answer the goodbyes whose episodes have all been received."""
         while (found := self._match(TAG_HELLO)) is not None:
             message, src, _ = found
             if self._take(message, np.empty(1, np.uint8)):
                 self.actors[src] = [0, 0]
                 self._send(self._spec, src, TAG_SPEC)
+                if self._closing:
+                    self._tell_closed(src)
         while (found := self._match(TAG_BYE)) is not None:
             message, src, _ = found
-            self.actors.pop(src, None)
-            self._take(message, np.empty(1, np.uint8))
+            sent = np.zeros(1, np.int64)
+            if self._take(message, sent) and src in self.actors:
+                self._byes[src] = int(sent[0])
+        self._answer_goodbyes()
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not self._done(r)]
+
+    def _answer_goodbyes(self) -> None:
+        """Forget each actor that said BYE and whose episodes have all been received; FAREWELL to it (unless it
+        was told CLOSED: it expects nothing more)."""
+        for src, sent in list(self._byes.items()):
+            counts = self.actors.get(src)
+            if counts is not None and counts[0] < sent:
+                continue
+            del self._byes[src]
+            if counts is not None:
+                if src not in self._told:
+                    self._send(np.array([FAREWELL], np.int64), src, TAG_ACK)
+                del self.actors[src]
+            self._told.discard(src)
+
+    def _tell_closed(self, src: int) -> None:
+        self._told.add(src)
+        self._send(np.array([CLOSED], np.int64), src, TAG_ACK)
 
     def backlog(self) -> int:
         """1 when an episode is waiting to be received, else 0 (MPI shows one message at a time). O(1)."""
@@ -355,6 +418,7 @@ class RemoteInbox:
             buf = np.empty(nbytes, np.uint8)
             if not self._take(message, buf):
                 continue  # its sender died before the episode arrived: never acknowledged, not held
+            self.actors.setdefault(src, [0, 0])[0] += 1
             length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
             if not (1 <= length <= spec.max_length) or nbytes != _HEAD + length * spec.step_bytes or \
                     not (priority >= 0 and np.isfinite(priority)):
@@ -374,25 +438,46 @@ class RemoteInbox:
         self.shard.store_packed(columns, np.array(lengths, np.int64), np.array(priorities, np.float64))
         for src in senders:
             self.actors.setdefault(src, [0, 0])[1] += 1
-        for src in set(senders) - self.failed:
+        for src in set(senders) - self.failed - self._told:
             self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
         self.ingested += len(got)
+        self._answer_goodbyes()
         return len(got)
 
     def close(self) -> None:
-        """Tell every known actor the replay is closed (it then raises WriterError). Local, best effort."""
-        if self._held is not None:  # a matched message must be received: its episode is dropped, never acknowledged
-            message, _, nbytes = self._held
-            self._held = None
-            try:
-                self._take(message, np.empty(nbytes, np.uint8))
-            except self._MPI.Exception:
-                pass
-        for src in list(self.actors):
-            try:
-                self._send(np.zeros(1, np.uint8), src, TAG_CLOSED)
-            except self._MPI.Exception:
-                pass
-        poll(lambda: all([self._done(r) for r, _ in self._sends]), 5.0)
+        """Tell every actor the replay is closed (CLOSED), then receive and drop what they still send until each
+        one's BYE, for at most ``timeout`` seconds: nothing is left unreceived on ``comm``. Local.
+
+        Warns (RuntimeWarning) naming the actors that did not answer in time (an actor answers at its next
+        ``end_episode``, ``insert``, ``flush`` or ``close``): their messages stay on ``comm``, which MPICH's
+        ``MPI_Finalize`` refuses. Close the actors' writers first, or keep them calling.
+        """
+        self._closing = True
+        try:
+            if self._held is not None:  # a matched message must be received: its episode is dropped, never acknowledged
+                message, src, nbytes = self._held
+                self._held = None
+                if self._take(message, np.empty(nbytes, np.uint8)) and src in self.actors:
+                    self.actors[src][0] += 1
+            for src in list(self.actors):
+                if src not in self._told:
+                    self._tell_closed(src)
+
+            def finished() -> bool:
+                self._control()
+                while (found := self._match(TAG_EPISODE)) is not None:  # in flight: received and dropped
+                    message, src, nbytes = found
+                    if self._take(message, np.empty(nbytes, np.uint8)) and src in self.actors:
+                        self.actors[src][0] += 1
+                self._answer_goodbyes()
+                return not self.actors and all([self._done(r) for r, _ in self._sends])
+            done = poll(finished, self.timeout) if self.actors or self._sends else True
+        except self._MPI.Exception:  # a revoked or broken communicator: nothing more can be received
+            done = True
+        if not done and self.actors:
+            warnings.warn(f"RemoteInbox.close: actor rank(s) {sorted(self.actors)} did not answer CLOSED within "
+                          f"{self.timeout:g} s; what they send now stays unreceived on the communicator, which "
+                          f"MPICH's MPI_Finalize refuses (close the actors' MpiWriter before the replay)",
+                          RuntimeWarning, stacklevel=2)
         self._sends = []
-        self.actors = {}
+        self.actors, self._byes, self._told = {}, {}, set()

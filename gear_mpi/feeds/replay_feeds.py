@@ -191,15 +191,16 @@ class ReplayFeeds:
             return
         ip.registry.set_hold(max(1, math.ceil((allowance + self.slack) / max(ip.live, 1))))
 
-    def accept_remote(self, comm) -> None:
+    def accept_remote(self, comm, timeout: float = 60.0) -> None:
         """Take episodes from the actor ranks of ``comm`` from now on; see ``Replay.accept_remote``.
+        ``timeout``: seconds the inbox's close waits for the actors' goodbyes (the replay's deadline).
 
         Raises:
             TypeError: not a communicator.
         """
         if not hasattr(comm, "Iprobe"):
             raise TypeError(f"accept_remote needs an mpi4py communicator, got {comm!r}")
-        self.inboxes.append(RemoteInbox(comm, self.shard))
+        self.inboxes.append(RemoteInbox(comm, self.shard, timeout))
 
     def feed(self) -> int:
         """Drain the writers and actor ranks into the shard within the insert budget (the node fence first,

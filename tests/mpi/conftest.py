@@ -14,6 +14,8 @@ What this conftest adds:
 - On more than one rank, the first failing test stops that rank's session; after its
   report is printed and written, the rank calls ``MPI.COMM_WORLD.Abort`` so that the
   ranks waiting for it in a collective end at once instead of hanging.
+- Otherwise each rank calls ``MPI_Finalize`` itself at the end and says so when it fails (MPICH
+  fails it on a communicator holding a message nobody received; the launcher then kills the job).
 """
 from __future__ import annotations
 
@@ -61,10 +63,21 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    sys.stdout.flush()
+    sys.stderr.flush()
     if _failed and COMM.size > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
         COMM.Abort(1)
+    if not MPI.Is_finalized():
+        # here rather than at exit, to say why when it fails: MPICH's MPI_Finalize fails when a communicator
+        # still holds a message that no receive took, skips its goodbye to the launcher, and hydra then
+        # SIGKILLs every rank of the job without a word
+        rank = COMM.rank
+        try:
+            MPI.Finalize()
+        except MPI.Exception as e:
+            print(f"rank {rank}: MPI_Finalize failed: {e}\n(a message sent on a communicator of this job may never "
+                  f"have been received: MPICH refuses to finalize then)", file=sys.stderr, flush=True)
+            os._exit(3)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
+from gear_mpi.distributed.deadline import poll
 
 COMM = MPI.COMM_WORLD
 TESTS = Path(__file__).resolve().parents[1]
@@ -34,6 +35,25 @@ def actors(address: str, seeds, *args: str) -> list[subprocess.Popen]:
 
 def anyone(flag: bool, comm=COMM) -> bool:
     return bool(comm.allreduce(int(flag), op=MPI.MAX))
+
+
+def wait_for_goodbyes(replay: gm.Replay, group, seconds: float = 60.0) -> None:
+    """Learners: run collectives (each drains and answers the actors' BYE) until no actor is connected."""
+    deadline = time.monotonic() + seconds
+    while replay.stats()["total"]["writers"]:
+        assert time.monotonic() < deadline, replay.stats()
+        time.sleep(0.001)
+
+
+def assert_nothing_unreceived(seconds: float = 0.2) -> None:
+    """Every message of the actor protocol was received: none waits for this rank on COMM (MPICH's
+    MPI_Finalize fails on a communicator that holds one, and the launcher then kills the job)."""
+    COMM.Barrier()
+    status = MPI.Status()
+    waiting = poll(lambda: COMM.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status), seconds)
+    assert not waiting, f"rank {COMM.rank}: a message from rank {status.Get_source()} (tag {status.Get_tag()}) " \
+                        f"was never received"
+    COMM.Barrier()
 
 
 def check_exact(shard: gm.Shard, expected: set) -> None:
@@ -165,7 +185,8 @@ def test_rate_limit_timeout_raises_on_every_rank_and_the_replay_goes_on():
         t0 = time.monotonic()
         with pytest.raises(gm.RateLimitTimeoutError, match="held this sample") as info:
             replay.sample(1)
-        assert 0.4 < time.monotonic() - t0 < 20
+        # the longest wait of any rank counts (a rank that came late raises sooner than its own 0.5 s)
+        assert 0.4 < COMM.allreduce(time.monotonic() - t0, op=MPI.MAX) < 20
         assert len(set(COMM.allgather(str(info.value)))) == 1  # the same error on every rank
         for i in range(3):
             cols, p = episode(99, i)
@@ -204,7 +225,8 @@ def test_actor_ranks_send_episodes_over_mpi():
                     time.sleep(0.001)
                 check_exact(replay.shard, {(r, i) for r in mine for i in range(25)})
                 assert replay.stats()["total"]["ingested"] == 25 * (COMM.size - learners)
-                COMM.Barrier()  # the actors have closed (said goodbye)
+                wait_for_goodbyes(replay, group)
+            COMM.Barrier()  # the actors have closed: answered (FAREWELL) while this rank sampled
         else:
             with gm.MpiWriter(COMM, COMM.rank % learners, timeout=60, max_in_flight=4) as w:
                 assert w.spec == SPEC
@@ -217,7 +239,9 @@ def test_actor_ranks_send_episodes_over_mpi():
                             w.append({k: v[t] for k, v in cols.items()})
                         w.end_episode(p)
                 w.flush()
+            assert w._answered and not w._learner_closed  # the learner answered the goodbye (FAREWELL)
             COMM.Barrier()
+        assert_nothing_unreceived()
     finally:
         group.Free()
 
@@ -258,7 +282,7 @@ def test_an_inbox_keeps_what_a_drain_has_no_room_for():
                     assert got == list(range(sent - len(got), sent)), (actor, got)
                 check_exact(replay.shard, held)
                 assert rounds > 1, drains  # more than a ring's worth was waiting: drains held episodes back
-                COMM.Barrier()  # the actors may close
+                wait_for_goodbyes(replay, group)  # the actors close: each BYE is answered here
         else:
             with gm.MpiWriter(COMM, 0, timeout=60, max_in_flight=sent) as w:
                 COMM.Ibarrier().Wait()  # connected (a non-blocking barrier matches only its kind: the learner's)
@@ -267,7 +291,57 @@ def test_an_inbox_keeps_what_a_drain_has_no_room_for():
                     w.insert(cols, p)
                 COMM.Barrier()
                 w.flush()
-            COMM.Barrier()
+        assert_nothing_unreceived()
+    finally:
+        group.Free()
+
+
+@pytest.mark.parametrize("first", ["actors", "learner"])
+def test_goodbyes_leave_no_message_unreceived_whoever_closes_first(first):
+    """The close handshake (BYE, answered by FAREWELL or CLOSED): the actors close their writers while the learner
+    no longer samples (``actors``: the learner's close answers them), or the learner closes its replay while the
+    actors insert (``learner``: they raise WriterError at their next call, answer with BYE, and close). Either
+    way no message is left unreceived on COMM, whose MPI_Finalize would fail otherwise (MPICH 5)."""
+    if COMM.size < 2:
+        pytest.skip("needs an actor rank")
+    is_learner = COMM.rank == 0
+    group = COMM.Split(0 if is_learner else 1, COMM.rank)
+    actors_, first_batch = COMM.size - 1, 5
+    try:
+        if is_learner:
+            with gm.Replay(SPEC, 4000, gm.Fifo(), max_items=1000, comm=group, timeout=30) as replay:
+                replay.accept_remote(COMM)
+                connected, deadline = COMM.Ibarrier(), time.monotonic() + 30
+                while not connected.Test():
+                    replay.ingest()
+                    time.sleep(0.001)
+                while replay.stats()["total"]["ingested"] < first_batch * actors_:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                if first == "actors":
+                    COMM.Barrier()  # the actors close now; this rank samples no more before its close
+                    time.sleep(0.2)
+                    assert replay.stats()["total"]["writers"] <= actors_
+            if first == "learner":
+                COMM.Barrier()  # the replay closed while the actors inserted
+        else:
+            with gm.MpiWriter(COMM, 0, timeout=30, max_in_flight=4) as w:
+                COMM.Ibarrier().Wait()
+                for i in range(first_batch):
+                    w.insert(*episode(COMM.rank, i))
+                if first == "actors":
+                    COMM.Barrier()
+                else:
+                    i = first_batch
+                    with pytest.raises(gm.WriterError, match="was closed"):
+                        while i < 100000:  # until the learner's CLOSED arrives (backpressure: at most 4 ahead)
+                            w.insert(*episode(COMM.rank, i))
+                            i += 1
+                    assert w._learner_closed
+            assert w._answered  # close() returned: the learner answered (FAREWELL or CLOSED)
+            if first == "learner":
+                COMM.Barrier()
+        assert_nothing_unreceived()
     finally:
         group.Free()
 
