@@ -169,8 +169,8 @@ def learner(base: str, timeout: float) -> None:
     # machine (load average 46 beside other MPI jobs, 2026-12-05) a survivor fell 4 s behind in the draws
     rec = replay.recover(checkpoint, seed=5, timeout=RECOVERED_TIMEOUT)
     new, rcomm = rec.replay, rec.comm
-    # the survivors meet (an MPI barrier, no deadline) before the samples bound by the short one: on a loaded
-    # machine one reached its first sample after recovery more than 4 s after the other (CI, 2026-12-05)
+    # the survivors meet (an MPI barrier, no deadline) before sampling on: on a loaded machine one reached its
+    # first sample after recovery more than 4 s after the other (CI, 2026-12-05, under a 4 s deadline then)
     rcomm.Barrier()
     problems = []
     if rec.dead != [DEAD] or rec.survivors != [0, 1]:
