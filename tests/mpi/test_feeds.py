@@ -18,7 +18,6 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
-from gear_mpi.distributed.deadline import poll
 
 COMM = MPI.COMM_WORLD
 TESTS = Path(__file__).resolve().parents[1]
@@ -49,8 +48,10 @@ def assert_nothing_unreceived(seconds: float = 0.2) -> None:
     """Every message of the actor protocol was received: none waits for this rank on COMM (MPICH's
     MPI_Finalize fails on a communicator that holds one, and the launcher then kills the job)."""
     COMM.Barrier()
-    status = MPI.Status()
-    waiting = poll(lambda: COMM.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status), seconds)
+    status, until = MPI.Status(), time.monotonic() + seconds
+    while not (waiting := COMM.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)) and \
+            time.monotonic() < until:
+        time.sleep(0.001)
     assert not waiting, f"rank {COMM.rank}: a message from rank {status.Get_source()} (tag {status.Get_tag()}) " \
                         f"was never received"
     COMM.Barrier()
