@@ -471,7 +471,7 @@ class RemoteInbox:
                         self.actors[src][0] += 1
                 self._answer_goodbyes()
                 return not self.actors and all([self._done(r) for r, _ in self._sends])
-            done = poll(finished, self.timeout) if self.actors or self._sends else True
+            done = poll(finished, self.timeout)  # at least one look: a HELLO that came just now is answered too
         except self._MPI.Exception:  # a revoked or broken communicator: nothing more can be received
             done = True
         if not done and self.actors:

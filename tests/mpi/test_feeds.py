@@ -18,6 +18,7 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
+from gear_mpi.feeds import remote
 
 COMM = MPI.COMM_WORLD
 TESTS = Path(__file__).resolve().parents[1]
@@ -297,12 +298,13 @@ def test_an_inbox_keeps_what_a_drain_has_no_room_for():
         group.Free()
 
 
-@pytest.mark.parametrize("first", ["actors", "learner"])
+@pytest.mark.parametrize("first", ["actors", "learner", "connecting"])
 def test_goodbyes_leave_no_message_unreceived_whoever_closes_first(first):
     """The close handshake (BYE, answered by FAREWELL or CLOSED): the actors close their writers while the learner
-    no longer samples (``actors``: the learner's close answers them), or the learner closes its replay while the
-    actors insert (``learner``: they raise WriterError at their next call, answer with BYE, and close). Either
-    way no message is left unreceived on COMM, whose MPI_Finalize would fail otherwise (MPICH 5)."""
+    no longer samples (``actors``: the learner's close answers them), the learner closes its replay while the
+    actors insert (``learner``: they raise WriterError at their next call, answer with BYE, and close), or while
+    their HELLO waits unanswered (``connecting``: the close answers it with the spec, then CLOSED). Either way no
+    message is left unreceived on COMM, whose MPI_Finalize would fail otherwise (MPICH 5)."""
     if COMM.size < 2:
         pytest.skip("needs an actor rank")
     is_learner = COMM.rank == 0
@@ -312,35 +314,43 @@ def test_goodbyes_leave_no_message_unreceived_whoever_closes_first(first):
         if is_learner:
             with gm.Replay(SPEC, 4000, gm.Fifo(), max_items=1000, comm=group, timeout=30) as replay:
                 replay.accept_remote(COMM)
-                connected, deadline = COMM.Ibarrier(), time.monotonic() + 30
-                while not connected.Test():
-                    replay.ingest()
-                    time.sleep(0.001)
-                while replay.stats()["total"]["ingested"] < first_batch * actors_:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.001)
+                deadline = time.monotonic() + 30
+                if first == "connecting":  # every HELLO is here, none taken: the close meets them first
+                    while not all(COMM.Iprobe(source=a, tag=remote.TAG_HELLO) for a in range(1, COMM.size)):
+                        assert time.monotonic() < deadline
+                        time.sleep(0.001)
+                else:
+                    connected = COMM.Ibarrier()
+                    while not connected.Test():
+                        replay.ingest()
+                        time.sleep(0.001)
+                    while replay.stats()["total"]["ingested"] < first_batch * actors_:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.001)
                 if first == "actors":
                     COMM.Barrier()  # the actors close now; this rank samples no more before its close
                     time.sleep(0.2)
                     assert replay.stats()["total"]["writers"] <= actors_
-            if first == "learner":
-                COMM.Barrier()  # the replay closed while the actors inserted
+            if first != "actors":
+                COMM.Barrier()  # the replay closed while the actors inserted or connected
         else:
             with gm.MpiWriter(COMM, 0, timeout=30, max_in_flight=4) as w:
-                COMM.Ibarrier().Wait()
-                for i in range(first_batch):
-                    w.insert(*episode(COMM.rank, i))
+                i = 0
+                if first != "connecting":
+                    COMM.Ibarrier().Wait()
+                    for i in range(first_batch):
+                        w.insert(*episode(COMM.rank, i))
+                    i += 1
                 if first == "actors":
                     COMM.Barrier()
                 else:
-                    i = first_batch
                     with pytest.raises(gm.WriterError, match="was closed"):
                         while i < 100000:  # until the learner's CLOSED arrives (backpressure: at most 4 ahead)
                             w.insert(*episode(COMM.rank, i))
                             i += 1
                     assert w._learner_closed
             assert w._answered  # close() returned: the learner answered (FAREWELL or CLOSED)
-            if first == "learner":
+            if first != "actors":
                 COMM.Barrier()
         assert_nothing_unreceived()
     finally:
