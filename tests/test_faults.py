@@ -225,10 +225,11 @@ def test_killed_rank_tears_down_the_job_without_a_hang(jobs):
     got = passes(job.stdout)
     assert {f"PASS sampled-before-kill rank={r}" for r in range(3)} <= got, job.out
     assert job.stdout.count("SAVED kill-plain") == 3, job.out
-    # the launcher kills the survivors at once, or they time out first: both well within the limit, counted
-    # from the kill (the start of a job took up to 50 s on a loaded CI machine, 2026-12-05)
+    # the launcher kills the survivors at once, or they time out first: both well within the limit (120 s),
+    # counted from the kill (the start of a job took up to 50 s on a loaded CI machine, 2026-12-05; prterun's
+    # teardown 32 s beside a 4-rank job of the other test worker, CI 22c)
     dying = re.search(r"DYING rank=\d+ at=([\d.]+)", job.stdout)
-    assert dying and job.ended - float(dying[1]) < 30, (job.ended - float(dying[1]) if dying else None, job.out)
+    assert dying and job.ended - float(dying[1]) < 60, (job.ended - float(dying[1]) if dying else None, job.out)
     if jobs.mpi.name == "openmpi":
         # prterun kills the job when it notices the killed rank (128 + SIGKILL, and it names rank 2); on a loaded
         # machine both survivors may time out first and leave (os._exit), which prterun reports as an improper
