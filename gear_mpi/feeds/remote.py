@@ -374,6 +374,8 @@ class RemoteInbox:
     def _answer_goodbyes(self) -> None:
         """Forget each actor that said BYE and whose episodes have all been received; FAREWELL to it (unless it
         was told CLOSED: it expects nothing more)."""
+        if not self._byes:
+            return
         for src, sent in list(self._byes.items()):
             counts = self.actors.get(src)
             if counts is not None and counts[0] < sent:
@@ -418,7 +420,6 @@ class RemoteInbox:
             buf = np.empty(nbytes, np.uint8)
             if not self._take(message, buf):
                 continue  # its sender died before the episode arrived: never acknowledged, not held
-            self.actors.setdefault(src, [0, 0])[0] += 1
             length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
             if not (1 <= length <= spec.max_length) or nbytes != _HEAD + length * spec.step_bytes or \
                     not (priority >= 0 and np.isfinite(priority)):
@@ -437,7 +438,9 @@ class RemoteInbox:
             offsets += np.array(lengths) * nb
         self.shard.store_packed(columns, np.array(lengths, np.int64), np.array(priorities, np.float64))
         for src in senders:
-            self.actors.setdefault(src, [0, 0])[1] += 1
+            counts = self.actors.setdefault(src, [0, 0])
+            counts[0] += 1  # received
+            counts[1] += 1  # stored
         for src in set(senders) - self.failed - self._told:
             self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
         self.ingested += len(got)
