@@ -97,8 +97,8 @@ class MpiWriter(EpisodeWriter):
     Args:
         comm: an mpi4py communicator holding this rank and the learner (e.g. ``MPI.COMM_WORLD``).
         learner: the learner's rank in ``comm``; it must call ``replay.accept_remote(comm)``.
-        timeout: seconds to wait for the learner's answer, and for room when ``max_in_flight`` episodes
-            are unacknowledged.
+        timeout: seconds to wait for the learner's answer (to the first HELLO, and to the goodbye of
+            :meth:`close`), and for room when ``max_in_flight`` episodes are unacknowledged.
         max_in_flight: episodes sent and not yet stored by the learner before ``end_episode`` blocks.
         check_finite: refuse NaN and infinite step values, as :class:`~gear_mpi.feeds.writer.Writer` does.
     Raises:
