@@ -103,14 +103,16 @@ def survive(call, what: str, timeout: float) -> None:
     try:
         call()
     except gm.CollectiveTimeoutError as e:
-        took = time.monotonic() - t0
+        took, at = time.monotonic() - t0, time.time()
         text = str(e)
         if what == "save":  # a checkpoint names the missing rank; its communicator stays usable (issue 11)
             ok = ("is absent" in text or "is slow" in text or f"within timeout={timeout:g} s" in text) \
                 and took < timeout + 30.0
-        else:  # the deadline passed; or, under ULFM, MPI reported the dead rank (at once)
+        else:  # the deadline passed; or, under ULFM, MPI reported the dead rank (at once). The call first waited
+            # for the dying rank to reach the step it dies in (5.5 s on a loaded CI machine, 22e): the tests
+            # bound the error's time from the death (``at``), this only says that nothing hung
             ok = (f"within timeout={timeout:g} s" in text or "a rank of the job failed" in text) \
-                and took < timeout + 5.0
+                and took < timeout + 30.0
         try:
             call()
         except gm.CollectiveError as e2:  # the second call fails clearly too (at once where the replay is broken)
@@ -118,7 +120,7 @@ def survive(call, what: str, timeout: float) -> None:
         else:
             ok = False
         if ok:
-            print(f"PASS survivor-timeout rank={RANK} took={took:.1f}s error={e}", flush=True)
+            print(f"PASS survivor-timeout rank={RANK} took={took:.1f}s at={at:.3f} error={e}", flush=True)
         else:
             say("WRONG", f"{what}: took {took:.1f}s: {e}")
     except BaseException as e:  # anything else is not the clear error we promise
