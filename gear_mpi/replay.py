@@ -304,7 +304,7 @@ class Replay:
             RuntimeError: the replay is closed. TypeError: not a communicator.
         """
         self._check_open()
-        self._feeds.accept_remote(comm, getattr(self.comm, "timeout", 60.0))
+        self._feeds.accept_remote(comm, self.comm.timeout)
 
     def ingest(self) -> int:
         """Move the writers' and actor ranks' ended episodes into this rank's shard now (local), within

@@ -210,14 +210,20 @@ def no_hang(job: Job) -> None:
     assert "WRONG" not in job.stdout, job.out
 
 
+def dying_at(job: Job) -> float | None:
+    """The wall clock of the killed rank's ``DYING`` line (None without one)."""
+    dying = re.search(r"DYING rank=\d+ at=([\d.]+)", job.stdout)
+    return float(dying[1]) if dying else None
+
+
 def survivor_errors(job: Job) -> dict[int, tuple[float, float, str]]:
     """The survivors' ``PASS survivor-timeout`` lines: rank -> (seconds the call took, seconds from the
     killed rank's ``DYING`` line to the error (inf without one), the error without the ``(this is rank R)``
     part)."""
-    dying = re.search(r"DYING rank=\d+ at=([\d.]+)", job.stdout)
+    dying = dying_at(job)
     found = {}
     for m in re.finditer(r"PASS survivor-timeout rank=(\d+) took=([\d.]+)s at=([\d.]+) error=(.*)", job.stdout):
-        after = float(m[3]) - float(dying[1]) if dying else math.inf
+        after = float(m[3]) - dying if dying is not None else math.inf
         found[int(m[1])] = (float(m[2]), after, re.sub(r" \(this is rank \d+\)", "", m[4]))
     return found
 
@@ -241,8 +247,8 @@ def test_killed_rank_tears_down_the_job_without_a_hang(jobs):
     # the launcher kills the survivors at once, or they time out first: both well within the limit (120 s),
     # counted from the kill (the start of a job took up to 50 s on a loaded CI machine, 2026-12-05; prterun's
     # teardown 32 s beside a 4-rank job of the other test worker, CI 22c)
-    dying = re.search(r"DYING rank=\d+ at=([\d.]+)", job.stdout)
-    assert dying and job.ended - float(dying[1]) < 60, (job.ended - float(dying[1]) if dying else None, job.out)
+    dying = dying_at(job)
+    assert dying is not None and job.ended - dying < 60, (job.ended - dying if dying is not None else None, job.out)
     if jobs.mpi.name == "openmpi":
         # prterun kills the job when it notices the killed rank (128 + SIGKILL, and it names rank 2); on a loaded
         # machine both survivors may time out first and leave (os._exit), which prterun reports as an improper

@@ -273,8 +273,7 @@ class RemoteInbox:
         self.comm, self.shard, self._MPI, self.timeout = comm, shard, _mpi(), float(timeout)
         self.actors: dict[int, list[int]] = {}  # rank -> [episodes received, episodes stored]
         self._byes: dict[int, int] = {}  # actor rank -> episodes it sent in all (its BYE), until all are received
-        self._told: set[int] = set()  # actors sent CLOSED: they get no other message
-        self._closing = False
+        self._closing = False  # close() began: every actor was sent CLOSED and gets no other message
         self._sends: list = []
         self._spec = np.frombuffer(json.dumps(shard.spec.to_dict()).encode(), np.uint8).copy()
         self._sizes = [(c.name, c.dtype, c.shape, c.step_bytes) for c in shard.spec.columns]
@@ -372,8 +371,8 @@ class RemoteInbox:
             self._sends = [(r, b) for r, b in self._sends if not self._done(r)]
 
     def _answer_goodbyes(self) -> None:
-        """Forget each actor that said BYE and whose episodes have all been received; FAREWELL to it (unless it
-        was told CLOSED: it expects nothing more)."""
+        """Forget each actor that said BYE and whose episodes have all been received; FAREWELL to it (unless the
+        inbox is closing: it was told CLOSED and expects nothing more)."""
         if not self._byes:
             return
         for src, sent in list(self._byes.items()):
@@ -382,14 +381,17 @@ class RemoteInbox:
                 continue
             del self._byes[src]
             if counts is not None:
-                if src not in self._told:
+                if not self._closing:
                     self._send(np.array([FAREWELL], np.int64), src, TAG_ACK)
                 del self.actors[src]
-            self._told.discard(src)
 
     def _tell_closed(self, src: int) -> None:
-        self._told.add(src)
         self._send(np.array([CLOSED], np.int64), src, TAG_ACK)
+
+    def _drop(self, message, src: int, nbytes: int) -> None:
+        """Receive a matched episode and drop it (the inbox is closing); it counts as received from ``src``."""
+        if self._take(message, np.empty(nbytes, np.uint8)) and src in self.actors:
+            self.actors[src][0] += 1
 
     def backlog(self) -> int:
         """1 when an episode is waiting to be received, else 0 (MPI shows one message at a time). O(1)."""
@@ -441,7 +443,7 @@ class RemoteInbox:
             counts = self.actors.setdefault(src, [0, 0])
             counts[0] += 1  # received
             counts[1] += 1  # stored
-        for src in set(senders) - self.failed - self._told:
+        for src in set(senders) - self.failed:
             self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
         self.ingested += len(got)
         self._answer_goodbyes()
@@ -458,20 +460,15 @@ class RemoteInbox:
         self._closing = True
         try:
             if self._held is not None:  # a matched message must be received: its episode is dropped, never acknowledged
-                message, src, nbytes = self._held
-                self._held = None
-                if self._take(message, np.empty(nbytes, np.uint8)) and src in self.actors:
-                    self.actors[src][0] += 1
-            for src in list(self.actors):
-                if src not in self._told:
-                    self._tell_closed(src)
+                held, self._held = self._held, None
+                self._drop(*held)
+            for src in list(self.actors):  # (a send to a dead actor forgets it: _failure)
+                self._tell_closed(src)
 
             def finished() -> bool:
                 self._control()
                 while (found := self._match(TAG_EPISODE)) is not None:  # in flight: received and dropped
-                    message, src, nbytes = found
-                    if self._take(message, np.empty(nbytes, np.uint8)) and src in self.actors:
-                        self.actors[src][0] += 1
+                    self._drop(*found)
                 self._answer_goodbyes()
                 return not self.actors and all([self._done(r) for r, _ in self._sends])
             done = poll(finished, self.timeout)  # at least one look: a HELLO that came just now is answered too
@@ -483,4 +480,4 @@ class RemoteInbox:
                           f"MPICH's MPI_Finalize refuses (close the actors' MpiWriter before the replay)",
                           RuntimeWarning, stacklevel=2)
         self._sends = []
-        self.actors, self._byes, self._told = {}, {}, set()
+        self.actors, self._byes = {}, {}
