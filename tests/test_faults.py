@@ -79,7 +79,7 @@ class Job:
 
     @property
     def out(self) -> str:
-        return self.stdout + self.stderr[-3000:]
+        return self.stdout + self.stderr[-12000:]
 
 
 def _gear_segments() -> set[str]:

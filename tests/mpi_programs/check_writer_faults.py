@@ -22,6 +22,7 @@ every rank leaves with ``os._exit`` (MPI_Finalize may wait for the dead rank). E
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -119,8 +120,11 @@ def actor(base: str, timeout: float) -> None:
                                  f"episode: {e}"
                 writers.pop(learner).close()  # the learner is gone: returns at once
         time.sleep(WRITER_PERIOD)
-    for w in writers.values():
-        w.close()
+    for learner, w in writers.items():
+        try:  # a goodbye not answered is reported (the learners then see it), not raised: they would wait 90 s
+            w.close()
+        except gm.WriterError as e:
+            ended[learner] = f"close: {type(e).__name__}: {e}"
     with open(report_path(base, "actor") + ".tmp", "w") as f:
         json.dump({"sent": {str(k): v for k, v in sent.items()}, "ended": {str(k): v for k, v in ended.items()}}, f)
     os.rename(report_path(base, "actor") + ".tmp", report_path(base, "actor"))
@@ -168,6 +172,9 @@ def learner(base: str, timeout: float) -> None:
     # the recovered replay waits longer: what follows checks the writers, not the deadline, and on a loaded
     # machine (load average 46 beside other MPI jobs, 2026-12-05) a survivor fell 4 s behind in the draws
     rec = replay.recover(checkpoint, seed=5, timeout=RECOVERED_TIMEOUT)
+    # a survivor that stops reaching its samples prints where it is (stderr) before its partner's deadline ends
+    # the job (CI 2026-12-05: one did, and the job's output told nothing of where)
+    faulthandler.dump_traceback_later(RECOVERED_TIMEOUT - 20, exit=False)
     new, rcomm = rec.replay, rec.comm
     # the survivors meet (an MPI barrier, no deadline) before sampling on: on a loaded machine one reached its
     # first sample after recovery more than 4 s after the other (CI, 2026-12-05, under a 4 s deadline then)
@@ -175,8 +182,11 @@ def learner(base: str, timeout: float) -> None:
     problems = []
     if rec.dead != [DEAD] or rec.survivors != [0, 1]:
         problems.append(f"dead={rec.dead} survivors={rec.survivors}")
+    # the writers go on into the new replay; the survivors agree when the time is up (rank 0's clock): each
+    # sample is a collective, and a loop that each rank ended on its own clock left one a sample ahead of the
+    # other under load, in its next sample while the other waited in the allreduce below (CI 2026-12-05)
     t1 = time.monotonic()
-    while time.monotonic() - t1 < AFTER_RECOVERY:  # the writers go on into the new replay
+    while rcomm.bcast(time.monotonic() - t1 < AFTER_RECOVERY):
         new.sample(8, 1)
         time.sleep(WRITER_PERIOD)
     if RANK == 0:
@@ -235,6 +245,7 @@ def learner(base: str, timeout: float) -> None:
         problems.append(f"{len(never)} writer episodes never drawn in {drawn.sum()} draws: {never[:6]}")
     problems += wrong
     new.close()
+    faulthandler.cancel_dump_traceback_later()
     if problems:
         say("WRONG", "; ".join(problems))
     else:
