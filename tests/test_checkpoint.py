@@ -121,7 +121,7 @@ def test_the_pacer_keeps_the_byte_budget_and_stops_when_hurried():
     hurried.hurry = True
     t0 = time.monotonic()
     assert sum(len(p) for p in hurried.chunks([data])) == len(data)
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 5.0  # paced, it would take a year; unpaced, the copy alone (loaded CI: slack)
     for bad in (0, -1.0, "fast", True):
         with pytest.raises(ValueError, match="write_rate must be a number"):
             Pacer(rate=bad)
