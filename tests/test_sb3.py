@@ -21,6 +21,13 @@ SPACES = {"discrete": spaces.Discrete(4), "box64": spaces.Box(-1, 1, (2,), np.fl
 STORAGE = ("observations", "actions", "rewards", "dones", "timeouts")
 
 
+@pytest.fixture(autouse=True)
+def sb3_logs_in_tmp(tmp_path, monkeypatch):
+    """SB3's logger makes a folder for every ``learn`` (``$SB3_LOGDIR``, else ``/tmp/SB3-<date>``, left
+    behind): here it goes under the test's own temporary folder."""
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3_logs"))
+
+
 def random_steps(n_envs: int, count: int, action_space, seed: int = 0):
     """``count`` adds' arguments: random observations, actions, rewards, dones, time limits."""
     rng = np.random.default_rng(seed)
