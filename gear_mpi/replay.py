@@ -33,15 +33,13 @@ import numpy as np
 
 from . import checkpoint
 from .storage import budget
-from .distributed import header, repeat, routing
+from .distributed import arguments, header, repeat, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch, check_batch_size, check_window
 from .distributed.calls import ReplayCalls
-from .distributed.comm import MpiComm
-from .storage.device import DeviceContext, parse_device
-from .feeds.replay_feeds import ReplayFeeds, check_rate_limit
-from .storage.arenas import memory_kind
+from .storage.device import DeviceContext
+from .feeds.replay_feeds import ReplayFeeds
 from .distributed.node import NodeView
 from .feeds.rate_limit import RateLimiter
 from .distributed.prefetch import BatchIterator, ReplayPrefetch
@@ -95,7 +93,8 @@ class Replay:
     Collective: agrees on the arguments, a key tag and the node layout, and maps the node's
     shared memory; every step has the deadline ``timeout``.
     Raises:
-        ValueError: a bad argument, or ranks constructed with different arguments (on every rank).
+        ValueError, TypeError: a bad argument on some rank, or ranks constructed with different arguments (on
+            every rank, at once).
         MemoryBudgetError: the shards of a node would not fit its memory or /dev/shm (on every rank).
         StorageError: ``memory="file"``: a rank's ``path`` is missing or not writable, or its disk is full.
         CollectiveTimeoutError: a rank did not construct within ``timeout`` (on every other rank).
@@ -107,26 +106,16 @@ class Replay:
                  force_alltoallv: bool = False, device: str = "cpu", process_group=None,
                  window_transport: str = "nccl", rate_limiter: RateLimiter | None = None,
                  rate_limit_timeout: float = 60.0, lazy: bool = False, path=None, writer_slack: int | None = None):
-        header.mode_code(mode)  # ValueError for an unknown mode
-        if window_transport not in ("nccl", "mpi"):
-            raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
+        # a bad argument on any rank raises on every rank (distributed.arguments), before the signature's agreement
+        self.comm, device_kind, memory = arguments.agree(
+            comm, timeout, f"{_BUILD} (arguments)", spec=spec, mode=mode, window_transport=window_transport,
+            rate_limiter=rate_limiter, rate_limit_timeout=rate_limit_timeout, writer_slack=writer_slack,
+            device=device, memory=memory)
         self.window_transport = window_transport
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         sampler = Uniform() if sampler is None else sampler
-        self.comm = MpiComm(comm, timeout)
-        check_rate_limit(rate_limiter, rate_limit_timeout, writer_slack)
         self.mode = mode
         self.force_alltoallv = bool(force_alltoallv)
         rank, size = self.comm.rank, self.comm.size
-        if size > keyspace.MAX_RANKS:
-            raise ValueError(f"at most {keyspace.MAX_RANKS} ranks are supported, got {size}")
-        device_kind, _ = parse_device(device)
-        if device_kind == "cuda" and spec.derived:
-            raise ValueError("derived columns (FrameStack, NextStep) are rebuilt on the host: use device='cpu' "
-                             "and move the batch (batch.to(...)), or store the columns")
-        if memory is not None:
-            memory = memory_kind(memory, stacklevel=2)
         signature = {"spec": spec.to_dict(), "capacity_steps": capacity_steps, "max_items": max_items,
                      "max_times_sampled": max_times_sampled, "sampler": repr(sampler), "mode": mode,
                      "force_alltoallv": self.force_alltoallv, "seed": seed, "memory": memory, "device": device_kind,

@@ -51,7 +51,7 @@ from .comm import MpiComm, error_code
 
 #: the replay's collectives, by the names their heads carry (a head's operation is the index here)
 OPS = ("sample", "update_priorities", "update_priorities (batches)", "get_many", "stats", "save", "RateMeter", "clear",
-       "checkpoints")
+       "checkpoints", "batches")
 #: the calls that post a payload behind their head
 PAYLOADS = ("update_priorities (batches)", "stats")
 VALUES = 12  # numbers a head carries besides its status and call: a sample's header (distributed.header)

@@ -97,6 +97,22 @@ def _numba_threads(n: int | None = None) -> int | None:
     return numba.get_num_threads()
 
 
+_RECYCLE = {False: 0, True: 1, "auto": 2}
+_RECYCLE_NAMES = ["False", "True", "'auto'"]
+
+
+def _check_arguments(replay, prefetch, limit, recycle) -> None:
+    """This rank's checks of :class:`BatchIterator`'s arguments (local, O(1); raises as its docstring says)."""
+    if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
+        raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+    if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
+        raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
+    if recycle not in (True, False, "auto") or not isinstance(recycle, (bool, str)):
+        raise ValueError(f"recycle must be 'auto', True or False, got {recycle!r}")
+    if recycle is True and getattr(replay, "device", None) is not None:
+        raise ValueError("recycle=True refills host batches (sample's out=): a device replay returns new ones")
+
+
 class BatchIterator:
     """Batches sampled ahead by a background thread (see the module docstring).
 
@@ -109,24 +125,29 @@ class BatchIterator:
         recycle: ``"auto"``, True or False: when to refill the batches of a ring of ``prefetch + 2`` instead of
             allocating new ones (host replays; see the module docstring).
     Raises:
-        ValueError: a bad ``prefetch``, ``limit`` or ``recycle``, ``recycle=True`` on a device replay; RuntimeError: MPI without THREAD_MULTIPLE, or another
-            iterator of this replay is active.
+        ValueError: a bad ``prefetch``, ``limit`` or ``recycle``, ``recycle=True`` on a device replay, or ranks
+            passing different ones, on every rank (a ``"batches"`` head agrees them: one small allgather, or a row
+            on the node board); RuntimeError: MPI without THREAD_MULTIPLE.
     """
 
     def __init__(self, replay, owner: "ReplayPrefetch", batch_size: int, window: int | None, align: str,
                  mode: str | None, prefetch: int, limit: int | None, recycle: bool | str = "auto"):
-        if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-        if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
-            raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
-        if recycle not in (True, False, "auto") or not isinstance(recycle, (bool, str)):
-            raise ValueError(f"recycle must be 'auto', True or False, got {recycle!r}")
-        if recycle is True and getattr(replay, "device", None) is not None:
-            raise ValueError("recycle=True refills host batches (sample's out=): a device replay returns new ones")
+        if replay.comm.size > 1:  # a property of the job, the same on every rank: raised there too, unagreed
+            check_thread_level()
+        err = None
+        try:
+            _check_arguments(replay, prefetch, limit, recycle)
+        except Exception as e:  # agreed below: raised on every rank
+            err, prefetch, limit, recycle = e, 0, None, False
+        # a "batches" head: a bad argument on one rank raises on every rank, and the schedule's arguments
+        # (prefetch, limit, recycle) must be the same everywhere, else the threads would sample apart
+        agreed = replay.calls.agree(err, "batches", [prefetch, -1 if limit is None else limit, _RECYCLE[recycle]])
+        if (agreed != agreed[0]).any():
+            raise ValueError(f"batches: prefetch, limit and recycle must be the same on every rank; got prefetch "
+                             f"{agreed[:, 0].astype(int).tolist()}, limit {agreed[:, 1].astype(int).tolist()} (-1: "
+                             f"None) and recycle {[_RECYCLE_NAMES[int(v)] for v in agreed[:, 2]]}")
         if recycle == "auto" and getattr(replay, "device", None) is not None:
             recycle = False  # device batches are new ones
-        if replay.comm.size > 1:
-            check_thread_level()
         self.replay, self.owner, self.prefetch, self.limit = replay, owner, int(prefetch), limit
         self._args = (batch_size, window, align, mode)
         self._ring: list | None = [None] * (self.prefetch + 2) if recycle else None

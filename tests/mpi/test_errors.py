@@ -4,7 +4,8 @@ An empty replay raises everywhere; a bad batch size, window, align, priority (Na
 negative) or a foreign key on the last rank raises the same message on every rank;
 afterwards the priorities are untouched and the replay still samples. Ranks constructed
 with different arguments (a rate limiter, a capacity and a seed) are told which ones differ,
-with rank 0's value and the first differing rank's.
+with rank 0's value and the first differing rank's; a bad constructor argument and bad ``batches()``
+arguments on one rank raise on every rank too.
 """
 from __future__ import annotations
 
@@ -66,6 +67,39 @@ def test_construction_names_the_argument_that_differs_and_both_values():
                                       f"differs: rank 0 64, rank {bad} 65; seed differs: rank 0 1, rank {bad} 5")
     with gm.Replay(spec, 64, rate_limiter=gm.MinSize(1), timeout=20.0) as replay:  # the same everywhere: fine
         replay.insert({"obs": np.zeros((2, 3))})
+
+
+def test_a_bad_constructor_argument_on_one_rank_fails_on_every_rank_at_once():
+    """A value only that rank can see is wrong (mode, timeout, memory, spec) used to leave the others waiting
+    until ``timeout`` (CollectiveTimeoutError); now every rank raises its error at once."""
+    bad = SIZE - 1
+    for kw, cls, what in [({"mode": "bogus"}, ValueError, "mode must be one of"),
+                          ({"timeout": -1.0}, ValueError, "timeout must be a positive number"),
+                          ({"memory": "nope"}, ValueError, "memory must be"),
+                          ({"spec": {"obs": 1}}, TypeError, "spec must be a TrajectorySpec")]:
+        args = {"spec": gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), "capacity_steps": 64,
+                "timeout": 20.0, **(kw if RANK == bad else {})}
+        t0 = time.monotonic()
+        expect_same_error(lambda: gm.Replay(**args), cls, f"Replay construction (arguments): rank {bad}: {what}")
+        assert time.monotonic() - t0 < 10.0
+
+
+def test_batches_with_a_bad_or_differing_argument_on_one_rank_fails_on_every_rank():
+    """batches() checked prefetch, limit and recycle on each rank alone: the others started sampling and timed
+    out. A "batches" head now agrees them."""
+    bad = SIZE - 1
+    replay = make_replay(gm.Uniform())
+    fill(replay, shard_sizes()[RANK], seed=2)
+    expect_same_error(lambda: replay.batches(2, 3, prefetch=-1 if RANK == bad else 1), ValueError,
+                      f"batches: rank {bad}: prefetch must be an integer >= 0")
+    expect_same_error(lambda: replay.batches(2, 3, recycle="x" if RANK == bad else "auto"), ValueError,
+                      f"batches: rank {bad}: recycle must be")
+    if SIZE > 1:
+        expect_same_error(lambda: replay.batches(2, 3, limit=3 + (RANK == bad)), ValueError,
+                          "prefetch, limit and recycle must be the same on every rank")
+    with replay.batches(2, 3, prefetch=1, limit=2) as it:
+        assert [len(b) for b in it] == [2, 2]
+    replay.close()
 
 
 def test_replay_inserts_refuse_nan_and_inf_with_check_finite():
