@@ -1,6 +1,7 @@
 """Batch: the result of a sample -- one ``[B, W, ...]`` tensor per column plus per-item metadata."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Iterator
 
@@ -460,3 +461,34 @@ def check_batch_size(batch_size: int) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
         raise ValueError(f"batch_size must be a non-negative integer, got {batch_size!r}")
     return int(batch_size)
+
+
+#: bytes a sampled window costs besides its steps: its key, probability, weight and length, and the owner's
+#: 48-byte choice record (the mask's byte per step is counted with the steps)
+WINDOW_OVERHEAD = 8 + 8 + 4 + 8 + 48
+
+
+def machine_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the OS does not say). O(1)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_batch_bytes(spec: TrajectorySpec, batch_size: int, window: int) -> None:
+    """Refuse a sample whose batch could never be allocated: more bytes than this machine's memory. O(columns).
+
+    Checked with the other arguments, before a replay's ranks agree on them, so that such a batch size fails
+    on every rank at once instead of as a MemoryError deep in the call on some ranks.
+    Args:
+        spec: the columns; batch_size: windows asked (checked); window: steps per window (checked).
+    Raises:
+        ValueError: ``batch_size`` windows of ``window`` steps of ``spec`` take more than the machine's memory.
+    """
+    step = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in spec.batch_columns) + 1
+    need = batch_size * (window * step + WINDOW_OVERHEAD)
+    have = machine_bytes()
+    if have and need > have:
+        raise ValueError(f"batch_size={batch_size} windows of {window} steps would take {need / 2**30:.1f} GiB, "
+                         f"more than this machine's memory ({have / 2**30:.1f} GiB)")

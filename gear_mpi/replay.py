@@ -36,7 +36,7 @@ from .storage import budget
 from .distributed import arguments, header, repeat, routing
 from . import keys as keyspace
 from . import stats as stats_schema
-from .batch import Batch, check_batch_size, check_window
+from .batch import Batch, check_batch_bytes, check_batch_size, check_window
 from .distributed.calls import ReplayCalls
 from .storage.device import DeviceContext
 from .feeds.replay_feeds import ReplayFeeds
@@ -327,8 +327,8 @@ class Replay:
         Returns:
             A :class:`Batch` (``out`` when given; on the GPU for a device replay).
         Raises:
-            ValueError: a bad argument on some rank, or ranks asking for different modes (the same error
-                on every rank).
+            ValueError: a bad argument on some rank (a batch larger than its machine's memory included), or ranks
+                asking for different modes (the same error on every rank). TypeError: ``out`` is not a Batch.
             EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
             RateLimitTimeoutError: the rate limiter held the call past ``rate_limit_timeout`` (every rank).
             CollectiveError: another rank is in another collective call (on every rank, naming both).
@@ -403,6 +403,9 @@ class Replay:
         return batch
 
     def _check_out(self, out: Batch | None, batch_size: int, window: int) -> None:
+        check_batch_bytes(self.spec, batch_size, window)  # with out=, as the arguments are checked before agreeing
+        if out is not None and not isinstance(out, Batch):
+            raise TypeError(f"out= must be a Batch (one an earlier sample returned), got {type(out).__name__}")
         if out is not None and (self.device is not None or not out.matches(self.spec, batch_size, window)):
             raise ValueError(f"out= must be a host batch of batch_size={batch_size} windows of window={window} "
                              f"steps of this replay's spec (device replays return new batches), got {out!r}")

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .batch import Batch, check_batch_size, check_window
+from .batch import Batch, check_batch_bytes, check_batch_size, check_window
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import local_sample, ring
@@ -522,7 +522,8 @@ class Shard:
         Returns:
             The :class:`~gear_mpi.batch.Batch` (``out`` when given).
         Raises:
-            ValueError, EmptyReplayError: a bad argument or an ``out`` that does not fit; nothing to draw.
+            ValueError, EmptyReplayError: a bad argument (a batch larger than the machine's memory included) or an
+                ``out`` that does not fit; nothing to draw. TypeError: ``out`` is not a Batch.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
         rep = self._repeat  # the same out= batch and arguments as a call that took one kernel: skip the checks
@@ -534,6 +535,9 @@ class Shard:
         window, code = check_window(self.spec, window, align)
         if squeeze and window != 1:
             raise ValueError(f"squeeze=True takes one-step windows (window=1), got window={window}")
+        check_batch_bytes(self.spec, batch_size, window)
+        if out is not None and not isinstance(out, Batch):
+            raise TypeError(f"out= must be a Batch (one an earlier sample returned), got {type(out).__name__}")
         if out is not None and not out.matches(self.spec, batch_size, window, squeeze):
             raise ValueError(f"out= does not fit batch_size={batch_size}, window={window}, squeeze={bool(squeeze)} "
                              f"of this spec: {out!r}")

@@ -1,16 +1,80 @@
 """Bad input to a Shard and a one-rank Replay: a clear error naming the problem, and nothing changed.
 
 Cases an audit of the public API found (the rest are in tests/test_property_shard.py, tests/test_small_calls.py
-and tests/mpi/test_errors.py): a bad constructor argument (now agreed: the same error on every rank, see
-tests/mpi/test_errors.py).
+and tests/mpi/test_errors.py): a batch larger than the machine's memory (was a MemoryError, in a two-rank replay a
+hang), an ``out=`` that is not a Batch (was an AttributeError), complex priorities (were taken, imaginary parts
+dropped), and a bad constructor argument (now agreed: the same error on every rank, see tests/mpi/test_errors.py).
 """
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import pytest
 
 import gear_mpi as gm
 
 SPEC = gm.TrajectorySpec({"obs": ((3,), "float32"), "a": ((), "int64")}, max_length=5)
+SELECTORS = [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Fifo(), gm.Lifo(), gm.MaxPriority(), gm.MinPriority()]
+
+
+def trajectories(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"obs": rng.standard_normal((1 + i % 5, 3)).astype(np.float32), "a": np.arange(1 + i % 5)}
+            for i in range(n)]
+
+
+def filled_shard(selector) -> tuple[gm.Shard, np.ndarray]:
+    shard = gm.Shard(SPEC, 40, selector, seed=3, tag=5)
+    return shard, shard.insert_many(trajectories(8), 0.5 + np.arange(8))
+
+
+def fingerprint(shard: gm.Shard) -> list:
+    """The figures, live keys and priorities, then a sample stream (which advances the shard like its twin's)."""
+    out = [len(shard), shard.stats(), shard.live_keys().tolist(), shard.priorities(shard.live_keys()).tolist()]
+    for _ in range(3):
+        b = shard.sample(4, 3)
+        out.append((b.keys.tolist(), b["obs"].numpy().tobytes(), b.weights.tolist()))
+    return out
+
+
+BAD_CALLS = {
+    "huge batch": (lambda s, k: s.sample(10**12, 3), ValueError, "more than this machine's memory"),
+    "out= not a Batch": (lambda s, k: s.sample(2, 3, out={"obs": np.zeros((2, 3, 3))}), TypeError,
+                         "out= must be a Batch"),
+    "complex update": (lambda s, k: s.update_priorities(k[:2], np.array([1.0, 1j])), gm.InvalidPriorityError,
+                       "must be real numbers"),
+    "complex insert": (lambda s, k: s.insert(trajectories(1)[0], 1 + 0j), gm.InvalidPriorityError,
+                       "must be real numbers"),
+    "complex insert_packed": (lambda s, k: s.insert_packed(trajectories(1)[0], [1], [2j]), gm.InvalidPriorityError,
+                              "must be real numbers"),
+}
+
+
+@pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_a_bad_call_raises_a_clear_error_and_changes_nothing(selector, case):
+    call, cls, what = BAD_CALLS[case]
+    (shard, keys), (twin, _) = filled_shard(selector), filled_shard(selector)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning: refused, not cast
+        with pytest.raises(cls, match=what):
+            call(shard, keys)
+    assert fingerprint(shard) == fingerprint(twin)
+    shard.close()
+    twin.close()
+
+
+def test_one_rank_replay_refuses_a_huge_batch_and_an_out_that_is_not_a_batch():
+    for mode in ("decentralized", "centralized", "local"):
+        with gm.Replay(SPEC, 40, gm.Prioritized(0.6, 0.4), mode=mode, seed=1, timeout=20.0) as replay:
+            replay.insert_many(trajectories(8))
+            prefix = "" if mode == "local" else "sample: rank 0: "  # a local replay's own mode: the shard's error
+            with pytest.raises(ValueError, match=f"^{prefix}batch_size=1000000000000 windows of 3 steps"):
+                replay.sample(10**12, 3)
+            with pytest.raises(TypeError, match=f"^{prefix}out= must be a Batch"):
+                replay.sample(2, 3, out={"obs": 1})
+            assert replay.stats()["total"]["sampled"] == 0 and len(replay.sample(2, 3)) == 2
 
 
 @pytest.mark.parametrize("kw,cls,what", [({"mode": "bogus"}, ValueError, "mode must be one of"),

@@ -4,8 +4,9 @@ An empty replay raises everywhere; a bad batch size, window, align, priority (Na
 negative) or a foreign key on the last rank raises the same message on every rank;
 afterwards the priorities are untouched and the replay still samples. Ranks constructed
 with different arguments (a rate limiter, a capacity and a seed) are told which ones differ,
-with rank 0's value and the first differing rank's; a bad constructor argument and bad ``batches()``
-arguments on one rank raise on every rank too.
+with rank 0's value and the first differing rank's; a bad constructor argument, a batch beyond the
+machine's memory, an ``out=`` that is not a Batch, complex priorities and bad ``batches()`` arguments
+on one rank raise on every rank too.
 """
 from __future__ import annotations
 
@@ -82,6 +83,26 @@ def test_a_bad_constructor_argument_on_one_rank_fails_on_every_rank_at_once():
         t0 = time.monotonic()
         expect_same_error(lambda: gm.Replay(**args), cls, f"Replay construction (arguments): rank {bad}: {what}")
         assert time.monotonic() - t0 < 10.0
+
+
+def test_a_huge_batch_an_out_that_is_not_a_batch_or_complex_priorities_on_one_rank_fail_everywhere(force):
+    """A batch beyond the machine's memory raised MemoryErrors of different messages (centralized: the ranks fell
+    out of step until a timeout); ``out={...}`` an agreed AttributeError; complex priorities were taken."""
+    bad = SIZE - 1
+    for mode in ("decentralized", "centralized"):
+        replay = make_replay(gm.Prioritized(0.6, 0.4), mode=mode, force=force)
+        fill(replay, shard_sizes()[RANK], seed=5)
+        expect_same_error(lambda: replay.sample(10**12 if RANK == bad else 2, 3), ValueError,
+                          f"sample: rank {bad}: batch_size=1000000000000 windows of 3 steps would take")
+        expect_same_error(lambda: replay.sample(2, 3, out={"obs": 1} if RANK == bad else None), TypeError,
+                          f"sample: rank {bad}: out= must be a Batch")
+        batch = replay.sample(2, 3)
+        pr = np.ones(len(batch)) * 1j if RANK == bad else np.ones(len(batch))
+        expect_same_error(lambda: replay.update_priorities(batch.keys, pr), gm.InvalidPriorityError,
+                          f"update_priorities: rank {bad}: priorities must be real numbers")
+        assert replay.stats()["total"]["sampled"] == 2 * SIZE  # only the good sample counted
+        assert len(replay.sample(3, 4)) == 3
+        replay.close()
 
 
 def test_batches_with_a_bad_or_differing_argument_on_one_rank_fails_on_every_rank():
