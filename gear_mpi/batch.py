@@ -468,16 +468,23 @@ def check_batch_size(batch_size: int) -> int:
 WINDOW_OVERHEAD = 8 + 8 + 4 + 8 + 48
 
 
+_MACHINE_BYTES: int | None = None
+
+
 def machine_bytes() -> int:
-    """This machine's physical memory in bytes (0 where the OS does not say). O(1)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    """This machine's physical memory in bytes (0 where the OS does not say), read once per process. O(1)."""
+    global _MACHINE_BYTES
+    if _MACHINE_BYTES is None:
+        try:
+            _MACHINE_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            _MACHINE_BYTES = 0
+    return _MACHINE_BYTES
 
 
 def check_batch_bytes(spec: TrajectorySpec, batch_size: int, window: int) -> None:
-    """Refuse a sample whose batch could never be allocated: more bytes than this machine's memory. O(columns).
+    """Refuse a sample whose batch could never be allocated: more bytes than this machine's memory. O(1)
+    (``spec.batch_step_bytes`` and the machine's memory are read once).
 
     Checked with the other arguments, before a replay's ranks agree on them, so that such a batch size fails
     on every rank at once instead of as a MemoryError deep in the call on some ranks.
@@ -486,9 +493,8 @@ def check_batch_bytes(spec: TrajectorySpec, batch_size: int, window: int) -> Non
     Raises:
         ValueError: ``batch_size`` windows of ``window`` steps of ``spec`` take more than the machine's memory.
     """
-    step = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in spec.batch_columns) + 1
-    need = batch_size * (window * step + WINDOW_OVERHEAD)
-    have = machine_bytes()
+    need = batch_size * (window * spec.batch_step_bytes + WINDOW_OVERHEAD)
+    have = _MACHINE_BYTES if _MACHINE_BYTES is not None else machine_bytes()
     if have and need > have:
         raise ValueError(f"batch_size={batch_size} windows of {window} steps would take {need / 2**30:.1f} GiB, "
                          f"more than this machine's memory ({have / 2**30:.1f} GiB)")

@@ -20,11 +20,14 @@ from replay_checks import RANK, SIZE, expect_same_error, fill, make_replay, owne
 
 def test_invalid_arguments_fail_on_every_rank(force):
     replay = make_replay(gm.Prioritized(0.6, 0.4), force=force)
-    expect_same_error(lambda: replay.sample(4, 3), gm.EmptyReplayError, "empty on every rank")
+    # one rank samples its shard alone, whose message has no ranks in it
+    expect_same_error(lambda: replay.sample(4, 3), gm.EmptyReplayError,
+                      "empty on every rank" if SIZE > 1 else "the replay is empty")
     ref = fill(replay, shard_sizes()[RANK], seed=5)
     bad = SIZE - 1
     expect_same_error(lambda: replay.sample(-1 if RANK == bad else 2, 3), ValueError, f"rank {bad}: batch_size")
-    expect_same_error(lambda: replay.sample(2, 3 + (RANK == bad)), ValueError, "window and align")
+    if SIZE > 1:  # windows that differ between ranks (on one rank, 4 steps is a good window)
+        expect_same_error(lambda: replay.sample(2, 3 + (RANK == bad)), ValueError, "window and align")
     expect_same_error(lambda: replay.sample(2, 3, "middle" if RANK == bad else "head"), ValueError, "align")
     batch = replay.sample(2, 3)
     pr = np.ones(len(batch))

@@ -100,11 +100,14 @@ def call(replay: gm.Replay, what: str, batch, folder: str):
     if what == "clear":
         return replay.clear()
     # batches: rank 0 gives an update the others do not; its thread applies it (prefetch=0: before the
-    # second sample) while theirs run the second sample, or (batch_then_stats) call stats after one batch
-    with replay.batches(4, prefetch=0, limit=1 if what == "batch_then_stats" else 3) as it:
+    # second sample) while theirs run the second sample, or (batch_then_stats) leave the loop after one batch
+    # and call stats (the same limit everywhere: batches() refuses limits that differ between ranks)
+    with replay.batches(4, prefetch=0, limit=3) as it:
         for j, b in enumerate(it):
             if what == "batches_update" and j == 0:
                 it.update_priorities(b.keys, np.full(len(b), 2.0))
+            if what == "batch_then_stats":
+                break
     return replay.stats() if what == "batch_then_stats" else "all batches"
 
 
@@ -121,7 +124,7 @@ def run(transport: str, scenario: str, folder: str) -> None:
         say("WRONG", name, f"node board {replay.node.board!r} with transport {transport}")
     batch = replay.sample(4)  # call #1, alike on every rank
     mine = SCENARIOS[scenario][0 if RANK == 0 else 1]
-    number = 3 if scenario.startswith("batches") else 2  # the iterator's first sample is call #2
+    number = 4 if scenario.startswith("batches") else 2  # the iterator's head is call #2, its first sample #3
     COMM.Barrier()
     start = time.monotonic()
     try:
