@@ -8,6 +8,7 @@ tests/mpi/test_checkpoint_restore.py`` by hand).
   saved, sampled further, and loaded on the same ranks: the loaded replay draws the
   very same batches (keys, every column, mask, weights, probabilities) and applies
   the same updates; key_map is the identity.
+- a rank whose shard is empty saves and restores (exact, mapped, resharded).
 - replacement: saving over a checkpoint replaces it; one found only as ``DIR.old``
   (a save that died between its renames) loads; the next save cleans up; a
   directory that is not a checkpoint is never replaced.
@@ -72,6 +73,31 @@ def test_exact_restore_draws_the_same_samples(shared_dir, name, sel, mode, kw):
         assert all(np.array_equal(a[c], b[c]) for c in SPEC.names)
     replay.close()
     loaded.close()
+
+
+def test_a_rank_whose_shard_is_empty_saves_and_restores(shared_dir):
+    """A rank holding nothing (a learner rank that never inserts) wrote no order-ring section, and every load of
+    the checkpoint failed with "section 'order' is missing" (exact, mapped, resharded and incremental alike)."""
+    path = os.path.join(shared_dir, "one-empty")
+    replay = gm.Replay(SPEC, 60, gm.Prioritized(0.6, 0.4), seed=3, timeout=30.0)
+    if RANK != SIZE - 1 or SIZE == 1:
+        fill(replay, 6, base=3)
+    replay.save(path, progress=False)
+    expect = drive(replay, 3, seed=2)
+    for mmap in (False, True):
+        loaded, key_map = gm.Replay.load(path, mmap=mmap)
+        assert len(key_map[0]) == sum(COMM.allgather(len(replay)))
+        assert len(loaded) == (0 if RANK == SIZE - 1 and SIZE > 1 else 6)
+        for i, (a, b) in enumerate(zip(expect, drive(loaded, 3, seed=2))):
+            same_batch(a, b, f"mmap={mmap} batch {i}")
+        loaded.close()
+    alone = sub_comm(1)
+    if alone is not None:
+        moved, _ = gm.Replay.load(path, alone, timeout=30.0, capacity_steps=60 * SIZE)  # room for every rank's
+        assert len(moved) == 6 * max(1, SIZE - 1)
+        moved.close()
+        alone.Free()
+    replay.close()
 
 
 def test_replace_and_recover_from_a_crash_between_renames(shared_dir):
