@@ -287,7 +287,11 @@ class TrajectorySpec:
             value = columns[c.name]
             if hasattr(value, "detach") and hasattr(value, "cpu"):
                 value = value.detach().cpu().numpy()
-            arr = np.asarray(value)
+            try:
+                arr = np.asarray(value)
+            except (TypeError, ValueError) as e:  # ragged nested lists; objects numpy cannot read
+                raise InvalidTrajectoryError(f"{where}: column {c.name!r} is not an array numpy can read: {e}") \
+                    from None
             if arr.dtype.hasobject or arr.dtype.kind not in "biufc":
                 raise InvalidTrajectoryError(f"{where}: column {c.name!r} has non-numeric dtype {arr.dtype}")
             if not _castable(arr.dtype, c.dtype, casting):

@@ -3,7 +3,8 @@
 Cases an audit of the public API found (the rest are in tests/test_property_shard.py, tests/test_small_calls.py
 and tests/mpi/test_errors.py): a batch larger than the machine's memory (was a MemoryError, in a two-rank replay a
 hang), an ``out=`` that is not a Batch (was an AttributeError), complex priorities (were taken, imaginary parts
-dropped), and a bad constructor argument (now agreed: the same error on every rank, see tests/mpi/test_errors.py).
+dropped), a ragged nested list as a column (was numpy's "inhomogeneous shape" ValueError, naming no column), and
+a bad constructor argument (now agreed: the same error on every rank, see tests/mpi/test_errors.py).
 """
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ BAD_CALLS = {
                        "must be real numbers"),
     "complex insert_packed": (lambda s, k: s.insert_packed(trajectories(1)[0], [1], [2j]), gm.InvalidPriorityError,
                               "must be real numbers"),
+    "ragged insert": (lambda s, k: s.insert({"obs": [[1.0, 2.0, 3.0], [4.0]], "a": [1, 2]}),
+                      gm.InvalidTrajectoryError, "column 'obs' is not an array numpy can read"),
+    "ragged insert_packed": (lambda s, k: s.insert_packed({"obs": [[1.0, 2.0, 3.0], [4.0]], "a": [1, 2]}, [2]),
+                             gm.InvalidTrajectoryError, "column 'obs' is not an array numpy can read"),
 }
 
 
@@ -86,3 +91,12 @@ def test_a_bad_constructor_argument_is_named(kw, cls, what):
     args = {"spec": SPEC, "capacity_steps": 40, "timeout": 20.0, **kw}
     with pytest.raises(cls, match=f"^Replay construction \\(arguments\\): rank 0: {what}"):
         gm.Replay(**args)
+
+
+def test_append_step_names_a_ragged_column_and_stores_nothing():
+    spec = gm.TrajectorySpec({"obs": ((2,), "float32"), "a": ((), "int64")}, max_length=1)
+    with gm.Shard(spec, 16, gm.Prioritized(0.6, 0.4)) as shard:
+        shard.append_step({"obs": [1.0, 2.0], "a": 3})
+        with pytest.raises(gm.InvalidTrajectoryError, match="append_step: column 'obs' is not an array numpy can read"):
+            shard.append_step({"obs": [[1.0, 2.0], [3.0]], "a": 3})
+        assert len(shard) == 1 and shard.stats()["inserted"] == 1

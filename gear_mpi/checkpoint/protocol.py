@@ -19,6 +19,7 @@ import secrets
 import shutil
 import time
 import warnings
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -122,6 +123,8 @@ def save(replay, path, progress: bool | None = None) -> None:
             (``load(mmap=True)``) that another process wrote or truncated since; the same
             on every rank.
         TypeError: ``path`` is not a path, or ``progress`` not None or a bool.
+        ValueError: ranks gave different paths (compared after ``os.path.abspath``; on every rank, before
+            anything is written).
         RuntimeError: the replay is closed.
         CollectiveTimeoutError: a rank did not arrive at the start within the timeout,
             or missed its deadline for its files (named: absent or slow).
@@ -145,7 +148,7 @@ def _save(replay, path, progress: bool | None, problem: Exception | None) -> Non
     show = wanted(progress, comm.rank)
     rank = comm.rank
     started = time.monotonic()
-    err, mine = problem, 0
+    err, mine, where = problem, 0, 0
     token = secrets.randbits(48)
     try:
         if not isinstance(path, (str, os.PathLike)):
@@ -160,9 +163,14 @@ def _save(replay, path, progress: bool | None, problem: Exception | None) -> Non
             raise CheckpointError(f"{path}: a non-empty directory that is not a gear_mpi checkpoint; "
                                   f"refusing to replace it")
         mine = shard_files.bytes_to_write(replay.shard)
+        where = zlib.crc32(path.encode("utf-8", "surrogateescape"))  # compared below: the same path everywhere
     except Exception as e:
         err = e
-    table = replay.calls.agree(err, "save", [token, mine])  # the save's head (gear_mpi.distributed.calls)
+    table = replay.calls.agree(err, "save", [token, mine, where])  # the save's head (gear_mpi.distributed.calls)
+    others = np.flatnonzero(table[:, 2] != table[0, 2])
+    if len(others):  # each rank would write its shard under its own path, and rank 0 install only its own
+        raise ValueError(f"save: every rank must give the same path (after os.path.abspath); rank(s) "
+                         f"{others.tolist()} gave another than rank 0's: nothing was written")
     replay.settle()
     tmp = f"{path}.tmp-{int(table[0, 0]):012x}"
     nbytes = table[:, 1]

@@ -153,7 +153,7 @@ class StepAppender:
         out = []
         for name, dtype, shape, one in self.columns:
             value = step[name]
-            arr = value if type(value) is np.ndarray else _as_array(value)
+            arr = value if type(value) is np.ndarray else _as_array(value, name)
             given = arr.dtype
             if given is not dtype:
                 ok = _CASTS.get((given, dtype))
@@ -251,8 +251,12 @@ class StepAppender:
         return int(self.inserter.store_packed(columns, self.one, pr, steps=1)[0])
 
 
-def _as_array(value: Any) -> np.ndarray:
-    """A step's value as a numpy array (a tensor through ``.cpu().numpy()``). O(size)."""
+def _as_array(value: Any, name: str) -> np.ndarray:
+    """A step's value of column ``name`` as a numpy array (a tensor through ``.cpu().numpy()``). O(size).
+    Raises InvalidTrajectoryError for what numpy cannot read (a ragged nested list)."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         value = value.detach().cpu().numpy()
-    return np.asarray(value)
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise InvalidTrajectoryError(f"append_step: column {name!r} is not an array numpy can read: {e}") from None

@@ -10,12 +10,15 @@ on one rank raise on every rank too.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
 
 import gear_mpi as gm
-from replay_checks import RANK, SIZE, expect_same_error, fill, make_replay, owner_of, shard_sizes
+from replay_checks import COMM, RANK, SIZE, expect_same_error, fill, make_replay, owner_of, shard_sizes
 
 
 def test_invalid_arguments_fail_on_every_rank(force):
@@ -124,6 +127,29 @@ def test_batches_with_a_bad_or_differing_argument_on_one_rank_fails_on_every_ran
     with replay.batches(2, 3, prefetch=1, limit=2) as it:
         assert [len(b) for b in it] == [2, 2]
     replay.close()
+
+
+def test_a_save_to_another_path_on_one_rank_fails_everywhere_and_writes_nothing():
+    """Each rank wrote its shard under its own path and rank 0 installed only its own, an incomplete checkpoint
+    without an error; the save's head now compares the paths."""
+    base = COMM.bcast(tempfile.mkdtemp(prefix="gear_save_paths_") if RANK == 0 else None)
+    replay = make_replay(gm.Uniform())
+    fill(replay, shard_sizes()[RANK], seed=4)
+    bad = SIZE - 1
+    mine = os.path.join(base, "other" if RANK == bad and SIZE > 1 else "ckpt")
+    if SIZE > 1:
+        expect_same_error(lambda: replay.save(mine, progress=False), ValueError,
+                          f"save: every rank must give the same path (after os.path.abspath); rank(s) [{bad}]")
+        COMM.Barrier()
+        assert os.listdir(base) == [], os.listdir(base)  # nothing written, nothing left aside
+    replay.save(os.path.join(base, "ckpt"), progress=False)  # the same path everywhere: fine
+    again, _ = gm.Replay.load(os.path.join(base, "ckpt"), COMM)
+    assert again.stats()["total"]["items"] == replay.stats()["total"]["items"]
+    again.close()
+    replay.close()
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(base)
 
 
 def test_replay_inserts_refuse_nan_and_inf_with_check_finite():
