@@ -116,7 +116,10 @@ class DecentralizedPlan(Plan):
         sizes = head[:, BATCH].astype(np.int64)
         if self.proportional:
             mass, wmin = _mass(head)
-            counts = multinomial_rows(self.shared_rng, sizes, head[:, MASS] / mass)
+            if mass > 0.0:
+                counts = multinomial_rows(self.shared_rng, sizes, head[:, MASS] / mass)
+            else:  # nothing to draw from, so nothing asked (check_header): no multinomial over NaN shares
+                counts = np.zeros((self.size, self.size), np.int64)
             serve = np.ascontiguousarray(counts[:, self.rank])
             return Assignment(self.shard.select(int(serve.sum())), serve, counts[self.rank], mass, wmin, counts)
         btot = int(sizes.sum())
@@ -161,8 +164,12 @@ class CentralizedPlan(Plan):
                 table = gathered.reshape(-1, 2)
                 owner = np.repeat(np.arange(self.size), counts // 2)
                 cum = np.cumsum(table[:, 1].view(np.float64))
-                picks = np.searchsorted(cum, self.rng.random(int(sizes.sum())) * cum[-1], side="right")
-                picks = np.minimum(picks, len(cum) - 1)
+                draws = self.rng.random(int(sizes.sum()))
+                if len(draws):  # then some weight is positive (check_header)
+                    picks = np.searchsorted(cum, draws * cum[-1], side="right")
+                    picks = np.minimum(picks, len(cum) - 1)
+                else:  # nothing asked: no item, and maybe no weight, to pick from
+                    picks = np.zeros(0, np.int64)
                 requester = np.repeat(np.arange(self.size), sizes)
                 chunks = []
                 for o in range(self.size):

@@ -13,6 +13,8 @@ empty one (rank 1).
   rank raises InvalidKeyError on every rank.
 - ``stats()`` has the one schema of gear_mpi.stats; ``ranks`` counts ranks and the
   deprecated ``size`` still does, with a DeprecationWarning.
+- ``sample(0)`` of a replay with nothing to draw (empty, cleared, every priority 0) is an
+  empty batch in every mode.
 """
 from __future__ import annotations
 
@@ -230,3 +232,27 @@ def test_clear_empties_every_shard_and_later_inserts_sample_alone(force):
         batch = replay.sample(16, 3)
         assert set(batch.keys.numpy().tolist()) <= set(new)
         check_windows(batch, new, 3, "random")
+
+
+@pytest.mark.parametrize("state", ["empty", "cleared", "priority 0"])
+def test_sample_of_nothing_from_a_replay_with_nothing_to_draw_is_an_empty_batch(state, force):
+    """``sample(0)`` (every rank asking for nothing) of a replay holding nothing it can draw returns an empty
+    batch in every mode; a sample that asks for items raises EmptyReplayError on every rank. Decentralized drew
+    its count rows over 0/0 shares ("p < 0, p > 1 or p is NaN" on every rank); centralized indexed an empty
+    weight table on rank 0 (IndexError) while the others waited for its choices until the timeout."""
+    for sampler in (gm.Uniform(), gm.Prioritized(0.6, 0.4)):
+        with make_replay(sampler, force=force) as replay:
+            if state == "cleared":
+                fill(replay, 3, seed=2)
+                replay.clear()
+            elif state == "priority 0":
+                replay.insert_many([{"obs": np.zeros((2, 3), np.float32), "step": np.zeros(2, np.int64),
+                                     "flag": np.zeros((2, 2), np.uint8)}], [0.0])
+            for mode in MODES:
+                for window, align in ((None, "random"), (1, "head"), (3, "tail")):
+                    batch = replay.sample(0, window, align, mode=mode)
+                    assert len(batch) == 0 and batch.mask.shape[0] == 0, (mode, window, align)
+                if state != "priority 0" or isinstance(sampler, gm.Prioritized):
+                    expect_same_error(lambda: replay.sample(2, 3, mode=mode), gm.EmptyReplayError,
+                                      "empty" if state != "priority 0" else "priority 0")
+            assert replay.stats()["total"]["sampled"] == 0
