@@ -39,7 +39,25 @@ LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacit
                 "allow_drop")
 
 
-def agree_on_manifest(mc: MpiComm, err: BaseException | None, digest: int, label: str, who: str, path: Any) -> None:
+#: load's overrides that may differ between ranks (a rank's own GPU, file or process group; rank 0 reports)
+PER_RANK_OPTIONS = ("device", "process_group", "progress", "memory_path")
+
+
+def _options_digest(overrides: dict) -> int:
+    """A CRC-32 of the overrides every rank must give alike (all but :data:`PER_RANK_OPTIONS`). O(overrides)."""
+    same = sorted((k, repr(v)) for k, v in overrides.items() if k not in PER_RANK_OPTIONS)
+    return zlib.crc32(repr(same).encode())
+
+
+def _whole(value, name: str) -> int:
+    """``value`` as a positive int (an override of a size), else ValueError naming ``name``. O(1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def agree_on_manifest(mc: MpiComm, err: BaseException | None, digest: int, label: str, who: str, path: Any,
+                      options: int = 0) -> None:
     """Agree, collectively, that every rank read the same manifest: ``err`` (a rank's failure to read it) is
     raised on every rank as :meth:`MpiComm.agree` does, then differing ``digest`` s raise.
 
@@ -51,17 +69,23 @@ def agree_on_manifest(mc: MpiComm, err: BaseException | None, digest: int, label
             operation in the mismatch message.
         who: what the ranks are called in the message ("ranks", "survivors").
         path: the path they were given, for the message.
+        options: a digest of the options the ranks must give alike (:func:`_options_digest`; 0: none).
 
     Raises:
         CheckpointError: the ranks read different manifests (the same on every rank).
+        ValueError: the ranks gave different ``options`` (the same on every rank).
         Exception: any rank's ``err``, on every rank (as ``MpiComm.agree``).
 
     Cost: one small allgather (``MpiComm.agree``).
     """
-    table = mc.agree(err, label, [digest])
+    table = mc.agree(err, label, [digest, options])
     if len(set(table[:, 0].tolist())) > 1:
         raise CheckpointError(f"{label.split()[0]}: the {who} read different manifests at {os.fspath(path)} (is it "
                               f"on a file system that every rank sees, and was it being replaced?)")
+    others = np.flatnonzero(table[:, 1] != table[0, 1])
+    if len(others):
+        raise ValueError(f"{label.split()[0]}: the overrides must be the same on every rank (all but "
+                         f"{', '.join(PER_RANK_OPTIONS)}); rank(s) {others.tolist()} gave others than rank 0")
 
 def saved_spec(body: dict) -> TrajectorySpec:
     """The spec a manifest body saved: its stored columns in the saved order (the files are numbered in it) and
@@ -306,7 +330,9 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
             would drop trajectories without ``allow_drop=True`` (the replay is closed).
         TypeError: an unknown override, ``path`` not a path, ``progress`` not None or
             a bool, or no ``build``.
-        ValueError: ``timeout`` not a positive number.
+        ValueError: ``timeout`` not a positive number, ``capacity_steps`` or ``max_items`` not a positive
+            integer, or overrides that differ between ranks (all but ``device``, ``process_group``,
+            ``progress`` and ``memory_path`` must be alike). Like the errors above, on every rank at once.
         CollectiveTimeoutError: a rank did not arrive within the timeout, or missed
             its deadline for reading its files (named: absent or slow; the deadlines
             are those of :func:`save`, with the bytes each rank reads).
@@ -316,33 +342,41 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
     rank's table (O(total items) memory on every rank) and the steps it receives.
     A duplication of the communicator; heartbeats while reading, as in :func:`save`.
     """
-    unknown = sorted(set(overrides) - set(LOAD_OPTIONS))
-    if unknown:
-        raise TypeError(f"load: unexpected keyword argument(s) {unknown}; allowed: {list(LOAD_OPTIONS)}")
     if build is None:
         raise TypeError("load: build (the Replay class) is required; gear_mpi.load_checkpoint and Replay.load "
                         "pass it")
-    timeout = overrides.get("timeout", 60.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    # this rank's overrides are checked before the first collective and agreed with the manifest: a bad or
+    # differing one on any rank raises on every rank at once (not a timeout on the others)
+    err, doc, digest, timeout = None, None, 0, overrides.get("timeout", 60.0)
+    try:
+        unknown = sorted(set(overrides) - set(LOAD_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; allowed: {list(LOAD_OPTIONS)}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    except Exception as e:
+        err, timeout = e, 60.0
     mc = MpiComm(comm, timeout)
     mc.check_usable()
-    show = wanted(overrides.get("progress"), mc.rank)
     started = time.monotonic()
-    err, doc, digest = None, None, 0
+    cap = max_items = 0
+    show = False
     try:
+        if err is not None:
+            raise err
+        show = wanted(overrides.get("progress"), mc.rank)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         doc = read_manifest(resolve(os.path.abspath(os.fspath(path))))
         digest = int(doc["sha256"][:12], 16)
+        cap = _whole(overrides.get("capacity_steps", doc["body"]["capacity_steps"]), "capacity_steps")
+        max_items = _whole(overrides.get("max_items", doc["body"]["max_items"]), "max_items")
     except Exception as e:
         err = e
-    agree_on_manifest(mc, err, digest, "load", "ranks", path)
+    agree_on_manifest(mc, err, digest, "load", "ranks", path, options=_options_digest(overrides))
     body, where = doc["body"], doc["path"]
     spec = saved_spec(body)
     sampler = _make_sampler(body["sampler"], os.path.join(where, MANIFEST))
-    cap = int(overrides.get("capacity_steps", body["capacity_steps"]))
-    max_items = int(overrides.get("max_items", body["max_items"]))
     exact = mc.size == body["ranks"] and cap == body["capacity_steps"] and max_items == body["max_items"]
     mapped = _wants_map(overrides.get("mmap", False), exact, doc["version"], body, mc.size)
     verify = overrides.get("verify")

@@ -152,6 +152,36 @@ def test_a_save_to_another_path_on_one_rank_fails_everywhere_and_writes_nothing(
         shutil.rmtree(base)
 
 
+def test_a_bad_or_differing_load_override_on_one_rank_fails_everywhere_at_once():
+    """load checked its overrides (unknown names, timeout) on each rank before its first collective, and turned
+    capacity_steps into an int after it: a bad one on one rank left the others waiting until their timeout."""
+    base = COMM.bcast(tempfile.mkdtemp(prefix="gear_load_overrides_") if RANK == 0 else None)
+    path = os.path.join(base, "ckpt")
+    replay = make_replay(gm.Uniform())
+    fill(replay, shard_sizes()[RANK], seed=6)
+    replay.save(path, progress=False)
+    replay.close()
+    bad = SIZE - 1
+    for kw, cls, what in [({"colour": "red"}, TypeError, f"load: rank {bad}: unexpected keyword argument"),
+                          ({"timeout": -1}, ValueError, f"load: rank {bad}: timeout must be a positive number"),
+                          ({"capacity_steps": "x"}, ValueError, f"load: rank {bad}: capacity_steps must be a "
+                                                                 "positive integer"),
+                          ({"progress": "x"}, TypeError, f"load: rank {bad}: progress must be")]:
+        t0 = time.monotonic()
+        expect_same_error(lambda: gm.Replay.load(path, COMM, **(kw if RANK == bad else {})), cls, what)
+        assert time.monotonic() - t0 < 10.0
+    if SIZE > 1:
+        expect_same_error(lambda: gm.Replay.load(path, COMM, seed=1 + (RANK == bad)), ValueError,
+                          f"load: the overrides must be the same on every rank (all but device, process_group, "
+                          f"progress, memory_path); rank(s) [{bad}] gave others than rank 0")
+    again, _ = gm.Replay.load(path, COMM, progress=RANK == 0, capacity_steps=500)  # per-rank progress: fine
+    assert again.stats()["total"]["items"] == sum(shard_sizes())
+    again.close()
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(base)
+
+
 def test_replay_inserts_refuse_nan_and_inf_with_check_finite():
     spec = gm.TrajectorySpec({"obs": ((3,), "float32"), "n": ((), "int64")}, max_length=4)
     with gm.Replay(spec, 64, timeout=20.0) as replay:
