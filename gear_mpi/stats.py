@@ -332,7 +332,8 @@ class RateMeter:
         root: the rank whose sink and log are called (None: every rank).
         prefix, per_rank: as :func:`flatten`.
     Raises:
-        ValueError: not exactly one of every/seconds, or a bad value. CollectiveTimeoutError: as the replay.
+        ValueError: not exactly one of every/seconds, a bad value, or ``every``, ``seconds`` or ``root`` that
+            differ between ranks: on every rank (agreed in the head). CollectiveTimeoutError: as the replay.
         CollectiveError: another rank is in another call of the replay (:mod:`gear_mpi.distributed.calls`).
     Cost: a head of the replay's (as a barrier) and a ``Dup`` of its communicator; per snapshot one allgather of
     16 float64 a rank.
@@ -341,16 +342,31 @@ class RateMeter:
     def __init__(self, replay, *, every: int | None = None, seconds: float | None = None,
                  sink: Callable[[dict], Any] | None = None, log: Callable[[str], Any] | None = None,
                  root: int | None = 0, prefix: str = "replay/", per_rank: bool = False):
-        if (every is None) == (seconds is None):
-            raise ValueError("RateMeter: give exactly one of every= (steps) and seconds=")
-        if every is not None and (isinstance(every, bool) or int(every) != every or every < 1):
-            raise ValueError(f"RateMeter: every must be an integer >= 1, got {every!r}")
-        if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
-            raise ValueError(f"RateMeter: seconds must be a positive number, got {seconds!r}")
+        err = None
+        try:
+            if (every is None) == (seconds is None):
+                raise ValueError("RateMeter: give exactly one of every= (steps) and seconds=")
+            if every is not None and (isinstance(every, bool) or not isinstance(every, (int, np.integer))
+                                      or every < 1):
+                raise ValueError(f"RateMeter: every must be an integer >= 1, got {every!r}")
+            if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                        or not seconds > 0):
+                raise ValueError(f"RateMeter: seconds must be a positive number, got {seconds!r}")
+            if root is not None and (isinstance(root, bool) or not isinstance(root, (int, np.integer))
+                                     or not 0 <= root < replay.comm.size):
+                raise ValueError(f"RateMeter: root must be None or a rank of the replay, got {root!r}")
+        except ValueError as e:
+            err, every, seconds, root = e, 1, None, 0
         self.replay, self.every, self.seconds = replay, every, seconds
         self.sink, self.log, self.root, self.prefix, self.per_rank = sink, log, root, prefix, per_rank
-        # Dup blocks: every rank is known to be here first (a head of the replay's: checked against its other calls)
-        replay.calls.agree(None, "RateMeter")
+        # Dup blocks: every rank is known to be here first (a head of the replay's: checked against its other calls).
+        # The head also agrees the arguments: a bad one on any rank raises on every rank; the schedule (every,
+        # seconds) and root must be alike, else the snapshots (collectives) would not line up.
+        table = replay.calls.agree(err, "RateMeter", [every or 0, seconds or 0.0, -1 if root is None else root])
+        if (table != table[0]).any():
+            raise ValueError(f"RateMeter: every, seconds and root must be the same on every rank; got every "
+                             f"{table[:, 0].astype(int).tolist()}, seconds {table[:, 1].tolist()} and root "
+                             f"{table[:, 2].astype(int).tolist()} (0: not given; root -1: None)")
         self._comm = MpiComm(replay.comm.comm.Dup(), replay.comm.timeout)
         self.steps = 0
         self.snapshots = 0  # snapshots gathered so far

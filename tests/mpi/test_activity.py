@@ -150,4 +150,14 @@ def test_bad_meter_arguments():
         gm.RateMeter(replay)
     with pytest.raises(ValueError, match="every must be"):
         gm.RateMeter(replay, every=0)
+    # one rank's bad or differing argument raises on every rank, in the head (it raised on that rank alone, and the
+    # others met its next call as a collective mismatch: the replay was lost)
+    last = replay.comm.size - 1
+    mine = replay.comm.rank == last
+    with pytest.raises(ValueError, match=f"RateMeter: rank {last}: RateMeter: every must be an integer >= 1, got -1"):
+        gm.RateMeter(replay, every=-1 if mine else 2)
+    if replay.comm.size > 1:
+        with pytest.raises(ValueError, match=r"RateMeter: every, seconds and root must be the same on every rank"):
+            gm.RateMeter(replay, every=3 if mine else 2)
+    assert replay.stats()["total"]["items"] >= 0  # still usable
     replay.close()
