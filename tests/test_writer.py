@@ -321,6 +321,30 @@ def test_writer_slots_are_reaped_with_nothing_pending(owner):
     zombie.wait()
 
 
+
+def test_a_backlog_larger_than_the_shard_is_drained_whole():
+    """A shard of 2 slots (and steps for about 2 episodes) drained one batch of what it holds per writer, so
+    ``drain(inf)`` (``Replay.ingest``, a collective's drain, ``clear``'s) left the rest staged: 9 ended episodes
+    took 5 drains, and episodes ended before a ``clear()`` entered after it. Now one drain takes every ended
+    episode; the shard keeps the newest, the older ones counted as evicted."""
+    shard = gm.Shard(SPEC, 2 * MAX_LENGTH, gm.Fifo(), max_items=2)
+    point = intake.WriterIntake(shard)
+    try:
+        with gm.Writer(point.address, staging_steps=16 * MAX_LENGTH) as w:
+            for i in range(9):
+                w.insert(episode(7, i)[0], 1.0 + i)
+            assert point.drain(np.inf) == 9 and point.backlog() == 0
+            assert shard.stats()["inserted"] == 9 and point.ingested == 9
+            assert sorted(stored(shard)) == [(7, 7), (7, 8)]  # the newest two
+            for i in range(9, 12):
+                w.insert(episode(7, i)[0])
+            assert point.drain(2) == 2 and point.backlog() == 1  # a budget still bounds it
+            assert point.drain(np.inf) == 1
+    finally:
+        point.close()
+        shard.close()
+
+
 def one_step(seed: int, index: int) -> dict:
     """The first step of episode ``index`` of writer ``seed``, as a one-step trajectory."""
     return {k: v[:1] for k, v in episode(seed, index)[0].items()}

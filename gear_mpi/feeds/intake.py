@@ -133,9 +133,14 @@ class WriterIntake:
                 break
             st = self.writers[slot]
             try:
-                n = self._drain_one(st, budget - total)
-                if n:
-                    total, self._last = total + n, slot
+                # each store_packed takes what the shard holds at once (its slots, its steps): a backlog larger
+                # than a small shard goes in several, the oldest evicted as by single inserts
+                left = min(budget - total, st.published() - int(st.header[S_CONSUMED]))
+                while left > 0:
+                    n = self._drain_one(st, left)
+                    if not n:
+                        break
+                    total, left, self._last = total + n, left - n, slot
             except _BrokenStaging as e:
                 log.error("writer slot %d of %s: %s; dropping that writer", slot, self.address, e)
                 self._free(slot, st)
