@@ -345,6 +345,44 @@ def test_a_backlog_larger_than_the_shard_is_drained_whole():
         shard.close()
 
 
+def test_an_actor_ranks_backlog_larger_than_the_shard_is_drained_whole():
+    """The same for an actor rank's inbox (MpiWriter's episodes, sent here to this process itself on
+    COMM_SELF): a drain took one shard-full, so 9 episodes that had arrived before a ``clear()`` entered after
+    it. Now one drain takes all that arrived (one acknowledgement, the count stored); a budget bounds it."""
+    from mpi4py import MPI
+
+    from gear_mpi.feeds import remote
+
+    def message(cols, priority):
+        head = [np.array([len(cols["r"])], np.int64).view(np.uint8), np.array([priority], np.float64).view(np.uint8)]
+        return np.concatenate(head + [np.ascontiguousarray(cols[c.name], c.dtype).reshape(-1).view(np.uint8)
+                                      for c in SPEC.columns])
+
+    comm = MPI.COMM_SELF.Dup()
+    shard = gm.Shard(SPEC, 2 * MAX_LENGTH, gm.Fifo(), max_items=2)
+    box = remote.RemoteInbox(comm, shard, timeout=5)
+    try:
+        bufs = [message(*episode(7, i)) for i in range(12)]
+        sends = [comm.Isend(b, dest=0, tag=remote.TAG_EPISODE) for b in bufs[:9]]
+        assert box.drain(np.inf) == 9 and box.backlog() == 0
+        assert shard.stats()["inserted"] == 9 and box.ingested == 9
+        assert sorted(stored(shard)) == [(7, 7), (7, 8)]  # the newest two
+        sends += [comm.Isend(b, dest=0, tag=remote.TAG_EPISODE) for b in bufs[9:]]
+        assert box.drain(2) == 2 and box.backlog() == 1  # a budget still bounds it
+        assert box.drain(np.inf) == 1
+        MPI.Request.Waitall(sends)
+        acks, word = [], np.empty(1, np.int64)
+        while comm.Iprobe(source=0, tag=remote.TAG_ACK):
+            comm.Recv(word, source=0, tag=remote.TAG_ACK)
+            acks.append(int(word[0]))
+        assert acks == [9, 11, 12]  # one per drain: the episodes stored so far
+    finally:
+        box._sends, box.actors = [], {}  # nobody to tell: the stand-in actor is this process
+        box.close()
+        shard.close()
+        comm.Free()
+
+
 def one_step(seed: int, index: int) -> dict:
     """The first step of episode ``index`` of writer ``seed``, as a one-step trajectory."""
     return {k: v[:1] for k, v in episode(seed, index)[0].items()}

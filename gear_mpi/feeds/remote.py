@@ -399,7 +399,12 @@ class RemoteInbox:
         return int(self._held is not None or bool(self._probe(self._MPI.ANY_SOURCE, TAG_EPISODE)))
 
     def drain(self, budget: float) -> int:
-        """Receive up to ``budget`` episodes into the shard (one store_packed), then acknowledge them. Local.
+        """Receive up to ``budget`` episodes into the shard, then acknowledge them. Local.
+
+        Every episode that has arrived is taken (within ``budget``): in batches of what the shard holds at
+        once (``max_items``, ``capacity_steps``), one store_packed each, the oldest evicted as by single
+        inserts. Acknowledged once, at the end: an actor sends at most ``max_in_flight`` episodes ahead of its
+        acknowledgements, so the drain ends.
 
         Returns:
             How many entered.
@@ -407,8 +412,21 @@ class RemoteInbox:
             WriterError: a message that is not a well-formed episode of this spec (names the actor rank).
         """
         self._control()
+        total, senders = 0, set()
+        try:
+            while total < budget and (n := self._batch(budget - total, senders)):
+                total += n
+        finally:  # what entered is acknowledged, even when a later message was refused
+            for src in senders - self.failed:
+                self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
+            self._answer_goodbyes()
+        return total
+
+    def _batch(self, budget: float, senders: set) -> int:
+        """Receive up to ``budget`` episodes, at most what the shard holds at once, into the shard (one
+        store_packed); add their senders to ``senders``. Returns how many entered."""
         spec, store = self.shard.spec, self.shard.store
-        got, lengths, priorities, senders, steps = [], [], [], [], 0
+        got, lengths, priorities, srcs, steps = [], [], [], [], 0
         while len(got) < budget and len(got) < store.max_items:
             held = self._held if self._held is not None else self._match(TAG_EPISODE)
             if held is None:
@@ -416,7 +434,7 @@ class RemoteInbox:
             message, src, nbytes = held
             head = (nbytes - _HEAD) // max(spec.step_bytes, 1)
             if got and steps + head > store.capacity:
-                self._held = held  # the next drain takes it (a first one that cannot fit is read, and refused)
+                self._held = held  # the next batch takes it (a first one that cannot fit is read, and refused)
                 break
             self._held = None
             buf = np.empty(nbytes, np.uint8)
@@ -429,7 +447,7 @@ class RemoteInbox:
             got.append(buf)
             lengths.append(length)
             priorities.append(priority)
-            senders.append(src)
+            srcs.append(src)
             steps += length
         if not got:
             return 0
@@ -439,14 +457,12 @@ class RemoteInbox:
             columns[name] = np.concatenate(parts).view(dtype).reshape((-1,) + shape)
             offsets += np.array(lengths) * nb
         self.shard.store_packed(columns, np.array(lengths, np.int64), np.array(priorities, np.float64))
-        for src in senders:
+        for src in srcs:
             counts = self.actors.setdefault(src, [0, 0])
             counts[0] += 1  # received
             counts[1] += 1  # stored
-        for src in set(senders) - self.failed:
-            self._send(np.array([self.actors[src][1]], np.int64), src, TAG_ACK)
+        senders.update(srcs)
         self.ingested += len(got)
-        self._answer_goodbyes()
         return len(got)
 
     def close(self) -> None:
