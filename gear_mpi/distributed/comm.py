@@ -125,7 +125,11 @@ class MpiComm:
                 the communicator is then broken, for every MpiComm built on it later too (deadline.mark_pending).
         """
         start = time.perf_counter()
-        cause = deadline.finish(req, self.timeout, self.size, _mpi().Exception)
+        try:
+            cause = deadline.finish(req, self.timeout, self.size, _mpi().Exception)
+        except BaseException as e:  # e.g. KeyboardInterrupt: the collective stays pending, the ranks out of step
+            self.interrupted(what, e)
+            raise
         if cause is None:
             self.waited += time.perf_counter() - start
             return
@@ -133,6 +137,14 @@ class MpiComm:
                        f"communicate{errors.ABORT_HINT}")
         deadline.mark_pending(self.comm, self.broken)
         raise errors.CollectiveTimeoutError(self.broken)
+
+    def interrupted(self, what: str, e: BaseException) -> None:
+        """A wait of collective ``what`` was left by ``e`` (a KeyboardInterrupt, a signal handler's exception):
+        mark the communicator broken, as a timeout does, so that later calls raise at once and ``close`` is
+        local instead of waiting out the deadline. Local, O(1)."""
+        self.broken = (f"{what}: interrupted on rank {self.rank} by {type(e).__name__} before every rank of "
+                       f"{self.size} arrived; the replay can no longer communicate{errors.ABORT_HINT}")
+        deadline.mark_pending(self.comm, self.broken)
 
     def check_usable(self) -> None:
         """Raise if an earlier collective of this communicator failed. Local, O(1).

@@ -425,6 +425,19 @@ class NodeBoard:
         Raises:
             CollectiveTimeoutError: one did not within the communicator's timeout (the replay is then unusable).
         """
+        try:
+            start = self._wait(counters, ranks, target, what)
+        except CollectiveTimeoutError:
+            raise
+        except BaseException as e:  # e.g. KeyboardInterrupt: the boards are out of step now
+            self.comm.interrupted(what, e)
+            raise
+        hints.fence()  # nothing read of the peers' boards before their counters said it is there
+        if start is not None:
+            self.comm.waited += time.monotonic() - start
+
+    def _wait(self, counters: list, ranks, target: int, what: str) -> float | None:
+        """:meth:`wait`'s polls; returns when it began waiting (None: it did not)."""
         start = None
         mine = self.sleeping[self.rank]
         for r in ranks:
@@ -448,9 +461,7 @@ class NodeBoard:
                         nap = min(0.05, max(1e-3, start + self.comm.timeout - now))
                         _futex(word, _FUTEX_WAIT, ctypes.c_int32(seen).value, nap)
                     mine[0] = 0
-        hints.fence()  # nothing read of the peers' boards before their counters said it is there
-        if start is not None:
-            self.comm.waited += time.monotonic() - start
+        return start
 
     def _timed_out(self, what: str) -> None:
         comm = self.comm

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 
 import numpy as np
+import pytest
 
 import gear_mpi as gm
 from replay_checks import COMM, RANK, SIZE, expect_same_error, fill, make_replay, owner_of, shard_sizes
@@ -218,3 +221,42 @@ def test_recover_without_ulfm_refuses_at_once_and_changes_nothing():
     assert len(replay.sample(3, 2)) == 3
     assert replay.stats()["total"]["items"] == sum(shard_sizes())
     replay.close()
+
+
+def test_a_rank_interrupted_in_a_collective_is_unusable_at_once_and_closes_locally():
+    """KeyboardInterrupt (SIGINT) on the last rank inside a sample: the others raise CollectiveTimeoutError
+    within their deadline. The interrupted rank left that collective pending, yet its replay stayed usable:
+    its next call posted a collective that the others' pending one could meet, and its close() waited out the
+    deadline in the closing barrier and raised. Now its next call raises at once and close() is local."""
+    if SIZE < 2:
+        return
+    bad = SIZE - 1
+    replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, timeout=2.0)
+    try:
+        replay.insert({"obs": np.ones((2, 3), np.float32)})
+        COMM.Barrier()
+        if RANK == bad:
+            old = signal.signal(signal.SIGINT, signal.default_int_handler)
+            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    replay.sample(4)  # the others arrive after 1 s: interrupted while it waits for them
+            finally:
+                timer.join()
+                signal.signal(signal.SIGINT, old)
+            t0 = time.monotonic()
+            with pytest.raises(gm.CollectiveError, match=f"sample.*: interrupted on rank {bad} by KeyboardInterrupt"):
+                replay.sample(4)
+            replay.close()  # local: the communicator is broken
+            assert time.monotonic() - t0 < 1.0
+        else:
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            with pytest.raises(gm.CollectiveTimeoutError, match="not every rank"):
+                replay.sample(4)
+            replay.close()
+            assert time.monotonic() - t0 < 2.0 + 3.0
+    finally:
+        replay.close()
+    COMM.Barrier()
