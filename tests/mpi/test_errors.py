@@ -231,7 +231,8 @@ def test_a_rank_interrupted_in_a_collective_is_unusable_at_once_and_closes_local
     if SIZE < 2:
         return
     bad = SIZE - 1
-    replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, timeout=2.0)
+    replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, timeout=2.0,
+                       comm=COMM.Dup())  # left out of step: not the world's (never freed: still pending)
     try:
         replay.insert({"obs": np.ones((2, 3), np.float32)})
         COMM.Barrier()
