@@ -757,10 +757,15 @@ class Replay:
         while another makes a collective call makes both time out (no head names the calls).
         Raises:
             CollectiveTimeoutError: a rank did not arrive within ``timeout`` (this rank still closes).
+            The error of an active batches() iterator's thread (as ``iterator.close()``), once this rank closed.
         """
         if self.closed:
             return
-        self._prefetch.close()  # an active batches() iterator finishes its allowed samples first
+        try:
+            self._prefetch.close()  # an active batches() iterator finishes its allowed samples first
+            error = None
+        except BaseException as e:  # its thread's error: raised once this rank has closed
+            error = e
         if self._checkpoints is not None:  # a checkpoint being written finishes (bounded: a dead peer's never)
             self._checkpoints.detach(self.comm.timeout)
         self.closed = True
@@ -773,6 +778,8 @@ class Replay:
             self.transport.close()
             self.node.close()
             self.shard.close()
+        if error is not None:
+            raise error
 
     def _check_open(self) -> None:
         if self.closed:
