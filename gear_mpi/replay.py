@@ -761,11 +761,7 @@ class Replay:
         """
         if self.closed:
             return
-        try:
-            self._prefetch.close()  # an active batches() iterator finishes its allowed samples first
-            error = None
-        except BaseException as e:  # its thread's error: raised once this rank has closed
-            error = e
+        error = self._prefetch.close()  # an active batches() iterator finishes its allowed samples first
         if self._checkpoints is not None:  # a checkpoint being written finishes (bounded: a dead peer's never)
             self._checkpoints.detach(self.comm.timeout)
         self.closed = True

@@ -160,6 +160,8 @@ class BatchIterator:
         self._taken = 0  # batches the loop has taken
         self._given = None  # the host batch next() returned last
         self._closing = False
+        self._finished = threading.Event()  # the thread's last act (a join interrupted may mark it ended early)
+        self._released = False  # close() joined the thread and gave the replay back
         self._error: BaseException | None = None
         self.applied = 0  # priorities this rank's shard applied for the deferred updates (any rank's keys)
         self.sample_seconds = 0.0  # the thread's time in samples and updates (this rank)
@@ -222,6 +224,8 @@ class BatchIterator:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+        finally:
+            self._finished.set()
 
     def _out(self, j: int):
         """The batch sample ``j`` refills (``recycle``): sample ``j - prefetch - 2``'s, which the loop has
@@ -303,19 +307,24 @@ class BatchIterator:
 
         Raises:
             GearError: the thread's error, if it failed outside a sample (e.g. a timed-out update's
-                CollectiveTimeoutError), raised again here.
+                CollectiveTimeoutError), raised again here. A KeyboardInterrupt while it waits for the thread
+                leaves the iterator active: the next ``close()`` (``replay.close()``'s) waits again.
         """
         with self._cv:
-            first = not self._closing
             self._closing = True
             self._cv.notify_all()
-        if first:
-            self._thread.join()
-            self._ready.clear()
-            self._ring = self._given = None
-            self.owner.release(self)
-            if self._error is not None:
-                raise self._error
+        if self._released:
+            return
+        # the thread's own event, not Thread.join alone: CPython 3.11 marks a thread ended when a signal
+        # interrupts a join, and a second join then returns at once while it still samples
+        self._finished.wait()
+        self._thread.join()
+        self._released = True
+        self._ready.clear()
+        self._ring = self._given = None
+        self.owner.release(self)
+        if self._error is not None:
+            raise self._error
 
     @property
     def closed(self) -> bool:
@@ -374,7 +383,21 @@ class ReplayPrefetch:
             raise RuntimeError("a batches() iterator owns this replay while it runs: give priority updates "
                                "with iterator.update_priorities(), and close the iterator before other calls")
 
-    def close(self) -> None:
-        """Close the active iterator, if any (as :meth:`BatchIterator.close`: collective in effect)."""
-        if self.iterator is not None:
+    def close(self) -> BaseException | None:
+        """Close the active iterator, if any (as :meth:`BatchIterator.close`: collective in effect).
+
+        Returns:
+            The error its close raised (its thread's), for ``Replay.close`` to raise once the rank is closed.
+        Raises:
+            An interrupt (KeyboardInterrupt) while its thread still runs: the iterator stays active, and the
+            next call waits for the thread again (the replay must not close its shard under it).
+        """
+        if self.iterator is None:
+            return None
+        try:
             self.iterator.close()
+        except BaseException as e:
+            if self.iterator is not None:
+                raise
+            return e
+        return None

@@ -6,6 +6,8 @@ and keep other threads off the replay while it runs. Run by tests/test_prefetch_
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import weakref
@@ -207,6 +209,39 @@ def test_close_closes_when_the_iterators_thread_failed():
         replay.close()
     assert replay.closed and it.closed and time.monotonic() - t0 < 15
     replay.close()  # idempotent
+
+
+def test_an_interrupted_iterator_close_is_finished_by_the_replays_close():
+    """KeyboardInterrupt while ``it.close()`` waits for its thread (the last rank's thread samples on, with the
+    others' threads, which wait for their loops): the iterator kept the replay, ``replay.close()`` set it
+    closed, then raised RuntimeError (an iterator owns this replay) before closing anything, and a join
+    interrupted left CPython 3.11 taking the running thread for ended. Now ``replay.close()`` waits for the
+    thread, then closes as usual."""
+    if COMM.size < 2:
+        pytest.skip("needs two ranks")
+    comm = COMM.Dup()
+    replay = build(timeout=10.0, comm=comm)
+    it = replay.batches(2, prefetch=2)
+    for _ in range(3 if COMM.rank == COMM.size - 1 else 1):
+        next(it)
+    if COMM.rank == COMM.size - 1:  # its thread may run samples 4 and 5: the others' threads wait until 1 s
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                it.close()
+        finally:
+            timer.join()
+            signal.signal(signal.SIGINT, old)
+        replay.close()  # waits for the thread (the others take two more batches at 1 s), then closes
+        assert not [t for t in threading.enumerate() if t.name == "gear_mpi-prefetch"]  # it ended
+    else:
+        time.sleep(1.0)
+        next(it), next(it)
+        replay.close()
+    assert replay.closed and replay.shard.store.arena is None  # the shard was closed too
+    comm.Free()
 
 
 def test_a_rank_that_stops_makes_the_others_time_out_not_hang():
