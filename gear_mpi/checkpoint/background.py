@@ -89,7 +89,7 @@ class BackgroundCheckpoints:
     @property
     def idle(self) -> bool:
         """Whether no checkpoint of this rank is being written (rank 0: or installed). O(1)."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._thread is None or self._thread.ended.is_set()
 
     def after_sample(self, head: np.ndarray, column: int) -> None:
         """Start a checkpoint when every rank voted for it in the agreed header ``head``. Local."""
@@ -133,6 +133,7 @@ class BackgroundCheckpoints:
         self._pacer = pacing.Pacer(self.write_rate, self.cpu_share)
         self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline),
                                         name=f"gear_mpi-checkpoint-{seq}", daemon=True)
+        self._thread.ended = threading.Event()  # its last act: _join waits on it (see there)
         self._thread.start()
 
     # ---- the thread -----------------------------------------------------------------------------
@@ -163,6 +164,7 @@ class BackgroundCheckpoints:
         finally:
             if self._snap is snap:
                 self._snap = None
+            threading.current_thread().ended.set()
 
     def _prune_old(self) -> None:
         """Rank 0, training thread, no checkpoint being written: delete all but the newest ``keep`` complete ones
@@ -179,8 +181,10 @@ class BackgroundCheckpoints:
             pacer = self._pacer
             if pacer is not None:  # the loop waits for it now: no more pacing, its priority back where allowed
                 pacer.hurry = True
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
+            # its own event, not Thread.join alone: CPython 3.11 takes a thread for ended once a signal
+            # (KeyboardInterrupt) interrupted a join of it, and the next join returns at once while it writes
+            if self._thread.ended.wait(timeout):
+                self._thread.join()
                 self._thread = None
 
     # ---- collective calls -------------------------------------------------------------------------

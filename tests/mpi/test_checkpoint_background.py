@@ -20,6 +20,9 @@ tests/mpi/test_checkpoint_background.py`` by hand).
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -58,6 +61,35 @@ def test_exact_restore_from_a_background_checkpoint(shared_dir):
     handle.stop()
     assert replay._checkpoints is None and replay.shard.store.on_write is None
     loaded.close()
+    replay.close()
+
+
+def test_a_wait_interrupted_by_keyboardinterrupt_waits_again(shared_dir):
+    """SIGINT on rank 0 while ``handle.wait()`` waits for its thread (which waits for rank 1's files, paced):
+    CPython 3.11 then takes the thread for ended, so the next ``wait()`` (or ``now()``, ``close()``) went on
+    at once while it still wrote. Now the next one waits for it: the checkpoint is complete when it returns."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    replay = make()
+    fill(replay, 14, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG, write_rate=500.0)
+    seq = handle.now()
+    if RANK == 0:
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                handle.wait()  # rank 1 writes at 500 B/s until its own wait, at 1 s
+        finally:
+            timer.join()
+            signal.signal(signal.SIGINT, old)
+    else:
+        time.sleep(1.0)
+    path = handle.wait()
+    assert path is not None and path.name == ck.series.dir_name(seq), path
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("gear_mpi-checkpoint")]
+    handle.stop()
     replay.close()
 
 
