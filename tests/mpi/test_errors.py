@@ -227,8 +227,11 @@ def test_a_rank_interrupted_in_a_collective_is_unusable_at_once_and_closes_local
     """KeyboardInterrupt (SIGINT) on the last rank inside a sample: the others raise CollectiveTimeoutError
     within their deadline. The interrupted rank left that collective pending, yet its replay stayed usable:
     its next call posted a collective that the others' pending one could meet, and its close() waited out the
-    deadline in the closing barrier and raised. Now its next call raises at once and close() is local."""
-    if SIZE < 2:
+    deadline in the closing barrier and raised. Now its next call raises at once and close() is local.
+
+    Two ranks only: with more, the others may finish that sample without the interrupted rank (its header row
+    was on the node board, and its shard is read from shared memory), then wait for it in their node fence."""
+    if SIZE != 2:
         return
     bad = SIZE - 1
     replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, timeout=2.0,

@@ -244,6 +244,7 @@ def test_an_interrupted_iterator_close_is_finished_by_the_replays_close():
     comm.Free()
 
 
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 def test_a_rank_that_stops_makes_the_others_time_out_not_hang():
     replay = build(timeout=2.0)
     it = replay.batches(2, prefetch=1)
