@@ -1,6 +1,7 @@
 """Batch: the result of a sample -- one ``[B, W, ...]`` tensor per column plus per-item metadata."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import TYPE_CHECKING, Iterator
@@ -468,18 +469,13 @@ def check_batch_size(batch_size: int) -> int:
 WINDOW_OVERHEAD = 8 + 8 + 4 + 8 + 48
 
 
-_MACHINE_BYTES: int | None = None
-
-
+@functools.cache
 def machine_bytes() -> int:
     """This machine's physical memory in bytes (0 where the OS does not say), read once per process. O(1)."""
-    global _MACHINE_BYTES
-    if _MACHINE_BYTES is None:
-        try:
-            _MACHINE_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            _MACHINE_BYTES = 0
-    return _MACHINE_BYTES
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def check_batch_bytes(spec: TrajectorySpec, batch_size: int, window: int) -> None:
@@ -494,7 +490,7 @@ def check_batch_bytes(spec: TrajectorySpec, batch_size: int, window: int) -> Non
         ValueError: ``batch_size`` windows of ``window`` steps of ``spec`` take more than the machine's memory.
     """
     need = batch_size * (window * spec.batch_step_bytes + WINDOW_OVERHEAD)
-    have = _MACHINE_BYTES if _MACHINE_BYTES is not None else machine_bytes()
+    have = machine_bytes()
     if have and need > have:
         raise ValueError(f"batch_size={batch_size} windows of {window} steps would take {need / 2**30:.1f} GiB, "
                          f"more than this machine's memory ({have / 2**30:.1f} GiB)")

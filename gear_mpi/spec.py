@@ -189,8 +189,7 @@ class TrajectorySpec:
         self.batch_columns: tuple[Column | DerivedColumn, ...] = self.columns + self.derived
         self.batch_names: tuple[str, ...] = tuple(c.name for c in self.batch_columns)
         #: bytes of one step of a batch: every batch column's, plus the mask's byte
-        self.batch_step_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize
-                                    for c in self.batch_columns) + 1
+        self.batch_step_bytes = sum(c.step_bytes for c in self.batch_columns) + 1
 
     @property
     def step_bytes(self) -> int:

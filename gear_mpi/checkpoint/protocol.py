@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..selection import selectors as selector_module
-from ..distributed.comm import MpiComm, displacements
+from ..distributed.comm import DEFAULT_TIMEOUT, MpiComm, check_timeout, displacements
 from ..errors import CheckpointError
 from ..progress import Meter, log, wanted
 from ..selection.selectors import Selector
@@ -347,15 +347,14 @@ def load(path, comm=None, build: Callable[..., Any] | None = None,
                         "pass it")
     # this rank's overrides are checked before the first collective and agreed with the manifest: a bad or
     # differing one on any rank raises on every rank at once (not a timeout on the others)
-    err, doc, digest, timeout = None, None, 0, overrides.get("timeout", 60.0)
+    err, doc, digest, timeout = None, None, 0, overrides.get("timeout", DEFAULT_TIMEOUT)
     try:
         unknown = sorted(set(overrides) - set(LOAD_OPTIONS))
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; allowed: {list(LOAD_OPTIONS)}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_timeout(timeout)
     except Exception as e:
-        err, timeout = e, 60.0
+        err, timeout = e, DEFAULT_TIMEOUT
     mc = MpiComm(comm, timeout)
     mc.check_usable()
     started = time.monotonic()

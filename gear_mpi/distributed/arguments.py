@@ -11,16 +11,8 @@ from ..keys import MAX_RANKS
 from ..spec import TrajectorySpec
 from ..storage.arenas import memory_kind
 from ..storage.device import parse_device
-from .comm import MpiComm
+from .comm import DEFAULT_TIMEOUT, MpiComm, check_timeout
 from .header import mode_code
-
-DEFAULT_TIMEOUT = 60.0  # the deadline of the agreement itself when this rank's ``timeout`` is the bad argument
-
-
-def check_timeout(timeout) -> None:
-    """Raises ValueError unless ``timeout`` is a positive number of seconds. O(1)."""
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
 def check(spec, mode, timeout, window_transport, rate_limiter, rate_limit_timeout, writer_slack, device, memory,

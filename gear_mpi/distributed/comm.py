@@ -26,6 +26,14 @@ import numpy as np
 from . import deadline
 from .. import errors
 
+DEFAULT_TIMEOUT = 60.0  # the deadline of an agreement whose own ``timeout`` argument was the bad one
+
+
+def check_timeout(timeout) -> None:
+    """Raises ValueError unless ``timeout`` is a positive number of seconds (a collective's deadline). O(1)."""
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
