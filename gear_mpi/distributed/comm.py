@@ -37,7 +37,7 @@ def check_timeout(timeout) -> None:
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
-    errors.CheckpointError, errors.WriterError, errors.MemoryBudgetError, errors.StorageError,
+    errors.CheckpointError, errors.WriterError, MemoryError, errors.MemoryBudgetError, errors.StorageError,
 ]
 MESSAGE_BYTES = 1024
 FIELD_TEXT = 240  # bytes of a field's value an agree_signature error shows (longer values are cut with "...")
@@ -321,30 +321,57 @@ class MpiComm:
         self.wait(self.comm.Igather(np.array([n], np.int64), out, root), what)
         return out
 
-    def scatterv(self, chunks: list[np.ndarray] | None, dtype, root: int, what: str) -> np.ndarray:
+    def scatterv(self, chunks: list[np.ndarray] | None, dtype, root: int, what: str,
+                 error: BaseException | None = None) -> np.ndarray:
         """Rank r receives ``chunks[r]`` from ``root``. Collective: one Iscatter of counts, one Iscatterv.
 
+        When ``root`` could not make the chunks it passes its ``error`` instead: the same two messages then
+        carry the error's class and text (:data:`MESSAGE_BYTES` a rank), and every rank raises it, so the
+        others do not wait out the deadline and the ranks stay in step (the communicator stays usable).
+
         Args:
-            chunks: at ``root``, one 1-D array per rank (ignored elsewhere).
+            chunks: at ``root``, one 1-D array per rank (ignored elsewhere, and at ``root`` with an ``error``).
             dtype: the element type (the same on every rank).
             root: the rank that sends.
             what: names the call in errors.
+            error: at ``root``, the exception that stopped it making ``chunks`` (ignored elsewhere).
         Returns:
             This rank's chunk, a new 1-D array of ``dtype``.
         Raises:
-            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+            the class of ``root``'s ``error`` (as :meth:`agree`: ``"<what>: rank <root>: <message>"``), on
+            every rank; CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         """
         dtype = np.dtype(dtype)
-        counts = np.array([len(c) for c in chunks], np.int64) if self.rank == root else np.zeros(self.size, np.int64)
+        failed = self.rank == root and error is not None
+        if failed:  # a negative count: -1 - the error's class code, then the message in place of the chunk
+            counts = np.full(self.size, -1 - error_code(error), np.int64)
+        elif self.rank == root:
+            counts = np.array([len(c) for c in chunks], np.int64)
+        else:
+            counts = np.zeros(self.size, np.int64)
         mine = np.empty(1, np.int64)
         self.wait(self.comm.Iscatter(counts, mine, root), what)
-        out = np.empty(int(mine[0]), dtype)
-        mt = mpi_type(dtype)
+        code = -1 - int(mine[0])
+        words = MESSAGE_BYTES // 8
+        out = np.empty(words if code >= 0 else int(mine[0]), np.int64 if code >= 0 else dtype)
+        mt = mpi_type(out.dtype)
         if self.rank == root:
-            send = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
+            if failed:
+                msg = str(error).encode("utf-8", "replace")[:MESSAGE_BYTES]
+                text = np.zeros(MESSAGE_BYTES, np.uint8)
+                text[:len(msg)] = np.frombuffer(msg, np.uint8)
+                send = np.tile(text.view(np.int64), self.size)
+                counts = np.full(self.size, words, np.int64)
+            else:
+                send = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
             self.wait(self.comm.Iscatterv([send, (counts, displacements(counts)), mt], [out, mt], root), what)
         else:
             self.wait(self.comm.Iscatterv(None, [out, mt], root), what)
+        if code >= 0:
+            text = out.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+            if text.startswith("'") and text.endswith("'"):
+                text = text[1:-1]  # KeyError's repr quoting
+            raise _ERROR_CODES[code](f"{what}: rank {root}: {text}") from error
         return out
 
     def barrier(self, what: str) -> None:

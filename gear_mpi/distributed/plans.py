@@ -153,46 +153,55 @@ class CentralizedPlan(Plan):
             This rank's :class:`Assignment`.
         Raises:
             CollectiveTimeoutError: a rank did not arrive within the deadline.
+            Exception: rank 0's selection failed (e.g. MemoryError): its class and message on every rank
+                (``"sample (scatter choices): rank 0: ..."``), the ranks still in step.
         """
         sizes = head[:, BATCH].astype(np.int64)
-        chunks = None
         if self.proportional:
             slots, weights = self.shard.live_weights()
             packed = np.stack([slots, weights.view(np.int64)], 1).reshape(-1)
-            gathered, counts = self.comm.gatherv(packed, 0, "sample (gather state)")
-            if self.rank == 0:
-                table = gathered.reshape(-1, 2)
-                owner = np.repeat(np.arange(self.size), counts // 2)
-                cum = np.cumsum(table[:, 1].view(np.float64))
-                draws = self.rng.random(int(sizes.sum()))
-                if len(draws):  # then some weight is positive (check_header)
-                    picks = np.searchsorted(cum, draws * cum[-1], side="right")
-                    picks = np.minimum(picks, len(cum) - 1)
-                else:  # nothing asked: no item, and maybe no weight, to pick from
-                    picks = np.zeros(0, np.int64)
-                requester = np.repeat(np.arange(self.size), sizes)
-                chunks = []
-                for o in range(self.size):
-                    mine = owner[picks] == o
-                    # (requester, slot) pairs, already in requester order
-                    chunks.append(np.stack([requester[mine], table[picks[mine], 0]], 1).reshape(-1))
         else:
-            btot = int(sizes.sum())
-            slots, keys = self.shard.ordered_candidates(btot)
-            gathered, _ = self.comm.gatherv(np.stack([slots, keys], 1).reshape(-1), 0, "sample (gather state)")
-            if self.rank == 0:
-                table = gathered.reshape(-1, 2)
-                ncand = np.minimum(head[:, ITEMS].astype(np.int64), btot)
-                owner, index, requester = global_order(table[:, 1], ncand, sizes)
-                offsets = displacements(ncand)
-                chunks = []
-                for o in range(self.size):
-                    mine = owner == o
-                    chunks.append(np.stack([requester[mine], table[offsets[o] + index[mine], 0]], 1).reshape(-1))
-        pairs = self.comm.scatterv(chunks, np.int64, 0, "sample (scatter choices)").reshape(-1, 2)
+            slots, keys = self.shard.ordered_candidates(int(sizes.sum()))
+            packed = np.stack([slots, keys], 1).reshape(-1)
+        gathered, counts = self.comm.gatherv(packed, 0, "sample (gather state)")
+        chunks = error = None
+        if self.rank == 0:  # its failure (e.g. MemoryError: 16 bytes per item of the whole replay) goes to every
+            try:            # rank through the scatter, instead of leaving the others to wait out the deadline
+                chunks = self._choose(head, sizes, gathered, counts)
+            except Exception as e:  # noqa: BLE001 -- any error is reported, on every rank
+                error = e
+        pairs = self.comm.scatterv(chunks, np.int64, 0, "sample (scatter choices)", error).reshape(-1, 2)
         assign = [pairs[pairs[:, 0] == r, 1] for r in range(self.size)]
         recv = self.comm.alltoall(np.array([len(a) for a in assign], np.int64), "sample (counts)")
         return self._finish(head, assign, recv)
+
+    def _choose(self, head: np.ndarray, sizes: np.ndarray, gathered: np.ndarray, counts: np.ndarray) -> list:
+        """Rank 0's selection for every rank from the gathered state: one int64 array of (requester, slot)
+        pairs per owner. Local, O(items)."""
+        table = gathered.reshape(-1, 2)
+        chunks = []
+        if self.proportional:
+            owner = np.repeat(np.arange(self.size), counts // 2)
+            cum = np.cumsum(table[:, 1].view(np.float64))
+            draws = self.rng.random(int(sizes.sum()))
+            if len(draws):  # then some weight is positive (check_header)
+                picks = np.searchsorted(cum, draws * cum[-1], side="right")
+                picks = np.minimum(picks, len(cum) - 1)
+            else:  # nothing asked: no item, and maybe no weight, to pick from
+                picks = np.zeros(0, np.int64)
+            requester = np.repeat(np.arange(self.size), sizes)
+            for o in range(self.size):
+                mine = owner[picks] == o
+                # (requester, slot) pairs, already in requester order
+                chunks.append(np.stack([requester[mine], table[picks[mine], 0]], 1).reshape(-1))
+        else:
+            ncand = np.minimum(head[:, ITEMS].astype(np.int64), int(sizes.sum()))
+            owner, index, requester = global_order(table[:, 1], ncand, sizes)
+            offsets = displacements(ncand)
+            for o in range(self.size):
+                mine = owner == o
+                chunks.append(np.stack([requester[mine], table[offsets[o] + index[mine], 0]], 1).reshape(-1))
+        return chunks
 
 
 class LocalPlan(Plan):

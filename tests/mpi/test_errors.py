@@ -114,6 +114,30 @@ def test_a_huge_batch_an_out_that_is_not_a_batch_or_complex_priorities_on_one_ra
         replay.close()
 
 
+def test_rank_0_failing_to_select_in_the_centralized_mode_fails_on_every_rank_and_stays_in_step(force):
+    """Rank 0 selects for everybody between the gather and the scatter: an error there (a MemoryError over a large
+    replay) left the other ranks waiting in the scatter until their timeout. It now travels in the scatter: the
+    same class and message on every rank at once, and the next sample works. (One rank samples its own shard.)"""
+    if SIZE == 1:
+        pytest.skip("one rank has no centralized selection")
+    for sampler in (gm.Prioritized(0.6, 0.4), gm.Fifo()):
+        replay = make_replay(sampler, mode="centralized", force=force)
+        fill(replay, shard_sizes()[RANK], seed=6)
+        plan = replay.plans["centralized"]
+        if RANK == 0:
+            def choose(*args):
+                raise MemoryError("Unable to allocate 15.6 GiB for an array")
+            plan._choose = choose
+        t0 = time.monotonic()
+        expect_same_error(lambda: replay.sample(2, 3), MemoryError,
+                          "sample (scatter choices): rank 0: Unable to allocate 15.6 GiB for an array")
+        assert time.monotonic() - t0 < 10.0  # at once, not the 20 s timeout
+        plan.__dict__.pop("_choose", None)
+        assert replay.stats()["total"]["sampled"] == 0  # nothing counted
+        assert len(replay.sample(3, 4)) == 3  # the ranks are still in step
+        replay.close()
+
+
 def test_batches_with_a_bad_or_differing_argument_on_one_rank_fails_on_every_rank():
     """batches() checked prefetch, limit and recycle on each rank alone: the others started sampling and timed
     out. A "batches" head now agrees them."""
