@@ -406,7 +406,12 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
             else not isinstance(priorities, (float, int)) and np.iscomplexobj(priorities)):
         raise InvalidPriorityError(f"{what} must be real numbers, got complex ones: {priorities!r:.80}")
     try:
-        arr = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        arr = np.asarray(priorities)
+        # text ("1", b"2") and dates would be converted by float64's parser: refused as the non-numbers they are
+        if arr.dtype.kind not in "biuf" and (arr.dtype.kind != "O" or any(
+                isinstance(v, (str, bytes, np.str_, np.bytes_)) for v in arr.reshape(-1).tolist())):
+            raise TypeError
+        arr = arr.astype(np.float64, copy=False).reshape(-1)
     except (TypeError, ValueError):
         raise InvalidPriorityError(f"{what} must be numbers, got {priorities!r:.80}") from None
     if arr.shape[0] != count:

@@ -3,8 +3,9 @@
 Cases an audit of the public API found (the rest are in tests/test_property_shard.py, tests/test_small_calls.py
 and tests/mpi/test_errors.py): a batch larger than the machine's memory (was a MemoryError, in a two-rank replay a
 hang), an ``out=`` that is not a Batch (was an AttributeError), complex priorities (were taken, imaginary parts
-dropped), a ragged nested list as a column (was numpy's "inhomogeneous shape" ValueError, naming no column), and
-a bad constructor argument (now agreed: the same error on every rank, see tests/mpi/test_errors.py).
+dropped), priorities given as text ("1.5": were parsed as numbers), a ragged nested list as a column (was numpy's
+"inhomogeneous shape" ValueError, naming no column), and a bad constructor argument (now agreed: the same error on
+every rank, see tests/mpi/test_errors.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ BAD_CALLS = {
                        "must be real numbers"),
     "complex insert_packed": (lambda s, k: s.insert_packed(trajectories(1)[0], [1], [2j]), gm.InvalidPriorityError,
                               "must be real numbers"),
+    "text update": (lambda s, k: s.update_priorities(k[:2], ["1", "2"]), gm.InvalidPriorityError,
+                    "must be numbers"),
+    "text insert": (lambda s, k: s.insert(trajectories(1)[0], "1.5"), gm.InvalidPriorityError, "must be numbers"),
+    "text insert_packed": (lambda s, k: s.insert_packed(trajectories(1)[0], [1], np.array(["2"])),
+                           gm.InvalidPriorityError, "must be numbers"),
     "ragged insert": (lambda s, k: s.insert({"obs": [[1.0, 2.0, 3.0], [4.0]], "a": [1, 2]}),
                       gm.InvalidTrajectoryError, "column 'obs' is not an array numpy can read"),
     "ragged insert_packed": (lambda s, k: s.insert_packed({"obs": [[1.0, 2.0, 3.0], [4.0]], "a": [1, 2]}, [2]),

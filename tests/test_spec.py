@@ -159,6 +159,11 @@ def test_validate_priorities_accepts_numbers_arrays_and_tensors():
     ([1.0, -0.5], 2, r"priorities\[1\] is -0.5: priorities must be non-negative"),
     ([1.0, 2.0], 3, "got 2 values for 3 items"),
     (["a"], 1, "must be numbers"),
+    ("1", 1, "must be numbers"),  # text that float64's parser would read as a number: refused all the same
+    (["1", "2"], 2, "must be numbers"),
+    (np.array([b"1"]), 1, "must be numbers"),
+    (np.array(["1", 2.0], object), 2, "must be numbers"),
+    (np.array(["2026-12-05"], "datetime64[D]"), 1, "must be numbers"),
 ])
 def test_bad_priorities_name_the_problem(values, count, words):
     with pytest.raises(gm.InvalidPriorityError, match=words):

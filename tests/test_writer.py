@@ -151,6 +151,8 @@ def test_bad_steps_are_rejected_in_the_actor(owner):
             w.append(good)
         with pytest.raises(gm.InvalidPriorityError):
             w.end_episode(priority=float("nan"))
+        with pytest.raises(gm.InvalidPriorityError, match="priority must be a number, got '2'"):
+            w.end_episode(priority="2")  # text is refused, not parsed
         with pytest.raises(gm.InvalidTrajectoryError, match="an episode of 16 steps is open"):
             w.insert({k: np.asarray(v)[None] for k, v in good.items()})
         w.end_episode(priority=2.0)

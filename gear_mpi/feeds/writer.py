@@ -57,6 +57,8 @@ def check_priority(priority: Any, where: str) -> float:
         InvalidPriorityError: anything else.
     """
     try:
+        if isinstance(priority, (str, bytes)):  # float() would parse them
+            raise TypeError
         p = float(priority)
     except (TypeError, ValueError):
         raise InvalidPriorityError(f"{where}: priority must be a number, got {priority!r:.60}") from None
