@@ -221,7 +221,7 @@ class Replay:
         return self._feeds.rate_limit_timeout
 
     def __len__(self) -> int:
-        """Live trajectories in this rank's shard (local, O(1)); see :meth:`stats` for the total."""
+        """Live trajectories in this rank's shard (local, O(1); 0 once closed); see :meth:`stats` for the total."""
         return len(self.shard)
 
     def insert(self, trajectory: Mapping[str, Any], priority: float = 1.0, *, check_finite: bool = False) -> int:

@@ -119,7 +119,7 @@ class Shard:
         return self.store.shm_name
 
     def __len__(self) -> int:
-        """Live trajectories. O(1)."""
+        """Live trajectories (0 once closed). O(1)."""
         return len(self.store)
 
     @property

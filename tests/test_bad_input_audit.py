@@ -106,3 +106,14 @@ def test_append_step_names_a_ragged_column_and_stores_nothing():
         with pytest.raises(gm.InvalidTrajectoryError, match="append_step: column 'obs' is not an array numpy can read"):
             shard.append_step({"obs": [[1.0, 2.0], [3.0]], "a": 3})
         assert len(shard) == 1 and shard.stats()["inserted"] == 1
+
+
+def test_a_closed_replay_counts_nothing_and_refuses_calls():
+    """``len`` of a closed replay gave the count it held before ``close``; now 0, as its shard's."""
+    replay = gm.Replay(SPEC, 40, gm.Uniform(), seed=1, timeout=20.0)
+    replay.insert_many(trajectories(3))
+    assert len(replay) == 3
+    replay.close()
+    assert len(replay) == 0 and len(replay.shard) == 0 and "items_here=0" in repr(replay)
+    with pytest.raises(RuntimeError, match="this Replay is closed"):
+        replay.sample(1, 1)

@@ -208,8 +208,8 @@ class TrajectoryStore:
 
     # ---- sizes ----------------------------------------------------------------------
     def __len__(self) -> int:
-        """Live trajectories. O(1)."""
-        return int(self.state[ring.LIVE_COUNT])
+        """Live trajectories (0 once closed). O(1)."""
+        return int(self.state[ring.LIVE_COUNT]) if self.arena is not None else 0
 
     @property
     def live_steps(self) -> int:
