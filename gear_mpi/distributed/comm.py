@@ -285,23 +285,36 @@ class MpiComm:
         self.wait(self.comm.Ialltoall(values, out), what)
         return out
 
-    def gatherv(self, values: np.ndarray, root: int, what: str) -> tuple[np.ndarray | None, np.ndarray]:
-        """Concatenation of every rank's 1-D ``values`` at ``root``. Collective: one Igather of counts, one Igatherv.
+    def gatherv(self, values: np.ndarray, root: int, what: str, out: np.ndarray | None = None,
+                error: BaseException | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+        """Concatenation of every rank's 1-D ``values`` at ``root``.
+
+        Collective: one allgather of ``(status, count)`` (16 bytes a rank, :meth:`agree`), one Igatherv. The
+        counts are shared with every rank, so that a ``root`` that cannot receive (``error``: its buffer could
+        not be allocated) makes every rank raise at once, in step, instead of the others waiting to send.
 
         Args:
             values: this rank's 1-D array (the same dtype on every rank).
             root: the rank that receives.
             what: names the call in errors.
+            out: at ``root``, a 1-D array of ``values``' dtype and at least the total length to receive into
+                (None: a new one).
+            error: at ``root``, the exception that stops it receiving (ignored elsewhere).
         Returns:
-            ``(values of all ranks, counts)`` at ``root``; ``(None, counts)`` elsewhere (counts undefined there).
+            ``(values of all ranks, counts)`` at ``root`` (a view of ``out`` when given); ``(None, counts)``
+            elsewhere.
         Raises:
-            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
+            the class of ``root``'s ``error`` (as :meth:`agree`), on every rank; MemoryError: ``root`` cannot
+            allocate the total (on every rank too); CollectiveTimeoutError: a rank did not arrive in time.
         """
         values = np.ascontiguousarray(values)
-        counts = self.gather_counts(len(values), root, what)
+        counts = self.agree(error if self.rank == root else None, what, [len(values)])[:, 0].astype(np.int64)
         dtype = mpi_type(values.dtype)
         if self.rank == root:
-            out = np.empty(int(counts.sum()), values.dtype)
+            total = int(counts.sum())
+            if out is None or len(out) < total:
+                out = np.empty(total, values.dtype)
+            out = out[:total]
             self.wait(self.comm.Igatherv([values, dtype], [out, (counts, displacements(counts)), dtype], root), what)
             return out, counts
         self.wait(self.comm.Igatherv([values, dtype], None, root), what)

@@ -157,13 +157,22 @@ class CentralizedPlan(Plan):
                 (``"sample (scatter choices): rank 0: ..."``), the ranks still in step.
         """
         sizes = head[:, BATCH].astype(np.int64)
+        items = head[:, ITEMS].astype(np.int64)  # each shard sends at most 2 int64 a live item
         if self.proportional:
             slots, weights = self.shard.live_weights()
             packed = np.stack([slots, weights.view(np.int64)], 1).reshape(-1)
         else:
+            items = np.minimum(items, int(sizes.sum()))
             slots, keys = self.shard.ordered_candidates(int(sizes.sum()))
             packed = np.stack([slots, keys], 1).reshape(-1)
-        gathered, counts = self.comm.gatherv(packed, 0, "sample (gather state)")
+        buffer = error = None
+        if self.rank == 0:  # the gather's buffer, for every live item of the replay: failing, every rank raises
+            try:
+                buffer = self._state_buffer(int(items.sum()))
+            except MemoryError as e:
+                error = MemoryError(f"rank 0 cannot hold the selection state of {int(items.sum())} items "
+                                    f"({16 * int(items.sum()) / 2**30:.1f} GiB): {e}")
+        gathered, counts = self.comm.gatherv(packed, 0, "sample (gather state)", buffer, error)
         chunks = error = None
         if self.rank == 0:  # its failure (e.g. MemoryError: 16 bytes per item of the whole replay) goes to every
             try:            # rank through the scatter, instead of leaving the others to wait out the deadline
@@ -174,6 +183,11 @@ class CentralizedPlan(Plan):
         assign = [pairs[pairs[:, 0] == r, 1] for r in range(self.size)]
         recv = self.comm.alltoall(np.array([len(a) for a in assign], np.int64), "sample (counts)")
         return self._finish(head, assign, recv)
+
+    @staticmethod
+    def _state_buffer(items: int) -> np.ndarray:
+        """Rank 0's buffer for the gathered state of ``items`` items (int64 pairs). Local, O(1) (not touched)."""
+        return np.empty(2 * items, np.int64)
 
     def _choose(self, head: np.ndarray, sizes: np.ndarray, gathered: np.ndarray, counts: np.ndarray) -> list:
         """Rank 0's selection for every rank from the gathered state: one int64 array of (requester, slot)

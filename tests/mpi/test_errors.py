@@ -117,7 +117,8 @@ def test_a_huge_batch_an_out_that_is_not_a_batch_or_complex_priorities_on_one_ra
 def test_rank_0_failing_to_select_in_the_centralized_mode_fails_on_every_rank_and_stays_in_step(force):
     """Rank 0 selects for everybody between the gather and the scatter: an error there (a MemoryError over a large
     replay) left the other ranks waiting in the scatter until their timeout. It now travels in the scatter: the
-    same class and message on every rank at once, and the next sample works. (One rank samples its own shard.)"""
+    same class and message on every rank at once, and the next sample works. So does rank 0's failure to allocate
+    the gather's buffer, through the gather's counts. (One rank samples its own shard.)"""
     if SIZE == 1:
         pytest.skip("one rank has no centralized selection")
     for sampler in (gm.Prioritized(0.6, 0.4), gm.Fifo()):
@@ -133,6 +134,15 @@ def test_rank_0_failing_to_select_in_the_centralized_mode_fails_on_every_rank_an
                           "sample (scatter choices): rank 0: Unable to allocate 15.6 GiB for an array")
         assert time.monotonic() - t0 < 10.0  # at once, not the 20 s timeout
         plan.__dict__.pop("_choose", None)
+        if RANK == 0:  # the gather's own buffer (16 bytes an item) cannot be had: the others must not send into
+            def state_buffer(items):  # nothing and wait
+                raise MemoryError("Unable to allocate 14.9 GiB for an array")
+            plan._state_buffer = state_buffer
+        t0 = time.monotonic()
+        expect_same_error(lambda: replay.sample(2, 3), MemoryError,
+                          "sample (gather state): rank 0: rank 0 cannot hold the selection state of ")
+        assert time.monotonic() - t0 < 10.0
+        plan.__dict__.pop("_state_buffer", None)
         assert replay.stats()["total"]["sampled"] == 0  # nothing counted
         assert len(replay.sample(3, 4)) == 3  # the ranks are still in step
         replay.close()
