@@ -182,6 +182,7 @@ class GearReplayBuffer(ReplayBuffer):
         self._staged = 0
         self._next_obs = None  # optimize_memory_usage: the newest next_obs, for the row after the newest position
         self._synced = (self.pos, self.full)
+        self._closed = False
 
     # ---- SB3's storage, as views of the shard's rings ------------------------------------------------
     @property
@@ -228,15 +229,23 @@ class GearReplayBuffer(ReplayBuffer):
         """Store one transition of each environment (SB3's arguments: ``[n_envs, ...]`` arrays and the
         ``infos`` list). Values are cast to the stored dtypes as SB3's buffer casts them (numpy's assignment).
         Cost: one small array assignment per column; every :data:`STAGE_ADDS` calls, one packed insert
-        into the shard (about 70 us for 256 transitions of CartPole)."""
+        into the shard (about 70 us for 256 transitions of CartPole).
+
+        Raises:
+            ValueError, TypeError: a value that does not fit its column (numpy's message); the buffer is left as
+                it was (nothing of the transition is kept).
+            RuntimeError: the buffer is closed.
+        """
+        self._check_open()
         if isinstance(self.observation_space, spaces.Discrete):
             obs = np.asarray(obs).reshape((self.n_envs, *self.obs_shape))
             next_obs = np.asarray(next_obs).reshape((self.n_envs, *self.obs_shape))
         k = self._staged
-        stage = self._stage
+        stage = self._stage  # row k is scratch until _staged counts it: a failed assignment leaves nothing behind
         stage["obs"][k] = obs
-        if self.optimize_memory_usage:
-            self._next_obs = np.array(next_obs)
+        if self.optimize_memory_usage:  # kept aside, as the stored dtype and shape: set only once the add succeeds
+            newest = np.empty_like(stage["obs"][k])
+            newest[...] = next_obs
         else:
             stage["next_obs"][k] = next_obs
         stage["action"][k] = np.asarray(action).reshape((self.n_envs, self.action_dim))
@@ -246,6 +255,8 @@ class GearReplayBuffer(ReplayBuffer):
             stage["timeout"][k] = [info.get("TimeLimit.truncated", False) for info in infos]
         else:
             stage["timeout"][k] = 0.0
+        if self.optimize_memory_usage:
+            self._next_obs = newest
         self._staged = k + 1
         self.pos += 1
         if self.pos == self.buffer_size:
@@ -259,7 +270,12 @@ class GearReplayBuffer(ReplayBuffer):
         return np.broadcast_to(np.float64(1.0), (m,))
 
     def _flush(self) -> None:
-        """The staged adds into the shard, in one packed insert (their positions are the next ring steps)."""
+        """The staged adds into the shard, in one packed insert (their positions are the next ring steps).
+
+        Raises:
+            RuntimeError: the buffer is closed.
+        """
+        self._check_open()
         k = self._staged
         if k == 0:
             return
@@ -324,7 +340,12 @@ class GearReplayBuffer(ReplayBuffer):
 
     # ---- reset, pickling, close -------------------------------------------------------------------------
     def reset(self) -> None:
-        """Empty the buffer (SB3's ``reset``): staged adds dropped, the shard cleared, ``pos`` 0. O(items held)."""
+        """Empty the buffer (SB3's ``reset``): staged adds dropped, the shard cleared, ``pos`` 0. O(items held).
+
+        Raises:
+            RuntimeError: the buffer is closed.
+        """
+        self._check_open()
         self._staged = 0
         self._next_obs = None
         self.shard.clear()
@@ -332,8 +353,15 @@ class GearReplayBuffer(ReplayBuffer):
         self._synced = (self.pos, self.full)
 
     def close(self) -> None:
-        """Release the shard's memory now (otherwise when the buffer is collected). Idempotent."""
+        """Release the shard's memory now (otherwise when the buffer is collected); staged adds are dropped.
+        Afterwards ``add``, ``sample``, the storage arrays and pickling raise ``RuntimeError``. Idempotent."""
+        self._closed = True
+        self._staged = 0
         self.shard.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
 
     def __getstate__(self) -> dict:
         """Pickled as SB3 pickles its buffer (``save_replay_buffer``): everything, the shard's contents as
@@ -446,10 +474,10 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
         """
         if isinstance(priorities, th.Tensor):
             priorities = priorities.detach().cpu().numpy()
-        pr = np.asarray(priorities, np.float64).reshape(-1)
+        pr = np.asarray(priorities).reshape(-1)  # as given: the shard refuses text ("1.5") rather than parse it
         applied = self.shard.update_priorities(keys, pr)
-        if len(pr):
-            self.max_priority = max(self.max_priority, float(pr.max()))
+        if len(pr):  # validated by the shard: real numbers
+            self.max_priority = max(self.max_priority, float(pr.astype(np.float64).max()))
         return applied
 
 
