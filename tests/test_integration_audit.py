@@ -15,9 +15,13 @@ import pytest
 import torch as th
 
 pytest.importorskip("stable_baselines3")
+pytest.importorskip("torchrl")
 from gymnasium import spaces  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from torchrl.data import TensorDictReplayBuffer  # noqa: E402
 
 import gear_mpi as gm  # noqa: E402
+from gear_mpi.integrations import torchrl as gtrl  # noqa: E402
 from gear_mpi.integrations.sb3 import GearPrioritizedReplayBuffer, GearReplayBuffer  # noqa: E402
 
 OBS = spaces.Box(-1, 1, (3,), np.float32)
@@ -75,3 +79,92 @@ def test_sb3_priorities_given_as_text_are_refused():
     assert buf.max_priority == 1.0 and np.array_equal(buf.shard.priorities(s.keys), before)
     assert buf.update_priorities(s.keys, np.array([2, 3])) == 2 and buf.max_priority == 3.0  # integers still do
     buf.close()
+
+
+# ---- TorchRL ------------------------------------------------------------------------------------------
+def _steps(n: int, start: int = 0) -> TensorDict:
+    step = th.arange(start, start + n)
+    return TensorDict({"obs": step[:, None].float().expand(n, 4).clone(), "step": step,
+                       "next": {"done": th.zeros(n, 1, dtype=th.bool)}}, [n])
+
+
+def _held(storage) -> list[int]:
+    return sorted(storage.get(slice(None))["step"].tolist())
+
+
+def test_torchrl_bad_state_dict_leaves_the_items_as_they_were():
+    """load_state_dict checks the whole state first; before, the shard was emptied and then the columns were
+    refused (every item lost), or the items were replaced and then the priorities refused (half-loaded)."""
+    storage = gtrl.GearStorage(50, timeout=20)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=gtrl.GearSampler(alpha=1.0, beta=0.5), batch_size=4)
+    rb.extend(_steps(10))
+    good = storage.state_dict()
+    rb.extend(_steps(3, start=100))
+    held = _held(storage)
+    bad_columns = dict(good, columns=dict(good["columns"], obs=good["columns"]["obs"][:, :2]))
+    bad_lengths = dict(good, lengths=good["lengths"] * 0)
+    bad_priorities = dict(good, priorities=good["priorities"][:2])
+    negative = dict(good, priorities=-good["priorities"])
+    for state, cls, what in ((bad_columns, gm.InvalidTrajectoryError, "column 'obs' has shape"),
+                             (bad_lengths, gm.InvalidTrajectoryError, "length"),
+                             (bad_priorities, gm.InvalidPriorityError, "got 2 values for 10"),
+                             (negative, gm.InvalidPriorityError, "non-negative"),
+                             ({"layout": good["layout"]}, ValueError, "lacks")):
+        with pytest.raises(cls, match=what):
+            storage.load_state_dict(state)
+        assert _held(storage) == held and len(storage) == 13
+    storage.load_state_dict(good)
+    assert _held(storage) == list(range(10))
+    storage.close()
+    assert len(storage) == 0  # a closed storage holds nothing (was the count before the close)
+
+
+def test_torchrl_failed_loads_keeps_the_replay(tmp_path):
+    """loads of a directory without layout.pt, or of a damaged checkpoint, raises CheckpointError and the storage
+    goes on with its replay; before, the replay was closed first (every item lost, every later call failing)."""
+    storage = gtrl.GearStorage(50, timeout=20)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
+    rb.extend(_steps(10))
+    storage.dumps(tmp_path / "ok")
+    (tmp_path / "ok" / "replay" / "MANIFEST.json").write_text("{")
+    for path in (tmp_path / "missing", tmp_path / "ok"):
+        with pytest.raises(gm.CheckpointError):
+            storage.loads(path)
+        assert _held(storage) == list(range(10)) and rb.sample()["obs"].shape == (4, 4)
+    storage.close()
+
+
+def test_torchrl_refused_priorities_change_nothing():
+    """A refused update (a negative priority beside a large one; complex priorities; text) changes no priority and
+    not the priority new items get; before, the large one became new items' priority, complex ones were taken
+    with their imaginary parts dropped, and text failed in torch (on one rank only: the others waited)."""
+    storage = gtrl.GearStorage(50, timeout=20)
+    sampler = gtrl.GearSampler(alpha=1.0, beta=0.5)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=2)
+    rb.extend(_steps(4))
+    index = rb.sample()["index"]
+    shard = storage.replay.shard
+    before = shard.priorities(index).copy()
+    for priority, what in ((th.tensor([1e9, -1.0]), "non-negative"), (th.tensor([1 + 2j, 3 + 0j]), "real numbers"),
+                           (["high", "low"], "must be numbers")):
+        with pytest.raises(gm.InvalidPriorityError, match=what):
+            sampler.update_priority(index, priority, storage=storage)
+        assert np.array_equal(shard.priorities(index), before)
+    keys = rb.extend(_steps(2, start=10))
+    assert shard.priorities(keys).tolist() == [1.0, 1.0]
+    storage.close()
+
+
+def test_torchrl_empty_writes_and_draws_of_trajectories():
+    """A trajectory storage takes an empty write (no keys) and a slice sampler draws 0 steps (an empty batch), as
+    the one-step ones do; before, numpy's "slice step cannot be zero" and torch's "cannot reshape" escaped."""
+    for sampler in (gtrl.GearSliceSampler(slice_len=2), gtrl.GearSliceSampler(num_slices=2),
+                    gtrl.GearSliceSampler(slice_len=2, strict_length=False, pad_output=True)):
+        storage = gtrl.GearStorage(50, max_length=10, timeout=20)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=4)
+        assert rb.extend(_steps(0)).shape == (0,)  # the first write, empty: builds the replay, stores nothing
+        rb.extend(_steps(10))
+        assert rb.extend(_steps(0)).shape == (0,) and len(storage) == 10
+        assert rb.extend(_steps(6).reshape(2, 3)[:, :0]).shape == (2, 0)
+        assert rb.sample(0).batch_size == (0,) and rb.sample(4).batch_size == (4,)
+        storage.close()

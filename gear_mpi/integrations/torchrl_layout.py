@@ -213,6 +213,8 @@ def trajectory_lengths(data: Any, rows: int, steps: int, max_length: int, end_ke
         The int64 lengths, in order (they sum to ``rows * steps``).
     """
     n = rows * steps
+    if n == 0:  # an empty write: no trajectory
+        return np.zeros(0, np.int64)
     ends = np.zeros(n, np.bool_)
     ends[steps - 1::steps] = True
     if isinstance(data, TensorDictBase):

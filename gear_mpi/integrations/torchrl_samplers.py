@@ -78,17 +78,21 @@ class GearSampler(Sampler):
         of its values.
 
         Raises:
-            InvalidKeyError, InvalidPriorityError: bad keys or priorities on some rank (on every rank).
+            InvalidKeyError, InvalidPriorityError: bad keys or priorities on some rank (on every rank; nothing
+                changes, the priority of new items included).
         """
         storage = check_storage(storage)
         replay = storage._require("update_priority")
         raw_index = torch.stack(index, -1) if isinstance(index, tuple) else index
         last, storage._last_write = storage._last_write, None
-        pr = torch.as_tensor(priority).detach().to(torch.float64).reshape(-1).cpu().numpy()
         try:
+            given = torch.as_tensor(priority)
+            if given.is_complex():  # a cast to float64 would drop the imaginary parts
+                raise TypeError("complex priorities")
+            pr = given.detach().to(torch.float64).reshape(-1).cpu().numpy()
             keys = index_keys(raw_index)
-        except TypeError:
-            keys = None
+        except (TypeError, ValueError, RuntimeError):  # text, ragged lists, keys that are not integers
+            pr = keys = None
         if keys is None or not (len(pr) in (1, len(keys))):  # gear_mpi's checks say what is wrong, on every rank
             replay.update_priorities(raw_index, priority)
             return
@@ -98,14 +102,14 @@ class GearSampler(Sampler):
             return
         keep = keys >= 0  # TorchRL's -1: nothing written there
         keys, pr = _reduce(keys[keep], pr[keep] + self._eps, self.reduction)
-        if len(pr):
-            storage.note_priority(float(pr.max()))
         fresh = last is not None and (raw_index is last[0] or (last[1] is not None and len(keys) == 1
                                                               and int(keys[0]) == last[1]))
         if fresh:  # what extend/add just wrote, with the priorities the data carried: this rank's own items
             storage.apply_local(keys, pr)
         else:
             replay.update_priorities(keys, pr)
+        if len(pr):  # applied: new items start at the highest priority given (not raised by a refused update)
+            storage.note_priority(float(pr.max()))
 
     def can_sample(self, storage: GearStorage, batch_size: int) -> bool:
         """Collective: whether any rank's shard holds an item (one allgather, :meth:`gear_mpi.Replay.stats`)."""
@@ -255,7 +259,7 @@ class GearSliceSampler(GearSampler):
         done_key, terminated_key = key[:-1] + ("done",), key[:-1] + ("terminated",)
         done = data.get(done_key, None)
         truncated = torch.zeros((n, 1) if done is None else done.shape, dtype=torch.bool)
-        truncated.view(n, -1)[last] = True
+        truncated.view(n, truncated[0].numel() if n else 0)[last] = True
         terminated = data.get(terminated_key, None)
         info[key] = truncated
         info[done_key] = truncated.clone() if done is None else done.bool() | truncated
@@ -264,7 +268,7 @@ class GearSliceSampler(GearSampler):
             init = data.get(self.init_key, None)
             if isinstance(init, torch.Tensor):
                 marker = torch.zeros_like(init, dtype=torch.bool)
-                marker.view(n, -1)[starts] = True
+                marker.view(n, marker[0].numel() if n else 0)[starts] = True
                 info[self.init_key] = marker | init.bool()
         return info
 

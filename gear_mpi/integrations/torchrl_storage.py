@@ -19,10 +19,11 @@ from torchrl.data.replay_buffers.storages import Storage
 from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter, Writer
 
 from ..distributed.comm import MpiComm
-from ..errors import EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
+from ..errors import CheckpointError, EmptyReplayError, InvalidKeyError, InvalidTrajectoryError
 from ..keys import as_key_array
 from ..replay import Replay
 from ..selection.selectors import Prioritized, Selector, Uniform
+from ..storage.shard_insert import check_packed_columns, checked_lengths, checked_priorities
 from .torchrl_layout import Layout, as_batch, trajectory_lengths
 
 DEFAULT_END_KEYS = (("next", "done"),)
@@ -103,8 +104,10 @@ class GearStorage(Storage):
         return self._replay is not None and isinstance(self._replay.selector, Prioritized)
 
     def __len__(self) -> int:
-        """Steps held in this rank's shard (local, O(1))."""
-        return 0 if self._replay is None else int(self._replay.shard.store.live_steps)
+        """Steps held in this rank's shard (local, O(1); 0 before the first write and once closed)."""
+        if self._replay is None or self._replay.closed:
+            return 0
+        return int(self._replay.shard.store.live_steps)
 
     # ---- TorchRL's hooks ---------------------------------------------------------------------
     def attach(self, buffer: Any) -> None:
@@ -352,28 +355,38 @@ class GearStorage(Storage):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace this rank's items by those of a :meth:`state_dict` (local; before the first write, the
-        replay is built from its layout: a collective, as a first write is). Keys change.
+        replay is built from its layout: a collective, as a first write is). Keys change. The state is checked
+        whole before anything is replaced: a bad one leaves the items as they were.
 
         Raises:
-            ValueError: a state of another layout than this storage's.
+            ValueError: a state of another layout than this storage's, or lacking an entry.
+            InvalidTrajectoryError: columns missing, unknown or of the wrong shape or dtype, or lengths that are
+                not in ``[1, max_length]`` or do not sum to the columns' steps.
+            InvalidPriorityError: a NaN, infinite or negative priority, or not one per item.
         """
         if state_dict.get("layout") is None:
             if self._replay is not None:
                 self._empty()
             return
+        missing = [k for k in ("columns", "lengths", "priorities") if k not in state_dict]
+        if missing:
+            raise ValueError(f"load_state_dict: the state lacks {missing} (a GearStorage.state_dict() has them)")
         layout = Layout.from_state(state_dict["layout"])
         if self._replay is None:
             self._max_length = self._max_length or int(state_dict.get("max_length", 1))
             self._build(None, layout)
         elif layout != self._layout:
             raise ValueError(f"state of another layout: {layout} against this storage's {self._layout}")
+        spec = self._replay.spec
+        lengths, total = checked_lengths(state_dict["lengths"], spec.max_length, spec.min_length)
+        columns = check_packed_columns(spec, dict(state_dict["columns"]), total)
+        priorities = checked_priorities(state_dict["priorities"], len(lengths))
         self._empty()
-        lengths = np.asarray(state_dict["lengths"], np.int64)
         if len(lengths):
             saved = self._new_priority
-            keys = self._insert(dict(state_dict["columns"]), lengths)
+            keys = self._insert(columns, lengths)
             self._new_priority = saved
-            self.apply_local(keys, np.asarray(state_dict["priorities"], np.float64))
+            self.apply_local(keys, priorities)
         self._bump_mutation_revision()
 
     def dumps(self, path) -> None:
@@ -394,19 +407,28 @@ class GearStorage(Storage):
 
     def loads(self, path) -> None:
         """Collective: replace the replay by the checkpoint :meth:`dumps` wrote (on any number of ranks:
-        :meth:`gear_mpi.Replay.load`); keys change. The replay this storage built is closed first.
+        :meth:`gear_mpi.Replay.load`); keys change. The replay this storage built is closed once the new one
+        is loaded: a load that fails (on any rank) leaves the storage as it was.
 
         Raises:
-            CheckpointError: see :meth:`gear_mpi.Replay.load`.
+            CheckpointError: ``path/layout.pt`` missing or unreadable on some rank (on every rank); see
+                :meth:`gear_mpi.Replay.load`.
         """
         path = Path(path)
-        saved = torch.load(path / "layout.pt", weights_only=False)
         comm = self._replay.comm.comm if self._replay is not None else self._comm
         timeout = self._replay.comm.timeout if self._replay is not None else self._timeout
+        saved, layout, err = None, None, None
+        try:
+            saved = torch.load(path / "layout.pt", weights_only=False)
+            layout = Layout.from_state(saved["layout"])
+        except Exception as e:  # noqa: BLE001 -- agreed: every rank raises it
+            err = CheckpointError(f"{path / 'layout.pt'}: cannot be read (not a GearStorage.dumps directory?): "
+                                  f"{type(e).__name__}: {e}")
+        MpiComm(comm, timeout).agree(err, "GearStorage.loads")
+        replay, _ = Replay.load(path / "replay", comm, timeout=timeout)
         if self._replay is not None and self._owned:
             self._replay.close()
-        self._replay, _ = Replay.load(path / "replay", comm, timeout=timeout)
-        self._owned, self._layout = True, Layout.from_state(saved["layout"])
+        self._replay, self._owned, self._layout = replay, True, layout
         self._new_priority = float(saved.get("new_priority", 1.0))
         self._pending = self._last_write = None
         self.max_size = self._replay.shard.capacity_steps

@@ -329,3 +329,39 @@ def test_ranks_whose_data_lists_entries_in_another_order_build_one_replay(storag
     rb.extend(TensorDict(dict(parts), [n]))
     s = rb.sample()
     assert (s["next", "reward"] == 1).all() and set(s["rank"].tolist()) <= set(range(SIZE))
+
+
+def test_priorities_torch_cannot_read_on_one_rank_fail_on_every_rank(storages):
+    """Text priorities given on one rank (the sampler's own call): the same InvalidPriorityError on every rank,
+    nothing changed; before, torch's ValueError on that rank while the others waited in the collective update."""
+    sampler = gtrl.GearSampler(alpha=1.0, beta=0.5)
+    rb = buffer(storages(50), sampler, batch_size=4)
+    rb.extend(transitions(8, start=1000 * RANK))
+    index = rb.sample()["index"]
+    mine = rb[:]["index"]
+    before = rb.storage.replay.shard.priorities(mine).copy()
+    priority = ["a"] * 4 if RANK == 0 else torch.full((4,), 5.0)
+    expect_same_error(lambda: sampler.update_priority(index, priority, storage=rb.storage), gm.InvalidPriorityError,
+                      "rank 0: priorities must be numbers")
+    assert np.array_equal(rb.storage.replay.shard.priorities(mine), before)
+
+
+def test_loads_without_layout_on_one_rank_fails_on_every_rank_and_keeps_the_replay(storages):
+    """storage.loads where one rank (the last) finds no layout.pt: the same CheckpointError on every rank, and every rank
+    keeps its replay; before, that rank raised FileNotFoundError alone while the others closed their replay and
+    waited in Replay.load until the timeout."""
+    storage = storages(64)
+    rb = buffer(storage)
+    rb.extend(transitions(12, start=1000 * RANK))
+    path = COMM.bcast(tempfile.mkdtemp(prefix="gear_trl_") if RANK == 0 else None, root=0)
+    try:
+        storage.dumps(path)
+        where = path + "/no-such-dir" if RANK == SIZE - 1 else path  # the last rank finds no layout.pt
+        expect_same_error(lambda: storage.loads(where), gm.CheckpointError, f"rank {SIZE - 1}: ")
+        assert sorted(rb[:]["step"].tolist()) == list(range(1000 * RANK, 1000 * RANK + 12))
+        assert rb.sample()["obs"].shape == (16, 4)
+    finally:
+        COMM.barrier()
+        if RANK == 0:
+            import shutil
+            shutil.rmtree(path, ignore_errors=True)
