@@ -91,6 +91,24 @@ def test_sources_read_metadata_and_name_faults(files):
         npz.npz_header(files / "good.hdf5")
 
 
+@pytest.mark.parametrize("flag_steps", [6, 14])
+def test_d4rl_flags_of_another_length_are_refused_when_not_loaded(tmp_path, flag_steps):
+    """``terminals``/``timeouts`` cut the episodes even when ``columns=`` leaves them out: their length is checked
+    against ``observations``; before, shorter flags dropped the last steps silently and longer ones failed
+    mid-read with h5py's "Can't broadcast". A string as ``columns`` is named (was read letter by letter)."""
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "flags.hdf5"
+    with h5py.File(path, "w") as f:
+        for name, shape in (("observations", (10, 3)), ("actions", (10, 2)), ("rewards", (10,))):
+            f[name] = np.zeros(shape, np.float32)
+        f["terminals"] = np.arange(flag_steps) == flag_steps - 1
+        f["timeouts"] = np.zeros(flag_steps, bool)
+    with pytest.raises(ValueError, match=rf"'terminals' has shape \({flag_steps},\), but 'observations' has 10"):
+        d4rl.D4RLSource(path, columns=["observations"])
+    with pytest.raises(ValueError, match="got the string 'observations'"):
+        d4rl.D4RLSource(path, columns="observations")
+
+
 def test_make_dataset_writes_what_the_loader_reads(tmp_path):
     pytest.importorskip("gymnasium")
     import h5py

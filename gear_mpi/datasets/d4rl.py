@@ -37,8 +37,9 @@ class D4RLSource:
             required one, ``next_observations`` if present and every dataset of ``infos``.
     Raises:
         ValueError: the file is missing, not HDF5 or damaged (e.g. truncated), a required dataset is
-            missing, a dataset has another number of steps than ``observations`` or a non-numeric dtype,
-            or a named column is not in the file.
+            missing, a dataset has another number of steps than ``observations`` (``terminals`` and
+            ``timeouts`` too, whether loaded or not) or a non-numeric dtype, ``columns`` is a string, or a
+            named column is not in the file.
         ImportError: h5py is not installed.
     """
 
@@ -68,11 +69,18 @@ class D4RLSource:
             if isinstance(infos, h5py.Group):
                 names += [f"infos/{k}" for k in sorted(infos) if isinstance(infos[k], h5py.Dataset)]
         else:
+            if isinstance(columns, (str, bytes)):
+                raise ValueError(f"columns must be a sequence of dataset names, got the string {columns!r} "
+                                 f"(write [{columns!r}])")
             names = list(columns)
             absent = [n for n in names if not isinstance(f.get(n), h5py.Dataset)]
             if absent:
                 raise ValueError(f"{where}: no dataset(s) {absent} in the file")
         n = f["observations"].shape[0] if f["observations"].ndim else 0
+        for name in ("terminals", "timeouts"):  # they cut the episodes, loaded as columns or not
+            if f[name].shape != (n,):
+                raise ValueError(f"{where}: dataset {name!r} has shape {f[name].shape}, but 'observations' has "
+                                 f"{n} steps (mismatched lengths)")
         self.datasets = {}
         self.columns = {}
         for name in names:
