@@ -408,7 +408,8 @@ class GearStorage(Storage):
     def loads(self, path) -> None:
         """Collective: replace the replay by the checkpoint :meth:`dumps` wrote (on any number of ranks:
         :meth:`gear_mpi.Replay.load`); keys change. The replay this storage built is closed once the new one
-        is loaded: a load that fails (on any rank) leaves the storage as it was.
+        is loaded: a load that fails (on any rank) leaves the storage as it was. Memory: both replays are held
+        while the new one loads (close the storage first to load a large checkpoint into a large replay).
 
         Raises:
             CheckpointError: ``path/layout.pt`` missing or unreadable on some rank (on every rank); see
