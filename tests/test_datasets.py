@@ -12,6 +12,7 @@ on 1, 2 and 3 ranks (tests/mpi/test_dataset_ingest.py, over the files of tests/m
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -107,6 +108,15 @@ def test_d4rl_flags_of_another_length_are_refused_when_not_loaded(tmp_path, flag
         d4rl.D4RLSource(path, columns=["observations"])
     with pytest.raises(ValueError, match="got the string 'observations'"):
         d4rl.D4RLSource(path, columns="observations")
+
+
+@pytest.mark.parametrize("max_length", [12.5, True, 0, "20"])
+def test_a_max_length_that_is_not_a_positive_integer_is_refused(files, max_length):
+    """``int(max_length)`` loaded 12.5 as 12 and True as 1 (then an episode was too long, or nothing said why)."""
+    from gear_mpi.datasets import from_d4rl
+    with pytest.raises(ValueError, match=r"max_length must be a positive integer \(or None: the longest episode\), "
+                                         rf"got {re.escape(repr(max_length))}"):
+        from_d4rl(files / "good.hdf5", max_length=max_length, timeout=20.0)
 
 
 def test_make_dataset_writes_what_the_loader_reads(tmp_path):

@@ -144,6 +144,7 @@ def test_a_closed_shard_refuses_every_operation(spec, make_traj):
     assert len(shard) == 1
     shard.close()
     assert len(shard) == 0 and "items=0" in repr(shard)  # a closed shard holds nothing (it said 1)
+    assert shard.store.live_steps == 0
     for call in (lambda: shard.get(key), lambda: shard.insert(make_traj(3)), lambda: shard.sample(1, 2),
                  lambda: shard.update_priorities([key], [1.0]), lambda: shard.locate([key])):
         with pytest.raises(RuntimeError, match="closed"):

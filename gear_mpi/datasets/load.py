@@ -110,7 +110,8 @@ def load_dataset(open_source: Callable[[], Any], what: str, comm, max_length: in
         episodes, in dataset order) and ``open_episode_key`` (the open last episode's key on the rank
         holding it, else None).
     Raises:
-        ValueError: a missing, damaged or inconsistent dataset, an episode longer than ``max_length``,
+        ValueError: a missing, damaged or inconsistent dataset, a ``max_length`` that is not a positive
+            integer, an episode longer than ``max_length``,
             a share larger than the given ``capacity_steps``, or a bad ``headroom`` (on every rank).
         TypeError: ``progress`` not None or a bool (on every rank).
         ImportError: a module the source needs is missing (on every rank).
@@ -126,6 +127,10 @@ def load_dataset(open_source: Callable[[], Any], what: str, comm, max_length: in
         source = open_source()
         lengths = np.asarray(source.lengths, np.int64)
         longest = int(lengths.max()) if len(lengths) else 1
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer))
+                                       or max_length < 1):  # int() would take 12.5 as 12 and True as 1
+            raise ValueError(f"max_length must be a positive integer (or None: the longest episode), "
+                             f"got {max_length!r}")
         max_length = longest if max_length is None else int(max_length)
         if longest > max_length:
             e = int(np.argmax(lengths))

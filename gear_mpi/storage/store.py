@@ -213,8 +213,8 @@ class TrajectoryStore:
 
     @property
     def live_steps(self) -> int:
-        """Steps of the live trajectories. O(1)."""
-        return int(self.state[ring.LIVE_STEPS])
+        """Steps of the live trajectories (0 once closed). O(1)."""
+        return int(self.state[ring.LIVE_STEPS]) if self.arena is not None else 0
 
     @property
     def steps_used(self) -> int:
