@@ -10,6 +10,8 @@ tests/mpi/test_torchrl_adapter.py and tests/mpi/test_dataset_ingest.py.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch as th
@@ -168,3 +170,18 @@ def test_torchrl_empty_writes_and_draws_of_trajectories():
         assert rb.extend(_steps(6).reshape(2, 3)[:, :0]).shape == (2, 0)
         assert rb.sample(0).batch_size == (0,) and rb.sample(4).batch_size == (4,)
         storage.close()
+
+
+def test_torchrl_constructors_refuse_bad_sizes_and_exponents_at_once():
+    """``GearStorage(max_size=-3)`` and ``GearSampler(alpha=-1, beta=0.4)`` were accepted and failed only at the
+    first write (a collective); now at construction, naming the argument."""
+    from gear_mpi.integrations.torchrl import GearSampler, GearStorage
+    for kw, what in (({"max_size": -3}, "max_size must be a positive integer, got -3"),
+                     ({"max_size": 2.5}, "max_size must be a positive integer, got 2.5"),
+                     ({"max_size": 10, "max_length": True}, "max_length must be a positive integer, got True")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            GearStorage(**kw)
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0, got -1"):
+        GearSampler(alpha=-1, beta=0.4)
+    with pytest.raises(ValueError, match="beta must be a finite number >= 0, got 'x'"):
+        GearSampler(alpha=0.6, beta="x")

@@ -152,9 +152,12 @@ def test_prioritized_after_evictions(shard_factory, spec, make_traj):
 
 
 def test_prioritized_rejects_bad_parameters():
-    for bad in (dict(alpha=-0.1), dict(beta=-1.0), dict(alpha=float("nan")), dict(beta=float("inf"))):
-        with pytest.raises(ValueError):
+    for bad in (dict(alpha=-0.1), dict(beta=-1.0), dict(alpha=float("nan")), dict(beta=float("inf")),
+                dict(beta="x"), dict(alpha=None), dict(alpha=True), dict(alpha=1j)):  # (a string was numpy's TypeError)
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"^{name} must be a finite number >= 0, got "):
             gm.Prioritized(**bad)
+    assert gm.Prioritized(np.float32(0.5), np.int64(1)) == gm.Prioritized(0.5, 1.0)
     assert gm.Prioritized(0.6, 0.4) == gm.Prioritized(0.6, 0.4) != gm.Prioritized(0.6, 0.5)
     assert gm.Uniform() == gm.Uniform() != gm.Fifo()
     assert "alpha=0.6" in repr(gm.Prioritized(0.6, 0.4))

@@ -35,6 +35,8 @@ class GearSampler(Sampler):
             raise ValueError("give both alpha and beta (a prioritized replay) or neither")
         if reduction not in ("max", "min", "mean", "median"):
             raise ValueError(f"reduction must be 'max', 'min', 'mean' or 'median', got {reduction!r}")
+        if alpha is not None:
+            Prioritized(alpha, beta)  # its checks now (a bad alpha or beta), not at the first write
         self._alpha, self._beta, self._eps, self.reduction, self.mode = alpha, beta, float(eps), reduction, mode
 
     def selector(self) -> Selector | None:

@@ -67,8 +67,9 @@ class GearStorage(Storage):
                  comm=None, seed: int = 0, timeout: float = 60.0, compilable: bool = False, **replay_kwargs):
         if replay is None and max_size is None:
             raise ValueError("GearStorage needs max_size (steps a rank's shard holds) or replay=")
-        if max_length is not None and (isinstance(max_length, bool) or int(max_length) < 1):
-            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+        for name, value in (("max_size", max_size), ("max_length", max_length)):  # refused now, not at the first write
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         size = replay.shard.capacity_steps if replay is not None else int(max_size)
         super().__init__(max_size=size, compilable=compilable)
         self._replay, self._owned, self._layout = replay, False, layout

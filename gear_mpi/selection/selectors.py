@@ -103,10 +103,10 @@ class Prioritized(Selector):
         Raises:
             ValueError: ``alpha`` or ``beta`` negative or not finite.
         """
-        if not (np.isfinite(alpha) and alpha >= 0):
-            raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
-        if not (np.isfinite(beta) and beta >= 0):
-            raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+        for name, value in (("alpha", alpha), ("beta", beta)):  # a string, None or complex is not a number either
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not (np.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         self.alpha = float(alpha)
         self.beta = float(beta)
 
