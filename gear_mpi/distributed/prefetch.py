@@ -66,6 +66,8 @@ import threading
 import time
 from typing import Any
 
+from .. import errors
+
 _STOP = object()
 
 
@@ -307,7 +309,9 @@ class BatchIterator:
 
         Raises:
             GearError: the thread's error, if it failed outside a sample (e.g. a timed-out update's
-                CollectiveTimeoutError), raised again here. A KeyboardInterrupt while it waits for the thread
+                CollectiveTimeoutError), raised again here; CollectiveError: a sample the loop did not take
+                failed as a collective (another rank stopped iterating sooner: a timeout), as ``next()``
+                would have raised it. Other errors of samples not taken (EmptyReplayError) are dropped. A KeyboardInterrupt while it waits for the thread
                 leaves the iterator active: the next ``close()`` (``replay.close()``'s) waits again.
         """
         with self._cv:
@@ -320,6 +324,9 @@ class BatchIterator:
         self._finished.wait()
         self._thread.join()
         self._released = True
+        if self._error is None:  # a sample the loop never took failed as a collective (a rank stopped earlier
+            # than this one: its thread's next sample timed out): the replay is unusable now, so say so here
+            self._error = next((item for _, item in self._ready if isinstance(item, errors.CollectiveError)), None)
         self._ready.clear()
         self._ring = self._given = None
         self.owner.release(self)

@@ -252,11 +252,16 @@ def test_a_rank_that_stops_makes_the_others_time_out_not_hang():
     if COMM.rank == 0:
         next(it)
         it.close()  # runs the samples already allowed (the same ones the others run), then stops
-    else:
+    elif COMM.rank % 2:
         with pytest.raises(gm.CollectiveTimeoutError):
             for _ in range(100):
                 next(it)
         it.close()
+    else:  # takes the two batches rank 0's close still samples, then stops too, one batch later than rank 0:
+        next(it)  # its thread's third sample meets nobody; close says so (it returned as if all was well)
+        next(it)
+        with pytest.raises(gm.CollectiveTimeoutError, match="sample"):
+            it.close()
     assert time.monotonic() - t0 < 30
     if COMM.rank == 0:  # the others broke off: its closing barrier times out too (and it still closes)
         with pytest.raises(gm.CollectiveTimeoutError, match="close"):
