@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -276,11 +277,13 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         The handle, attached to the replay.
 
     Raises:
-        TypeError, ValueError: bad arguments, or different ones on different ranks (every rank).
+        TypeError, ValueError: bad arguments, or different ones on different ranks (every rank; the
+            directories compared after ``os.path.abspath``, so a relative one from other working directories
+            differs too).
         CheckpointError: the directory cannot be created on some rank (every rank).
     """
     replay._check_open()  # a closed replay: its error, before any communication
-    err, first = None, 0
+    err, first, where = None, 0, 0
     try:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
@@ -304,10 +307,16 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         except OSError as e:
             raise CheckpointError(f"checkpoint_every: cannot create {directory}: {e}") from None
         first = series.next_number(directory)
+        where = zlib.crc32(directory.encode("utf-8", "surrogateescape"))  # compared below, as save's path
     except Exception as e:
         err = e
-    values = [-1.0 if seconds is None else float(seconds), float(keep), float(segment_bytes), float(first)]
+    values = [-1.0 if seconds is None else float(seconds), float(keep), float(segment_bytes), float(first),
+              float(where)]
     table = replay.calls.agree(err, "checkpoints", values)
+    others = np.flatnonzero(table[:, 4] != table[0, 4])
+    if len(others):  # each rank would write under its own directory, and rank 0 wait for files that never come
+        raise ValueError(f"checkpoint_every: every rank must give the same directory (after os.path.abspath); "
+                         f"rank(s) {others.tolist()} gave another than rank 0's: no checkpoint was started")
     if len({tuple(row) for row in table[:, :3].tolist()}) > 1:
         raise ValueError(f"checkpoint_every: seconds, keep and segment_bytes must be the same on every rank, got "
                          f"{table[:, :3].tolist()} (rank r's at position r)")

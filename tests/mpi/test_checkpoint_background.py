@@ -338,6 +338,9 @@ def test_bad_arguments_fail_on_every_rank(shared_dir):
     replay._checkpoints.detach() if replay._checkpoints is not None else None
     with pytest.raises(TypeError, match="directory must be"):
         replay.checkpoint_every(3)
+    with pytest.raises(ValueError, match=r"the same directory .* rank\(s\) \[1\] gave another"):
+        replay.checkpoint_every(os.path.join(shared_dir, f"rank{RANK}"), seconds=None)  # was: a timeout, broken
+    assert replay._checkpoints is None and replay.shard.store.on_write is None
     handle = replay.checkpoint_every(shared_dir, seconds=None)
     with pytest.raises(ValueError, match="already has background checkpoints"):
         replay.checkpoint_every(shared_dir)
