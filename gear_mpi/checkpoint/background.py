@@ -69,6 +69,7 @@ class BackgroundCheckpoints:
         self._copies = incremental.table_blocks.Copies()  # the table's copies, reused (two, in turn)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._lost = False  # this rank's files of its newest checkpoint will never come (rank 0 must not wait)
         self._clock = time.monotonic()
         self._prune = False  # rank 0: a checkpoint was installed since the last prune
         replay.shard.store.on_write = self._on_write
@@ -114,6 +115,7 @@ class BackgroundCheckpoints:
                 body["sequence"] = seq
         except Exception as e:  # the next checkpoint writes everything again
             self._base = None
+            self._lost = True
             self._error = self._error or CheckpointError(f"background checkpoint {path}: {e}")
             log.warning("background checkpoint %s: snapshot failed on rank %d: %s", path, replay.rank, e)
             try:
@@ -135,18 +137,27 @@ class BackgroundCheckpoints:
         self._thread = threading.Thread(target=self._run, args=(snap, path, seq, body, deadline),
                                         name=f"gear_mpi-checkpoint-{seq}", daemon=True)
         self._thread.ended = threading.Event()  # its last act: _join waits on it (see there)
+        self._thread.written = threading.Event()  # this rank's files are written, or failed (_agree)
+        self._thread.stop = threading.Event()  # rank 0: stop waiting for the other ranks' files (_agree)
         self._thread.start()
 
     # ---- the thread -----------------------------------------------------------------------------
     def _run(self, snap: incremental.Snapshot, path: str, seq: int, body: dict | None, deadline: float) -> None:
         t0 = time.monotonic()
         pacer = self._pacer
+        me = threading.current_thread()
         if self.priority in ("low", "nice"):
             pacing.lower_priority(idle=self.priority == "low")
         try:
-            _, self._base = incremental.write(snap, pacer)
+            try:
+                _, self._base = incremental.write(snap, pacer)
+            except BaseException:
+                self._lost = True
+                raise
+            finally:
+                me.written.set()
             if body is not None:  # rank 0: every rank's files, then the manifest, then the old ones go
-                shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline)
+                shards = series.collect(path, self.replay.ranks, time.monotonic() + deadline, stop=me.stop)
                 body["shards"] = shards
                 body["items"] = sum(int(s["items"]) for s in shards)
                 series.install(path, body, PARTED_VERSION)
@@ -159,8 +170,9 @@ class BackgroundCheckpoints:
                      human(snap.to_write), human(snap.linked), time.monotonic() - t0)
         except BaseException as e:
             self._base = None if self._base is None or not os.path.isdir(self._base.directory) else self._base
-            self._error = self._error or (e if isinstance(e, CheckpointError) else
-                                          CheckpointError(f"background checkpoint {path}: {type(e).__name__}: {e}"))
+            if not me.stop.is_set():  # stopped: another rank's files failed, and that rank reports why
+                self._error = self._error or (e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"background checkpoint {path}: {type(e).__name__}: {e}"))
             log.warning("background checkpoint %s failed on rank %d: %s", path, snap.rank, e)
         finally:
             if self._snap is snap:
@@ -188,6 +200,40 @@ class BackgroundCheckpoints:
                 self._thread.join()
                 self._thread = None
 
+    def _agree(self, values, prune: bool = False) -> None:
+        """Collective: wait for this rank's checkpoint in flight, then raise the same error on every rank if one
+        failed anywhere since the last call (as :meth:`MpiComm.agree`).
+
+        Two agreements: first each rank's own files (written, or failed: ``_lost``), then rank 0's install. Rank 0's
+        thread waits for every rank's files; rank 0 waits for it here, locally (a KeyboardInterrupt there leaves no
+        collective pending), but at most a quarter of ``timeout`` past its own files before it joins the first
+        agreement: told there that a rank's files will never come (a full disk may not even let that rank write
+        ``failed.json``), the thread stops waiting at once, instead of at its deadline, past the other ranks'
+        ``timeout``.
+
+        Args:
+            values: the second agreement's head values (:meth:`Calls.agree`); prune: rank 0 prunes old checkpoints
+                (:meth:`_prune_old`) once its thread has ended.
+        Raises:
+            CheckpointError: a background checkpoint failed on some rank (the same on every rank).
+            CollectiveTimeoutError, CollectiveError: as every collective of the replay.
+        """
+        thread = self._thread
+        if thread is not None:
+            if self._pacer is not None:
+                self._pacer.hurry = True
+            thread.written.wait()
+            thread.ended.wait(self.replay.comm.timeout / 4)  # rank 0: the other ranks' files, as a rule
+        table = self.replay.calls.agree(None, "checkpoints", [1.0 if self._lost else 0.0])
+        self._lost = False
+        if thread is not None and float(table[:, 0].max()) > 0:
+            thread.stop.set()
+        self._join(None)
+        if prune:
+            self._prune_old()
+        err, self._error = self._error, None
+        self.replay.calls.agree(err, "checkpoints", values)
+
     # ---- collective calls -------------------------------------------------------------------------
     def now(self) -> int:
         """Collective: start a checkpoint now (after the previous one is written), whatever the clock says.
@@ -198,13 +244,12 @@ class BackgroundCheckpoints:
             CheckpointError: an earlier background checkpoint failed on some rank (every rank; that one
                 is not started again; this one starts nonetheless).
             CollectiveTimeoutError, CollectiveError: as every collective of the replay.
-        Cost: waits for this rank's previous checkpoint; one head allgather; a snapshot (:meth:`after_sample`).
+        Cost: waits for this rank's previous checkpoint; two head allgathers (:meth:`_agree`); a snapshot
+        (:meth:`after_sample`).
         """
-        self._join(None)
-        err, self._error = self._error, None
         seq = self.seq
         try:
-            self.replay.calls.agree(err, "checkpoints", [seq])
+            self._agree([seq])
         except CheckpointError:  # an earlier one failed (agreed): this one starts all the same
             self._start()
             raise
@@ -221,12 +266,9 @@ class BackgroundCheckpoints:
                 (the same on every rank; the checkpoints before it stay complete and loadable).
             CollectiveTimeoutError, CollectiveError: as every collective of the replay.
         Cost: blocks for this rank's thread (rank 0: until the manifest is written, then deletes the
-        checkpoints past ``keep``); one head allgather.
+        checkpoints past ``keep``); two head allgathers (:meth:`_agree`).
         """
-        self._join(None)
-        self._prune_old()
-        err, self._error = self._error, None
-        self.replay.calls.agree(err, "checkpoints", [0])
+        self._agree([0], prune=True)
         return series.latest(self.directory)
 
     def stop(self) -> Path | None:

@@ -103,17 +103,18 @@ def write_marker(rank_directory: str, name: str, doc: dict) -> None:
     files.fsync_dir(rank_directory)
 
 
-def collect(path: str, ranks: int, deadline: float, poll: float = 0.1) -> list[dict]:
+def collect(path: str, ranks: int, deadline: float, poll: float = 0.1, stop=None) -> list[dict]:
     """Rank 0: wait for every rank's ``done.json`` in checkpoint ``path``; return them in rank order.
 
     Args:
         path: the checkpoint directory; ranks: how many ranks write into it;
-        deadline: ``time.monotonic()`` past which to give up.
+        deadline: ``time.monotonic()`` past which to give up;
+        stop: a :class:`threading.Event` whose setting means give up now (None: none).
     Returns:
         Each rank's ``{"rank", "items", "steps_used", "files"}``.
     Raises:
-        CheckpointError: a rank wrote ``failed.json`` (its error), or the deadline passed (naming the
-            ranks not finished).
+        CheckpointError: a rank wrote ``failed.json`` (its error), the deadline passed (naming the
+            ranks not finished), or ``stop`` was set.
     Cost: a stat per rank not yet finished every 5 ms at first, then less and less often (every ``poll``
     seconds at most: each stat is a GIL handover of the thread calling it); a small read per rank.
     """
@@ -137,7 +138,11 @@ def collect(path: str, ranks: int, deadline: float, poll: float = 0.1) -> list[d
         if time.monotonic() > deadline:
             missing = [r for r in range(ranks) if r not in found]
             raise CheckpointError(f"{path}: ranks {missing} did not finish their files in time (dead or hung?)")
-        time.sleep(wait)
+        if stop is not None and stop.wait(wait):
+            raise CheckpointError(f"{path}: stopped waiting for the files of ranks "
+                                  f"{[r for r in range(ranks) if r not in found]} (they failed)")
+        if stop is None:
+            time.sleep(wait)
         wait = min(poll, wait * 1.5)
 
 

@@ -301,6 +301,40 @@ def test_a_failure_is_raised_everywhere_and_the_previous_one_stays(shared_dir, m
     replay.close()
 
 
+def test_a_rank_that_cannot_even_say_it_failed_fails_every_rank_within_the_deadline(shared_dir, monkeypatch):
+    """A full disk on the last rank: its files fail and so does its ``failed.json``. Rank 0's thread, waiting for
+    that rank's files, used to hold ``wait`` and ``now`` on rank 0 until its own deadline while the other ranks
+    timed out (CollectiveTimeoutError, the replay unusable); now every rank raises the CheckpointError at once
+    and the replay samples on."""
+    replay = gm.Replay(SPEC, 60, gm.Prioritized(0.7, 0.5), seed=3, timeout=4.0)
+    fill(replay, 8, base=1)
+    handle = replay.checkpoint_every(shared_dir, seconds=None, keep=2, segment_bytes=SEG)
+    handle.now()
+    good = handle.wait()
+    if RANK == SIZE - 1:
+        for writer in ("write_file", "write_file_direct"):
+            def full(filename, *args, **kw):
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr(ck.files, writer, full)
+    for call in (handle.wait, handle.now):  # now() reports the failure of the one before it, and starts one
+        fill(replay, 2, base=300)
+        handle.now()
+        started = time.monotonic()
+        with pytest.raises(gm.CheckpointError, match="No space left"):
+            call()
+        assert time.monotonic() - started < 3.0, call  # not rank 0's deadline (4 s and more)
+        replay.sample(3, 2)  # the replay still communicates
+    monkeypatch.undo()
+    with pytest.raises(gm.CheckpointError, match="No space left"):  # the one the last now() started
+        handle.wait()
+    assert ck.latest(shared_dir) == good
+    handle.now()
+    newest = handle.wait()
+    assert newest != good and ck.latest(shared_dir) == newest
+    handle.stop()
+    replay.close()
+
+
 def test_load_latest_onto_fewer_ranks_and_when_there_is_none(shared_dir):
     empty = os.path.join(shared_dir, "none")
     assert gm.Replay.load_latest(empty) == (None, None)
