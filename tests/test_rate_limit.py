@@ -44,10 +44,23 @@ def test_a_call_larger_than_the_band_is_refused():
                                         ((1.0, 1, -1.0), "error_buffer"), ((1.0, 1, (3.0, 1.0)), "min_diff <= max_diff"),
                                         ((1.0, 1.5, 1.0), "min_size_to_sample"),
                                         ((1.0, 1, 0), r"error_buffer=0 leaves a band of width 0"),
-                                        ((1.0, 1, (2.0, 2.5)), r"band of width 0.5")])
+                                        ((1.0, 1, (2.0, 2.5)), r"band of width 0.5"),
+                                        ((8.0, 1, 3.0), r"band of width 6 .*narrower than 2 \* max\(1, "
+                                                        r"samples_per_insert\) = 16"),
+                                        ((0.5, 1, (0.0, 1.0)), r"band of width 1 .* = 2")])
 def test_bad_arguments_are_named(args, text):
     with pytest.raises(ValueError, match=text):
         gm.SampleToInsertRatio(*args)
+
+
+def test_a_band_narrower_than_one_item_could_hold_samples_and_inserts_for_ever():
+    """Reverb's rule, band >= 2 * max(1, spi): each item moves ``inserted * spi - sampled`` by ``spi``, so in
+    ``SampleToInsertRatio(8, 1, 3)`` (band [5, 11]) one item let in, three windows sampled, the next item would
+    pass max_diff (writers held) and the next window min_diff (the sample waits): nothing could move again."""
+    lim = gm.RateLimiter(8.0, 1, 5.0, 11.0)  # the band that SampleToInsertRatio(8, 1, 3) made (the general one
+    assert not lim.can_sample(1, 3, 1, 1) and lim.insert_budget(1, 3, 1) == 0  # takes what it is given)
+    gm.SampleToInsertRatio(8.0, 1, 8.0)  # the narrowest band allowed: 16
+    gm.SampleToInsertRatio(0.5, 1, (0.0, 2.0))
 
 
 def test_split_budget_is_fair_then_follows_backlog():

@@ -134,7 +134,9 @@ class SampleToInsertRatio(RateLimiter):
             ``c = min_size_to_sample * samples_per_insert``; or a pair ``(min_diff, max_diff)``.
     Raises:
         ValueError: an argument out of range (a negative buffer, a pair out of order, a band narrower than
-            one window, e.g. ``error_buffer=0``, which would refuse every sample).
+            ``2 * max(1, samples_per_insert)``, Reverb's rule: e.g. ``error_buffer=0``, which would refuse every
+            sample, or ``SampleToInsertRatio(8, 1, 3)``, whose band of 6 is narrower than one item's 8 windows,
+            so that a sample can be refused while its writers are held back: neither would ever move again).
     """
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, error_buffer):
@@ -149,11 +151,15 @@ class SampleToInsertRatio(RateLimiter):
             centre = float(min_size_to_sample) * float(samples_per_insert)
             lo, hi = centre - b, centre + b
         super().__init__(samples_per_insert, min_size_to_sample, lo, hi)
-        if not self.max_diff - self.min_diff >= 1:
+        least = 2 * max(1.0, self.samples_per_insert)
+        if not self.max_diff - self.min_diff >= least:
+            # an item moves the diff by samples_per_insert: in a narrower band the writers can be held (the next
+            # item would pass max_diff) while a sample waits (one window would pass min_diff), for ever
             raise ValueError(f"error_buffer={error_buffer!r} leaves a band of width {self.max_diff - self.min_diff:g} "
-                             f"(max_diff - min_diff): no sample of one window or more could ever run; the band must "
-                             f"be at least the global batch (all ranks' windows of one sample), e.g. error_buffer >= "
-                             f"half of it")
+                             f"(max_diff - min_diff), narrower than 2 * max(1, samples_per_insert) = {least:g}: "
+                             f"samples and the writers' inserts could both be held for ever (Reverb refuses it too); "
+                             f"the band must also hold the global batch (all ranks' windows of one sample), e.g. "
+                             f"error_buffer >= max(samples_per_insert, half of it)")
         self.error_buffer = error_buffer
 
     def __repr__(self) -> str:
