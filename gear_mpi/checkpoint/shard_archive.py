@@ -86,12 +86,21 @@ def shard_from_arrays(arrays: Mapping[str, np.ndarray], **overrides: Any) -> Sha
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"not a saved gear_mpi shard of version {VERSION}: format {meta.get('format')!r}, "
                               f"version {meta.get('version')!r}")
-    spec = TrajectorySpec.from_dict(meta["spec"])
-    state = meta["state"]
-    sampler = _make_sampler(meta["sampler"], "saved shard")
-    kwargs = {"max_items": meta["max_items"], "max_times_sampled": meta["max_times_sampled"],
-              "rank": state["rank"], "tag": state["tag"], "seed": None, **overrides}
-    shard = Shard(spec, meta["capacity_steps"], sampler, **kwargs)
+    try:  # what the saved meta must hold: a missing or bad field is the file's fault, not the caller's
+        spec = TrajectorySpec.from_dict(meta["spec"])
+        state = meta["state"]
+        sampler = _make_sampler(meta["sampler"], "saved shard")
+        sizes = {name: meta[name] for name in ("capacity_steps", "max_items", "max_times_sampled")}
+        for name, v in sizes.items():
+            if not (v is None and name != "capacity_steps") and (isinstance(v, bool) or not isinstance(v, int)
+                                                                 or v < (0 if name == "max_times_sampled" else 1)):
+                raise ValueError(f"{name}={v!r} is not a valid size")
+        kwargs = {"max_items": sizes["max_items"], "max_times_sampled": sizes["max_times_sampled"],
+                  "rank": state["rank"], "tag": state["tag"], "seed": None, **overrides}
+    except (KeyError, ValueError, TypeError) as e:
+        why = f"lacks {e}" if isinstance(e, KeyError) else f"is invalid: {e}"
+        raise CheckpointError(f"not a saved gear_mpi shard: its meta {why}") from None
+    shard = Shard(spec, sizes["capacity_steps"], sampler, **kwargs)
     try:
         sections = {k[len("section/"):]: np.asarray(v) for k, v in arrays.items() if k.startswith("section/")}
         shard.restore_sections(state, sections)
