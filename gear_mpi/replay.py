@@ -685,7 +685,8 @@ class Replay:
         manifest exists; the newest ``keep`` are kept.
 
         Args:
-            directory: created if missing; on a file system every rank sees.
+            directory: created if missing; on a file system every rank sees; the same on every rank (compared
+                after ``os.path.abspath``).
             seconds: the interval (None: only ``handle.now()``). keep: complete checkpoints kept (>= 1).
             segment_bytes: the size of a ring segment file. copy_limit: bytes inserts may copy per checkpoint;
                 past it an insert writes the segment itself. write_rate, cpu_share: bytes/s and the fraction of
