@@ -13,6 +13,9 @@ Semantics (documented choices):
 
 - An episode becomes visible only when ended; ``close()`` (and a killed process)
   drops an open episode and nothing else.
+- A writer belongs to the process that made it: in a child forked from that process its
+  copy is closed (its calls raise WriterError naming the process; its ``close()`` does
+  nothing), so the parent's writer goes on undisturbed. Each process makes its own.
 - An episode may hold at most ``spec.max_length`` steps: the ``append`` that would
   exceed it raises InvalidTrajectoryError and appends nothing (end the episode, or
   split it yourself); no silent splitting.
@@ -32,7 +35,9 @@ Semantics (documented choices):
 from __future__ import annotations
 
 import math
+import os
 import time
+import weakref
 from typing import Any, Mapping
 
 import numpy as np
@@ -92,6 +97,7 @@ class EpisodeWriter:
         self._fits = 0  # open-episode steps known to fit without looking at the owner's counters
         self._episodes = 0  # episodes published by this writer
         self._closed = False
+        self._why_closed = "this writer is closed"  # what a call on a closed writer says
 
     # ---- what subclasses provide ---------------------------------------------------------
     def _room(self, steps: int) -> None:
@@ -124,7 +130,7 @@ class EpisodeWriter:
         n = self._open_steps
         if n >= self._max_length:
             if self._closed:
-                raise WriterError("append: this writer is closed")
+                raise WriterError(f"append: {self._why_closed}")
             raise InvalidTrajectoryError(f"append: the episode would have {n + 1} steps, more than max_length="
                                          f"{self._max_length}; call end_episode() first")
         if n >= self._fits:
@@ -185,7 +191,7 @@ class EpisodeWriter:
             WriterError: as :meth:`append`.
         """
         if self._closed:
-            raise WriterError("end_episode: this writer is closed")
+            raise WriterError(f"end_episode: {self._why_closed}")
         p = check_priority(priority, "end_episode")
         if self._open_steps == 0:
             raise InvalidTrajectoryError("end_episode: no step was appended since the last end_episode()")
@@ -206,7 +212,7 @@ class EpisodeWriter:
             WriterTimeoutError, WriterError: as :meth:`end_episode` (nothing is added).
         """
         if self._closed:
-            raise WriterError("insert: this writer is closed")
+            raise WriterError(f"insert: {self._why_closed}")
         if self._open_steps:
             raise InvalidTrajectoryError(f"insert: an episode of {self._open_steps} steps is open; call "
                                          f"end_episode() first")
@@ -301,6 +307,8 @@ class Writer(EpisodeWriter):
         self._written = 0  # steps written before the open episode (its first step's number)
         self._check_every = min(_OWNER_CHECK_SECONDS, self.timeout / 4)
         self._check_at = time.monotonic() + self._check_every
+        self._pid = os.getpid()
+        _LIVE.add(self)  # a forked child's copy is closed there (_forked)
 
     def _gone(self) -> None:
         why = self._registry.owner_gone()
@@ -315,7 +323,7 @@ class Writer(EpisodeWriter):
 
     def _room(self, steps: int) -> None:
         if self._closed:
-            raise WriterError("this writer is closed")
+            raise WriterError(self._why_closed)
         h, st = self._stage.header, self._stage
         need_steps = self._written + steps - st.steps
         need_records = self._episodes + 1 - st.episodes
@@ -405,8 +413,11 @@ class Writer(EpisodeWriter):
         Args:
             timeout: seconds (None: the writer's timeout).
         Raises:
-            WriterTimeoutError: not ingested in time; WriterError: the owner is gone.
+            WriterTimeoutError: not ingested in time; WriterError: the owner is gone, or this process forked from
+                the writer's.
         """
+        if self._pid != os.getpid():
+            raise WriterError(f"flush: {self._why_closed}")
         h = self._stage.header
 
         def done() -> bool:
@@ -418,9 +429,18 @@ class Writer(EpisodeWriter):
             raise WriterTimeoutError(f"flush: the owner of {self.address!r} ingested {int(h[S_CONSUMED])} of "
                                      f"{self._episodes} episodes in time")
 
+    def _forked(self) -> None:
+        """In a child forked from this writer's process: make this copy closed, never touching the shared
+        staging area (the parent's writer goes on with it). O(1)."""
+        if not self._closed:
+            self._closed, self._max_length = True, 0  # append's length check raises WriterError from now on
+            self._why_closed = (f"this writer belongs to process {self._pid}, which this one was forked from: a "
+                                f"staging area has one producer; make a new gm.Writer(address) in this process")
+
     def close(self) -> None:
         """Stop writing (local): an open episode is dropped, ended ones are still ingested by the owner, which
-        then removes the staging area (or this call does, when the owner is gone). Idempotent."""
+        then removes the staging area (or this call does, when the owner is gone). Idempotent; in a process
+        forked from the writer's it does nothing (the writer stays open in its own process)."""
         if self._closed:
             return
         super().close()
@@ -432,3 +452,18 @@ class Writer(EpisodeWriter):
     def __repr__(self) -> str:
         return (f"Writer({self.address!r}, episodes={self._episodes}, open_steps={self._open_steps}, "
                 f"staging_steps={self._stage.steps}, held_seconds={self.held_seconds:.3g})")
+
+
+_LIVE: "weakref.WeakSet[Writer]" = weakref.WeakSet()  # this process's writers (closed in a forked child)
+
+
+def _after_fork() -> None:
+    """In a forked child: the parent's writers are the parent's (one producer per staging area; a child's
+    ``close`` would end the parent's writer for the owner, which would then drop its later episodes)."""
+    for w in list(_LIVE):
+        w._forked()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

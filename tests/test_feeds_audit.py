@@ -1,0 +1,73 @@
+"""Edge states of the writers, the rate limiter and the rate meter that an audit found mishandled.
+
+- A writer used in a child forked from its process wrote into the parent's staging area (two producers on a
+  single-producer ring), and the child's ``close()`` ended the parent's writer for the owner: the owner freed the
+  slot, and the parent's later episodes were lost while its ``flush()`` said they were in. Now the child's copy is
+  closed: its calls raise WriterError naming the fork, its ``close()`` does nothing.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from writer_actor import MAX_LENGTH, SPEC_COLUMNS  # noqa: E402
+
+SPEC = gm.TrajectorySpec({k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}, max_length=MAX_LENGTH)
+
+# an owner (a Shard with its ingest point) and a writer in one fresh process, which then forks
+_PROLOGUE = f"""
+import os, sys, numpy as np
+sys.path.insert(0, {str(HERE)!r})
+import gear_mpi as gm
+from gear_mpi.feeds import intake
+from writer_actor import SPEC_COLUMNS, MAX_LENGTH
+spec = gm.TrajectorySpec({{k: (s, d) for k, (s, d) in SPEC_COLUMNS.items()}}, max_length=MAX_LENGTH)
+step = {{"x": np.zeros(3, np.float32), "img": np.zeros((4, 4), np.uint8), "r": 0.0}}
+shard = gm.Shard(spec, 4000, gm.Fifo(), max_items=1000)
+point = intake.WriterIntake(shard)
+w = gm.Writer(point.address, timeout=2)
+"""
+
+
+def run(code: str) -> list[str]:
+    """Run ``_PROLOGUE + code`` in a fresh interpreter; its output lines (it must exit 0)."""
+    p = subprocess.run([sys.executable, "-c", _PROLOGUE + code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    return p.stdout.split("\n")[:-1]
+
+
+def test_a_writer_inherited_by_a_forked_child_is_closed_there():
+    lines = run("""
+w.append(step); w.end_episode()
+point.drain(np.inf)                    # the owner has attached the writer
+r, wr = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        w.append(step)
+        said = "wrote"
+    except gm.WriterError as e:
+        said = str(e)
+    w.close()                          # must not end the parent's writer
+    os.write(wr, said.encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(r, 1000).decode())
+for _ in range(3):
+    w.append(step); w.end_episode()
+point.drain(np.inf)
+print(len(shard), w.staged)
+w.flush(1.0)
+w.close(); point.close(); shard.close()
+""")
+    assert lines[0].startswith("append: this writer belongs to process "), lines
+    assert "make a new gm.Writer(address) in this process" in lines[0]
+    assert lines[1] == "4 0", lines  # the parent's episodes, every one
