@@ -4,6 +4,8 @@
   single-producer ring), and the child's ``close()`` ended the parent's writer for the owner: the owner freed the
   slot, and the parent's later episodes were lost while its ``flush()`` said they were in. Now the child's copy is
   closed: its calls raise WriterError naming the fork, its ``close()`` does nothing.
+- A child forked from the owner that exited normally removed the owner's writers' staging areas (the intake's
+  exit handler ran there too): a writer the owner had not yet attached was dropped, its episodes lost.
 """
 from __future__ import annotations
 
@@ -71,3 +73,21 @@ w.close(); point.close(); shard.close()
     assert lines[0].startswith("append: this writer belongs to process "), lines
     assert "make a new gm.Writer(address) in this process" in lines[0]
     assert lines[1] == "4 0", lines  # the parent's episodes, every one
+
+
+def test_a_forked_child_of_the_owner_leaves_its_writers_staging_areas():
+    lines = run("""
+staging = point.address + "_w0"
+assert os.path.exists("/dev/shm/" + staging)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)                        # a normal exit: exit handlers run in the child
+os.waitpid(pid, 0)
+print(os.path.exists("/dev/shm/" + staging))
+w.append(step); w.end_episode()
+point.drain(np.inf)                    # attaches the writer only now
+print(len(shard))
+w.close(); point.close(); shard.close()
+print(os.path.exists("/dev/shm/" + staging))
+""")
+    assert lines == ["True", "1", "False"], lines

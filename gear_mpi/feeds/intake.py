@@ -47,8 +47,9 @@ class WriterIntake:
         self.shard = shard
         self.registry = Registry.create(secrets.token_hex(8), shard.spec)
         self._address = self.registry.name
-        # an owner that exits without close() still removes its writers' segments (SIGKILL: memory.cleanup())
-        self._finalizer = weakref.finalize(self, _remove_segments, self._address + "_w")
+        # an owner that exits without close() still removes its writers' segments (SIGKILL: memory.cleanup());
+        # a child forked from it that exits does not (they are the owner's)
+        self._finalizer = weakref.finalize(self, _remove_segments, self._address + "_w", os.getpid())
         atexit.register(self._finalizer)
         self.writers: dict[int, Staging] = {}
         self.draining: set[int] = set()  # slots of writers that closed or died with episodes still to ingest
@@ -237,8 +238,11 @@ class WriterIntake:
         return f"WriterIntake({self.address!r}, writers={len(self.writers)}, ingested={self.ingested})"
 
 
-def _remove_segments(prefix: str) -> None:
-    """Unlink every segment whose name starts with ``prefix`` (a closed ingest point's staging areas)."""
+def _remove_segments(prefix: str, pid: int) -> None:
+    """Unlink every segment whose name starts with ``prefix`` (a closed ingest point's staging areas), when
+    called in process ``pid`` (the owner's): in a child forked from it, nothing (the owner still drains them)."""
+    if os.getpid() != pid:
+        return
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
     except OSError:
