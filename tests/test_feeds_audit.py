@@ -6,11 +6,13 @@
   closed: its calls raise WriterError naming the fork, its ``close()`` does nothing.
 - A child forked from the owner that exited normally removed the owner's writers' staging areas (the intake's
   exit handler ran there too): a writer the owner had not yet attached was dropped, its episodes lost.
+- A limiter waiting for more items than the replay can hold waited ``rate_limit_timeout``; refused at once now.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,3 +93,17 @@ w.close(); point.close(); shard.close()
 print(os.path.exists("/dev/shm/" + staging))
 """)
     assert lines == ["True", "1", "False"], lines
+
+
+def test_a_limiter_waiting_for_more_items_than_the_replay_holds_is_refused_at_once():
+    step = {"x": np.zeros((1, 3), np.float32), "img": np.zeros((1, 4, 4), np.uint8), "r": np.zeros(1)}
+    lim = gm.SampleToInsertRatio(1.0, 50, 10.0)
+    with gm.Replay(SPEC, 400, gm.Uniform(), max_items=20, rate_limiter=lim, rate_limit_timeout=60,
+                   timeout=20) as replay:
+        replay.insert(step)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"waits for 50 live items, but the replay holds at most 20 \(1 ranks "
+                                             r"of max_items=20\)"):
+            replay.sample(1, window=1)
+        assert time.monotonic() - start < 10
+        assert len(replay) == 1 and replay.stats()["total"]["sampled"] == 0

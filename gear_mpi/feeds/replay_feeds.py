@@ -238,7 +238,8 @@ class ReplayFeeds:
         rank's insert budget.
 
         Raises:
-            ValueError: the call is larger than the limiter's band (it could never run).
+            ValueError: the call is larger than the limiter's band, or the replay cannot hold the limiter's
+                ``min_size_to_sample`` items (it could never run).
             RateLimitTimeoutError: a rank has waited longer than ``rate_limit_timeout``.
         """
         lim = self.rate_limiter
@@ -247,6 +248,12 @@ class ReplayFeeds:
         inserted, sampled = int(head[:, INSERTED].sum()), int(head[:, SAMPLED].sum())
         size, n = int(head[:, ITEMS].sum()), int(head[:, BATCH].sum())
         lim.check_call(n)
+        most = self.shard.store.max_items * len(head)  # max_items is the same on every rank (agreed at construction)
+        if n and size < lim.min_size_to_sample and most < lim.min_size_to_sample:
+            raise ValueError(f"sample: the rate limiter {lim!r} waits for {lim.min_size_to_sample} live items, but the "
+                             f"replay holds at most {most} ({len(head)} ranks of max_items="
+                             f"{self.shard.store.max_items}): no sample could ever run; lower min_size_to_sample or "
+                             f"raise max_items")
         budget = split_budget(lim.insert_budget(inserted, sampled, size), head[:, BACKLOG])
         self.budget = float(budget[self.rank if len(head) > 1 else 0])
         self._call_items = max(self._call_items, n / lim.samples_per_insert / len(head))
