@@ -334,6 +334,7 @@ class RateMeter:
     Raises:
         ValueError: not exactly one of every/seconds, a bad value, or ``every``, ``seconds`` or ``root`` that
             differ between ranks: on every rank (agreed in the head). CollectiveTimeoutError: as the replay.
+        RuntimeError: the replay is closed.
         CollectiveError: another rank is in another call of the replay (:mod:`gear_mpi.distributed.calls`).
     Cost: a head of the replay's (as a barrier) and a ``Dup`` of its communicator; per snapshot one allgather of
     16 float64 a rank.
@@ -342,6 +343,8 @@ class RateMeter:
     def __init__(self, replay, *, every: int | None = None, seconds: float | None = None,
                  sink: Callable[[dict], Any] | None = None, log: Callable[[str], Any] | None = None,
                  root: int | None = 0, prefix: str = "replay/", per_rank: bool = False):
+        if replay.closed:  # closed on every rank (close is collective): nothing to agree, no communicator to Dup
+            raise RuntimeError("RateMeter: the replay is closed")
         err = None
         try:
             if (every is None) == (seconds is None):
@@ -350,8 +353,8 @@ class RateMeter:
                                       or every < 1):
                 raise ValueError(f"RateMeter: every must be an integer >= 1, got {every!r}")
             if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                        or not seconds > 0):
-                raise ValueError(f"RateMeter: seconds must be a positive number, got {seconds!r}")
+                                        or not 0 < seconds < math.inf):
+                raise ValueError(f"RateMeter: seconds must be a positive finite number, got {seconds!r}")
             if root is not None and (isinstance(root, bool) or not isinstance(root, (int, np.integer))
                                      or not 0 <= root < replay.comm.size):
                 raise ValueError(f"RateMeter: root must be None or a rank of the replay, got {root!r}")
@@ -378,10 +381,12 @@ class RateMeter:
         """Collective over the meter's communicator: every rank's counters (``combine_activity``'s form).
 
         Raises:
-            RuntimeError: the replay is closed. CollectiveTimeoutError: a rank did not arrive in time.
+            RuntimeError: the replay or the meter is closed. CollectiveTimeoutError: a rank did not arrive in time.
         """
         if self.replay.closed:
             raise RuntimeError("RateMeter: the replay is closed")
+        if self._comm is None:
+            raise RuntimeError("RateMeter: this meter is closed (close() freed its communicator)")
         row = np.array(self.replay.activity_row(), np.float64)
         self.snapshots += 1
         return combine_activity(self._comm.allgather(row, "RateMeter.snapshot"))
@@ -433,7 +438,7 @@ class RateMeter:
         left = self.seconds - (self._uptime0(snap) - self._uptime0(self._base[1]))
         if spent <= 0:
             return 16 * steps
-        return int(min(max(1.0, round(left * steps / spent)), 16.0 * steps))
+        return int(round(min(max(1.0, left * steps / spent), 16.0 * steps)))  # capped before rounding: never inf
 
     def close(self) -> None:
         """Free the meter's communicator (local; idempotent)."""

@@ -7,6 +7,8 @@
 - A child forked from the owner that exited normally removed the owner's writers' staging areas (the intake's
   exit handler ran there too): a writer the owner had not yet attached was dropped, its episodes lost.
 - A limiter waiting for more items than the replay can hold waited ``rate_limit_timeout``; refused at once now.
+- ``RateMeter(seconds=inf)`` (or 1e308) raised OverflowError at its second snapshot; a closed meter's
+  ``snapshot`` raised AttributeError; a meter on a closed replay was built (and Dup'ed its communicator).
 """
 from __future__ import annotations
 
@@ -107,3 +109,24 @@ def test_a_limiter_waiting_for_more_items_than_the_replay_holds_is_refused_at_on
             replay.sample(1, window=1)
         assert time.monotonic() - start < 10
         assert len(replay) == 1 and replay.stats()["total"]["sampled"] == 0
+
+
+def test_rate_meter_refuses_infinite_seconds_and_huge_ones_run():
+    with gm.Replay(SPEC, 400, gm.Uniform(), timeout=20) as replay:
+        with pytest.raises(ValueError, match=r"seconds must be a positive finite number, got inf"):
+            gm.RateMeter(replay, seconds=float("inf"))
+        with gm.RateMeter(replay, seconds=1e308) as meter:
+            assert [meter.step() for _ in range(4)] == [None] * 4  # no report due; no OverflowError
+
+
+def test_a_closed_meter_and_a_closed_replay_say_so():
+    replay = gm.Replay(SPEC, 400, gm.Uniform(), timeout=20)
+    meter = gm.RateMeter(replay, every=1)
+    meter.step()
+    meter.close()
+    with pytest.raises(RuntimeError, match="this meter is closed"):
+        meter.step()
+    meter.close()  # idempotent
+    replay.close()
+    with pytest.raises(RuntimeError, match="RateMeter: the replay is closed"):
+        gm.RateMeter(replay, every=1)
