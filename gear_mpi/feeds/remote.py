@@ -409,7 +409,8 @@ class RemoteInbox:
         Returns:
             How many entered.
         Raises:
-            WriterError: a message that is not a well-formed episode of this spec (names the actor rank).
+            WriterError: a message that is not a well-formed episode of this spec (names the actor rank; it is
+                dropped, and the episodes received before it are stored and acknowledged first).
         """
         self._control()
         total, senders = 0, set()
@@ -426,7 +427,7 @@ class RemoteInbox:
         """Receive up to ``budget`` episodes, at most what the shard holds at once, into the shard (one
         store_packed); add their senders to ``senders``. Returns how many entered."""
         spec, store = self.shard.spec, self.shard.store
-        got, lengths, priorities, srcs, steps = [], [], [], [], 0
+        got, lengths, priorities, srcs, steps, bad = [], [], [], [], 0, None
         while len(got) < budget and len(got) < store.max_items:
             held = self._held if self._held is not None else self._match(TAG_EPISODE)
             if held is None:
@@ -440,16 +441,26 @@ class RemoteInbox:
             buf = np.empty(nbytes, np.uint8)
             if not self._take(message, buf):
                 continue  # its sender died before the episode arrived: never acknowledged, not held
-            length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
+            if nbytes < _HEAD:
+                length, priority = 0, 0.0
+            else:
+                length, priority = int(buf[:8].view(np.int64)[0]), float(buf[8:16].view(np.float64)[0])
             if not (1 <= length <= spec.max_length) or nbytes != _HEAD + length * spec.step_bytes or \
                     not (priority >= 0 and np.isfinite(priority)):
-                raise WriterError(f"accept_remote: rank {src} sent a message that is not an episode of this spec")
+                # raised once the episodes received before it are stored: they are the other actors', and taken
+                bad = WriterError(f"accept_remote: rank {src} sent a message of {nbytes} bytes that is not an "
+                                  f"episode of this spec (dropped)")
+                if src in self.actors:
+                    self.actors[src][0] += 1  # received (its BYE counts it), never stored nor acknowledged
+                break
             got.append(buf)
             lengths.append(length)
             priorities.append(priority)
             srcs.append(src)
             steps += length
         if not got:
+            if bad is not None:
+                raise bad
             return 0
         columns, offsets = {}, np.full(len(got), _HEAD)
         for name, dtype, shape, nb in self._sizes:
@@ -463,6 +474,8 @@ class RemoteInbox:
             counts[1] += 1  # stored
         senders.update(srcs)
         self.ingested += len(got)
+        if bad is not None:
+            raise bad
         return len(got)
 
     def close(self) -> None:

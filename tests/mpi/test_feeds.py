@@ -296,6 +296,54 @@ def test_an_inbox_keeps_what_a_drain_has_no_room_for():
         group.Free()
 
 
+def test_a_malformed_message_keeps_the_episodes_received_before_it():
+    """An actor's message that is not an episode (here 5 bytes, shorter than an episode's head) raises
+    WriterError naming its rank; the episodes received before it in the same drain are stored (they were
+    received, then dropped with it), and a message shorter than the head is that error, not numpy's."""
+    if COMM.size < 2:
+        pytest.skip("needs an actor rank")
+    is_learner = COMM.rank == 0
+    group = COMM.Split(0 if is_learner else 1, COMM.rank)
+    try:
+        if is_learner:
+            with gm.Replay(SPEC, 4000, gm.Fifo(), max_items=1000, comm=group, timeout=60) as replay:
+                replay.accept_remote(COMM)
+                connected, deadline = COMM.Ibarrier(), time.monotonic() + 60
+                while not connected.Test():  # answers rank 1's HELLO
+                    replay.ingest()
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                COMM.Barrier()  # rank 1 sends only now: nothing of it was drained above
+                COMM.Barrier()  # rank 1 has sent two episodes, then the bad message
+                while True:
+                    try:
+                        replay.ingest()
+                    except gm.WriterError as e:
+                        assert "rank 1 sent a message of 5 bytes that is not an episode of this spec" in str(e)
+                        break
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                assert len(replay) == 2
+                check_exact(replay.shard, {(1, 0), (1, 1)})
+                wait_for_goodbyes(replay, group)
+        elif COMM.rank == 1:
+            with gm.MpiWriter(COMM, 0, timeout=60) as w:
+                COMM.Ibarrier().Wait()
+                COMM.Barrier()
+                for i in range(2):
+                    w.insert(*episode(1, i))
+                COMM.Send(np.zeros(5, np.uint8), dest=0, tag=remote.TAG_EPISODE)  # after them: MPI keeps order
+                COMM.Barrier()
+                w.flush()
+        else:
+            COMM.Ibarrier().Wait()
+            COMM.Barrier()
+            COMM.Barrier()
+        assert_nothing_unreceived()
+    finally:
+        group.Free()
+
+
 @pytest.mark.parametrize("first", ["actors", "learner", "connecting"])
 def test_goodbyes_leave_no_message_unreceived_whoever_closes_first(first):
     """The close handshake (BYE, answered by FAREWELL or CLOSED): the actors close their writers while the learner
