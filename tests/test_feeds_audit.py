@@ -7,6 +7,8 @@
 - A child forked from the owner that exited normally removed the owner's writers' staging areas (the intake's
   exit handler ran there too): a writer the owner had not yet attached was dropped, its episodes lost.
 - A limiter waiting for more items than the replay can hold waited ``rate_limit_timeout``; refused at once now.
+- A huge ``writer_slack`` (2**63) or band (``SampleToInsertRatio(1, 1, 1e300)``) raised OverflowError at
+  ``writer_address()`` and at every sample: a hold cap and budget shares that did not fit int64. Now no limit.
 - ``RateMeter(seconds=inf)`` (or 1e308) raised OverflowError at its second snapshot; a closed meter's
   ``snapshot`` raised AttributeError; a meter on a closed replay was built (and Dup'ed its communicator).
 """
@@ -109,6 +111,20 @@ def test_a_limiter_waiting_for_more_items_than_the_replay_holds_is_refused_at_on
             replay.sample(1, window=1)
         assert time.monotonic() - start < 10
         assert len(replay) == 1 and replay.stats()["total"]["sampled"] == 0
+
+
+@pytest.mark.parametrize("limiter, slack", [((1.0, 1, 10.0), 2 ** 63), ((1.0, 1, 10.0), 10 ** 30),
+                                           ((1.0, 1, 1e300), None)])
+def test_a_huge_slack_or_band_is_no_limit(limiter, slack):
+    step = {"x": np.zeros(3, np.float32), "img": np.zeros((4, 4), np.uint8), "r": 0.0}
+    with gm.Replay(SPEC, 400, gm.Uniform(), rate_limiter=gm.SampleToInsertRatio(*limiter), writer_slack=slack,
+                   timeout=20) as replay:
+        with gm.Writer(replay.writer_address(), timeout=5) as w:
+            for _ in range(3):
+                w.append(step)
+                w.end_episode()
+        assert replay.sample(1, window=1).keys.shape == (1,)
+        assert replay.stats()["total"]["ingested"] == 3
 
 
 def test_rate_meter_refuses_infinite_seconds_and_huge_ones_run():

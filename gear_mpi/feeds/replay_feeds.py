@@ -71,18 +71,21 @@ def _revoked(comm) -> bool:
         return False
 
 
+_UNBOUNDED = 2 ** 62  # a budget or hold cap this large is no limit (and would not fit the int64 counters)
+
+
 def split_budget(total: float, backlog: np.ndarray) -> np.ndarray:
     """Deal a global insert budget to the ranks: a fair share each, capped by its backlog, then what is left
     to ranks with backlog in rank order, then the rest evenly. The same on every rank (it sees the same table).
 
     Args:
-        total: items the replay may still insert (``inf``: no limit).
+        total: items the replay may still insert (``inf``, or ``_UNBOUNDED`` and more: no limit).
         backlog: each rank's episodes waiting in its writers.
     Returns:
         float64 budget per rank (summing to at most ``total``).
     """
     p = len(backlog)
-    if math.isinf(total):
+    if total >= _UNBOUNDED:  # a band of 1e300 windows: int64 could not hold its shares
         return np.full(p, math.inf)
     total = int(total)
     want = np.maximum(backlog.astype(np.int64), 0)
@@ -189,7 +192,7 @@ class ReplayFeeds:
         if math.isinf(allowance):
             ip.registry.set_hold(0)
             return
-        ip.registry.set_hold(max(1, math.ceil((allowance + self.slack) / max(ip.live, 1))))
+        ip.registry.set_hold(min(max(1, math.ceil((allowance + self.slack) / max(ip.live, 1))), _UNBOUNDED))
 
     def accept_remote(self, comm, timeout: float = 60.0) -> None:
         """Take episodes from the actor ranks of ``comm`` from now on; see ``Replay.accept_remote``.
