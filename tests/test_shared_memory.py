@@ -2,6 +2,7 @@
 the very bytes the shard holds; close() unlinks the segment."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -199,3 +200,22 @@ def test_shm_and_numpy_shards_sample_the_same(shard_factory, spec, make_traj):
 def test_segment_names_are_unique(shard_factory, spec):
     names = {shard_factory(spec, 16, memory="shm").shm_name for _ in range(5)}
     assert len(names) == 5
+
+
+@pytest.mark.parametrize("memory", ["shm", "file"])
+def test_a_forked_child_that_exits_leaves_the_creators_names(spec, make_traj, memory, tmp_path):
+    """The creator's exit handlers (unlink the segment or file) ran in a child forked from it too: a child that
+    exited normally deleted the names the creator and its node peers map and attach by (a shared ring, a
+    writer registry, a file-backed shard's columns). Now only the creating process unlinks."""
+    shard = gm.Shard(spec, 64, memory=memory, path=str(tmp_path) if memory == "file" else None)
+    key = shard.insert(make_traj(3))
+    path = shard.shm_name if memory == "file" else os.path.join("/dev/shm", shard.shm_name)
+    pid = os.fork()
+    if pid == 0:  # the child: what a normal exit runs (the exit handlers it inherited), then out of pytest
+        atexit._run_exitfuncs()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.path.exists(path)
+    assert shard.get(key)["obs"].shape[0] == 3 and len(shard.sample(2, 1)) == 2
+    shard.close()
+    assert not os.path.exists(path)  # the creator's own close still unlinks

@@ -31,7 +31,8 @@ import numpy as np
 
 from ..errors import MemoryBudgetError
 from . import shared_pages
-from .file_arenas import COLUMNS_FILE, FileArena, NamedMapping, rank_dir_name, rank_directory
+from .file_arenas import (COLUMNS_FILE, FileArena, NamedMapping, rank_dir_name, rank_directory,
+                          unlink_in_creator)
 from .huge_pages import advise_range
 from ..spec import TrajectorySpec
 
@@ -291,13 +292,6 @@ def _reserve(fd: int, nbytes: int, name: str) -> None:
             f"peers are then served over MPI), or ask for a smaller capacity") from None
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 class SharedArena(NamedMapping):
     """An arena in a POSIX shared-memory segment, created or attached by name (``unlink``/``close``:
     :class:`~gear_mpi.storage.file_arenas.NamedMapping`; a Replay unlinks once every node peer has attached).
@@ -337,7 +331,7 @@ class SharedArena(NamedMapping):
             self._mmap = shared_pages.map_shared(fd, self.nbytes, PrivateArena.huge_pages)
         except BaseException:
             if not _attach:
-                _unlink_quietly(self.path)
+                unlink_in_creator(self.path, os.getpid())
             raise
         finally:
             os.close(fd)
@@ -346,7 +340,8 @@ class SharedArena(NamedMapping):
         # the creator of a ring (huge=True) merges its committed pages into huge pages (peers' mappings then map
         # them too); small staging and registry segments, written a little at a time, are left as they are
         self._collapser = shared_pages.collapse(self._mmap) if self.owner and huge else None
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path) if self.owner else None
+        # the creator's unlink (at close, when collected, or at exit), never a forked child's (unlink_in_creator)
+        self._finalizer = weakref.finalize(self, unlink_in_creator, self.path, os.getpid()) if self.owner else None
         if self.owner:
             atexit.register(self._finalizer)
 
@@ -437,6 +432,9 @@ def cleanup() -> list[str]:
     for name in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, name)
         if name.startswith(SHM_PREFIX) and os.stat(path).st_uid == os.getuid():
-            _unlink_quietly(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
             removed.append(name)
     return removed

@@ -43,14 +43,8 @@ import numpy as np
 
 from ..errors import StorageError
 from ..progress import human
-from .file_arenas import close_mapping, create_exclusive
+from .file_arenas import close_mapping, create_exclusive, unlink_in_creator
 
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 #: blosc2's largest overhead over the raw bytes of a chunk (``BLOSC2_MAX_OVERHEAD``)
 MAX_OVERHEAD = 32
@@ -119,7 +113,7 @@ class FileChunkHeap:
             raise
         self._finalizer = None
         if keep_name:  # node peers map it by name: unlink() once they have (and at exit, or close, at the latest)
-            self._finalizer = weakref.finalize(self, _unlink_quietly, self.filename)
+            self._finalizer = weakref.finalize(self, unlink_in_creator, self.filename, os.getpid())
             atexit.register(self._finalizer)
         else:
             os.unlink(self.filename)  # only this process maps it: no name is needed, none is left by a crash

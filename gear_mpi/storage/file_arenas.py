@@ -120,12 +120,25 @@ def remove_if_empty(directory: str) -> None:
         pass
 
 
-def _unlink_quietly(filename: str) -> None:
+def unlink_in_creator(path: str, creator: int, remove_directory: bool = False) -> None:
+    """Unlink ``path`` (gone already: nothing) if this is process ``creator``; then, with ``remove_directory``,
+    its directory if it is left empty. The exit handlers and finalizers of named memory call it: a child forked
+    from the creator inherits them, and when it exits normally they run there too, where they must not delete
+    the names that the creator and its node peers still map and attach by (a writer registry, a shared ring).
+    Local, O(1).
+
+    Args:
+        path: the file or shared-memory segment; creator: ``os.getpid()`` of the process that made it;
+        remove_directory: remove the directory too when it is empty.
+    """
+    if os.getpid() != creator:
+        return
     try:
-        os.unlink(filename)
+        os.unlink(path)
     except FileNotFoundError:
         pass
-    remove_if_empty(os.path.dirname(filename))
+    if remove_directory:
+        remove_if_empty(os.path.dirname(path))
 
 
 def create_exclusive(filename: str) -> int:
@@ -198,7 +211,8 @@ class FileArena(NamedMapping):
         if random and hasattr(mmap, "MADV_RANDOM"):
             self._mmap.madvise(mmap.MADV_RANDOM)
         self.buffer = np.frombuffer(self._mmap, np.uint8, self.nbytes)
-        self._finalizer = weakref.finalize(self, _unlink_quietly, filename) if owner else None
+        self._finalizer = (weakref.finalize(self, unlink_in_creator, filename, os.getpid(), True) if owner
+                           else None)
         self.guard: FileGuard | None = None  # open_private: watches the file for other processes' changes
 
     def close(self) -> None:
@@ -238,7 +252,7 @@ class FileArena(NamedMapping):
                 raise StorageError(f"cannot reserve {human(nbytes)} for {full!r}: {e.strerror or e}") from None
             return cls(full, fd, nbytes, owner=True, private=False, random=random)
         except BaseException:
-            _unlink_quietly(full)
+            unlink_in_creator(full, os.getpid(), True)
             raise
         finally:
             os.close(fd)
