@@ -163,7 +163,7 @@ def test_torchrl_empty_writes_and_draws_of_trajectories():
     for sampler in (gtrl.GearSliceSampler(slice_len=2), gtrl.GearSliceSampler(num_slices=2),
                     gtrl.GearSliceSampler(slice_len=2, strict_length=False, pad_output=True)):
         storage = gtrl.GearStorage(50, max_length=10, timeout=20)
-        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=4)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler)  # (a batch_size here: TorchRL warns at sample)
         assert rb.extend(_steps(0)).shape == (0,)  # the first write, empty: builds the replay, stores nothing
         rb.extend(_steps(10))
         assert rb.extend(_steps(0)).shape == (0,) and len(storage) == 10
