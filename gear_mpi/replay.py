@@ -606,11 +606,14 @@ class Replay:
         """
         self._check_open()
         err = self._drain_writers()
-        mine = self.shard.stats()
-        mine.update(windows_shared=self._state.windows_shared, windows_mpi=self._state.windows_mpi,
-                    **self._feeds.figures())
         n = len(stats_schema.REPLAY_FIGURES)
-        row = np.array(stats_schema.row(mine) + self._activity.row(), np.float64)
+        try:  # a rank's failure to read its figures is agreed too: the others must not wait for its row
+            mine = self.shard.stats()
+            mine.update(windows_shared=self._state.windows_shared, windows_mpi=self._state.windows_mpi,
+                        **self._feeds.figures())
+            row = np.array(stats_schema.row(mine) + self._activity.row(), np.float64)
+        except Exception as e:  # noqa: BLE001 -- raised below on every rank
+            err, row = err or e, np.zeros(n + len(stats_schema.ACTIVITY_FIGURES))
         _, table = self.calls.agree(err, "stats", payload=row)  # the row rides behind the head
         self.settle()
         out = stats_schema.combine(table[:, :n], self.mode)

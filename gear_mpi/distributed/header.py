@@ -90,12 +90,13 @@ def agree(feeds, shard, calls, err: BaseException | None, batch_size: int, windo
     """
     start, rounds = time.monotonic(), 0
     while True:
+        backlog = 0
         try:
             feeds.feed()
+            backlog = feeds.header_backlog()  # (an inbox probe: MPI)
         except Exception as e:  # agreed below, so every rank raises it
             err = err or e
-        row = build_row(shard, batch_size, window, code, mcode, feeds.header_backlog(), time.monotonic() - start,
-                        checkpoint)
+        row = build_row(shard, batch_size, window, code, mcode, backlog, time.monotonic() - start, checkpoint)
         if calls is None:
             if err is not None:
                 raise err

@@ -148,6 +148,32 @@ def test_rank_0_failing_to_select_in_the_centralized_mode_fails_on_every_rank_an
         replay.close()
 
 
+def test_a_rank_that_cannot_read_its_figures_or_backlog_fails_every_rank_at_once():
+    """``stats`` read a rank's figures, and ``sample`` its writers' backlog (an inbox probe), outside the error that
+    the ranks agree on: a failure there raised on that rank alone while the others waited for its row until their
+    timeout. Both are agreed now: the same error on every rank at once, and the next call works."""
+    bad = SIZE - 1
+    replay = make_replay(gm.Uniform())
+    fill(replay, shard_sizes()[RANK], seed=8)
+    feeds = replay._feeds
+
+    def broken(*args):
+        raise ValueError("the inbox probe failed")
+    cases = [("figures", replay.stats, "stats")]
+    if SIZE > 1:  # (one rank samples its own shard: no header)
+        cases.append(("header_backlog", lambda: replay.sample(2, 3), "sample"))
+    for name, call, what in cases:
+        if RANK == bad:
+            setattr(feeds, name, broken)
+        t0 = time.monotonic()
+        expect_same_error(call, ValueError, f"{what}: rank {bad}: the inbox probe failed")
+        assert time.monotonic() - t0 < 10.0
+        feeds.__dict__.pop(name, None)
+    assert replay.stats()["total"]["items"] == sum(shard_sizes())
+    assert len(replay.sample(2, 3)) == 2
+    replay.close()
+
+
 def test_batches_with_a_bad_or_differing_argument_on_one_rank_fails_on_every_rank():
     """batches() checked prefetch, limit and recycle on each rank alone: the others started sampling and timed
     out. A "batches" head now agrees them."""
