@@ -88,3 +88,15 @@ def test_multi_rank_commands_use_mpi4py():
             assert commands, f"no mpiexec/srun command found in {doc.relative_to(ROOT)}"
         for cmd in commands:
             assert re.search(r"python\S*\s+-m\s+mpi4py\b", cmd), f"{doc.relative_to(ROOT)}: without -m mpi4py: {cmd}"
+
+
+def test_site_overview_matches_the_readme():
+    """docs/index.md (the site's first page) has the README's "What it does" table, row for row, with the
+    links made relative to docs/: a row added to one and not the other fails here."""
+    def rows(text: str) -> list[str]:
+        m = re.search(r"^## What it does\n(.*?)(?=^## )", text, re.S | re.M)
+        assert m, "no section '## What it does'"
+        return [line for line in m[1].splitlines() if line.startswith("| ")]
+    readme = [row.replace("](docs/", "](").replace("](slurm/README.md)", "](guide/slurm.md)")
+              for row in rows(README.read_text())]
+    assert rows((ROOT / "docs" / "index.md").read_text()) == readme
