@@ -2,7 +2,7 @@
 tests/mpi/test_parallel.py (2 DP x 2 TP, 2 DP x 2 PP, 1 DP x 4 PP; both shardings of the replay) and
 tests/mpi/test_activity.py (counters, rates, RateMeter) on 4 ranks; and the groups adopted from a torch
 DeviceMesh, Megatron-core's parallel_state and a DeepSpeed-style mpu (tests/mpi/test_framework_groups.py, 4
-ranks, torch.distributed over gloo)."""
+ranks, torch.distributed over gloo); bad input to that layer (tests/mpi/test_distributed_audit.py, 2 ranks)."""
 from __future__ import annotations
 
 import importlib.util
@@ -29,6 +29,18 @@ def test_groups_from_frameworks_on_four_ranks():
         assert any(name in t for t in ran), (name, sorted(ran))
     if importlib.util.find_spec("megatron") is not None:  # megatron-core installed: its test ran, not skipped
         assert sum("test_megatron_parallel_state" in t for t in ran) == 2, sorted(ran)
+
+
+def test_bad_input_to_the_parallel_layer_on_two_ranks():
+    """tests/mpi/test_distributed_audit.py: bad timeouts, specs, batches and reporter updates fail on every rank at
+    once; a closed sampler says so."""
+    run = run_pytest_mpi(2, "test_distributed_audit.py", timeout=180)
+    ran = run.passed(0)
+    for name in ("test_a_bad_timeout_fails_on_every_rank", "test_rank_0s_address_too_long_to_send_fails_on_every_rank",
+                 "test_a_spec_that_is_no_spec_fails_on_every_rank",
+                 "test_a_closed_sampler_says_so", "test_a_leaders_bad_batch_fails_on_every_member",
+                 "test_a_reporters_bad_update_is_refused_on_every_rank"):
+        assert any(name in t for t in ran), (name, sorted(ran))
 
 
 def test_parallel_frameworks_example_on_four_ranks():

@@ -26,8 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .comm import MpiComm
-from .parallel import AXES, ParallelGroups, parallel_groups
+from .parallel import AXES, ParallelGroups, _world, parallel_groups
 
 #: the orders tried, fastest axis first; the first that fits the groups is taken (Megatron's default first)
 ORDERS = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
@@ -77,8 +76,8 @@ def from_process_groups(tensor=None, pipeline=None, data=None, comm=None, *,
     Returns:
         What ``parallel_groups(comm, T, P, order=...)`` returns for the layout the groups form.
     Raises:
-        ValueError: on every rank: torch.distributed not initialised, an object that is not a process group
-            of this rank, two ranks of ``comm`` with one torch rank, a group member outside ``comm``, groups of
+        ValueError: on every rank: a ``timeout`` that is not a positive number, torch.distributed not
+            initialised, an object that is not a process group of this rank, two ranks of ``comm`` with one torch rank, a group member outside ``comm``, groups of
             different sizes on different ranks, ``T P D`` other than ``comm.size``, groups that form no grid
             in any order of ``comm``'s ranks, or a group whose members differ from what that order gives.
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
@@ -92,9 +91,11 @@ def from_process_groups(tensor=None, pipeline=None, data=None, comm=None, *,
 def _adopt(read_groups: Callable[[], dict[str, Any]], comm, timeout: float, what: str) -> ParallelGroups:
     """The collective behind every ``from_*``: ``read_groups()`` (axis -> torch group or None) on every rank,
     its failure agreed; the layout inferred and checked; :func:`parallel_groups` for it."""
-    world = MpiComm(comm, timeout)
-    err, values, members = None, [0] * 7, {}
+    world, err = _world(comm, timeout)  # a bad timeout: agreed below, under the default deadline
+    values, members = [0] * 7, {}
     try:
+        if err is not None:
+            raise err
         dist = _dist()  # first: the framework's accessors fail less clearly without it
         groups = read_groups()
         me = int(dist.get_rank())

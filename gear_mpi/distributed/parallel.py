@@ -44,7 +44,9 @@ import numpy as np
 
 from .. import errors
 from ..batch import Batch
-from .comm import MpiComm
+from ..keys import as_key_array
+from ..spec import TrajectorySpec, validate_priorities
+from .comm import DEFAULT_TIMEOUT, MpiComm, check_timeout
 
 AXES = ("tp", "dp", "pp")
 #: errors a leader's failed sample is re-raised as on its peers (the most specific class that fits)
@@ -59,6 +61,24 @@ def _positive_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"parallel_groups: {name} must be an integer >= 1, got {v!r}")
     return int(v)
+
+
+def _world(comm, timeout: Any) -> tuple[MpiComm, ValueError | None]:
+    """The communicator of a collective with a ``timeout`` argument, and the argument's error (to agree).
+
+    Args:
+        comm: an mpi4py communicator (None: ``MPI.COMM_WORLD``).
+        timeout: seconds each step waits for every rank, as the caller passed it.
+    Returns:
+        ``(MpiComm with that deadline, None)``; for a timeout that is not a positive number, ``(MpiComm with
+        the default deadline, its ValueError)``: agreed by the caller's first collective, so that every rank
+        raises it instead of timing out at once (a deadline of 0 or less) or failing alone.
+    """
+    try:
+        check_timeout(timeout)
+    except ValueError as e:
+        return MpiComm(comm, DEFAULT_TIMEOUT), e
+    return MpiComm(comm, timeout), None
 
 
 def _parse_order(order: Any) -> tuple[str, ...]:
@@ -162,13 +182,16 @@ def parallel_groups(comm=None, tensor: int = 1, pipeline: int = 1, *, order: str
         The :class:`ParallelGroups` of this rank.
     Raises:
         ValueError: a size that is not a positive integer, ``comm.size`` not a multiple of ``T P``, a bad
-            order, or ranks passing different arguments (the same error on every rank).
+            order, a ``timeout`` that is not a positive number, or ranks passing different arguments (the
+            same error on every rank).
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     Cost: one allgather of 4 float64 per rank, a barrier and four ``Split`` calls.
     """
-    world = MpiComm(comm, timeout)
-    err, T, P, names = None, 1, 1, AXES
+    world, err = _world(comm, timeout)
+    T, P, names = 1, 1, AXES
     try:
+        if err is not None:
+            raise err
         T, P = _positive_int("tensor", tensor), _positive_int("pipeline", pipeline)
         names = _parse_order(order)
         if world.size % (T * P):
@@ -211,15 +234,23 @@ class ReplicaSampler:
         sharding: ``"replica"`` or ``"world"`` (from the replay's communicator size).
         receives: whether this rank gets batches (its stage is one of ``stages``).
     Raises:
-        ValueError: a bad argument, no spec without a replay, or ranks that disagree (the same on every rank).
+        ValueError: a bad argument (a ``timeout`` that is not a positive number included), no spec without a
+            replay, groups already freed, or ranks that disagree (the same on every rank).
+        TypeError: ``spec`` is not a TrajectorySpec (the same on every rank).
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     Cost: one allgather of a 32-byte digest over the world, one barrier and one ``Split`` of the replica.
     """
 
     def __init__(self, replay, groups: ParallelGroups, *, spec=None, stages: str = "ends", timeout: float = 180.0):
-        world = MpiComm(groups.world, timeout)
-        err, sharding = None, "?"
+        world, err = _world(groups.world, timeout)
+        sharding = "?"
         try:
+            if err is not None:
+                raise err
+            if spec is not None and not isinstance(spec, TrajectorySpec):
+                raise TypeError(f"spec must be a TrajectorySpec (the replay's), got {type(spec).__name__}")
+            if groups.replica_comm is None:
+                raise ValueError("the groups were freed (groups.free()): build the sampler before freeing them")
             if stages not in ("ends", "all"):
                 raise ValueError(f"stages must be 'ends' or 'all', got {stages!r}")
             if replay is None:
@@ -256,6 +287,17 @@ class ReplicaSampler:
         if self.receives:
             self._reporter = (groups.pipeline - 1) * groups.tensor if stages == "all" else \
                 (groups.tensor if groups.pipeline > 1 else 0)
+        self._closed = False
+
+    def _check_open(self, what: str) -> None:
+        """Raise if :meth:`close` was called (local, O(1)): a closed sampler would otherwise return None as a
+        rank that receives nothing does.
+
+        Raises:
+            RuntimeError: the sampler is closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"ReplicaSampler.{what}: this sampler is closed")
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
@@ -271,9 +313,11 @@ class ReplicaSampler:
             on the peers), None on the others (middle pipeline stages with ``stages="ends"``).
         Raises:
             As :meth:`Replay.sample`: the leader's error is raised on each of its peers too.
+            RuntimeError: the sampler is closed (on this rank).
         Cost: the replay's sample (the leaders' rows), then one broadcast of the batch in its replica:
             a 24-byte header and one Ibcast per column and per metadata array (``B W S`` bytes in all).
         """
+        self._check_open("sample")
         batch, error = None, None
         if self.replay is not None:
             ask = batch_size if self.groups.is_leader else 0
@@ -292,37 +336,36 @@ class ReplicaSampler:
         Call it on every rank of the world (ranks that do not receive return None at once); e.g. with a
         leader's batch from ``replay.batches(...)``. The other ranks' arguments are ignored.
         Args:
-            batch: the leader's batch (host or device; a device batch is copied to the host to be sent).
+            batch: the leader's batch (host or device; a device batch is copied to the host to be sent), of the
+                sampler's spec.
             error: the leader's exception instead of a batch: raised on every member.
         Returns:
             The leader's own ``batch`` on the leader; a host :class:`Batch` with the same rows elsewhere.
         Raises:
             The leader's ``error`` (its class, or the nearest gear_mpi/builtin base, with its message).
+            TypeError, ValueError: the leader's ``batch`` is no Batch, or not one of the sampler's spec;
+                ``error`` is no exception (on every member, as the leader's error).
+            RuntimeError: the sampler is closed (on this rank).
             CollectiveTimeoutError: the leader did not deliver within ``timeout``.
         """
+        self._check_open("deliver")
         g = self._group
         if g is None:
             return None
         leader = g.rank == 0
         head = np.zeros(3, np.int64)
         if leader:
-            if error is None and batch is None:
-                error = ValueError("deliver: the leader has no batch to deliver")
+            if error is None:
+                error = _batch_problem(batch, self.spec)  # refused before any byte is sent: every member raises it
+            elif not isinstance(error, BaseException):
+                error = TypeError(f"deliver: error must be an exception, got {type(error).__name__}")
             if error is not None:
-                head[0] = 1 + max(i for i, c in enumerate(_DELIVERED) if isinstance(error, c))
+                head[0] = _error_code(error)
             else:
                 head[1:] = (batch.batch_size, batch.window)
         head = g.bcast(head, 0, "ReplicaSampler.deliver (header)")
         if head[0]:
-            msg = np.zeros(_MESSAGE, np.uint8)
-            if leader:
-                text = str(error).encode("utf-8", "replace")[:_MESSAGE]
-                msg[:len(text)] = np.frombuffer(text, np.uint8)
-            msg = g.bcast(msg, 0, "ReplicaSampler.deliver (error)")
-            if leader:
-                raise error
-            text = bytes(msg).rstrip(b"\0").decode("utf-8", "replace")
-            raise _DELIVERED[int(head[0]) - 1](f"{text} (raised by this replica's leader)")
+            raise _share_error(g, 0, error, int(head[0]), "ReplicaSampler.deliver (error)", "leader")
         if leader:
             arrays = _host_arrays(batch)
         else:
@@ -340,42 +383,135 @@ class ReplicaSampler:
         ``"world"``: one ``replay.update_priorities`` over the world (the others give none).
         ``"replica"``: the reporter's keys reach its leader (a broadcast in the delivery group when the
         reporter is not the leader), then the leaders call ``replay.update_priorities``.
+        The reporter checks its keys (integers: a float key would lose its low bits) and priorities first, as
+        the replay would; a refused update is applied nowhere and raised where the replay's errors are (every
+        rank of the replay's communicator) and on the reporter's delivery group, instead of the others waiting
+        for the reporter until ``timeout``.
         Args:
             keys, priorities: as :meth:`Replay.update_priorities` (e.g. ``batch.keys`` and new |TD errors|).
             iterator: the ``replay.batches()`` iterator that owns this rank's replay, if any: the update is
-                then given to it (applied before a later sample, as its docs say).
+                then given to it (applied before a later sample, as its docs say). A refused update gives it
+                none (the iterators stay in step) and is raised on the reporter's replica only.
         Returns:
             What ``replay.update_priorities`` returned on this rank (0 on ranks without a replay, and when
             given to an iterator).
         Raises:
             As :meth:`Replay.update_priorities` (every rank of the replay's communicator).
+            TypeError, InvalidPriorityError: the reporter's keys are not integers, or its priorities not one
+                finite non-negative number per key (also on the reporter's delivery group).
+            RuntimeError: the sampler is closed (on this rank).
         """
+        self._check_open("update_priorities")
         g, mine = self.groups, self.groups.is_reporter
-        k, p = np.zeros(0, np.int64), np.zeros(0)
+        k, p, problem = np.zeros(0, np.int64), np.zeros(0), None
         if mine:
-            k = np.ascontiguousarray(keys.cpu().numpy() if hasattr(keys, "cpu") else keys, np.int64).reshape(-1)
-            p = np.ascontiguousarray(priorities.detach().cpu().numpy() if hasattr(priorities, "detach")
-                                     else priorities, np.float64).reshape(-1)
-        def apply(k, p) -> int:
-            if iterator is not None:  # deferred by the iterator
-                iterator.update_priorities(k, p)
-                return 0
-            return self.replay.update_priorities(k, p)
-        if self.sharding == "world":
-            return apply(k, p)
-        if self._group is not None and g.pipeline > 1:  # the reporter's keys to the leader
-            n = self._group.bcast(np.array([len(k), len(p)], np.int64), self._reporter, "update_priorities (count)")
-            if not mine:
-                k, p = np.zeros(int(n[0]), np.int64), np.zeros(int(n[1]))
-            self._group.wait_all([self._group.comm.Ibcast(k, self._reporter),
-                                  self._group.comm.Ibcast(p, self._reporter)], "update_priorities (keys)")
-        return apply(k, p) if g.is_leader else 0
+            try:
+                k = np.ascontiguousarray(as_key_array(keys))  # TypeError for non-integers
+                p = validate_priorities(priorities, len(k))
+            except Exception as e:  # refused: applied nowhere, raised below
+                k, problem = np.zeros(0, np.int64), e
+        if self.sharding == "replica" and self._group is not None and g.pipeline > 1:
+            k, p, problem = self._from_reporter(k, p, problem, mine)
+        if self.sharding == "replica" and not g.is_leader:  # no replay here
+            if problem is not None:
+                raise problem
+            return 0
+        if iterator is not None:  # deferred by the iterator (an empty update when refused: the threads stay in step)
+            iterator.update_priorities(k, p)
+            if problem is not None:
+                raise problem
+            return 0
+        # a refused update's error reaches the replay's agreement as its keys' (_Refused): every rank raises it
+        return self.replay.update_priorities(k if problem is None else _Refused(problem), p)
+
+    def _from_reporter(self, k: np.ndarray, p: np.ndarray, problem: BaseException | None,
+                       mine: bool) -> tuple[np.ndarray, np.ndarray, BaseException | None]:
+        """Collective over the delivery group: the reporter's checked keys and priorities, or its refusal, to
+        every member. Returns ``(keys, priorities, refusal or None)`` (none of either when refused).
+        Cost: a 24-byte broadcast, then two Ibcasts of 8 bytes per key (or one of :data:`_MESSAGE` bytes)."""
+        grp, root = self._group, self._reporter
+        head = grp.bcast(np.array([len(k), len(p), _error_code(problem)], np.int64), root,
+                         "update_priorities (count)")
+        if head[2]:
+            problem = _share_error(grp, root, problem, int(head[2]), "update_priorities (refused)", "reporter")
+            return np.zeros(0, np.int64), np.zeros(0), problem
+        if not mine:
+            k, p = np.zeros(int(head[0]), np.int64), np.zeros(int(head[1]))
+        grp.wait_all([grp.comm.Ibcast(k, root), grp.comm.Ibcast(p, root)], "update_priorities (keys)")
+        return k, p, None
 
     def close(self) -> None:
-        """Free the delivery group (local; idempotent). The replay and the groups stay the caller's."""
+        """Free the delivery group (local; idempotent): later calls raise RuntimeError. The replay and the groups
+        stay the caller's."""
+        self._closed = True
         if self._group is not None:
             self._group.free()
             self._group = None
+
+
+class _Refused:
+    """Keys that raise ``error`` when read (``np.asarray``): a reporter's refused update, given to
+    ``replay.update_priorities`` so that the replay's own agreement raises it on every rank of its communicator.
+
+    Args:
+        error: the reporter's exception.
+    """
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __array__(self, *args, **kwargs):
+        raise self.error
+
+
+def _error_code(error: BaseException | None) -> int:
+    """0 for None, else 1 + the index in :data:`_DELIVERED` of the most specific class ``error`` is (0: an exception
+    of no class there, sent as Exception). Local, O(classes)."""
+    if error is None:
+        return 0
+    return 1 + max((i for i, c in enumerate(_DELIVERED) if isinstance(error, c)), default=0)
+
+
+def _share_error(group: MpiComm, root: int, error: BaseException | None, code: int, what: str,
+                 who: str) -> BaseException:
+    """Collective over ``group``: ``root``'s ``error`` (of :func:`_error_code` ``code``) to every member. Returns
+    the exception to raise: ``error`` itself on ``root``, elsewhere the same class (or its nearest base in
+    :data:`_DELIVERED`) with its message and ``"(raised by this replica's <who>)"``. Cost: one broadcast of
+    :data:`_MESSAGE` bytes."""
+    msg = np.zeros(_MESSAGE, np.uint8)
+    if group.rank == root:
+        text = str(error).encode("utf-8", "replace")[:_MESSAGE]
+        msg[:len(text)] = np.frombuffer(text, np.uint8)
+    msg = group.bcast(msg, root, what)
+    if group.rank == root:
+        return error
+    text = bytes(msg).rstrip(b"\0").decode("utf-8", "replace")
+    return _DELIVERED[code - 1](f"{text} (raised by this replica's {who})")
+
+
+def _batch_problem(batch: Any, spec: TrajectorySpec) -> Exception | None:
+    """Why the leader's ``batch`` cannot be delivered as a batch of ``spec`` (its members receive into
+    ``Batch.empty(spec, B, W)``), or None. Local, O(columns).
+
+    Args:
+        batch: what the leader passed; spec: the sampler's spec.
+    Returns:
+        A TypeError (no Batch), a ValueError (other columns, dtypes or sizes), or None.
+    """
+    if batch is None:
+        return ValueError("deliver: the leader has no batch to deliver")
+    if not isinstance(batch, Batch):
+        return TypeError(f"deliver: the leader's batch must be a gear_mpi Batch, got {type(batch).__name__}")
+    if tuple(batch.data) != tuple(spec.batch_names):
+        return ValueError(f"deliver: the leader's batch has the columns {list(batch.data)}, the sampler's spec "
+                          f"{list(spec.batch_names)}: deliver batches of the replay the sampler was built for")
+    b, w = batch.batch_size, batch.window
+    for c in spec.batch_columns:
+        t = batch.data[c.name]
+        if t.numel() != b * w * int(np.prod(c.shape)) or t.element_size() != np.dtype(c.dtype).itemsize:
+            return ValueError(f"deliver: the leader's column {c.name!r} is {tuple(t.shape)} {t.dtype}, not {b} "
+                              f"windows of {w} steps of {c.shape} {np.dtype(c.dtype)} as the sampler's spec says")
+    return None
 
 
 def _host_arrays(batch: Batch) -> list[np.ndarray]:
