@@ -25,6 +25,9 @@ class InvalidKeyError(GearError, ValueError):
 class StaleKeyError(GearError, KeyError):
     """A key whose trajectory has been evicted or removed since it was issued."""
 
+    def __str__(self) -> str:  # the message as written (KeyError's str() quotes it, as it would a missing key)
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
 
 class EmptyReplayError(GearError, RuntimeError):
     """Sampling was asked of a replay that holds nothing it can select."""

@@ -401,18 +401,19 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
     """
     if hasattr(priorities, "detach") and hasattr(priorities, "cpu"):
         priorities = tensor_numpy(priorities)
-    # complex: float64 would drop the imaginary parts, with a ComplexWarning only (an array's dtype: ~0.1 us)
-    if (priorities.dtype.kind == "c" if isinstance(priorities, np.ndarray)
-            else not isinstance(priorities, (float, int)) and np.iscomplexobj(priorities)):
-        raise InvalidPriorityError(f"{what} must be real numbers, got complex ones: {priorities!r:.80}")
     try:
-        arr = np.asarray(priorities)
+        arr = np.asarray(priorities)  # (ragged lists: numpy's ValueError, refused below)
+        # complex: float64 would drop the imaginary parts, with a ComplexWarning only
+        if arr.dtype.kind == "c":
+            raise InvalidPriorityError(f"{what} must be real numbers, got complex ones: {priorities!r:.80}")
         # text ("1", b"2") and dates would be converted by float64's parser: refused as the non-numbers they are
         if arr.dtype.kind not in "biuf" and (arr.dtype.kind != "O" or any(
                 isinstance(v, (str, bytes, np.str_, np.bytes_)) for v in arr.reshape(-1).tolist())):
             raise TypeError
         arr = arr.astype(np.float64, copy=False).reshape(-1)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as e:
+        if isinstance(e, InvalidPriorityError):
+            raise
         raise InvalidPriorityError(f"{what} must be numbers, got {priorities!r:.80}") from None
     if arr.shape[0] != count:
         raise InvalidPriorityError(f"{what}: got {arr.shape[0]} values for {count} items")

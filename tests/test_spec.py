@@ -164,6 +164,8 @@ def test_validate_priorities_accepts_numbers_arrays_and_tensors():
     (np.array([b"1"]), 1, "must be numbers"),
     (np.array(["1", 2.0], object), 2, "must be numbers"),
     (np.array(["2026-12-05"], "datetime64[D]"), 1, "must be numbers"),
+    ([[1.0], [1.0, 2.0]], 2, "must be numbers"),  # ragged: was numpy's "inhomogeneous shape" ValueError
+    ([1 + 0j], 1, "must be real numbers, got complex ones"),
 ])
 def test_bad_priorities_name_the_problem(values, count, words):
     with pytest.raises(gm.InvalidPriorityError, match=words):

@@ -290,14 +290,18 @@ class BatchIterator:
         # copied before taking the lock, and the keys of the batch just given from its numpy buffer: torch
         # calls right after the step cost the training thread tens of microseconds of cold code each
         last = self._given
-        if last is not None and keys is last.keys:
-            k = last._meta_np[0].copy()
-        else:
-            k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
-        if type(priorities) is np.ndarray:
-            p = priorities.copy()
-        else:
-            p = np.array(priorities.detach().cpu().numpy() if hasattr(priorities, "detach") else priorities, copy=True)
+        try:
+            if last is not None and keys is last.keys:
+                k = last._meta_np[0].copy()
+            else:
+                k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
+            if type(priorities) is np.ndarray:
+                p = priorities.copy()
+            else:
+                p = np.array(priorities.detach().cpu().numpy() if hasattr(priorities, "detach") else priorities,
+                             copy=True)
+        except (TypeError, ValueError, RuntimeError):  # (ragged lists, a tensor numpy cannot take): given as they
+            k, p = keys, priorities  # are, so that the thread's update, agreed, refuses them on every rank in step
         with self._cv:
             if self._closing:
                 raise RuntimeError("update_priorities: this batches() iterator is closed")

@@ -191,6 +191,23 @@ def test_a_bad_update_of_one_rank_is_raised_on_every_rank():
         assert not it._thread.is_alive() and it.closed
 
 
+def test_ragged_priorities_of_one_rank_are_refused_on_every_rank():
+    """The iterator copied the priorities with numpy before any check: ragged ones raised numpy's ValueError on
+    that rank alone, whose thread then missed the update, and the others' threads met it out of step (a
+    CollectiveError, the replay lost). They now reach the thread's agreed update, refused on every rank."""
+    with build() as replay:
+        it = replay.batches(4, window=2, prefetch=1, limit=8)
+        keys = next(it).keys.numpy().copy()
+        pr = [[1.0], [1.0, 2.0], [1.0], [1.0]] if COMM.rank == 0 else np.ones(len(keys))
+        it.update_priorities(keys, pr)
+        assert next(it).keys.shape == (4,)
+        with pytest.raises(gm.InvalidPriorityError, match="rank 0: priorities must be numbers"):
+            next(it)
+        with pytest.raises(gm.InvalidPriorityError):
+            it.close()
+        assert not it._thread.is_alive() and it.closed
+
+
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 def test_close_closes_when_the_iterators_thread_failed():
     """An iterator still open at ``replay.close()`` whose thread fails (rank 0 gave an update the others did not:
