@@ -1,7 +1,7 @@
 """Online DQN on CartPole-v1: actor processes write into gear_mpi shards, DDP learners sample them.
 
     mpiexec -n 2 python -m mpi4py examples/online_dqn.py            # until solved, or the step budget
-    mpiexec -n 2 python -m mpi4py examples/online_dqn.py --quick    # 64 hidden units, about 20 s (the CI test runs it)
+    mpiexec -n 2 python -m mpi4py examples/online_dqn.py --quick    # 64 hidden units, about a minute (the CI test runs it)
 
 Each MPI rank is a learner. It owns one shard of a prioritized :class:`gear_mpi.Replay` with a
 :class:`gear_mpi.SampleToInsertRatio` rate limiter, and spawns ``--actors`` processes
@@ -98,7 +98,7 @@ def parse_config(argv=None) -> Config:
     """The run's :class:`Config` from the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="the CI version: 12000 env steps, 64 hidden units (about 20 s), no plot unless --plot")
+                   help="the CI version: 12000 env steps, 64 hidden units (about a minute), no plot unless --plot")
     p.add_argument("--actors", type=int, help="actor processes per learner rank (default 2)")
     p.add_argument("--max-steps", type=int, help="env-step budget of the whole job (default 500000)")
     p.add_argument("--max-seconds", type=float, help="wall-time budget (default 1200)")

@@ -6,7 +6,7 @@ calls them, in the same order, like an ``MPI_Allreduce``. A rank may ask for any
 ``window``, ``align`` and the call's ``mode`` must be the same on every rank. The mode given at construction is the
 default; ``sample(..., mode=)`` picks another for one call (the plans of every mode work over the same shards).
 
-A sample reads as its protocol: the ranks agree on the arguments (one allgather of a 13-value head: a status, the
+A sample reads as its protocol: the ranks agree on the arguments (one allgather of a 14-value head: a status, the
 call and its number, the call's arguments, the shard's mass, and the rate limiter's counts;
 :mod:`gear_mpi.distributed.header`); the mode's plan (:mod:`gear_mpi.distributed.plans`) turns the header into the
 items each owner serves each requester; the window transport (:mod:`gear_mpi.distributed.transport`) delivers a
@@ -667,7 +667,7 @@ class Replay:
 
         Args:
             path: the checkpoint directory (its parent must exist; an earlier checkpoint there is replaced).
-            progress: a progress bar on rank 0 (None: when stderr is a terminal; see :mod:`gear_mpi.progress`).
+            progress: progress on rank 0's stderr (None: unless ``GEAR_MPI_PROGRESS=0``; see :mod:`gear_mpi.progress`).
         Raises:
             CheckpointError: a file problem, or (``load(mmap=True)``) a rank's mapped checkpoint changed by
                 another process (on every rank); CollectiveTimeoutError: a rank did not arrive.
@@ -693,7 +693,7 @@ class Replay:
             seconds: the interval (None: only ``handle.now()``). keep: complete checkpoints kept (>= 1).
             segment_bytes: the size of a ring segment file. copy_limit: bytes inserts may copy per checkpoint;
                 past it an insert writes the segment itself. write_rate, cpu_share: bytes/s and the fraction of
-                a core a rank's thread uses at most (None: no limit). priority: ``"low"`` or ``"normal"``.
+                a core a rank's thread uses at most (None: no limit). priority: ``"low"``, ``"nice"`` or ``"normal"``.
         Returns:
             The :class:`~gear_mpi.checkpoint.background.BackgroundCheckpoints` handle (``now``, ``wait``, ``stop``).
         Raises:

@@ -95,6 +95,9 @@ def check(target: str | Path = ROOT / ".venv-ompi") -> str:
 
 
 def main(argv: list[str]) -> int:
+    if any(a.startswith("-") for a in argv) or len(argv) > 1:  # --help (or a typo) is not a folder to build in
+        print(__doc__.split("\n\n")[0] + "\n\nusage: python -m scripts.openmpi_env [TARGET]", file=sys.stderr)
+        return 0 if argv in (["-h"], ["--help"]) else 2
     target = Path(argv[0]) if argv else ROOT / ".venv-ompi"
     build(target)
     print(f"openmpi_env: {check(target)} in {target} "
