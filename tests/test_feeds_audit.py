@@ -146,3 +146,11 @@ def test_a_closed_meter_and_a_closed_replay_say_so():
     replay.close()
     with pytest.raises(RuntimeError, match="RateMeter: the replay is closed"):
         gm.RateMeter(replay, every=1)
+
+
+@pytest.mark.parametrize("kw, what", [({"timeout": True}, "timeout must be a positive number of seconds, got True"),
+                                      ({"hold_timeout": True}, "hold_timeout must be None or a positive number")])
+def test_a_writer_refuses_true_as_a_timeout(kw, what):
+    """``Writer(address, timeout=True)`` was taken as one second (bool is an int)."""
+    with pytest.raises(ValueError, match=what):
+        gm.Writer("gear_mpi_no_such_address", **kw)

@@ -110,11 +110,12 @@ class MpiWriter(EpisodeWriter):
 
     def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8,
                  check_finite: bool = False):
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if isinstance(max_in_flight, bool) or int(max_in_flight) != max_in_flight or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
-        if not (0 <= int(learner) < comm.Get_size()) or int(learner) == comm.Get_rank():
+        if isinstance(learner, bool) or not isinstance(learner, (int, np.integer)) \
+                or not 0 <= learner < comm.Get_size() or learner == comm.Get_rank():  # (1.5 was read as rank 1)
             raise ValueError(f"learner must be another rank of comm (0..{comm.Get_size() - 1}), got {learner!r}")
         self.comm, self.learner, self.timeout = comm, int(learner), float(timeout)
         self.max_in_flight = int(max_in_flight)

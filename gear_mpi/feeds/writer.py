@@ -277,9 +277,10 @@ class Writer(EpisodeWriter):
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None,
                  check_finite: bool = False, hold_timeout: float | None = None):
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):  # (True is no time)
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if hold_timeout is not None and not (isinstance(hold_timeout, (int, float)) and hold_timeout > 0):
+        if hold_timeout is not None and (isinstance(hold_timeout, bool)
+                                         or not (isinstance(hold_timeout, (int, float)) and hold_timeout > 0)):
             raise ValueError(f"hold_timeout must be None or a positive number of seconds, got {hold_timeout!r}")
         self.timeout = float(timeout)
         self.hold_timeout = None if hold_timeout is None else float(hold_timeout)

@@ -417,3 +417,14 @@ def test_a_replay_larger_than_the_node_is_refused_on_every_rank():
     with gm.Replay(SPEC, 1000, timeout=30) as replay:  # a replay that fits is built as before
         st = replay.stats()["per_rank"]
         assert st["reserved_bytes"][COMM.rank] >= 1000 * SPEC.step_bytes
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.size < 2, reason="needs a learner rank")
+def test_an_actor_names_its_learner_by_a_whole_rank():
+    """``MpiWriter(comm, 1.5)`` was read as rank 1 (and ``True`` too): now a ValueError, before any message."""
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        for bad in (1.5, True, "1"):
+            with pytest.raises(ValueError, match=f"learner must be another rank of comm .*got {bad!r}"):
+                gm.MpiWriter(comm, bad)
+    comm.Barrier()
