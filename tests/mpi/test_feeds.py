@@ -370,6 +370,12 @@ def test_goodbyes_leave_no_message_unreceived_whoever_closes_first(first):
                     while not connected.Test():
                         replay.ingest()
                         time.sleep(0.001)
+                    # every actor sent its first batch (the total alone could be reached by a fast actor's later
+                    # episodes while a slow one is still in its first batch, which the close would then cut)
+                    sent = COMM.Ibarrier()
+                    while not sent.Test():
+                        replay.ingest()
+                        time.sleep(0.001)
                     while replay.stats()["total"]["ingested"] < first_batch * actors_:
                         assert time.monotonic() < deadline
                         time.sleep(0.001)
@@ -387,6 +393,7 @@ def test_goodbyes_leave_no_message_unreceived_whoever_closes_first(first):
                     for i in range(first_batch):
                         w.insert(*episode(COMM.rank, i))
                     i += 1
+                    COMM.Ibarrier().Wait()  # the first batch is sent (the learner ingests meanwhile)
                 if first == "actors":
                     COMM.Barrier()
                 else:
