@@ -176,7 +176,7 @@ class CentralizedPlan(Plan):
         chunks = error = None
         if self.rank == 0:  # its failure (e.g. MemoryError: 16 bytes per item of the whole replay) goes to every
             try:            # rank through the scatter, instead of leaving the others to wait out the deadline
-                chunks = self._choose(head, sizes, gathered, counts)
+                chunks = self._choose(sizes, items, gathered, counts)
             except Exception as e:  # noqa: BLE001 -- any error is reported, on every rank
                 error = e
         pairs = self.comm.scatterv(chunks, np.int64, 0, "sample (scatter choices)", error).reshape(-1, 2)
@@ -189,9 +189,9 @@ class CentralizedPlan(Plan):
         """Rank 0's buffer for the gathered state of ``items`` items (int64 pairs). Local, O(1) (not touched)."""
         return np.empty(2 * items, np.int64)
 
-    def _choose(self, head: np.ndarray, sizes: np.ndarray, gathered: np.ndarray, counts: np.ndarray) -> list:
-        """Rank 0's selection for every rank from the gathered state: one int64 array of (requester, slot)
-        pairs per owner. Local, O(items)."""
+    def _choose(self, sizes: np.ndarray, items: np.ndarray, gathered: np.ndarray, counts: np.ndarray) -> list:
+        """Rank 0's selection for every rank from the gathered state (``items``: each shard's candidates, for
+        ordered selectors): one int64 array of (requester, slot) pairs per owner. Local, O(items)."""
         table = gathered.reshape(-1, 2)
         chunks = []
         if self.proportional:
@@ -209,9 +209,8 @@ class CentralizedPlan(Plan):
                 # (requester, slot) pairs, already in requester order
                 chunks.append(np.stack([requester[mine], table[picks[mine], 0]], 1).reshape(-1))
         else:
-            ncand = np.minimum(head[:, ITEMS].astype(np.int64), int(sizes.sum()))
-            owner, index, requester = global_order(table[:, 1], ncand, sizes)
-            offsets = displacements(ncand)
+            owner, index, requester = global_order(table[:, 1], items, sizes)
+            offsets = displacements(items)
             for o in range(self.size):
                 mine = owner == o
                 chunks.append(np.stack([requester[mine], table[offsets[o] + index[mine], 0]], 1).reshape(-1))
