@@ -11,19 +11,20 @@ from ..keys import MAX_RANKS
 from ..spec import TrajectorySpec
 from ..storage.arenas import memory_kind
 from ..storage.device import parse_device
-from .comm import DEFAULT_TIMEOUT, MpiComm, check_timeout
+from .comm import MpiComm, with_deadline
 from .header import mode_code
 
 
-def check(spec, mode, timeout, window_transport, rate_limiter, rate_limit_timeout, writer_slack, device, memory,
+def check(spec, mode, window_transport, rate_limiter, rate_limit_timeout, writer_slack, device, memory,
           size: int) -> tuple[str, str | None]:
-    """This rank's checks of the arguments (local, O(1)).
+    """This rank's checks of the arguments but ``timeout`` (:func:`agree` checks it first: it is the
+    agreement's own deadline). Local, O(1).
 
     Returns:
         ``(device kind, memory kind or None)``: ``parse_device``'s kind and ``memory_kind``'s reading of ``memory``.
     Raises:
         TypeError: ``spec`` is not a TrajectorySpec, ``device`` not a string, or ``rate_limiter`` not a limiter.
-        ValueError: an unknown ``mode``, ``window_transport``, ``device`` or ``memory``; a ``timeout`` or
+        ValueError: an unknown ``mode``, ``window_transport``, ``device`` or ``memory``; a
             ``rate_limit_timeout`` that is not a positive number; a bad ``writer_slack``; more ranks than keys
             can name; derived columns on a device replay.
     """
@@ -32,7 +33,6 @@ def check(spec, mode, timeout, window_transport, rate_limiter, rate_limit_timeou
     mode_code(mode)  # ValueError for an unknown mode
     if window_transport not in ("nccl", "mpi"):
         raise ValueError(f"window_transport must be 'nccl' or 'mpi', got {window_transport!r}")
-    check_timeout(timeout)
     check_rate_limit(rate_limiter, rate_limit_timeout, writer_slack)
     if size > MAX_RANKS:
         raise ValueError(f"at most {MAX_RANKS} ranks are supported, got {size}")
@@ -58,16 +58,11 @@ def agree(comm, timeout, what: str, **args) -> tuple[MpiComm, str, str | None]:
         TypeError, ValueError: a bad argument on some rank, on every rank: ``"<what>: rank R: <message>"``.
         CollectiveTimeoutError: a rank did not arrive within the deadline.
     """
-    try:
-        check_timeout(timeout)
-    except ValueError as e:
-        err, mpi = e, MpiComm(comm, DEFAULT_TIMEOUT)
-    else:
-        err, mpi = None, MpiComm(comm, timeout)
+    mpi, err = with_deadline(comm, timeout)
     found = ("cpu", None)
     if err is None:
         try:
-            found = check(timeout=timeout, size=mpi.size, **args)
+            found = check(size=mpi.size, **args)
         except (TypeError, ValueError) as e:
             err = e
     mpi.agree(err, what)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from itertools import accumulate
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,6 +33,23 @@ def check_timeout(timeout) -> None:
     """Raises ValueError unless ``timeout`` is a positive number of seconds (a collective's deadline). O(1)."""
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def with_deadline(comm, timeout: Any) -> tuple["MpiComm", ValueError | None]:
+    """The :class:`MpiComm` of a collective call that takes a ``timeout`` argument, and that argument's error.
+
+    Args:
+        comm: an mpi4py communicator (None: ``MPI.COMM_WORLD``); timeout: the caller's deadline, unchecked.
+    Returns:
+        ``(MpiComm(comm, timeout), None)``; for a timeout that is not a positive number, ``(MpiComm(comm,
+        DEFAULT_TIMEOUT), its ValueError)``, for the caller's first agreement to raise on every rank (instead of
+        every rank timing out at once under a deadline of 0, or one rank failing alone). Local, O(1).
+    """
+    try:
+        check_timeout(timeout)
+    except ValueError as e:
+        return MpiComm(comm, DEFAULT_TIMEOUT), e
+    return MpiComm(comm, timeout), None
 
 _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
@@ -51,14 +68,32 @@ def _clip(text: str) -> bytes:
     return data[:FIELD_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
 
 
-def error_code(exc: BaseException) -> int:
-    """The status :meth:`MpiComm.agree` sends for ``exc``: the index of its most specific class in the
-    table of agreed error classes (0: a plain Exception). Local, O(classes)."""
+def error_code(exc: BaseException, classes: Sequence[type] | None = None) -> int:
+    """The status :meth:`MpiComm.agree` sends for ``exc``: the index of its most specific class in
+    ``classes`` (later entries more specific; None: the table of agreed error classes), 0 when none but the
+    first fits. Local, O(classes)."""
     best = 0
-    for i, cls in enumerate(_ERROR_CODES):
+    for i, cls in enumerate(_ERROR_CODES if classes is None else classes):
         if isinstance(exc, cls):
             best = i  # later entries are more specific
     return best
+
+
+def message_bytes(error: BaseException | None, size: int = MESSAGE_BYTES) -> np.ndarray:
+    """``str(error)`` as UTF-8 in a zero-padded uint8 array of ``size`` bytes (cut there; all zeros for None),
+    for a collective that sends a rank's error to the others. Local, O(size)."""
+    buf = np.zeros(size, np.uint8)
+    if error is not None:
+        data = str(error).encode("utf-8", "replace")[:size]
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+    return buf
+
+
+def message_text(buf: np.ndarray) -> str:
+    """The text :func:`message_bytes` packed (any array over those bytes), KeyError's repr quotes taken off.
+    Local, O(size)."""
+    text = np.asarray(buf).view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+    return text[1:-1] if text.startswith("'") and text.endswith("'") else text
 
 
 _MPI = None
@@ -320,20 +355,6 @@ class MpiComm:
         self.wait(self.comm.Igatherv([values, dtype], None, root), what)
         return None, counts
 
-    def gather_counts(self, n: int, root: int, what: str) -> np.ndarray:
-        """Returns every rank's ``n`` at ``root`` (int64; undefined elsewhere). Collective: one Igather of 8 bytes.
-
-        Args:
-            n: this rank's count.
-            root: the rank that receives.
-            what: names the call in errors.
-        Raises:
-            CollectiveTimeoutError: a rank did not arrive within ``timeout``.
-        """
-        out = np.empty(self.size, np.int64)
-        self.wait(self.comm.Igather(np.array([n], np.int64), out, root), what)
-        return out
-
     def scatterv(self, chunks: list[np.ndarray] | None, dtype, root: int, what: str,
                  error: BaseException | None = None) -> np.ndarray:
         """Rank r receives ``chunks[r]`` from ``root``. Collective: one Iscatter of counts, one Iscatterv.
@@ -370,10 +391,7 @@ class MpiComm:
         mt = mpi_type(out.dtype)
         if self.rank == root:
             if failed:
-                msg = str(error).encode("utf-8", "replace")[:MESSAGE_BYTES]
-                text = np.zeros(MESSAGE_BYTES, np.uint8)
-                text[:len(msg)] = np.frombuffer(msg, np.uint8)
-                send = np.tile(text.view(np.int64), self.size)
+                send = np.tile(message_bytes(error).view(np.int64), self.size)
                 counts = np.full(self.size, words, np.int64)
             else:
                 send = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
@@ -381,10 +399,7 @@ class MpiComm:
         else:
             self.wait(self.comm.Iscatterv(None, [out, mt], root), what)
         if code >= 0:
-            text = out.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
-            if text.startswith("'") and text.endswith("'"):
-                text = text[1:-1]  # KeyError's repr quoting
-            raise _ERROR_CODES[code](f"{what}: rank {root}: {text}") from error
+            raise _ERROR_CODES[code](f"{what}: rank {root}: {message_text(out)}") from error
         return out
 
     def barrier(self, what: str) -> None:
@@ -542,16 +557,10 @@ class MpiComm:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         """
         statuses = np.asarray(statuses).astype(np.int64)
-        msg = b"" if error is None else str(error).encode("utf-8", "replace")[:MESSAGE_BYTES]
-        buf = np.zeros(MESSAGE_BYTES, np.uint8)
-        buf[:len(msg)] = np.frombuffer(msg, np.uint8)
-        messages = self.allgather(buf, what)
+        messages = self.allgather(message_bytes(error), what)
         first = int(np.flatnonzero(statuses >= 0)[0])
-        text = bytes(messages[first]).rstrip(b"\0").decode("utf-8", "replace")
-        if text.startswith("'") and text.endswith("'"):
-            text = text[1:-1]  # KeyError's repr quoting
         cls = _ERROR_CODES[int(statuses[first])]
-        raise cls(f"{what}: rank {first}: {text}") from (error if error is not None else None)
+        raise cls(f"{what}: rank {first}: {message_text(messages[first])}") from (error if error is not None else None)
 
     def agreed(self, build: Callable[[], Any], what: str, undo: Callable[[Any], None] | None = None) -> Any:
         """``build()`` on every rank, its failure agreed: one rank's error raises on all (Raises: as :meth:`agree`).

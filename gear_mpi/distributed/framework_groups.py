@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .parallel import AXES, ParallelGroups, _world, parallel_groups
+from .comm import with_deadline
+from .parallel import AXES, ParallelGroups, parallel_groups
 
 #: the orders tried, fastest axis first; the first that fits the groups is taken (Megatron's default first)
 ORDERS = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
@@ -91,7 +92,7 @@ def from_process_groups(tensor=None, pipeline=None, data=None, comm=None, *,
 def _adopt(read_groups: Callable[[], dict[str, Any]], comm, timeout: float, what: str) -> ParallelGroups:
     """The collective behind every ``from_*``: ``read_groups()`` (axis -> torch group or None) on every rank,
     its failure agreed; the layout inferred and checked; :func:`parallel_groups` for it."""
-    world, err = _world(comm, timeout)  # a bad timeout: agreed below, under the default deadline
+    world, err = with_deadline(comm, timeout)  # a bad timeout: agreed below, under the default deadline
     values, members = [0] * 7, {}
     try:
         if err is not None:

@@ -46,7 +46,7 @@ from .. import errors
 from ..batch import Batch
 from ..keys import as_key_array
 from ..spec import TrajectorySpec, validate_priorities
-from .comm import DEFAULT_TIMEOUT, MpiComm, check_timeout
+from .comm import MpiComm, error_code, message_bytes, message_text, with_deadline
 
 AXES = ("tp", "dp", "pp")
 #: errors a leader's failed sample is re-raised as on its peers (the most specific class that fits)
@@ -61,24 +61,6 @@ def _positive_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"parallel_groups: {name} must be an integer >= 1, got {v!r}")
     return int(v)
-
-
-def _world(comm, timeout: Any) -> tuple[MpiComm, ValueError | None]:
-    """The communicator of a collective with a ``timeout`` argument, and the argument's error (to agree).
-
-    Args:
-        comm: an mpi4py communicator (None: ``MPI.COMM_WORLD``).
-        timeout: seconds each step waits for every rank, as the caller passed it.
-    Returns:
-        ``(MpiComm with that deadline, None)``; for a timeout that is not a positive number, ``(MpiComm with
-        the default deadline, its ValueError)``: agreed by the caller's first collective, so that every rank
-        raises it instead of timing out at once (a deadline of 0 or less) or failing alone.
-    """
-    try:
-        check_timeout(timeout)
-    except ValueError as e:
-        return MpiComm(comm, DEFAULT_TIMEOUT), e
-    return MpiComm(comm, timeout), None
 
 
 def _parse_order(order: Any) -> tuple[str, ...]:
@@ -187,7 +169,7 @@ def parallel_groups(comm=None, tensor: int = 1, pipeline: int = 1, *, order: str
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     Cost: one allgather of 4 float64 per rank, a barrier and four ``Split`` calls.
     """
-    world, err = _world(comm, timeout)
+    world, err = with_deadline(comm, timeout)
     T, P, names = 1, 1, AXES
     try:
         if err is not None:
@@ -242,7 +224,7 @@ class ReplicaSampler:
     """
 
     def __init__(self, replay, groups: ParallelGroups, *, spec=None, stages: str = "ends", timeout: float = 180.0):
-        world, err = _world(groups.world, timeout)
+        world, err = with_deadline(groups.world, timeout)
         sharding = "?"
         try:
             if err is not None:
@@ -467,9 +449,7 @@ class _Refused:
 def _error_code(error: BaseException | None) -> int:
     """0 for None, else 1 + the index in :data:`_DELIVERED` of the most specific class ``error`` is (0: an exception
     of no class there, sent as Exception). Local, O(classes)."""
-    if error is None:
-        return 0
-    return 1 + max((i for i, c in enumerate(_DELIVERED) if isinstance(error, c)), default=0)
+    return 0 if error is None else 1 + error_code(error, _DELIVERED)
 
 
 def _share_error(group: MpiComm, root: int, error: BaseException | None, code: int, what: str,
@@ -478,15 +458,10 @@ def _share_error(group: MpiComm, root: int, error: BaseException | None, code: i
     the exception to raise: ``error`` itself on ``root``, elsewhere the same class (or its nearest base in
     :data:`_DELIVERED`) with its message and ``"(raised by this replica's <who>)"``. Cost: one broadcast of
     :data:`_MESSAGE` bytes."""
-    msg = np.zeros(_MESSAGE, np.uint8)
-    if group.rank == root:
-        text = str(error).encode("utf-8", "replace")[:_MESSAGE]
-        msg[:len(text)] = np.frombuffer(text, np.uint8)
-    msg = group.bcast(msg, root, what)
+    msg = group.bcast(message_bytes(error if group.rank == root else None, _MESSAGE), root, what)
     if group.rank == root:
         return error
-    text = bytes(msg).rstrip(b"\0").decode("utf-8", "replace")
-    return _DELIVERED[code - 1](f"{text} (raised by this replica's {who})")
+    return _DELIVERED[code - 1](f"{message_text(msg)} (raised by this replica's {who})")
 
 
 def _batch_problem(batch: Any, spec: TrajectorySpec) -> Exception | None:
