@@ -49,6 +49,7 @@ import warnings
 
 import numpy as np
 
+from ..distributed.comm import check_timeout
 from ..distributed.deadline import _process_failed, poll
 from ..errors import WriterError, WriterTimeoutError
 from ..spec import TrajectorySpec
@@ -110,8 +111,7 @@ class MpiWriter(EpisodeWriter):
 
     def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8,
                  check_finite: bool = False):
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_timeout(timeout)
         if isinstance(max_in_flight, bool) or int(max_in_flight) != max_in_flight or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
         if isinstance(learner, bool) or not isinstance(learner, (int, np.integer)) \

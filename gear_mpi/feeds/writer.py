@@ -44,6 +44,7 @@ import numpy as np
 
 _ndarray, _generic = np.ndarray, np.generic
 
+from ..distributed.comm import check_timeout
 from ..distributed.deadline import poll
 from ..errors import InvalidPriorityError, InvalidTrajectoryError, WriterError, WriterTimeoutError
 from ..kernels.hints import publish
@@ -277,8 +278,7 @@ class Writer(EpisodeWriter):
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None,
                  check_finite: bool = False, hold_timeout: float | None = None):
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):  # (True is no time)
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_timeout(timeout)  # (True is no time)
         if hold_timeout is not None and (isinstance(hold_timeout, bool)
                                          or not (isinstance(hold_timeout, (int, float)) and hold_timeout > 0)):
             raise ValueError(f"hold_timeout must be None or a positive number of seconds, got {hold_timeout!r}")
