@@ -22,16 +22,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from ..distributed.comm import differing_ranks
 from ..errors import CheckpointError
 from ..progress import human, log
 from . import incremental, pacing, segment_file, series
 from .arrival import assumed_rate
-from .files import PARTED_VERSION, rank_dir
+from .files import PARTED_VERSION, path_digest, rank_dir
 
 
 class BackgroundCheckpoints:
@@ -349,16 +349,16 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         except OSError as e:
             raise CheckpointError(f"checkpoint_every: cannot create {directory}: {e}") from None
         first = series.next_number(directory)
-        where = zlib.crc32(directory.encode("utf-8", "surrogateescape"))  # compared below, as save's path
+        where = path_digest(directory)  # compared below, as save's path
     except Exception as e:
         err = e
     values = [-1.0 if seconds is None else float(seconds), float(keep), float(segment_bytes), float(first),
               float(where)]
     table = replay.calls.agree(err, "checkpoints", values)
-    others = np.flatnonzero(table[:, 4] != table[0, 4])
-    if len(others):  # each rank would write under its own directory, and rank 0 wait for files that never come
+    others = differing_ranks(table[:, 4])
+    if others:  # each rank would write under its own directory, and rank 0 wait for files that never come
         raise ValueError(f"checkpoint_every: every rank must give the same directory (after os.path.abspath); "
-                         f"rank(s) {others.tolist()} gave another than rank 0's: no checkpoint was started")
+                         f"rank(s) {others} gave another than rank 0's: no checkpoint was started")
     if len({tuple(row) for row in table[:, :3].tolist()}) > 1:
         raise ValueError(f"checkpoint_every: seconds, keep and segment_bytes must be the same on every rank, got "
                          f"{table[:, :3].tolist()} (rank r's at position r)")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import mmap
 import os
+import zlib
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -39,6 +40,12 @@ MANIFEST = "MANIFEST.json"
 SHARD_JSON = "shard.json"
 TABLE = "table.bin"
 CHUNK_BYTES = 16 << 20
+
+
+def path_digest(path: str) -> int:
+    """A CRC-32 of ``path`` (its bytes as the file system takes them), for the ranks of a collective to check in
+    its head that they were given the same one (after ``os.path.abspath``). Local, O(len(path))."""
+    return zlib.crc32(path.encode("utf-8", "surrogateescape"))
 
 
 def rank_dir(rank: int) -> str:

@@ -25,14 +25,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ..selection import selectors as selector_module
-from ..distributed.comm import DEFAULT_TIMEOUT, MpiComm, check_timeout, displacements
+from ..distributed.comm import DEFAULT_TIMEOUT, MpiComm, check_timeout, differing_ranks, displacements
 from ..errors import CheckpointError
 from ..progress import Meter, log, wanted
 from ..selection.selectors import Selector
 from ..spec import TrajectorySpec
 from . import arena_file, files, reshard, shard_files
 from .arrival import Channel, CheckpointComm, human
-from .files import MANIFEST, rank_dir, read_manifest, resolve
+from .files import MANIFEST, path_digest, rank_dir, read_manifest, resolve
 
 LOAD_OPTIONS = ("mode", "timeout", "memory", "force_alltoallv", "seed", "capacity_steps", "max_items",
                 "max_times_sampled", "device", "process_group", "progress", "memory_path", "mmap", "verify",
@@ -82,10 +82,10 @@ def agree_on_manifest(mc: MpiComm, err: BaseException | None, digest: int, label
     if len(set(table[:, 0].tolist())) > 1:
         raise CheckpointError(f"{label.split()[0]}: the {who} read different manifests at {os.fspath(path)} (is it "
                               f"on a file system that every rank sees, and was it being replaced?)")
-    others = np.flatnonzero(table[:, 1] != table[0, 1])
-    if len(others):
+    others = differing_ranks(table[:, 1])
+    if others:
         raise ValueError(f"{label.split()[0]}: the overrides must be the same on every rank (all but "
-                         f"{', '.join(PER_RANK_OPTIONS)}); rank(s) {others.tolist()} gave others than rank 0")
+                         f"{', '.join(PER_RANK_OPTIONS)}); rank(s) {others} gave others than rank 0")
 
 def saved_spec(body: dict) -> TrajectorySpec:
     """The spec a manifest body saved: its stored columns in the saved order (the files are numbered in it) and
@@ -187,14 +187,14 @@ def _save(replay, path, progress: bool | None, problem: Exception | None) -> Non
             raise CheckpointError(f"{path}: a non-empty directory that is not a gear_mpi checkpoint; "
                                   f"refusing to replace it")
         mine = shard_files.bytes_to_write(replay.shard)
-        where = zlib.crc32(path.encode("utf-8", "surrogateescape"))  # compared below: the same path everywhere
+        where = path_digest(path)  # compared below: the same path everywhere
     except Exception as e:
         err = e
     table = replay.calls.agree(err, "save", [token, mine, where])  # the save's head (gear_mpi.distributed.calls)
-    others = np.flatnonzero(table[:, 2] != table[0, 2])
-    if len(others):  # each rank would write its shard under its own path, and rank 0 install only its own
+    others = differing_ranks(table[:, 2])
+    if others:  # each rank would write its shard under its own path, and rank 0 install only its own
         raise ValueError(f"save: every rank must give the same path (after os.path.abspath); rank(s) "
-                         f"{others.tolist()} gave another than rank 0's: nothing was written")
+                         f"{others} gave another than rank 0's: nothing was written")
     replay.settle()
     tmp = f"{path}.tmp-{int(table[0, 0]):012x}"
     nbytes = table[:, 1]

@@ -79,6 +79,13 @@ def error_code(exc: BaseException, classes: Sequence[type] | None = None) -> int
     return best
 
 
+def differing_ranks(column) -> list[int]:
+    """The ranks whose entry in ``column`` (one value per rank, from an agreed table) differs from rank 0's: the
+    same list on every rank, for an error that names them. Local, O(ranks)."""
+    column = np.asarray(column)
+    return np.flatnonzero(column != column[0]).tolist()
+
+
 def message_bytes(error: BaseException | None, size: int = MESSAGE_BYTES) -> np.ndarray:
     """``str(error)`` as UTF-8 in a zero-padded uint8 array of ``size`` bytes (cut there; all zeros for None),
     for a collective that sends a rank's error to the others. Local, O(size)."""
