@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import MemoryBudgetError
 from . import shared_pages
 from .file_arenas import (COLUMNS_FILE, FileArena, NamedMapping, rank_dir_name, rank_directory,
-                          unlink_in_creator)
+                          unlink_in_creator, unlink_quietly)
 from .huge_pages import advise_range
 from ..spec import TrajectorySpec
 
@@ -331,7 +331,7 @@ class SharedArena(NamedMapping):
             self._mmap = shared_pages.map_shared(fd, self.nbytes, PrivateArena.huge_pages)
         except BaseException:
             if not _attach:
-                unlink_in_creator(self.path, os.getpid())
+                unlink_quietly(self.path)
             raise
         finally:
             os.close(fd)
@@ -432,9 +432,6 @@ def cleanup() -> list[str]:
     for name in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, name)
         if name.startswith(SHM_PREFIX) and os.stat(path).st_uid == os.getuid():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-            removed.append(name)
+            if unlink_quietly(path):
+                removed.append(name)
     return removed

@@ -120,25 +120,34 @@ def remove_if_empty(directory: str) -> None:
         pass
 
 
+def unlink_quietly(path: str, remove_directory: bool = False) -> bool:
+    """Unlink ``path``; then, with ``remove_directory``, its directory if it is left empty. Local, O(1).
+
+    Returns:
+        Whether it was there to unlink (False: gone already).
+    """
+    try:
+        os.unlink(path)
+        removed = True
+    except FileNotFoundError:
+        removed = False
+    if remove_directory:
+        remove_if_empty(os.path.dirname(path))
+    return removed
+
+
 def unlink_in_creator(path: str, creator: int, remove_directory: bool = False) -> None:
-    """Unlink ``path`` (gone already: nothing) if this is process ``creator``; then, with ``remove_directory``,
-    its directory if it is left empty. The exit handlers and finalizers of named memory call it: a child forked
-    from the creator inherits them, and when it exits normally they run there too, where they must not delete
-    the names that the creator and its node peers still map and attach by (a writer registry, a shared ring).
-    Local, O(1).
+    """:func:`unlink_quietly` if this is process ``creator``, else nothing. The exit handlers and finalizers of
+    named memory call it: a child forked from the creator inherits them, and when it exits normally they run
+    there too, where they must not delete the names that the creator and its node peers still map and attach
+    by (a writer registry, a shared ring). Local, O(1).
 
     Args:
         path: the file or shared-memory segment; creator: ``os.getpid()`` of the process that made it;
         remove_directory: remove the directory too when it is empty.
     """
-    if os.getpid() != creator:
-        return
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    if remove_directory:
-        remove_if_empty(os.path.dirname(path))
+    if os.getpid() == creator:
+        unlink_quietly(path, remove_directory)
 
 
 def create_exclusive(filename: str) -> int:
@@ -252,7 +261,7 @@ class FileArena(NamedMapping):
                 raise StorageError(f"cannot reserve {human(nbytes)} for {full!r}: {e.strerror or e}") from None
             return cls(full, fd, nbytes, owner=True, private=False, random=random)
         except BaseException:
-            unlink_in_creator(full, os.getpid(), True)
+            unlink_quietly(full, remove_directory=True)
             raise
         finally:
             os.close(fd)
