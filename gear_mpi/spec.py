@@ -100,6 +100,12 @@ class Column:
 CASTINGS = ("safe", "same_kind", "unsafe")
 
 
+def whole_number(value: Any, least: int = 1) -> bool:
+    """Whether ``value`` is an integer (Python or numpy, not a bool: ``True`` is no count) of at least ``least``:
+    the test behind every size, count and rank argument (``int()`` would take 12.5 as 12). O(1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= least
+
+
 def _castable(src: np.dtype, dst: np.dtype, casting: str = "safe") -> bool:
     """Safe casts (or ``casting``'s), plus any integer or float into a float column (RL data is often float64)."""
     if np.can_cast(src, dst, casting=casting):

@@ -52,6 +52,7 @@ import numpy as np
 
 from .distributed.comm import MpiComm
 from .kernels import ring
+from .spec import whole_number
 
 #: figures of one shard, in the order a replay gathers them; "weight" is a float, the rest are ints
 SHARD_FIGURES = ("items", "live_steps", "steps_used", "capacity_steps", "weight", "inserted", "evicted", "removed",
@@ -349,14 +350,12 @@ class RateMeter:
         try:
             if (every is None) == (seconds is None):
                 raise ValueError("RateMeter: give exactly one of every= (steps) and seconds=")
-            if every is not None and (isinstance(every, bool) or not isinstance(every, (int, np.integer))
-                                      or every < 1):
+            if every is not None and not whole_number(every):
                 raise ValueError(f"RateMeter: every must be an integer >= 1, got {every!r}")
             if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                         or not 0 < seconds < math.inf):
                 raise ValueError(f"RateMeter: seconds must be a positive finite number, got {seconds!r}")
-            if root is not None and (isinstance(root, bool) or not isinstance(root, (int, np.integer))
-                                     or not 0 <= root < replay.comm.size):
+            if root is not None and not (whole_number(root, 0) and root < replay.comm.size):
                 raise ValueError(f"RateMeter: root must be None or a rank of the replay, got {root!r}")
         except ValueError as e:
             err, every, seconds, root = e, 1, None, 0

@@ -29,7 +29,7 @@ from ..distributed.comm import DEFAULT_TIMEOUT, MpiComm, check_timeout, differin
 from ..errors import CheckpointError
 from ..progress import Meter, log, wanted
 from ..selection.selectors import Selector
-from ..spec import TrajectorySpec
+from ..spec import TrajectorySpec, whole_number
 from . import arena_file, files, reshard, shard_files
 from .arrival import Channel, CheckpointComm, human
 from .files import MANIFEST, path_digest, rank_dir, read_manifest, resolve
@@ -51,7 +51,7 @@ def _options_digest(overrides: dict) -> int:
 
 def _whole(value, name: str) -> int:
     """``value`` as a positive int (an override of a size), else ValueError naming ``name``. O(1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not whole_number(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 

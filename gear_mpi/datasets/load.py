@@ -18,7 +18,7 @@ from .. import progress as progress_bar
 from ..checkpoint.arrival import Channel, CheckpointComm
 from ..distributed.comm import MpiComm
 from ..replay import Replay
-from ..spec import TrajectorySpec
+from ..spec import TrajectorySpec, whole_number
 from .episodes import balanced_shares
 
 CHUNK_BYTES = 64 << 20  # steps read and inserted at a time (whole episodes; at least one)
@@ -127,8 +127,7 @@ def load_dataset(open_source: Callable[[], Any], what: str, comm, max_length: in
         source = open_source()
         lengths = np.asarray(source.lengths, np.int64)
         longest = int(lengths.max()) if len(lengths) else 1
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer))
-                                       or max_length < 1):  # int() would take 12.5 as 12 and True as 1
+        if max_length is not None and not whole_number(max_length):
             raise ValueError(f"max_length must be a positive integer (or None: the longest episode), "
                              f"got {max_length!r}")
         max_length = longest if max_length is None else int(max_length)

@@ -45,7 +45,7 @@ import numpy as np
 from .. import errors
 from ..batch import Batch
 from ..keys import as_key_array
-from ..spec import TrajectorySpec, validate_priorities
+from ..spec import TrajectorySpec, validate_priorities, whole_number
 from .comm import MpiComm, error_code, message_bytes, message_text, with_deadline
 
 AXES = ("tp", "dp", "pp")
@@ -58,7 +58,7 @@ _MESSAGE = 1024
 
 
 def _positive_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    if not whole_number(v):
         raise ValueError(f"parallel_groups: {name} must be an integer >= 1, got {v!r}")
     return int(v)
 

@@ -52,7 +52,7 @@ import numpy as np
 from ..distributed.comm import check_timeout
 from ..distributed.deadline import _process_failed, poll
 from ..errors import WriterError, WriterTimeoutError
-from ..spec import TrajectorySpec
+from ..spec import TrajectorySpec, whole_number
 from .writer import EpisodeWriter
 
 TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE = range(31000, 31005)
@@ -114,8 +114,7 @@ class MpiWriter(EpisodeWriter):
         check_timeout(timeout)
         if isinstance(max_in_flight, bool) or int(max_in_flight) != max_in_flight or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
-        if isinstance(learner, bool) or not isinstance(learner, (int, np.integer)) \
-                or not 0 <= learner < comm.Get_size() or learner == comm.Get_rank():  # (1.5 was read as rank 1)
+        if not (whole_number(learner, 0) and learner < comm.Get_size()) or learner == comm.Get_rank():
             raise ValueError(f"learner must be another rank of comm (0..{comm.Get_size() - 1}), got {learner!r}")
         self.comm, self.learner, self.timeout = comm, int(learner), float(timeout)
         self.max_in_flight = int(max_in_flight)

@@ -23,6 +23,7 @@ from ..errors import CheckpointError, EmptyReplayError, InvalidKeyError, Invalid
 from ..keys import as_key_array
 from ..replay import Replay
 from ..selection.selectors import Prioritized, Selector, Uniform
+from ..spec import whole_number
 from ..storage.shard_insert import check_packed_columns, checked_lengths, checked_priorities
 from .torchrl_layout import Layout, as_batch, trajectory_lengths
 
@@ -68,7 +69,7 @@ class GearStorage(Storage):
         if replay is None and max_size is None:
             raise ValueError("GearStorage needs max_size (steps a rank's shard holds) or replay=")
         for name, value in (("max_size", max_size), ("max_length", max_length)):  # refused now, not at the first write
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            if value is not None and not whole_number(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         size = replay.shard.capacity_steps if replay is not None else int(max_size)
         super().__init__(max_size=size, compilable=compilable)
