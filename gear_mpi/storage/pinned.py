@@ -136,7 +136,7 @@ class MappedBuffer:
             del _LIVE[self.address]
         pin, self._pin = self._pin, None
         if pin is not None:
-            pin.free()
+            unregister(pin)
         self.device = self.device_bytes = None
 
     def __enter__(self) -> "MappedBuffer":
@@ -148,6 +148,29 @@ class MappedBuffer:
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.mode
         return f"MappedBuffer({self.nbytes} bytes at {self.address:#x}, {state})"
+
+
+def unregister(pin) -> None:
+    """Unregister a registration made by numba's ``Context.mempin(..., mapped=True)`` now. O(pages).
+
+    ``mempin`` returns an owned pointer to numba's mapped-memory record, which counts the
+    pointers and views over it and unregisters the memory when that count falls to zero.
+    A mapping is closed before its host memory goes away, so the record is freed here at once,
+    whatever views are still alive (they are invalid after :meth:`MappedBuffer.close`); the
+    record is then marked as no longer managed, so that when those views and the owned
+    pointer die their count reaching zero frees nothing twice (numba would raise "Freeing
+    dead memory" in their finalizers, printed as an ignored exception; seen on an H100).
+
+    Args:
+        pin: what ``mempin`` returned (an owned pointer), or the memory record itself.
+    """
+    record = getattr(pin, "_mem", pin)   # the record behind numba's owned pointer (a weak proxy to it)
+    try:
+        if record.is_managed:
+            record.free()
+            record.is_managed = False
+    except ReferenceError:  # the record is gone already (its context was torn down): nothing is registered
+        pass
 
 
 def _host_bytes(a: np.ndarray) -> np.ndarray:
