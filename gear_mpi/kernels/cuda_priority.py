@@ -40,7 +40,7 @@ import math
 import numpy as np
 from numba import float32, float64
 
-from .cuda_support import blocks_for, cuda_module, simulator_enabled
+from .cuda_support import blocks_for, cuda_module, launch, simulator_enabled
 from .priority_tree import FANOUT, FANOUT2, LEAF_MAX, LEAF_TINY, LINE
 
 cuda = cuda_module()  # ImportError with the install hint when numba-cuda is missing
@@ -298,8 +298,8 @@ def draw(tree, uniforms, out, threads: int = 256) -> None:
     """
     b = uniforms.shape[0]
     if b:
-        draw_kernel[blocks_for(b, threads), threads](tree.leaves, tree.l0_sum, tree.l1_sum, tree.l2_sum,
-                                                     tree.prefix, uniforms, out)
+        launch(draw_kernel, blocks_for(b, threads), threads)(tree.leaves, tree.l0_sum, tree.l1_sum, tree.l2_sum,
+                                                             tree.prefix, uniforms, out)
 
 
 def set_leaves(tree, slots, values, threads: int = 256) -> None:
@@ -312,37 +312,37 @@ def set_leaves(tree, slots, values, threads: int = 256) -> None:
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     grid = blocks_for(b, threads)
     bits = leaves.view(np.int64)
-    _claim_kernel[grid, threads](bits, slots)
-    _write_kernel[grid, threads](leaves, bits, slots, values)
-    _l0_kernel[grid, threads](leaves, l0_sum, slots)
-    _l1_kernel[grid, threads](leaves, l0_sum, l1_sum, l1_min, slots)
-    _l2_kernel[grid, threads](l1_sum, l1_min, l2_sum, l2_min, slots)
-    _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
+    launch(_claim_kernel, grid, threads)(bits, slots)
+    launch(_write_kernel, grid, threads)(leaves, bits, slots, values)
+    launch(_l0_kernel, grid, threads)(leaves, l0_sum, slots)
+    launch(_l1_kernel, grid, threads)(leaves, l0_sum, l1_sum, l1_min, slots)
+    launch(_l2_kernel, grid, threads)(l1_sum, l1_min, l2_sum, l2_min, slots)
+    launch(_prefix_kernel, 1, min(threads, MAX_THREADS))(l2_sum, prefix)
 
 
 def rebuild(tree, threads: int = 256) -> None:
     """Device twin of :func:`priority_tree.rebuild`: every level of ``tree`` from its leaves. O(n) reads."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
-    _l0_all_kernel[blocks_for(l0_sum.shape[0], threads), threads](leaves, l0_sum)
-    _l1_all_kernel[blocks_for(l1_sum.shape[0], threads), threads](leaves, l0_sum, l1_sum, l1_min)
-    _l2_all_kernel[blocks_for(l2_sum.shape[0], threads), threads](l1_sum, l1_min, l2_sum, l2_min)
-    _prefix_kernel[1, min(threads, MAX_THREADS)](l2_sum, prefix)
+    launch(_l0_all_kernel, blocks_for(l0_sum.shape[0], threads), threads)(leaves, l0_sum)
+    launch(_l1_all_kernel, blocks_for(l1_sum.shape[0], threads), threads)(leaves, l0_sum, l1_sum, l1_min)
+    launch(_l2_all_kernel, blocks_for(l2_sum.shape[0], threads), threads)(l1_sum, l1_min, l2_sum, l2_min)
+    launch(_prefix_kernel, 1, min(threads, MAX_THREADS))(l2_sum, prefix)
 
 
 def fill(values, v: float, threads: int = 256) -> None:
     """``values[:] = v`` on the device (grid-stride; few blocks on the simulator, where a thread is costly)."""
     n = values.shape[0]
     if n:
-        _fill_kernel[min(blocks_for(n, threads), 2 if simulator_enabled() else 4096), threads](values, v)
+        launch(_fill_kernel, min(blocks_for(n, threads), 2 if simulator_enabled() else 4096), threads)(values, v)
 
 
 def smallest(values, out, threads: int = 256) -> None:
     """``out[0] = min(values)`` (inf if empty): one single-block reduction on the device."""
-    _min_kernel[1, min(threads, MAX_THREADS)](values, out)
+    launch(_min_kernel, 1, min(threads, MAX_THREADS))(values, out)
 
 
 def take(values, slots, out, threads: int = 256) -> None:
     """``out[i] = values[slots[i]]`` on the device, one thread per entry."""
     b = slots.shape[0]
     if b:
-        _take_kernel[blocks_for(b, threads), threads](values, slots, out)
+        launch(_take_kernel, blocks_for(b, threads), threads)(values, slots, out)

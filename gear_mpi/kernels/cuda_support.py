@@ -187,6 +187,46 @@ def as_device(x: Any, dtype, copy_host: bool = True):
     return arr
 
 
+#: numba warns (NumbaPerformanceWarning) at every launch of fewer blocks than this
+LOW_OCCUPANCY_BLOCKS = 128
+
+
+def _launch_settings():
+    """numba-cuda's settings module (the one its dispatcher reads at each launch), or None."""
+    try:
+        from numba.cuda.core import config
+    except ImportError:  # an older numba-cuda, or numba's built-in CUDA target
+        from numba.core import config
+    return config
+
+
+def launch(kernel, grid: int, threads: int):
+    """``kernel[grid, threads]``, without numba's low-occupancy warning for a small grid. O(1).
+
+    numba warns at every launch of fewer than 128 blocks. gear_mpi launches small grids on purpose
+    (the one-block prefix over the top level, the draws and gathers of a small batch), and without
+    this a program would print the warning at every sample. The setting is lowered for this launch
+    alone and put back, so a user's own kernels still warn; under the simulator nothing is changed.
+
+    Args:
+        kernel: a ``numba.cuda.jit`` kernel.
+        grid: blocks.
+        threads: threads per block.
+
+    Returns:
+        The configured kernel, ready to be called with its arguments.
+    """
+    if grid >= LOW_OCCUPANCY_BLOCKS or simulator_enabled():
+        return kernel[grid, threads]
+    settings = _launch_settings()
+    before = settings.CUDA_LOW_OCCUPANCY_WARNINGS
+    settings.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+    try:
+        return kernel[grid, threads]
+    finally:
+        settings.CUDA_LOW_OCCUPANCY_WARNINGS = before
+
+
 def blocks_for(n: int, threads: int) -> int:
     """The number of CUDA blocks of ``threads`` threads that cover ``n`` items (at least 1).
 
