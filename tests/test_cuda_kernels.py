@@ -332,16 +332,18 @@ def gather_matches_cpu():
             src = _aligned_slice(src_big, capacity * step_bytes, smod)
             ref = np.full(out_bytes, 0xAB, np.uint8)
             g.gather_windows(src.copy_to_host(), capacity, step_bytes, starts, n_valid, pad_front, rows, ref, window)
-            for vec in cg.VECS:
+            # two threads a block as well: the 16-byte path's four-chunk unrolled loop runs only where a
+            # window holds at least four chunks per thread
+            for vec, threads in [(v, 32) for v in cg.VECS] + [(16, 2)]:
                 out_big = cp_device(np.full(out_bytes + 32, 0xAB, np.uint8))
                 out = _aligned_slice(out_big, out_bytes, dmod)
                 cg.gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, rows, out, window,
-                                  threads=32, vec=vec)
+                                  threads=threads, vec=vec)
                 got = out.copy_to_host()
-                assert np.array_equal(got, ref), (f"step_bytes={step_bytes} src%16={smod} dst%16={dmod} vec={vec}: "
-                                                  f"{int((got != ref).sum())} bytes differ")
+                assert np.array_equal(got, ref), (f"step_bytes={step_bytes} src%16={smod} dst%16={dmod} vec={vec} "
+                                                  f"threads={threads}: {int((got != ref).sum())} bytes differ")
                 cases += 1
-    assert cases == 48
+    assert cases == 64
 
 
 @check
@@ -758,3 +760,71 @@ def test_gpu_check_script_without_a_gpu_exits_cleanly():
         pytest.skip("this machine has a CUDA GPU: the no-GPU path is not exercised here")
     assert proc.returncode == 0, proc.stderr
     assert "--sim" in proc.stdout
+
+
+def test_small_launches_do_not_warn_and_leave_the_setting_as_it_was(monkeypatch):
+    """numba warns at every launch of fewer than 128 blocks (seen on an H100: one warning per sample);
+    ``launch`` lowers the setting for gear_mpi's own small launches only, and puts it back, also when the
+    launch fails."""
+    import types
+    from gear_mpi.kernels import cuda_support
+    settings = types.SimpleNamespace(CUDA_LOW_OCCUPANCY_WARNINGS=1)
+    monkeypatch.setattr(cuda_support, "_launch_settings", lambda: settings)
+    monkeypatch.setattr(cuda_support, "simulator_enabled", lambda: False)
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, config):
+            seen.append((config, settings.CUDA_LOW_OCCUPANCY_WARNINGS))
+            if config[0] == 7:
+                raise RuntimeError("launch failed")
+            return config
+
+    k = Kernel()
+    assert cuda_support.launch(k, 1, 256) == (1, 256)
+    assert cuda_support.launch(k, 128, 64) == (128, 64)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        cuda_support.launch(k, 7, 32)
+    assert seen == [((1, 256), 0), ((128, 64), 1), ((7, 32), 0)]
+    assert settings.CUDA_LOW_OCCUPANCY_WARNINGS == 1
+    settings.CUDA_LOW_OCCUPANCY_WARNINGS = 0   # a user who turned them off keeps them off
+    cuda_support.launch(k, 2, 32)
+    assert settings.CUDA_LOW_OCCUPANCY_WARNINGS == 0
+
+
+PIN_LIFETIME = r"""
+import ctypes, gc, sys
+import numpy as np
+from numba.cuda.cudadrv import driver
+from gear_mpi.storage import pinned
+freed, unraisable = [], []
+sys.unraisablehook = unraisable.append
+# numba's own record of a registration (the class mempin's mapped record derives from), with a finalizer that
+# stands for cuMemHostUnregister, behind the owned pointer mempin returns
+record = driver.AutoFreePointer(None, ctypes.c_void_p(1 << 20), 1 << 16, finalizer=lambda: freed.append(1))
+pin = record.own()
+host = np.zeros(1 << 16, np.uint8)
+m = pinned.MappedBuffer(host, None, None, "mapped", pin=pin)
+view = pin.view(0, 64)
+del pin
+gc.collect()
+assert freed == [], "unregistered while the mapping is open"
+m.close()
+assert freed == [1], "close() did not unregister"
+m.close()
+del view
+m = None
+gc.collect()
+assert freed == [1], freed
+assert not unraisable, [str(u.exc_value) for u in unraisable]
+print("PIN OK")
+"""
+
+
+def test_closing_a_mapping_unregisters_once_whatever_views_outlive_it():
+    """Seen on an H100: ``close()`` freed numba's registration record, then the views and the owned pointer
+    that outlived it brought numba's count to zero and freed it again, printing "Freeing dead memory" from
+    their finalizers. numba's real record and owned pointer, with a finalizer in place of the driver call."""
+    pytest.importorskip("numba.cuda")
+    proc = _run_script(["-c", PIN_LIFETIME], sim=False, timeout=120)
+    assert proc.returncode == 0 and "PIN OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -25,6 +25,8 @@ RANK, SIZE = COMM.rank, COMM.size
 SPEC = gm.TrajectorySpec({"obs": ((3,), "float32"), "step": ((), "int64"), "flag": ((), "bool")}, max_length=6)
 #: collective deadline: the simulator runs every CUDA thread in Python, so it is longer than elsewhere
 TIMEOUT = 60.0
+#: the simulator (set by the wrapper test), or a real GPU when this module is run directly on a GPU node
+CUDA_USABLE = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or torch.cuda.is_available()
 
 
 def same_batches(a: gm.Batch, b: gm.Batch) -> None:
@@ -38,7 +40,7 @@ PATHS = [(m, f) for m in ("decentralized", "centralized", "local")
          for f in ((False, True) if m != "local" and SIZE > 1 else (False,))]
 
 
-@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="run with NUMBA_ENABLE_CUDASIM=1")
+@pytest.mark.skipif(not CUDA_USABLE, reason="no GPU, and NUMBA_ENABLE_CUDASIM=1 is not set")
 @pytest.mark.parametrize("selector", ["Prioritized", "MaxPriority"])  # (Fifo orders by wall-clock stamps)
 @pytest.mark.parametrize("mode,force", PATHS, ids=[f"{m}-{'alltoallv' if f else 'shm'}" for m, f in PATHS])
 def test_gpu_replay_matches_cpu_replay(mode, force, selector):
@@ -74,6 +76,51 @@ def test_gpu_replay_matches_cpu_replay(mode, force, selector):
             assert st["total"]["windows_mpi"] > 0, st
     gpu.close()
     cpu.close()
+
+
+REAL_GPU = os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not REAL_GPU, reason="a real GPU: the simulator registers no host memory")
+def test_pinned_mapping_outlives_dropped_views_and_closes_quietly():
+    """Seen on an H100: numba unpins a registration when the last view sliced from it dies, and a view dying
+    after ``close()`` printed "Freeing dead memory". The mapping holds the registration until ``close()``."""
+    import gc
+    import sys
+    import warnings
+    from gear_mpi.kernels import cuda_priority
+    from gear_mpi.storage import pinned
+    host = np.arange(1 << 20, dtype=np.uint8)
+    m = pinned.map_host(host)
+    view = m.view(host[4096:8192])
+    sub = pinned.map_host(host[:65536])   # a sub-range: a non-owning mapping over views of this one
+    del view
+    sub.close()
+    del sub
+    gc.collect()
+    np.testing.assert_array_equal(m.device.copy_to_host(), host)   # still registered: the bytes read back
+    kept = m.view(host[:4096])
+    unraisable = []
+    old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        m.close()
+        del kept
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
+    with pinned.map_host(host) as again:   # unregistered by close(): the buffer can be registered again
+        np.testing.assert_array_equal(again.device.copy_to_host(), host)
+    # gear_mpi's own small launches print no low-occupancy warning (numba's, at fewer than 128 blocks)
+    from numba import cuda
+    values = cuda.to_device(np.arange(1.0, 9.0))
+    out = cuda.device_array(1, np.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cuda_priority.smallest(values, out)
+        cuda.synchronize()
+    assert out.copy_to_host()[0] == 1.0
+    assert not [w for w in caught if "under-utilization" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_torch_comm_alltoallv_over_gloo():

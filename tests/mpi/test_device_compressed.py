@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from mpi4py import MPI
 
 import gear_mpi as gm
@@ -19,11 +20,13 @@ RANK, SIZE = COMM.rank, COMM.size
 SPEC = gm.TrajectorySpec({"pixels": ((3, 4), "uint8", gm.Compressed(chunk=3)), "step": ((), "int64"),
                           "score": ((2,), "float32", gm.Compressed(codec="zstd", chunk=2))}, max_length=6)
 TIMEOUT = 60.0
+#: the simulator (set by the wrapper test), or a real GPU when this module is run directly on a GPU node
+CUDA_USABLE = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or torch.cuda.is_available()
 PATHS = [(m, f) for m in ("decentralized", "centralized", "local")
          for f in ((False, True) if m != "local" and SIZE > 1 else (False,))]
 
 
-@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="run with NUMBA_ENABLE_CUDASIM=1")
+@pytest.mark.skipif(not CUDA_USABLE, reason="no GPU, and NUMBA_ENABLE_CUDASIM=1 is not set")
 @pytest.mark.parametrize("mode,force", PATHS, ids=[f"{m}-{'alltoallv' if f else 'shm'}" for m, f in PATHS])
 def test_gpu_replay_with_compressed_columns_matches_cpu_replay(mode, force):
     kw = dict(mode=mode, force_alltoallv=force, seed=11, timeout=TIMEOUT)
