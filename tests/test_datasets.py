@@ -92,6 +92,18 @@ def test_sources_read_metadata_and_name_faults(files):
         npz.npz_header(files / "good.hdf5")
 
 
+def test_d4rl_file_of_no_steps_is_refused(tmp_path):
+    """A file whose datasets hold no steps gave an empty replay, as if the load had worked."""
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "empty.hdf5"
+    with h5py.File(path, "w") as f:
+        for name, shape in (("observations", (0, 3)), ("actions", (0, 2)), ("rewards", (0,))):
+            f[name] = np.zeros(shape, np.float32)
+        f["terminals"] = f["timeouts"] = np.zeros(0, bool)
+    with pytest.raises(ValueError, match=r"'observations' holds no steps \(shape \(0, 3\)\): nothing to load"):
+        d4rl.D4RLSource(path)
+
+
 @pytest.mark.parametrize("flag_steps", [6, 14])
 def test_d4rl_flags_of_another_length_are_refused_when_not_loaded(tmp_path, flag_steps):
     """``terminals``/``timeouts`` cut the episodes even when ``columns=`` leaves them out: their length is checked

@@ -58,8 +58,8 @@ def from_d4rl(path: str | Path, /, comm=None, *, columns: Sequence[str] | None =
     Returns:
         The filled replay.
     Raises:
-        ValueError: on every rank: a missing, truncated or damaged file, a required dataset missing,
-            mismatched lengths, a non-numeric dataset, an episode over ``max_length``, a share over
+        ValueError: on every rank: a missing, truncated or damaged file, a required dataset missing, a
+            file of no steps, mismatched lengths, a non-numeric dataset, an episode over ``max_length``, a share over
             ``capacity_steps``, a bad ``headroom`` or one given with ``capacity_steps``, or a read that
             failed (the replay is then closed).
         ImportError: h5py is missing.

@@ -77,6 +77,9 @@ class D4RLSource:
             if absent:
                 raise ValueError(f"{where}: no dataset(s) {absent} in the file")
         n = f["observations"].shape[0] if f["observations"].ndim else 0
+        if n == 0:  # else an empty replay, as if the load had worked
+            raise ValueError(f"{where}: 'observations' holds no steps (shape {f['observations'].shape}): "
+                             f"nothing to load")
         for name in ("terminals", "timeouts"):  # they cut the episodes, loaded as columns or not
             if f[name].shape != (n,):
                 raise ValueError(f"{where}: dataset {name!r} has shape {f[name].shape}, but 'observations' has "
