@@ -154,3 +154,10 @@ def test_a_writer_refuses_true_as_a_timeout(kw, what):
     """``Writer(address, timeout=True)`` was taken as one second (bool is an int)."""
     with pytest.raises(ValueError, match=what):
         gm.Writer("gear_mpi_no_such_address", **kw)
+
+
+@pytest.mark.parametrize("value", [True, 0, -1.0, float("nan"), "60"])
+def test_a_replay_refuses_a_rate_limit_timeout_that_is_not_seconds(value):
+    """``rate_limit_timeout=True`` was taken as one second (bool is an int); nothing is built."""
+    with pytest.raises(ValueError, match=rf"rate_limit_timeout must be a positive number of seconds, got {value!r}"):
+        gm.Replay(SPEC, 400, gm.Uniform(), rate_limiter=gm.MinSize(1), rate_limit_timeout=value)

@@ -59,7 +59,8 @@ def check_rate_limit(rate_limiter: RateLimiter | None, rate_limit_timeout: float
     if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
         raise TypeError(f"rate_limiter must be a gear_mpi rate limiter (MinSize(n), SampleToInsertRatio(...)) or "
                         f"None, got {rate_limiter!r}")
-    if not (isinstance(rate_limit_timeout, (int, float)) and rate_limit_timeout > 0):
+    if isinstance(rate_limit_timeout, bool) or not (isinstance(rate_limit_timeout, (int, float))
+                                                     and rate_limit_timeout > 0):  # True is not 1 second
         raise ValueError(f"rate_limit_timeout must be a positive number of seconds, got {rate_limit_timeout!r}")
 
 
