@@ -80,6 +80,15 @@ def test_file_backed_shard_draws_what_a_private_one_draws(tmp_path, sel):
     finally:
         for s in shards:
             s.close()
+    # closed, still referenced: no mapping of its (unlinked) files is left, so their disk space is free now,
+    # not when the shard is collected (the table's arrays kept slots.bin mapped)
+    assert _mapped_under(tmp_path) == [], _mapped_under(tmp_path)
+
+
+def _mapped_under(directory) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return sorted({line.split(None, 5)[5].strip() for line in f
+                       if len(line.split(None, 5)) == 6 and str(directory) in line})
 
 
 def test_files_reserved_advised_shared_and_removed(tmp_path):

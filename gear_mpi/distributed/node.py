@@ -246,6 +246,9 @@ class NodeView:
             mapped.close()
         self._mapped, self.device_views = [], {}
         self.peer_views = {}
+        # the fence's counters view this rank's arena and the peers': dropped, so that the mappings (and a
+        # memory="file" shard's disk space) go at close, not when this object is collected
+        self._reads_done, self._peer_done = np.zeros(1, np.int64), []
         for chunks in self.peer_chunks.values():
             chunks.close()
         self.peer_chunks = {}

@@ -170,19 +170,13 @@ class TrajectoryStore:
                 continue
             raw = self.arena.buffer[self.offsets[c.name]:self.offsets[c.name] + c.step_bytes * self.capacity]
             self.columns[c.name] = raw.view(c.dtype).reshape((self.capacity,) + c.shape)
-        # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: pages are
-        # committed as slots are first used
+        # a new file's reserved, zero blocks, or zeroed rows staggered within their pages: committed at first use
         carved = file_memory.carve(self._table_arena.buffer, fields) if self._table_arena is not None else None
         self.layout = table_layout.TableLayout(self.capacity, max_items, spec.max_length, int(max_times_sampled),
                                                priority_row, lazy_priority, carved, stamp_row)
-        self.table = self.layout.rows
         self.table_bytes = self.layout.nbytes
-        self._arrays = self.layout.arrays  # what the kernels get: a plain tuple dispatches faster (see ring.Table)
         self.counts_uses = bool(max_times_sampled)
-        # each array by name too (store.start, store.status, ..., store.state): plain attributes, the same
-        # arrays as in the table (they are only ever written in place, never rebound)
-        self.__dict__.update(self.table._asdict())
-        self.alive = self.generation = self.status
+        self._take_table()
 
     # ---- raw priorities (the layout's) ------------------------------------------------------
     @property
@@ -711,6 +705,12 @@ class TrajectoryStore:
             self._collapser.stop()
         self._collapser = Collapser(self.written_ranges(), busy=weak_busy(self))
 
+    def _take_table(self) -> None:
+        """The layout's rows as ``table``, the kernels' tuple and attributes (``store.start``, ...; see ring.Table)."""
+        self.table, self._arrays = self.layout.rows, self.layout.arrays
+        self.__dict__.update(self.table._asdict())
+        self.alive = self.generation = self.status
+
     def close(self) -> None:
         """Drop the columns and close the arena (a shared segment this store created is unlinked). Idempotent."""
         if getattr(self, "_collapser", None) is not None:  # before the mappings go
@@ -725,7 +725,9 @@ class TrajectoryStore:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-        if self._table_arena is not None:  # the table's arrays keep the mapping until they go
+        if self._table_arena is not None:  # the table's arrays keep the mapping (and the file's disk) until they go
+            self.layout.release()
+            self._take_table()
             self._table_arena.close()
             self._table_arena = None
 

@@ -328,6 +328,19 @@ class TableLayout:
         # this raw priority and the row is not kept up to date (keep_priorities, raw_priorities)
         self.priority_constant = 0.0 if lazy_priority and priority_row else None
 
+    def release(self) -> ring.Table:
+        """Point the rows at empty arrays and return them as the new table. O(fields).
+
+        A file-backed table (``memory="file"``) is a mapping of an unlinked file: its disk space is
+        freed only when the last array over it goes. A closed store calls this so that it goes at
+        close, not when the store itself is collected.
+        """
+        self.rows = self.rows._make(np.empty(0, a.dtype) for a in self.rows)
+        self.arrays = tuple(self.rows)
+        if isinstance(self.priority, np.ndarray):
+            self.priority = np.empty(0, self.priority.dtype)
+        return self.rows
+
     # ---- a priority row that stands for one value ---------------------------------------------
     def keep_priorities(self, priorities: np.ndarray) -> bool:
         """Whether a batch's raw priorities must be written into ``priority`` (asked before its table pass).

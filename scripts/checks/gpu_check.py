@@ -394,8 +394,8 @@ class Checker:
         from gear_mpi.selection import DevicePriorityIndex
         dev = DevicePriorityIndex(n, threads=self.z.threads, _fill=False)
         grid = min(self.cp.blocks_for(n, self.z.threads), 2 if self.z.sim else 65535)
-        from gear_mpi.kernels.cuda_support import launch
-        launch(self.random_weights, grid, self.z.threads)(dev.leaves, float(self.args.seed + 1), 0.1)
+        from gear_mpi.kernels import cuda_support
+        cuda_support.launch(self.random_weights, grid, self.z.threads)(dev.leaves, float(self.args.seed + 1), 0.1)
         dev.rebuild()
         return dev
 
