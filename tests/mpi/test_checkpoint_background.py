@@ -446,7 +446,8 @@ def test_compressed_columns_are_checkpointed_in_the_background(shared_dir):
         every = sorted(sum(COMM.allgather(items(replay)), []))  # nothing inserted since the third
         sub = sub_comm(1)
         if sub is not None:  # resharded onto one rank: the chunks decompressed, the segments read
-            one, key_map = gm.Replay.load_latest(shared_dir, sub, capacity_steps=400)
+            # room for every rank's items (a 64-step ring and its items each): the test runs on any number of ranks
+            one, key_map = gm.Replay.load_latest(shared_dir, sub, capacity_steps=64 * SIZE, max_items=64 * SIZE)
             assert sorted(items(one)) == every
             one.close()
         COMM.Barrier()
