@@ -279,7 +279,8 @@ class WindowTransport:
         from ..kernels import cuda_gather
         ctx = self.device
         cuda_gather.gather_into(views, self.spec, self.shard.capacity_steps, *part,
-                                {n: ctx.numba_view(t) for n, t in data.items()}, ctx.numba_view(mask), ctx.threads)
+                                {n: ctx.numba_view(t) for n, t in data.items()}, ctx.numba_view(mask),
+                                ctx.gather_threads)
 
     def _remote_plan(self, send_counts, recv_counts):
         """Counts through the transport, and which of this rank's served items travel (send order)."""
@@ -315,7 +316,7 @@ class WindowTransport:
             elif n_out:
                 cuda_gather.gather_windows(own_views[c.name], cap, c.step_bytes, win_start[pick] % cap,
                                            n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
-                                           ctx.numba_view(send), window, ctx.threads)
+                                           ctx.numba_view(send), window, ctx.gather_threads)
             recv = ctx.empty((n_in * row_bytes,), np.uint8)
             ctx.synchronize()
             what = f"sample (windows of {c.name!r})"
