@@ -55,6 +55,7 @@ _ERROR_CODES: list[type[Exception]] = [
     Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
     errors.CheckpointError, errors.WriterError, MemoryError, errors.MemoryBudgetError, errors.StorageError,
+    errors.CorruptDataError,
 ]
 MESSAGE_BYTES = 1024
 FIELD_TEXT = 240  # bytes of a field's value an agree_signature error shows (longer values are cut with "...")

@@ -163,9 +163,12 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
         One entry per key, in the order of ``keys``: column name -> ``[L, *shape]`` array (the
         arrays of one call share a buffer per column), or None for a stale key (evicted or removed).
     Raises:
+        CorruptDataError, MemoryError: an owner could not read or pack its steps (a damaged compressed chunk),
+            or a rank could not allocate what it receives (on every rank; nothing has been sent).
         CollectiveTimeoutError: a rank did not arrive within the deadline.
-    Cost: one alltoall of counts, one alltoallv of 8 bytes per key each way (keys, then lengths),
-    then one alltoallv per column, posted together, of ``L * step_bytes`` bytes per live trajectory.
+    Cost: one alltoall of counts, one alltoallv of 8 bytes per key each way (keys, then lengths), one
+    agreement (an allgather of 8 bytes a rank), then one alltoallv per column, posted together, of
+    ``L * step_bytes`` bytes per live trajectory.
     Every step is copied twice (the owner packs it, MPI delivers it), node peers and this rank's
     own keys included; O(total steps) on the owner.
     """
@@ -184,16 +187,23 @@ def fetch(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray) -> l
     steps_in = np.bincount(owner[order], weights=n_in, minlength=comm.size).astype(np.int64)
     step = np.arange(int(n_out.sum()), dtype=np.int64) - np.repeat(displacements(n_out), n_out)
     ring_steps = (np.repeat(np.where(live, store.start[slots].astype(np.int64), 0), n_out) + step) % store.capacity
-    received, send_buffers, requests = {}, [], []
-    for c in shard.spec.columns:
-        send = np.ascontiguousarray(store.steps_at(c.name, ring_steps))
-        recv = np.empty((int(n_in.sum()),) + c.shape, c.dtype)
+    # packed and allocated before anything is sent: a damaged compressed chunk (CorruptDataError) or a failed
+    # allocation on one owner fails on every rank here, instead of leaving the others in the exchange
+    packed = None
+    try:
+        packed = [(np.ascontiguousarray(store.steps_at(c.name, ring_steps)),
+                   np.empty((int(n_in.sum()),) + c.shape, c.dtype)) for c in shard.spec.columns]
+        err = None
+    except Exception as e:
+        err = e
+    comm.agree(err, "get_many (steps)")
+    received, requests = {}, []
+    for c, (send, recv) in zip(shard.spec.columns, packed):  # the sent buffers outlive the requests
         requests.append(comm.ialltoallv(send.reshape(-1).view(np.uint8), steps_out * c.step_bytes,
                                         recv.reshape(-1).view(np.uint8), steps_in * c.step_bytes))
-        send_buffers.append(send)  # must outlive the requests
         received[c.name] = recv
     comm.wait_all(requests, "get_many (steps)")
-    del send_buffers
+    del packed
     out: list[dict[str, np.ndarray] | None] = [None] * len(keys)
     first = displacements(n_in)
     for j, i in enumerate(order.tolist()):

@@ -60,6 +60,7 @@ class WindowTransport:
         self.spec = shard.spec
         self.torch_comm = None
         self.copy_seconds = 0.0  # time in exchange() outside MpiComm waits (gear_mpi.stats)
+        self._send_error: Exception | None = None  # this sample's failure to decode windows it sends
         if device is not None and node.any_remote and kind == "nccl":
             from .torch_comm import TorchComm
             backend = "gloo" if device.simulator else "nccl"
@@ -145,17 +146,16 @@ class WindowTransport:
                                                    batch.column_addresses(), window, mask, keys, lengths,
                                                    probabilities, weights)
             if store.compressed:  # compressed columns of the windows read directly: decoded here
-                for o in np.flatnonzero(node.direct).tolist():
-                    lo, hi = int(row_of_owner[o]), int(row_of_owner[o + 1])
-                    if hi <= lo:
-                        continue
-                    src = self._chunks_of(o)
-                    later = derived_columns.chunk_sources(self.spec, src)  # with their stacks: decoded once
-                    mine = gather_kernels.choice_records(got[lo:hi])
-                    src.gather_compressed(mine["start"], mine["valid"], mine["pad_front"],
-                                          np.arange(lo, hi, dtype=np.int64),
-                                          {n: v for n, v in zip(self.spec.names, batch.byte_views())
-                                           if n not in later}, window, mine["key"])
+                err, self._send_error = self._send_error, None
+                try:
+                    self._decode_direct(node, row_of_owner, got, batch, window)
+                except Exception as e:  # a damaged chunk (CorruptDataError), here or in a window this rank sent
+                    err = err or e
+                if local:
+                    if err is not None:
+                        raise err
+                else:  # one rank's damaged chunk fails the sample on every rank (an allgather of 8 bytes a rank)
+                    self.comm.agree(err, "sample (windows)")
             if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
                                        local, context_sent)
@@ -180,6 +180,20 @@ class WindowTransport:
                                    torch.from_numpy(g_valid).to(dev))
         self.device.synchronize()
         return batch
+
+    def _decode_direct(self, node, row_of_owner: np.ndarray, got: np.ndarray, batch: Batch, window: int) -> None:
+        """The compressed columns of the windows this rank read directly (its own, node peers'), decoded into
+        the batch rows (those with frame stacks are decoded with their stacks, later). O(chunks touched)."""
+        for o in np.flatnonzero(node.direct).tolist():
+            lo, hi = int(row_of_owner[o]), int(row_of_owner[o + 1])
+            if hi <= lo:
+                continue
+            src = self._chunks_of(o)
+            later = derived_columns.chunk_sources(self.spec, src)
+            mine = gather_kernels.choice_records(got[lo:hi])
+            src.gather_compressed(mine["start"], mine["valid"], mine["pad_front"], np.arange(lo, hi, dtype=np.int64),
+                                  {n: v for n, v in zip(self.spec.names, batch.byte_views()) if n not in later},
+                                  window, mine["key"])
 
     def _derived_exchange(self, choices: np.ndarray, context: np.ndarray, send_counts: np.ndarray,
                           recv_counts: np.ndarray, row_of_owner: np.ndarray, got: np.ndarray, batch: Batch,
@@ -345,9 +359,15 @@ class WindowTransport:
         cap = self.shard.capacity_steps
         shared = derived_columns.chunk_sources(self.spec, store) if context is not None and n_out else frozenset()
         context_sent = None
+        # a window that cannot be decoded (a damaged chunk) is sent unfilled and its error kept for the sample's
+        # agreement (exchange): the requesters are not left waiting for it
+        self._send_error = None
         if shared:
-            context_sent = derived_columns.pack_context(self.spec, views, cap, win_start[pick], context[pick],
-                                                              n_valid[pick], window, store)
+            try:
+                context_sent = derived_columns.pack_context(self.spec, views, cap, win_start[pick], context[pick],
+                                                            n_valid[pick], window, store)
+            except Exception as err:
+                self._send_error, shared = err, frozenset()
             e = derived_columns.context_steps(self.spec, window)
         buffers = []
         for c in self.spec.columns:
@@ -358,8 +378,12 @@ class WindowTransport:
                                               np.arange(n_out, dtype=np.int64) * e + context[pick], n_valid[pick],
                                               pad_front[pick], np.arange(n_out, dtype=np.int64), sendbuf, window)
             elif n_out and c.compression is not None:  # decompressed here: windows travel raw (see module docstring)
-                self.shard.store.gather_compressed(win_start[pick], n_valid[pick], pad_front[pick],
-                                                   np.arange(n_out, dtype=np.int64), {c.name: sendbuf}, window)
+                if self._send_error is None:
+                    try:
+                        self.shard.store.gather_compressed(win_start[pick], n_valid[pick], pad_front[pick],
+                                                           np.arange(n_out, dtype=np.int64), {c.name: sendbuf}, window)
+                    except Exception as err:
+                        self._send_error = err
             elif n_out:
                 gather_kernels.gather_windows(views[c.name], cap, c.step_bytes, win_start[pick] % cap,
                                               n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),

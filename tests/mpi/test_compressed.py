@@ -169,3 +169,73 @@ def test_prefetched_batches_over_a_compressed_file_backed_replay(tmp_path_factor
     finally:
         raw.close()
         comp.close()
+
+
+def test_get_many_of_a_damaged_chunk_fails_on_every_rank():
+    """The last rank's compressed chunk has a flipped byte: ``get_many`` of one of its trajectories raised
+    CorruptDataError on that rank while it packed, and the others waited in the exchange until their timeout
+    (the replay broken). Now every rank raises the owner's CorruptDataError at once, and the replay goes on."""
+    _, comp_spec = twin_specs(2)
+    replay = gm.Replay(comp_spec, 30, seed=1, memory="private", timeout=20.0)
+    try:
+        keys = [replay.insert(traj, p) for traj, p in trajectories(7, 6)]
+        owner = SIZE - 1
+        bad = None
+        if RANK == owner:
+            ring = replay.shard.store.compressed["pixels"]
+            live = replay.shard.live_keys().tolist()
+            starts, lengths = replay.shard.locate(live)
+            cap = replay.shard.capacity_steps
+
+            def sealed_chunk(i):  # the first sealed chunk trajectory i reads
+                for s in range(int(lengths[i])):
+                    j = (int(starts[i]) + s) % cap // ring.k
+                    if ring.chunks[j] is not None:
+                        return j
+                return None
+            i, j = next((i, sealed_chunk(i)) for i in range(len(live)) if sealed_chunk(i) is not None)
+            ring.chunks[j] = bytearray(ring.chunks[j])  # (a private copy, then one flipped byte)
+            ring.chunks[j][len(ring.chunks[j]) // 2] ^= 0x10
+            bad = live[i]
+        bad = COMM.bcast(bad, root=owner)
+        with pytest.raises(gm.CorruptDataError, match=rf"rank {owner}: column 'pixels': .*compressed chunk .*"
+                                                      rf"\(keys \[[^]]*{bad}[^]]*\]\).*CRC-32"):
+            replay.get_many([bad])
+        assert replay.get_many([]) == []  # the replay goes on
+    finally:
+        replay.close()
+
+
+@pytest.mark.parametrize("force_alltoallv", [False, True])
+def test_sampling_a_damaged_chunk_fails_on_every_rank(force_alltoallv):
+    """The last rank's compressed chunks have a flipped byte each. A sample that reads one -- the owner
+    decoding a window it sends, or a rank decoding a window it reads directly -- raised on that rank alone,
+    and the others waited until their timeout or went on to a call it never joined. Now every rank raises
+    the same CorruptDataError in the same sample, and the replay goes on."""
+    _, comp_spec = twin_specs(2)
+    replay = gm.Replay(comp_spec, 30, gm.Uniform(), seed=1, memory="private", timeout=20.0,
+                       force_alltoallv=force_alltoallv)
+    try:
+        for traj, p in trajectories(7, 6):
+            replay.insert(traj, p)
+        owner = SIZE - 1
+        if RANK == owner:
+            ring = replay.shard.store.compressed["pixels"]
+            for j, c in enumerate(ring.chunks):
+                if c is not None:
+                    ring.chunks[j] = bytearray(c)  # (a private copy, then one flipped byte)
+                    ring.chunks[j][len(c) // 2] ^= 0x10
+        failed = None
+        for i in range(40):
+            try:
+                replay.sample(8, 3)
+            except gm.CorruptDataError as e:
+                failed = (i, str(e))
+                break
+        every = COMM.allgather(failed)
+        assert every[0] is not None and all(f == every[0] for f in every), every
+        assert f"rank {owner}: column 'pixels'" in every[0][1] or SIZE == 1, every[0]
+        assert "CRC-32" in every[0][1]
+        assert replay.stats()["total"]["items"] > 0  # a collective: every rank is still in step
+    finally:
+        replay.close()
