@@ -328,12 +328,13 @@ class Replay:
             A :class:`Batch` (``out`` when given; on the GPU for a device replay).
         Raises:
             ValueError: a bad argument on some rank (a batch larger than its machine's memory included), or ranks
-                asking for different modes (the same error on every rank). TypeError: ``out`` is not a Batch.
+                asking for different modes (the same error on every rank).
             EmptyReplayError: items are asked and none can be selected (local: of this rank's shard).
             RateLimitTimeoutError: the rate limiter held the call past ``rate_limit_timeout`` (every rank).
             CollectiveError: another rank is in another collective call (on every rank, naming both).
             CheckpointError: a rank's columns map a checkpoint (``load(mmap=True)``) that another process
                 has written or truncated since (every rank; docs/CHECKPOINTS.md).
+            CorruptDataError: a window read a damaged compressed chunk (every rank). TypeError: ``out`` not a Batch.
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
         First the rank's writers are drained (within its insert budget); with a rate limiter that does
@@ -567,6 +568,7 @@ class Replay:
             TypeError, InvalidKeyError: keys not integers, or not this replay's, on some rank (on every rank).
             CollectiveError: another rank is in another collective call (on every rank, naming both).
             CheckpointError: as :meth:`sample` (mapped columns changed by another process; every rank).
+            CorruptDataError: a trajectory reads a damaged compressed chunk (every rank).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
         Cost: the head (one allgather, or a row on the node board), then :func:`gear_mpi.distributed.routing.fetch`: an alltoall of counts, two
         alltoallvs of 8 bytes per key, one alltoallv per column of every asked step; plain MPI even
