@@ -828,3 +828,16 @@ def test_closing_a_mapping_unregisters_once_whatever_views_outlive_it():
     pytest.importorskip("numba.cuda")
     proc = _run_script(["-c", PIN_LIFETIME], sim=False, timeout=120)
     assert proc.returncode == 0 and "PIN OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_numba_cuda_without_the_warning_setting_still_launches(monkeypatch):
+    import types
+    from gear_mpi.kernels import cuda_support
+    monkeypatch.setattr(cuda_support, "_launch_settings", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(cuda_support, "simulator_enabled", lambda: False)
+
+    class Kernel:
+        def __getitem__(self, config):
+            return config
+
+    assert cuda_support.launch(Kernel(), 1, 32) == (1, 32)

@@ -219,7 +219,9 @@ def launch(kernel, grid: int, threads: int):
     if grid >= LOW_OCCUPANCY_BLOCKS or simulator_enabled():
         return kernel[grid, threads]
     settings = _launch_settings()
-    before = settings.CUDA_LOW_OCCUPANCY_WARNINGS
+    before = getattr(settings, "CUDA_LOW_OCCUPANCY_WARNINGS", None)
+    if not before:  # off already, or a numba-cuda without the setting
+        return kernel[grid, threads]
     settings.CUDA_LOW_OCCUPANCY_WARNINGS = 0
     try:
         return kernel[grid, threads]
