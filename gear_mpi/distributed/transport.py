@@ -146,19 +146,20 @@ class WindowTransport:
                                                    batch.column_addresses(), window, mask, keys, lengths,
                                                    probabilities, weights)
             if store.compressed:  # compressed columns of the windows read directly: decoded here
-                err, self._send_error = self._send_error, None
                 try:
                     self._decode_direct(node, row_of_owner, got, batch, window)
                 except Exception as e:  # a damaged chunk (CorruptDataError), here or in a window this rank sent
-                    err = err or e
+                    self._send_error = self._send_error or e
+            if self.spec.derived:  # (a compressed source's decode failure is kept, as above)
+                self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
+                                       local, context_sent)
+            if store.compressed:
+                err, self._send_error = self._send_error, None
                 if local:
                     if err is not None:
                         raise err
                 else:  # one rank's damaged chunk fails the sample on every rank (an allgather of 8 bytes a rank)
                     self.comm.agree(err, "sample (windows)")
-            if self.spec.derived:
-                self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
-                                       local, context_sent)
             return batch
         got_fields = gather_kernels.choice_records(got)
         g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
@@ -217,12 +218,19 @@ class WindowTransport:
                 recv_from, send_to, pick = self._remote_plan(send_counts, recv_counts)
                 fields = gather_kernels.choice_records(choices)
                 send_buffers = context_sent  # decompressed with the windows sent (_post_host), or now:
-                if send_buffers is None:
-                    send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
-                                                                self.shard.capacity_steps, fields["start"][pick],
-                                                                context[pick], fields["valid"][pick], window,
-                                                                self.shard.store)
                 e = derived_columns.context_steps(spec, window)
+                if send_buffers is None:
+                    try:
+                        send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
+                                                                    self.shard.capacity_steps, fields["start"][pick],
+                                                                    context[pick], fields["valid"][pick], window,
+                                                                    self.shard.store)
+                    except Exception as err:  # a damaged chunk: sent unfilled, agreed after the sample (exchange)
+                        if not spec.compressed:
+                            raise
+                        self._send_error = self._send_error or err
+                        send_buffers = {n: np.empty(len(pick) * e * spec[n].step_bytes, np.uint8)
+                                        for n in derived_columns.sources(spec)}
                 for name, sendbuf in send_buffers.items():
                     row_bytes = e * spec[name].step_bytes
                     buffers[name] = np.empty(int(recv_from.sum()) * row_bytes, np.uint8)
@@ -233,6 +241,18 @@ class WindowTransport:
                      if not node.direct[o]] + [np.zeros(0, np.int64)]).astype(np.int64)
             self.comm.wait_all(requests, "sample (frame context)")
             del send_buffers
+        try:
+            self._rebuild_derived(got, got_ctx, row_of_owner, batch, window, buffers, remote_rows)
+        except Exception as err:  # a damaged chunk of a compressed source: agreed after the sample (exchange)
+            if not spec.compressed:
+                raise
+            self._send_error = self._send_error or err
+
+    def _rebuild_derived(self, got: np.ndarray, got_ctx: np.ndarray, row_of_owner: np.ndarray, batch: Batch,
+                         window: int, buffers: dict, remote_rows: np.ndarray) -> None:
+        """The derived columns of every row: rebuilt from the rings this rank reads, or from the context windows
+        received (``buffers``, for ``remote_rows``). Local; O(rows x derived steps)."""
+        spec, node, nb = self.spec, self.node, int(row_of_owner[-1])
         fields = gather_kernels.choice_records(got)
         starts, valid, pad = fields["start"], fields["valid"], fields["pad_front"]
         outs = batch.derived_views()

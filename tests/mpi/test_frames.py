@@ -67,3 +67,37 @@ def test_replay_frames_match_naive(mode, window, align, spec, force):
                 assert len(owners) > 1  # windows of other ranks' episodes were rebuilt here
     finally:
         replay.close()
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_stacks_from_a_damaged_chunk_fail_on_every_rank(window, force):
+    """The last rank's compressed frame chunks have a flipped byte each. Frame stacks rebuilt from them --
+    by the owner packing context windows it sends, or by a rank reading them directly -- fail the sample on
+    every rank with the same CorruptDataError, and the replay goes on."""
+    replay = gm.Replay(COMPRESSED, 300, gm.Uniform(), seed=11, timeout=20, force_alltoallv=force)
+    try:
+        for i in range(12):
+            replay.insert(episode(1000 * RANK + i))
+        if RANK == SIZE - 1:
+            ring = replay.shard.store.compressed["frame"]
+            for j, c in enumerate(ring.chunks):
+                if c is None:
+                    continue
+                try:  # in place: a chunk in the node's shared memory, which peers decode too
+                    c[len(c) // 2] ^= 0x10
+                except TypeError:  # bytes in process memory: a private copy, then one flipped byte
+                    ring.chunks[j] = bytearray(c)
+                    ring.chunks[j][len(c) // 2] ^= 0x10
+        failed = None
+        for i in range(30):
+            try:
+                replay.sample(16, window)
+            except gm.CorruptDataError as e:
+                failed = (i, str(e))
+                break
+        every = COMM.allgather(failed)
+        assert every[0] is not None and all(f == every[0] for f in every), every
+        assert "column 'frame'" in every[0][1] and "CRC-32" in every[0][1], every[0]
+        assert replay.stats()["total"]["items"] > 0  # a collective: every rank is still in step
+    finally:
+        replay.close()
