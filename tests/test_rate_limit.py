@@ -53,6 +53,27 @@ def test_bad_arguments_are_named(args, text):
         gm.SampleToInsertRatio(*args)
 
 
+@pytest.mark.parametrize("args, text", [((None, 1, 10), "samples_per_insert must be a number, got None"),
+                                        (("2", 1, 10), "samples_per_insert must be a number, got '2'"),
+                                        ((True, 1, 10), "samples_per_insert must be a number, got True"),
+                                        ((1.0, None, 10), "min_size_to_sample must be an integer >= 1, got None"),
+                                        ((1.0, math.inf, 10), "min_size_to_sample must be an integer >= 1, got inf"),
+                                        ((1.0, math.nan, 10), "min_size_to_sample must be an integer >= 1, got nan"),
+                                        ((1.0, 5.0, 10), r"min_size_to_sample must be an integer >= 1, got 5\.0"),
+                                        ((1.0, 1, None), "error_buffer must be a number, got None"),
+                                        ((1.0, 1, "5"), "error_buffer must be a number, got '5'"),
+                                        ((1.0, 1, (0, "9")), "max_diff must be a number, got '9'")])
+def test_arguments_that_are_not_numbers_are_named(args, text):
+    """None, text, True, inf and nan gave float()'s or int()'s own TypeError, OverflowError or ValueError (or
+    were parsed: "2" samples per insert); now a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=text):
+        gm.SampleToInsertRatio(*args)
+    if text.startswith("min_size_to_sample"):
+        with pytest.raises(ValueError, match=text):
+            gm.MinSize(args[1])
+    assert gm.MinSize(np.int64(3)).min_size_to_sample == 3
+
+
 def test_a_band_narrower_than_one_item_could_hold_samples_and_inserts_for_ever():
     """Reverb's rule, band >= 2 * max(1, spi): each item moves ``inserted * spi - sampled`` by ``spi``, so in
     ``SampleToInsertRatio(8, 1, 3)`` (band [5, 11]) one item let in, three windows sampled, the next item would

@@ -31,8 +31,26 @@ This module is pure logic over counts (local, O(1) per call); :mod:`gear_mpi.fee
 from __future__ import annotations
 
 import math
+import numbers
+
+from ..spec import whole_number
 
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio"]
+
+
+def _real(value, name: str) -> float:
+    """``value`` as a float: a Python or numpy real number, not a bool or text (``float()`` would parse "2" and
+    take True as 1). O(1). Raises: ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _min_size(value) -> int:
+    """``min_size_to_sample`` checked: an integer >= 1 (not 5.0, inf, nan, True or None). O(1)."""
+    if not whole_number(value):
+        raise ValueError(f"min_size_to_sample must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 class RateLimiter:
@@ -48,17 +66,15 @@ class RateLimiter:
     """
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float):
-        spi = float(samples_per_insert)
+        spi = _real(samples_per_insert, "samples_per_insert")
         if not (spi > 0 and math.isfinite(spi)):
             raise ValueError(f"samples_per_insert must be a positive finite number, got {samples_per_insert!r}")
-        if isinstance(min_size_to_sample, bool) or int(min_size_to_sample) != min_size_to_sample \
-                or int(min_size_to_sample) < 1:
-            raise ValueError(f"min_size_to_sample must be an integer >= 1, got {min_size_to_sample!r}")
-        lo, hi = float(min_diff), float(max_diff)
+        min_size = _min_size(min_size_to_sample)  # (inf, nan and None raised int()'s own errors)
+        lo, hi = _real(min_diff, "min_diff"), _real(max_diff, "max_diff")
         if math.isnan(lo) or math.isnan(hi) or lo > hi:
             raise ValueError(f"need min_diff <= max_diff, got min_diff={min_diff!r}, max_diff={max_diff!r}")
         self.samples_per_insert = spi
-        self.min_size_to_sample = int(min_size_to_sample)
+        self.min_size_to_sample = min_size
         self.min_diff, self.max_diff = lo, hi
 
     def can_sample(self, inserted: int, sampled: int, size: int, n: int) -> bool:
@@ -145,10 +161,10 @@ class SampleToInsertRatio(RateLimiter):
                 raise ValueError(f"error_buffer as a pair must be (min_diff, max_diff), got {error_buffer!r}")
             lo, hi = error_buffer
         else:
-            b = float(error_buffer)
+            b = _real(error_buffer, "error_buffer")
             if not b >= 0:
                 raise ValueError(f"error_buffer must be >= 0, got {error_buffer!r}")
-            centre = float(min_size_to_sample) * float(samples_per_insert)
+            centre = _min_size(min_size_to_sample) * _real(samples_per_insert, "samples_per_insert")
             lo, hi = centre - b, centre + b
         super().__init__(samples_per_insert, min_size_to_sample, lo, hi)
         least = 2 * max(1.0, self.samples_per_insert)
