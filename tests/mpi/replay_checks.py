@@ -77,6 +77,15 @@ def check_windows(batch: gm.Batch, ref: dict, window: int, align: str) -> None:
             assert not cols[name][i, :pad].any() and not cols[name][i, pad + n:].any(), f"padding of {name}"
 
 
+def close_replica(replay, sampler, groups) -> None:
+    """Close what a model-parallel test built: its ReplicaSampler, its replay (None on ranks without one), then
+    free its groups."""
+    sampler.close()
+    if replay is not None:
+        replay.close()
+    groups.free()
+
+
 def expect_same_error(fn, cls, what: str) -> None:
     """``fn()`` raises ``cls`` on this rank, with the same message on every rank, containing ``what``."""
     try:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import gear_mpi as gm
-from replay_checks import COMM, RANK, SIZE, SPEC, insert_random
+from replay_checks import COMM, RANK, SIZE, SPEC, close_replica, insert_random
 
 two = pytest.mark.skipif(SIZE != 2, reason="the layouts tested need 2 ranks")
 #: the deadline of every collective here: a rank left waiting fails the test by a timeout well within it
@@ -51,13 +51,6 @@ def sampler_of(sharding: str, pipeline: int = 1, keys: list | None = None):
     if replay is not None:
         (keys if keys is not None else []).extend(insert_random(replay, 6 + RANK, np.random.default_rng(RANK)))
     return groups, replay, gm.ReplicaSampler(replay, groups, spec=SPEC, timeout=DEADLINE)
-
-
-def close(groups, replay, sampler) -> None:
-    sampler.close()
-    if replay is not None:
-        replay.close()
-    groups.free()
 
 
 @two
@@ -106,7 +99,7 @@ def test_a_spec_that_is_no_spec_fails_on_every_rank():
                                                               timeout=DEADLINE),
                          "ReplicaSampler: rank 1: spec must be a TrajectorySpec")
     sampler = gm.ReplicaSampler(replay, groups, spec=SPEC, timeout=DEADLINE)  # nothing was left pending
-    close(groups, replay, sampler)
+    close_replica(replay, sampler, groups)
 
 
 @two
@@ -119,7 +112,7 @@ def test_a_closed_sampler_says_so():
         with pytest.raises(RuntimeError, match="this sampler is closed"):
             call()
     assert replay.sample(2).batch_size == 2  # the replay is the caller's, and still works
-    close(groups, replay, sampler)
+    close_replica(replay, sampler, groups)
 
 
 @two
@@ -140,7 +133,7 @@ def test_a_leaders_bad_batch_fails_on_every_member():
                          "error must be an exception")
     got = sampler.deliver(good if groups.is_leader else None)  # the group still delivers
     assert np.array_equal(COMM.bcast(good.keys.numpy(), 0), got.keys.numpy())
-    close(groups, replay, sampler)
+    close_replica(replay, sampler, groups)
 
 
 def priorities_of(replay, keys: list) -> np.ndarray:
@@ -173,4 +166,4 @@ def test_a_reporters_bad_update_is_refused_on_every_rank(sharding, pipeline):
     applied = sampler.update_priorities(torch.from_numpy(keys), torch.full((4,), 7.0))  # a good one still works
     assert applied == (4 if groups.is_leader else 0)
     assert (priorities_of(replay, own) == 7.0).sum() == len(set(keys.tolist()))
-    close(groups, replay, sampler)
+    close_replica(replay, sampler, groups)

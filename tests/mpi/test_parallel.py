@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows, insert_random
+from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows, close_replica, insert_random
 
 four = pytest.mark.skipif(SIZE != 4, reason="the layouts tested need 4 ranks")
 LAYOUTS = [(2, 1), (1, 2)]  # (tensor, pipeline): 2 DP x 2 TP and 2 DP x 2 PP
@@ -50,13 +50,6 @@ def rows(batch) -> tuple | None:
 def same(a: tuple, b: tuple) -> bool:
     flat = lambda t: [x for part in t for x in (part if isinstance(part, tuple) else (part,))]
     return all(np.array_equal(x, y) for x, y in zip(flat(a), flat(b)))
-
-
-def close(replay, sampler, groups) -> None:
-    sampler.close()
-    if replay is not None:
-        replay.close()
-    groups.free()
 
 
 # ---- groups ----------------------------------------------------------------------------------------
@@ -125,7 +118,7 @@ def test_ranks_of_a_replica_receive_the_same_batch(tensor, pipeline, sharding):
             assert all(same(got[0], r) for r in got[1:]), f"replica {dp} step {step}: ranks got different rows"
         firsts = [next(r for d, r in everyone if d == dp) for dp in range(g.data)]
         assert not np.array_equal(firsts[0][2], firsts[1][2]), "two replicas drew the same keys"
-    close(replay, sampler, g)
+    close_replica(replay, sampler, g)
 
 
 @four
@@ -140,7 +133,7 @@ def test_middle_pipeline_stages_receive_nothing_unless_asked(sharding):
         got = [r for r in COMM.allgather(rows(batch)) if r is not None]
         assert len(got) == len(receivers) and all(same(got[0], r) for r in got[1:])
         sampler.close()
-    close(replay, sampler, g)
+    close_replica(replay, sampler, g)
 
 
 @four
@@ -157,7 +150,7 @@ def test_the_replicas_draw_the_exact_distribution(tensor, pipeline, sharding, re
         if g.is_leader:
             drawn.extend(batch.keys.tolist())
     parts = COMM.gather(drawn, root=0)
-    close(replay, sampler, g)
+    close_replica(replay, sampler, g)
     if RANK == 0:
         keys = sorted(ref)
         w = np.array([ref[k][1] ** 0.8 for k in keys])
@@ -177,7 +170,7 @@ def test_a_leaders_error_is_raised_by_its_peers(sharding):
     sampler = gm.ReplicaSampler(replay, g, spec=SPEC)
     with pytest.raises(gm.EmptyReplayError):
         sampler.sample(4, 2)
-    close(replay, sampler, g)
+    close_replica(replay, sampler, g)
 
 
 @four
@@ -214,7 +207,7 @@ def test_the_reporters_priorities_reach_the_owners(sharding):
         np.testing.assert_array_equal(replay.shard.priorities(own), [sent[k] for k in own.tolist()])
     sizes = COMM.allgather(len(keys) if g.is_reporter else 0)
     assert sum(COMM.allgather(applied)) == sum(sizes)  # every reporter's keys were applied by their owners
-    close(replay, sampler, g)
+    close_replica(replay, sampler, g)
 
 
 @four
@@ -239,4 +232,4 @@ def test_a_leaders_prefetched_batches_are_delivered():
         owner = gm.keys.decode(keys)[1]
         own = keys[owner == replay.rank]
         np.testing.assert_array_equal(replay.shard.priorities(own), 50.0 + own % 7)
-    close(replay, sampler, g)
+    close_replica(replay, sampler, g)
