@@ -29,10 +29,14 @@ from .. import errors
 DEFAULT_TIMEOUT = 60.0  # the deadline of an agreement whose own ``timeout`` argument was the bad one
 
 
-def check_timeout(timeout) -> None:
-    """Raises ValueError unless ``timeout`` is a positive number of seconds (a collective's deadline). O(1)."""
+def check_timeout(timeout, name: str = "timeout", optional: bool = False) -> None:
+    """Raises ValueError unless ``timeout`` is a positive number of seconds (not a bool: ``True`` is no time; with
+    ``optional``, None too). ``name`` is the argument's name in the message. O(1)."""
+    if optional and timeout is None:
+        return
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}a positive number of seconds, "
+                         f"got {timeout!r}")
 
 
 def with_deadline(comm, timeout: Any) -> tuple["MpiComm", ValueError | None]:

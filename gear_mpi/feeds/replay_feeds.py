@@ -37,6 +37,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..distributed.comm import check_timeout
 from ..errors import RateLimitTimeoutError
 from .intake import WriterIntake
 from ..distributed.header import BACKLOG, BATCH, INSERTED, ITEMS, SAMPLED, WAITED
@@ -59,9 +60,7 @@ def check_rate_limit(rate_limiter: RateLimiter | None, rate_limit_timeout: float
     if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
         raise TypeError(f"rate_limiter must be a gear_mpi rate limiter (MinSize(n), SampleToInsertRatio(...)) or "
                         f"None, got {rate_limiter!r}")
-    if isinstance(rate_limit_timeout, bool) or not (isinstance(rate_limit_timeout, (int, float))
-                                                     and rate_limit_timeout > 0):  # True is not 1 second
-        raise ValueError(f"rate_limit_timeout must be a positive number of seconds, got {rate_limit_timeout!r}")
+    check_timeout(rate_limit_timeout, "rate_limit_timeout")
 
 
 def _revoked(comm) -> bool:

@@ -278,10 +278,8 @@ class Writer(EpisodeWriter):
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None,
                  check_finite: bool = False, hold_timeout: float | None = None):
-        check_timeout(timeout)  # (True is no time)
-        if hold_timeout is not None and (isinstance(hold_timeout, bool)
-                                         or not (isinstance(hold_timeout, (int, float)) and hold_timeout > 0)):
-            raise ValueError(f"hold_timeout must be None or a positive number of seconds, got {hold_timeout!r}")
+        check_timeout(timeout)
+        check_timeout(hold_timeout, "hold_timeout", optional=True)
         self.timeout = float(timeout)
         self.hold_timeout = None if hold_timeout is None else float(hold_timeout)
         self.held_seconds = 0.0
