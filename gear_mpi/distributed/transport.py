@@ -24,6 +24,7 @@ three ways, decided per owner by the :class:`~gear_mpi.distributed.node.NodeView
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -60,7 +61,7 @@ class WindowTransport:
         self.spec = shard.spec
         self.torch_comm = None
         self.copy_seconds = 0.0  # time in exchange() outside MpiComm waits (gear_mpi.stats)
-        self._send_error: Exception | None = None  # this sample's failure to decode windows it sends
+        self._decode_error: Exception | None = None  # this sample's first failure to decode a compressed chunk
         if device is not None and node.any_remote and kind == "nccl":
             from .torch_comm import TorchComm
             backend = "gloo" if device.simulator else "nccl"
@@ -101,6 +102,7 @@ class WindowTransport:
                   local: bool, out: Batch | None, counts: np.ndarray | None = None,
                   context: np.ndarray | None = None) -> Batch:
         node, size = self.node, self.comm.size
+        self._decode_error = None
         row_of_owner = np.zeros(size + 1, np.int64)
         np.cumsum(recv_counts, out=row_of_owner[1:])
         nb = int(row_of_owner[-1])
@@ -146,15 +148,13 @@ class WindowTransport:
                                                    batch.column_addresses(), window, mask, keys, lengths,
                                                    probabilities, weights)
             if store.compressed:  # compressed columns of the windows read directly: decoded here
-                try:
+                with self._decode_failure_kept():
                     self._decode_direct(node, row_of_owner, got, batch, window)
-                except Exception as e:  # a damaged chunk (CorruptDataError), here or in a window this rank sent
-                    self._send_error = self._send_error or e
-            if self.spec.derived:  # (a compressed source's decode failure is kept, as above)
+            if self.spec.derived:
                 self._derived_exchange(choices, context, send_counts, recv_counts, row_of_owner, got, batch, window,
                                        local, context_sent)
-            if store.compressed:
-                err, self._send_error = self._send_error, None
+            if store.compressed:  # every decode failure of this sample, here or in a window this rank sent
+                err, self._decode_error = self._decode_error, None
                 if local:
                     if err is not None:
                         raise err
@@ -220,17 +220,14 @@ class WindowTransport:
                 send_buffers = context_sent  # decompressed with the windows sent (_post_host), or now:
                 e = derived_columns.context_steps(spec, window)
                 if send_buffers is None:
-                    try:
+                    with self._decode_failure_kept():
                         send_buffers = derived_columns.pack_context(spec, self.shard.store.byte_views(),
                                                                     self.shard.capacity_steps, fields["start"][pick],
                                                                     context[pick], fields["valid"][pick], window,
                                                                     self.shard.store)
-                    except Exception as err:  # a damaged chunk: sent unfilled, agreed after the sample (exchange)
-                        if not spec.compressed:
-                            raise
-                        self._send_error = self._send_error or err
-                        send_buffers = {n: np.empty(len(pick) * e * spec[n].step_bytes, np.uint8)
-                                        for n in derived_columns.sources(spec)}
+                if send_buffers is None:  # a damaged chunk: sent unfilled
+                    send_buffers = {n: np.empty(len(pick) * e * spec[n].step_bytes, np.uint8)
+                                    for n in derived_columns.sources(spec)}
                 for name, sendbuf in send_buffers.items():
                     row_bytes = e * spec[name].step_bytes
                     buffers[name] = np.empty(int(recv_from.sum()) * row_bytes, np.uint8)
@@ -241,12 +238,20 @@ class WindowTransport:
                      if not node.direct[o]] + [np.zeros(0, np.int64)]).astype(np.int64)
             self.comm.wait_all(requests, "sample (frame context)")
             del send_buffers
-        try:
+        with self._decode_failure_kept():
             self._rebuild_derived(got, got_ctx, row_of_owner, batch, window, buffers, remote_rows)
-        except Exception as err:  # a damaged chunk of a compressed source: agreed after the sample (exchange)
-            if not spec.compressed:
+
+    @contextlib.contextmanager
+    def _decode_failure_kept(self):
+        """Around a step that decodes compressed chunks: a failure (a damaged chunk, CorruptDataError) is kept
+        for the sample's one agreement (:meth:`_exchange`) instead of raised on this rank alone, whose peers
+        would then wait in the next exchange. A replay without compressed columns raises as before."""
+        try:
+            yield
+        except Exception as err:
+            if not self.spec.compressed:
                 raise
-            self._send_error = self._send_error or err
+            self._decode_error = self._decode_error or err
 
     def _rebuild_derived(self, got: np.ndarray, got_ctx: np.ndarray, row_of_owner: np.ndarray, batch: Batch,
                          window: int, buffers: dict, remote_rows: np.ndarray) -> None:
@@ -381,13 +386,12 @@ class WindowTransport:
         context_sent = None
         # a window that cannot be decoded (a damaged chunk) is sent unfilled and its error kept for the sample's
         # agreement (exchange): the requesters are not left waiting for it
-        self._send_error = None
         if shared:
-            try:
+            with self._decode_failure_kept():
                 context_sent = derived_columns.pack_context(self.spec, views, cap, win_start[pick], context[pick],
                                                             n_valid[pick], window, store)
-            except Exception as err:
-                self._send_error, shared = err, frozenset()
+            if context_sent is None:
+                shared = frozenset()
             e = derived_columns.context_steps(self.spec, window)
         buffers = []
         for c in self.spec.columns:
@@ -398,12 +402,10 @@ class WindowTransport:
                                               np.arange(n_out, dtype=np.int64) * e + context[pick], n_valid[pick],
                                               pad_front[pick], np.arange(n_out, dtype=np.int64), sendbuf, window)
             elif n_out and c.compression is not None:  # decompressed here: windows travel raw (see module docstring)
-                if self._send_error is None:
-                    try:
+                if self._decode_error is None:  # (after a failure the windows go unfilled)
+                    with self._decode_failure_kept():
                         self.shard.store.gather_compressed(win_start[pick], n_valid[pick], pad_front[pick],
                                                            np.arange(n_out, dtype=np.int64), {c.name: sendbuf}, window)
-                    except Exception as err:
-                        self._send_error = err
             elif n_out:
                 gather_kernels.gather_windows(views[c.name], cap, c.step_bytes, win_start[pick] % cap,
                                               n_valid[pick], pad_front[pick], np.arange(n_out, dtype=np.int64),
