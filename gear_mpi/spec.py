@@ -417,9 +417,9 @@ def validate_priorities(priorities: Any, count: int, what: str = "priorities") -
                 isinstance(v, (str, bytes, np.str_, np.bytes_)) for v in arr.reshape(-1).tolist())):
             raise TypeError
         arr = arr.astype(np.float64, copy=False).reshape(-1)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, InvalidPriorityError):
-            raise
+    except InvalidPriorityError:  # (complex numbers: their own message)
+        raise
+    except (TypeError, ValueError):
         raise InvalidPriorityError(f"{what} must be numbers, got {priorities!r:.80}") from None
     if arr.shape[0] != count:
         raise InvalidPriorityError(f"{what}: got {arr.shape[0]} values for {count} items")
