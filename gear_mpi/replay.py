@@ -489,23 +489,23 @@ class Replay:
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
         Cost: the head, one allgather (status, call, whether the rank's keys are all its own; a row on the
-        node board when every rank is on one node); then, unless
-        every rank holds only its own keys (as after a local sample), one alltoall of counts, one
-        alltoallv of 16 bytes per key, one alltoall of applied counts; O(n) on the owner plus one
-        batched index update. Duplicate keys: the highest rank's value wins, and within a rank the
-        last one.
+        node board when every rank is on one node); then, unless every rank holds only its own keys (as
+        after a local sample), one alltoall of counts, one alltoallv of 16 bytes per key, one alltoall of
+        applied counts; O(n) on the owner plus one batched index update. Duplicate keys: the highest rank's
+        value wins, and within a rank the last one.
         """
         return self._update(keys, priorities)
 
     @metered_update
-    def _update(self, keys: Any, priorities: Any, deferred: bool = False) -> int:
-        """:meth:`update_priorities`; ``deferred`` (every rank's batches() thread): up to ``FOLD_RANKS``
+    def _update(self, keys: Any, priorities: Any, deferred: bool = False, problem: Exception | None = None) -> int:
+        """:meth:`update_priorities`; ``problem``: this rank's error known already (a ReplicaSampler reporter's refused
+        update), agreed as a bad key's would be; ``deferred`` (every rank's batches() thread): up to ``FOLD_RANKS``
         ranks, :func:`routing.route_deferred`: one allgather in flight with the head carries the counts, and the
         keys too once their count is known (``fold_keys``); the result is how many keys this rank's shard applied.
         A deferred update's head is an ``"update_priorities (batches)"`` call: a plain update meeting it is a
         mismatch (:mod:`gear_mpi.distributed.calls`)."""
         self._check_open()
-        err, own, fold = None, 1.0, deferred and self.ranks <= FOLD_RANKS
+        err, own, fold = problem, 1.0, deferred and self.ranks <= FOLD_RANKS
         try:
             self._feeds.feed()
             keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)

@@ -403,8 +403,8 @@ class ReplicaSampler:
             if problem is not None:
                 raise problem
             return 0
-        # a refused update's error reaches the replay's agreement as its keys' (_Refused): every rank raises it
-        return self.replay.update_priorities(k if problem is None else _Refused(problem), p)
+        # a refused update's error goes into the replay's own agreement: every rank raises it
+        return self.replay._update(k, p, problem=problem)
 
     def _from_reporter(self, k: np.ndarray, p: np.ndarray, problem: BaseException | None,
                        mine: bool) -> tuple[np.ndarray, np.ndarray, BaseException | None]:
@@ -429,21 +429,6 @@ class ReplicaSampler:
         if self._group is not None:
             self._group.free()
             self._group = None
-
-
-class _Refused:
-    """Keys that raise ``error`` when read (``np.asarray``): a reporter's refused update, given to
-    ``replay.update_priorities`` so that the replay's own agreement raises it on every rank of its communicator.
-
-    Args:
-        error: the reporter's exception.
-    """
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-    def __array__(self, *args, **kwargs):
-        raise self.error
 
 
 def _error_code(error: BaseException | None) -> int:
