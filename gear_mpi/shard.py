@@ -19,7 +19,7 @@ from .selection.priority_index import DevicePriorityIndex, PriorityIndex
 from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
 from .storage.shard_insert import ShardInserter
 from .checkpoint.shard_state import ShardCheckpointState
-from .spec import TrajectorySpec
+from .spec import TrajectorySpec, check_count
 from .storage import table as table_layout
 from .storage.store import TrajectoryStore
 from .storage.file_guard import Hold
@@ -66,12 +66,10 @@ class Shard:
         sampler = Uniform() if sampler is None else sampler
         if not isinstance(sampler, Selector):
             raise TypeError(f"sampler must be a gear_mpi selector (Uniform(), Prioritized(...), ...), got {sampler!r}")
-        if max_times_sampled is not None and (isinstance(max_times_sampled, bool) or int(max_times_sampled) < 1):
-            raise ValueError(f"max_times_sampled must be a positive integer or None, got {max_times_sampled!r}")
+        self.max_times_sampled = check_count(max_times_sampled, "max_times_sampled", optional=True) or 0
         memory = memory_kind(memory, stacklevel=3)
         self.spec = spec
         self.selector = sampler
-        self.max_times_sampled = int(max_times_sampled or 0)
         derived = table_layout.derives_priority(sampler)  # the index gives raw priorities back
         self.store = TrajectoryStore(spec, capacity_steps, max_items, memory, rank,
                                      secrets.randbits(8) if tag is None else tag, path=path,

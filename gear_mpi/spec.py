@@ -106,6 +106,34 @@ def whole_number(value: Any, least: int = 1) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= least
 
 
+def check_count(value: Any, name: str, least: int = 1, optional: bool = False, most: int = 2 ** 62) -> int | None:
+    """``value`` as an ``int`` when :func:`whole_number` takes it (of at least ``least`` and at most ``most``,
+    by default far inside int64); None for None where ``optional``. The check behind size and count arguments
+    that once went through ``int()``, which took ``8.5`` and ``'8'`` as 8 and raised its own OverflowError for
+    ``inf``. O(1).
+
+    Raises:
+        ValueError: anything else, naming ``name`` and the value.
+    """
+    if value is None and optional:
+        return None
+    if not (whole_number(value, least) and value <= most):
+        raise ValueError(f"{name} must be an integer in [{least}, {most}]{' or None' if optional else ''}, "
+                         f"got {value!r}")
+    return int(value)
+
+
+#: values a column's step may hold (2**40: a TiB of bytes at most); its byte counts stay far inside int64
+_MAX_STEP_ITEMS = 1 << 40
+
+
+def _product(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
 def _castable(src: np.dtype, dst: np.dtype, casting: str = "safe") -> bool:
     """Safe casts (or ``casting``'s), plus any integer or float into a float column (RL data is often float64)."""
     if np.can_cast(src, dst, casting=casting):
@@ -147,8 +175,8 @@ class TrajectorySpec:
     def __init__(self, columns: Mapping[str, tuple[ShapeLike, Any]], max_length: int):
         if not isinstance(columns, Mapping) or not columns:
             raise ValueError("TrajectorySpec needs a non-empty mapping of column name -> (shape, dtype)")
-        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
-            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+        if not whole_number(max_length) or max_length > 2 ** 62:
+            raise ValueError(f"max_length must be a positive integer (at most 2**62), got {max_length!r}")
         cols, declared = [], {}
         for name, entry in columns.items():
             if not isinstance(name, str) or not name:
@@ -164,9 +192,16 @@ class TrajectorySpec:
                 raise ValueError(f"column {name!r}: expected (shape, dtype) or (shape, dtype, Compressed(...)), "
                                  f"got {entry!r}")
             compression = rest[0] if rest else None
-            shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
-            if any(d < 1 for d in shape):
-                raise ValueError(f"column {name!r}: every dimension must be positive, got shape {shape}")
+            dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+            try:
+                dims = tuple(dims)
+            except TypeError:
+                raise ValueError(f"column {name!r}: a shape is an integer or a sequence of them, got {shape!r}") \
+                    from None
+            if not all(whole_number(d) for d in dims) or _product(dims) >= _MAX_STEP_ITEMS:
+                raise ValueError(f"column {name!r}: every dimension must be a positive integer, and a step under "
+                                 f"{_MAX_STEP_ITEMS} values, got shape {shape!r}")
+            shape = tuple(int(d) for d in dims)
             try:
                 dt = np.dtype(dtype)
             except TypeError:

@@ -117,3 +117,46 @@ def test_a_closed_replay_counts_nothing_and_refuses_calls():
     assert len(replay) == 0 and len(replay.shard) == 0 and "items_here=0" in repr(replay)
     with pytest.raises(RuntimeError, match="this Replay is closed"):
         replay.sample(1, 1)
+
+
+NOT_COUNTS = [8.5, 8.0, "8", True, float("inf"), float("nan"), 2 ** 70]
+
+
+@pytest.mark.parametrize("value", NOT_COUNTS, ids=repr)
+def test_a_size_or_count_that_is_no_integer_is_named(value):
+    """Size and count arguments went through ``int()``: 8.5 was taken as 8, "8" as 8, a True shape as 1, inf
+    raised int()'s OverflowError and a column of shape (None,) int()'s TypeError. Each now raises a ValueError
+    naming the argument, and makes nothing (a Replay's on every rank: tests/mpi/test_errors.py agrees them)."""
+    cases = {
+        "column 'x': every dimension must be a positive integer": lambda: gm.TrajectorySpec({"x": ((value,), "f4")}, 4),
+        "max_length must be a positive integer": lambda: gm.TrajectorySpec({"x": ((2,), "f4")}, value),
+        "max_items must be an integer in": lambda: gm.Shard(SPEC, 40, max_items=value),
+        "max_times_sampled must be an integer in": lambda: gm.Shard(SPEC, 40, max_times_sampled=value),
+        "capacity_steps must be a positive integer": lambda: gm.Replay(SPEC, value, timeout=20.0),
+    }
+    for what, make in cases.items():
+        huge = value == 2 ** 70 and what.startswith("capacity_steps")  # an integer: the memory budget refuses it
+        with pytest.raises(gm.MemoryBudgetError if huge else ValueError, match="need .* GB" if huge else what):
+            make()
+    with gm.Replay(SPEC, 40, gm.Uniform(), seed=1, timeout=20.0) as replay:
+        replay.insert_many(trajectories(3))
+        with pytest.raises(ValueError, match="batches: rank 0: prefetch must be an integer in"):
+            replay.batches(2, 1, prefetch=value)
+        with pytest.raises(ValueError, match="batches: rank 0: limit must be an integer in"):
+            replay.batches(2, 1, limit=value)
+        assert len(replay) == 3 and len(replay.sample(2, 1)) == 2  # the replay goes on
+
+
+def test_a_shape_that_is_not_a_sequence_or_too_large_is_named():
+    with pytest.raises(ValueError, match="column 'x': a shape is an integer or a sequence of them, got None"):
+        gm.TrajectorySpec({"x": (None, "f4")}, 4)
+    with pytest.raises(ValueError, match=r"column 'x': every dimension .* got shape \(1048576, 1048576\)"):
+        gm.TrajectorySpec({"x": ((2 ** 20, 2 ** 20), "u1")}, 4)
+    assert gm.TrajectorySpec({"x": ((2, np.int64(3)), "f4"), "y": ((), "f4")}, 4).step_bytes == 28
+
+
+def test_mpi_writer_names_a_max_in_flight_that_is_no_integer():
+    from mpi4py import MPI
+    for value in (8.5, 8.0, "8", float("inf"), None, 0):
+        with pytest.raises(ValueError, match=f"max_in_flight must be an integer in \\[1, .*got {value!r}"):
+            gm.MpiWriter(MPI.COMM_WORLD, 0, max_in_flight=value)

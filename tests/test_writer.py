@@ -261,8 +261,9 @@ def test_writer_arguments():
     shard = gm.Shard(SPEC, 100)
     point = intake.WriterIntake(shard)
     try:
-        with pytest.raises(ValueError, match="staging_steps must be an integer >= max_length"):
-            gm.Writer(point.address, staging_steps=3)
+        for steps in (3, float(MAX_LENGTH + 1), str(MAX_LENGTH + 1), float("inf")):  # int() took the last three
+            with pytest.raises(ValueError, match="staging_steps must be an integer >= max_length"):
+                gm.Writer(point.address, staging_steps=steps)
         with pytest.raises(ValueError, match="timeout"):
             gm.Writer(point.address, timeout=0)
         assert point.writers == {} and segments(point.address) == [point.address]

@@ -67,6 +67,7 @@ import time
 from typing import Any
 
 from .. import errors
+from ..spec import check_count
 
 _STOP = object()
 
@@ -100,15 +101,14 @@ def _numba_threads(n: int | None = None) -> int | None:
 
 
 _RECYCLE = {False: 0, True: 1, "auto": 2}
+MAX_PREFETCH = 1 << 16  #: batches sampled ahead at most (each holds a batch's memory)
 _RECYCLE_NAMES = ["False", "True", "'auto'"]
 
 
 def _check_arguments(replay, prefetch, limit, recycle) -> None:
     """This rank's checks of :class:`BatchIterator`'s arguments (local, O(1); raises as its docstring says)."""
-    if isinstance(prefetch, bool) or int(prefetch) != prefetch or prefetch < 0:
-        raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-    if limit is not None and (isinstance(limit, bool) or int(limit) != limit or limit < 0):
-        raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
+    check_count(prefetch, "prefetch", 0, most=MAX_PREFETCH)
+    check_count(limit, "limit", 0, optional=True)
     if recycle not in (True, False, "auto") or not isinstance(recycle, (bool, str)):
         raise ValueError(f"recycle must be 'auto', True or False, got {recycle!r}")
     if recycle is True and getattr(replay, "device", None) is not None:
@@ -122,7 +122,7 @@ class BatchIterator:
         replay: the :class:`~gear_mpi.replay.Replay` whose ``sample`` and deferred updates the thread calls.
         owner: the replay's :class:`ReplayPrefetch`, which this iterator claims while it runs.
         batch_size, window, align, mode: as :meth:`Replay.sample` (the same for every batch).
-        prefetch: batches sampled ahead (>= 0).
+        prefetch: batches sampled ahead (0 to ``MAX_PREFETCH``).
         limit: stop after this many batches (None: never; ``next()`` then raises StopIteration on every rank).
         recycle: ``"auto"``, True or False: when to refill the batches of a ring of ``prefetch + 2`` instead of
             allocating new ones (host replays; see the module docstring).

@@ -52,7 +52,7 @@ import numpy as np
 from ..distributed.comm import check_timeout
 from ..distributed.deadline import _process_failed, poll
 from ..errors import WriterError, WriterTimeoutError
-from ..spec import TrajectorySpec, whole_number
+from ..spec import TrajectorySpec, check_count, whole_number
 from .writer import EpisodeWriter
 
 TAG_HELLO, TAG_SPEC, TAG_EPISODE, TAG_ACK, TAG_BYE = range(31000, 31005)
@@ -112,8 +112,7 @@ class MpiWriter(EpisodeWriter):
     def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8,
                  check_finite: bool = False):
         check_timeout(timeout)
-        if isinstance(max_in_flight, bool) or int(max_in_flight) != max_in_flight or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        max_in_flight = check_count(max_in_flight, "max_in_flight")
         if not (whole_number(learner, 0) and learner < comm.Get_size()) or learner == comm.Get_rank():
             raise ValueError(f"learner must be another rank of comm (0..{comm.Get_size() - 1}), got {learner!r}")
         self.comm, self.learner, self.timeout = comm, int(learner), float(timeout)

@@ -48,7 +48,7 @@ from ..distributed.comm import check_timeout
 from ..distributed.deadline import poll
 from ..errors import InvalidPriorityError, InvalidTrajectoryError, WriterError, WriterTimeoutError
 from ..kernels.hints import publish
-from ..spec import TrajectorySpec, _castable, check_finite_columns
+from ..spec import TrajectorySpec, _castable, check_finite_columns, whole_number
 from .staging import (R_CLOSED, R_HOLD, S_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, S_PUBLISHED, S_PUBLISHED_STEPS,
                       Registry, Staging)
 
@@ -287,7 +287,7 @@ class Writer(EpisodeWriter):
         spec = self._registry.spec
         if staging_steps is None:
             staging_steps = max(2 * spec.max_length, min(1 << 20, _STAGING_BYTES // max(spec.step_bytes, 1)))
-        if isinstance(staging_steps, bool) or int(staging_steps) != staging_steps or staging_steps < spec.max_length:
+        if not whole_number(staging_steps, spec.max_length):
             self._registry.close()
             raise ValueError(f"staging_steps must be an integer >= max_length={spec.max_length}, got {staging_steps!r}")
         steps = int(staging_steps)

@@ -119,7 +119,7 @@ def enforce(comm, spec, capacity_steps: int, max_items: int | None, sampler, mem
     try:
         problem = check(shard_bytes(spec, capacity_steps, max_items, sampler.proportional, memory, sampler), node_ranks,
                         memory)
-    except (TypeError, ValueError):  # a bad size: the shard's own check names it
+    except (TypeError, ValueError, OverflowError):  # a bad size: the shard's own check names it
         problem = None
     if problem is not None and lazy:
         warnings.warn(f"gear_mpi: {problem}", ResourceWarning, stacklevel=3)

@@ -39,7 +39,7 @@ from .arenas import (SharedArena, check_header, column_layout, commit_pages, mak
                      write_header)
 from .compressed import ChunkError, CompressedRing, codec_library, gather_rings
 from .huge_pages import Collapser, weak_busy
-from ..spec import TrajectorySpec
+from ..spec import TrajectorySpec, check_count
 
 INSERT_QUIET_S = 0.1  # a large insert counts as running this long after it ends (insert_busy)
 
@@ -95,7 +95,7 @@ class TrajectoryStore:
             raise ValueError(f"capacity_steps must be a positive integer, got {capacity_steps!r}")
         if capacity_steps < spec.max_length:
             raise ValueError(f"capacity_steps={capacity_steps} is smaller than max_length={spec.max_length}")
-        max_items = int(capacity_steps if max_items is None else max_items)
+        max_items = check_count(capacity_steps if max_items is None else max_items, "max_items")
         if not 1 <= max_items <= keyspace.MAX_SLOTS:
             raise ValueError(f"max_items must be in [1, {keyspace.MAX_SLOTS}], got {max_items}")
         if not 0 <= rank < keyspace.MAX_RANKS:

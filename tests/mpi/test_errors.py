@@ -181,7 +181,7 @@ def test_batches_with_a_bad_or_differing_argument_on_one_rank_fails_on_every_ran
     replay = make_replay(gm.Uniform())
     fill(replay, shard_sizes()[RANK], seed=2)
     expect_same_error(lambda: replay.batches(2, 3, prefetch=-1 if RANK == bad else 1), ValueError,
-                      f"batches: rank {bad}: prefetch must be an integer >= 0")
+                      f"batches: rank {bad}: prefetch must be an integer in [0, 65536]")
     expect_same_error(lambda: replay.batches(2, 3, recycle="x" if RANK == bad else "auto"), ValueError,
                       f"batches: rank {bad}: recycle must be")
     if SIZE > 1:
