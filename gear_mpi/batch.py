@@ -49,6 +49,39 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+_FROM_NUMPY = []  # torch.from_numpy, once torch is imported (at the first batch)
+
+
+def _torch_from_numpy():
+    if not _FROM_NUMPY:
+        import torch
+        _FROM_NUMPY.append(torch.from_numpy)
+    return _FROM_NUMPY[0]
+
+
+class _MetaTensor:
+    """A host batch's metadata tensor (``mask``, ``keys``, ...), made at its first use and kept in the batch's
+    ``__dict__``, which later reads find first (a non-data descriptor): a small batch's sample pays one
+    ``torch.from_numpy`` (about 0.5 us) only for the tensors its caller reads, and a first read costs about
+    0.4 us besides (it cost 2 us through ``__getattr__``, after Python's failed lookup). A device batch
+    (``Batch.from_tensors``) sets them as plain attributes."""
+
+    __slots__ = ("name", "index")
+
+    def __init__(self, index: int):
+        self.index = index  # in ``_meta_np`` (-1: the mask)
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch, owner=None):
+        if batch is None:
+            return self
+        i = self.index
+        value = batch.__dict__[self.name] = _torch_from_numpy()(batch._mask_np if i < 0 else batch._meta_np[i])
+        return value
+
+
 class Batch:
     """Sampled windows, as torch tensors that share memory with numpy buffers.
 
@@ -74,6 +107,12 @@ class Batch:
         squeezed: whether ``data`` holds ``[B, *shape]`` one-step columns (``mask`` is ``[B, 1]``).
     """
 
+    mask = _MetaTensor(-1)
+    keys = _MetaTensor(0)
+    probabilities = _MetaTensor(1)
+    weights = _MetaTensor(2)
+    lengths = _MetaTensor(3)
+
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
                  probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray, squeezed: bool = False):
         import torch
@@ -86,18 +125,7 @@ class Batch:
         self._meta_np = (keys, probabilities, weights, lengths)
         self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
         self._mask_np = mask
-        # mask, keys, probabilities, weights, lengths: wrapped at first use (__getattr__), then plain attributes
-
-    def __getattr__(self, name: str):
-        """The metadata tensors of a host batch, made at their first use (a small batch's sample pays one
-        ``torch.from_numpy`` per tensor it returns: about 1 us each) and kept as plain attributes."""
-        i = _META.get(name)
-        if i is None or "_meta_np" not in self.__dict__ or self.__dict__["_meta_np"] is None:
-            raise AttributeError(f"'Batch' object has no attribute {name!r}")
-        import torch
-        value = torch.from_numpy(self._mask_np if i < 0 else self._meta_np[i])
-        setattr(self, name, value)
-        return value
+        # mask, keys, probabilities, weights, lengths: wrapped at first use (_MetaTensor), then plain attributes
 
     @classmethod
     def from_tensors(cls, data: dict[str, torch.Tensor], mask: torch.Tensor, keys: torch.Tensor,
@@ -159,9 +187,14 @@ class Batch:
         # one ndarray constructor per buffer (a slice, a view and a reshape cost about 3x as much)
         arrays = [np.ndarray(shape, dtype, raw, off + at) for at, nbytes, dtype, shape in views]
         names = spec.batch_names
-        batch = cls(dict(zip(names, arrays)), *arrays[len(names):], squeezed=squeeze)
-        batch._stored = len(spec.names)
-        batch._addresses = column_offsets + (base + off)  # contiguous and sized by construction
+        n = len(names)
+        data = dict(zip(names, arrays))
+        from_numpy = _torch_from_numpy()
+        batch = cls.__new__(cls)  # what __init__ sets, in one update (about 1 us less a batch)
+        batch.__dict__.update(
+            squeezed=bool(squeeze), _np=data, _fits=None, _bytes=None, _stored=len(spec.names),
+            _addresses=column_offsets + (base + off),  # contiguous and sized by construction
+            _meta_np=tuple(arrays[n + 1:]), _mask_np=arrays[n], data={k: from_numpy(v) for k, v in data.items()})
         return batch
 
     def column_addresses(self) -> np.ndarray:
@@ -418,8 +451,6 @@ def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -
     return at, base, views, offsets
 
 
-#: the metadata tensors made at first use: name -> index in ``_meta_np`` (-1: the mask)
-_META = {"mask": -1, "keys": 0, "probabilities": 1, "weights": 2, "lengths": 3}
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}
 

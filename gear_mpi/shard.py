@@ -90,7 +90,7 @@ class Shard:
         self.stale_updates = 0
         self._addresses = None
         self._fused = None  # whether samples go through one kernel (see _one_call)
-        self._repeat = None  # the last one-kernel sample into an out= batch (one_call.Repeat)
+        self._repeat = None  # the last one-kernel sample's arguments (one_call.Repeat)
         self.inserter = ShardInserter(spec, self.store, self.index, sampler)
         self.checkpoint_state = ShardCheckpointState(self.store, self.index, sampler, self.rng)
 
@@ -524,7 +524,7 @@ class Shard:
                 ``out`` that does not fit; nothing to draw. TypeError: ``out`` is not a Batch.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        rep = self._repeat  # the same out= batch and arguments as a call that took one kernel: skip the checks
+        rep = self._repeat  # the same arguments (and out= batch) as a call that took one kernel: skip the checks
         if rep is not None and self._fused and rep.same(out, batch_size, window, align, squeeze):
             return one_call.sample_again(self, rep)
         self._check_open()
@@ -544,8 +544,7 @@ class Shard:
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
         with self.hold():
             if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
-                if out is not None:
-                    one_call.remember(self, out, args, window, code)
+                one_call.remember(self, batch, args, window, code, fresh=out is None)
                 return one_call.sample_one_call(self, batch, batch_size, window, code)
             slots = self.select(batch_size)
             choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)

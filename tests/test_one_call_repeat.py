@@ -143,3 +143,52 @@ def test_the_shard_holds_no_reference_to_a_reused_batch():
     now = out.references()
     assert held and moved
     assert now == remembered
+
+
+@pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
+@pytest.mark.parametrize("b", [1, 40, 700])
+def test_repeated_new_batches_match_the_checked_path(sel, b, monkeypatch):
+    """A sample into a new batch with the arguments of the last one-call sample skips the checks (a fresh
+    record): the same draws as a twin that takes the checked path every call, a new batch each call (the last
+    one left as it was), and an update of that batch's keys (through the sorted draw) the same as the twin's."""
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    for window, align, squeeze in ((1, "random", False), (1, "head", True), (3, "random", False), (5, "tail", False)):
+        fast, checked = _shard(sel), _shard(sel)
+        batches, twins = [], []
+        for step in range(4):
+            checked._repeat = None  # the checked path every call
+            want = checked.sample(b, window, align, squeeze=squeeze)
+            got = fast.sample(b, window, align, squeeze=squeeze)
+            assert step == 0 or fast._repeat is record  # the record the first call made serves the others
+            record = fast._repeat
+            assert record.fresh and record.batch() is got and all(got is not old for old in batches)
+            _same(got, want)
+            batches.append(got)
+            twins.append(want)
+            new = np.random.default_rng(step).random(b) + 0.01
+            assert fast.update_priorities(got.keys, new) == checked.update_priorities(want.keys.clone(), new)
+        for got, want in zip(batches, twins):
+            _same(got, want)  # no later call wrote into an earlier batch
+        np.testing.assert_array_equal(fast.index.leaves, checked.index.leaves)
+        assert fast.stats() == checked.stats()
+        assert fast.rng.random() == checked.rng.random()
+
+
+def test_new_batch_arguments_that_differ_are_still_checked():
+    sh = _shard(gm.Prioritized(0.6, 0.4))
+    sh.sample(8, 2)
+    sh.sample(8, 2)
+    assert sh._repeat is not None and sh._repeat.fresh and sh._repeat.same(None, 8, 2, "random", False)
+    state = sh.rng.bit_generator.state
+    for bad in (dict(batch_size=8.0), dict(batch_size=True), dict(window=2.0), dict(align="middle"),
+                dict(squeeze=True)):
+        with pytest.raises(ValueError):
+            sh.sample(**(dict(batch_size=8, window=2) | bad))
+    assert sh.rng.bit_generator.state == state  # nothing drawn
+    assert not sh._repeat.same(None, 9, 2, "random", False) and sh.sample(9, 2).keys.shape == (9,)
+    sh.clear()  # the fresh record of (9, 2) is kept; the shard has nothing to draw
+    with pytest.raises(EmptyReplayError):
+        sh.sample(9, 2)
+    sh.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sh.sample(9, 2)

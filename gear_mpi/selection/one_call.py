@@ -17,6 +17,7 @@ import weakref
 
 import numpy as np
 
+from ..batch import Batch
 from ..kernels import local_sample, pcg_fill
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from .priority_index import PriorityIndex
@@ -97,26 +98,30 @@ def fits(shard) -> bool:
 
 
 class Repeat:
-    """What a sample into ``out`` needs besides the shard's current table and index: a weak reference to the
-    batch, its column addresses and the call's arguments, made by :func:`sample_one_call` after the full
-    checks of ``Shard.sample``; the batch's metadata rows and mask are read from the batch at each reuse
-    (cached there), so that the shard holds none of its arrays. A later call whose arguments compare equal (:meth:`same`) and whose ``out`` is this
-    batch, still fitted the same way, goes through :func:`sample_again`.
+    """What a sample needs besides the shard's current table and index when it repeats an earlier one-call
+    sample's arguments, made by :func:`remember` after the full checks of ``Shard.sample``: the call's
+    arguments, a buffer for its uniforms and either (``out=`` given) a weak reference to that batch and its
+    column addresses, or (a *fresh* record: no ``out=``) a weak reference to the last batch it returned.
+    The batch's metadata rows and mask are read from the batch at each reuse (cached there), so that the
+    shard holds none of its arrays. A later call whose arguments compare equal (:meth:`same`), into the same
+    ``out`` still fitted the same way or again into a new batch, goes through :func:`sample_again`.
 
     Args:
-        batch: the ``out=`` batch (host; checked to fit by ``Batch.matches``).
+        batch: the ``out=`` batch (host; checked to fit by ``Batch.matches``), or the new batch of a fresh call.
         args: ``(batch_size, window, align, squeeze)`` as the caller passed them (``int`` batch size,
             ``int`` or None window).
         window, code: the checked window and align code.
+        fresh: the call made ``batch`` (no ``out=``): later calls with these arguments and no ``out=`` repeat it.
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "uniforms", "draw_u", "place_u", "outs",
-                 "prioritized", "skip")
+                 "prioritized", "skip", "fresh")
 
-    def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool, skip: bool = False):
+    def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool, skip: bool = False,
+                 fresh: bool = False):
         b = args[0]
         self.batch = weakref.ref(batch)  # the shard does not keep a batch its caller dropped
-        self.fitted, self.args = batch._fits, args
+        self.fitted, self.args, self.fresh = batch._fits, args, fresh
         self.b, self.window, self.code, self.prioritized = b, window, code, prioritized
         u = np.empty(2 * b if code == 0 else b)
         self.uniforms = u
@@ -126,14 +131,18 @@ class Repeat:
         # nothing of the batch is held but the weak reference and its addresses (plain integers): its arrays and
         # tensors are read from the batch at each reuse (cached there, O(1)), so that the batch's reference
         # counts (Batch.references, batches(recycle="auto")) stay what its holders make them
-        self.outs = batch.column_addresses().copy()
+        self.outs = None if fresh else batch.column_addresses().copy()
 
     def same(self, out, batch_size, window, align, squeeze) -> bool:
-        """Whether a call with these arguments may reuse this record: the same ``out`` object, still
-        fitted as it was, and arguments equal to the recorded ones with the same types (so a ``1.0`` or a
-        ``True`` still reaches the checks that refuse it). O(1)."""
-        return (out is not None and out is self.batch() and out._fits is self.fitted and type(batch_size) is int
-                and (window is None or type(window) is int) and (batch_size, window, align, squeeze) == self.args)
+        """Whether a call with these arguments may reuse this record: arguments equal to the recorded ones with
+        the same types (so a ``1.0`` or a ``True`` still reaches the checks that refuse it), and either no
+        ``out`` for a fresh record, or the same ``out`` object, still fitted as it was. O(1)."""
+        if type(batch_size) is not int or not (window is None or type(window) is int) \
+                or (batch_size, window, align, squeeze) != self.args:
+            return False
+        if self.fresh:
+            return out is None
+        return out is not None and out is self.batch() and out._fits is self.fitted
 
 
 def sample_one_call(shard, batch, b: int, window: int, code: int):
@@ -169,22 +178,25 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
     return batch
 
 
-def remember(shard, batch, args: tuple, window: int, code: int) -> None:
-    """Keep a :class:`Repeat` of this call on ``shard`` (``shard._repeat``) when the next one into the same
-    batch can skip the checks: an ``int`` batch size of at least 1, a host batch that fitted. O(1)."""
+def remember(shard, batch, args: tuple, window: int, code: int, fresh: bool = False) -> None:
+    """Keep a :class:`Repeat` of this call on ``shard`` (``shard._repeat``) when the next one with the same
+    arguments can skip the checks: an ``int`` batch size of at least 1, and an ``out=`` host batch that fitted
+    or (``fresh``) a new batch the call made. O(1).
+    """
     b = args[0]
-    if type(b) is int and b > 0 and batch._fits is not None and batch._meta_np is not None:
+    if type(b) is int and b > 0 and (fresh or (batch._fits is not None and batch._meta_np is not None)):
         shard._repeat = Repeat(batch, args, window, code, type(shard.selector) is Prioritized,
-                               placement_unread(shard, b, window, code))
+                               placement_unread(shard, b, window, code), fresh)
 
 
 def sample_again(shard, rep: Repeat):
-    """:func:`sample_one_call` into ``rep.batch`` with the arguments ``rep`` recorded: the same kernel on the
-    same stream, without the per-call checks ``rep`` stands for. Still checked per call: the shard is open
-    and has something to draw. O(B log n) plus the copy.
+    """:func:`sample_one_call` into ``rep.batch`` (a fresh record: into a new batch, as ``Batch.empty`` makes
+    one) with the arguments ``rep`` recorded: the same kernel on the same stream, without the per-call checks
+    ``rep`` stands for. Still checked per call: the shard is open and has something to draw. O(B log n) plus
+    the copy (and a new batch's allocation).
 
     Returns:
-        The batch (the caller checked with :meth:`Repeat.same` that it is alive: it passed it).
+        The batch (``out=``: the caller checked with :meth:`Repeat.same` that it is alive: it passed it).
     Raises:
         RuntimeError: the shard is closed.
         EmptyReplayError: nothing to draw.
@@ -194,7 +206,13 @@ def sample_again(shard, rep: Repeat):
         raise RuntimeError("this Shard is closed")
     shard.check_can_sample()
     b = rep.b
-    out = rep.batch()
+    if rep.fresh:
+        out = Batch.empty(shard.spec, b, rep.window, rep.args[3])
+        rep.batch = weakref.ref(out)  # the last batch returned, whose keys update_priorities knows
+        outs = out.column_addresses()
+    else:
+        out = rep.batch()
+        outs = rep.outs
     gen, state = kernel_stream(shard.rng, b, rep.code, rep.skip)
     if state is None:
         draw_uniforms(shard.rng, rep.draw_u, b, rep.skip, rep.uniforms)  # as rng.random(len): the same stream
@@ -203,7 +221,7 @@ def sample_again(shard, rep: Repeat):
     local_sample._sample_kernel(
         shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
         key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code, rep.prioritized,
-        shard.column_addresses()[0], shard.spec.step_bytes_array, rep.outs, out._mask_np, keys, lengths,
+        shard.column_addresses()[0], shard.spec.step_bytes_array, outs, out._mask_np, keys, lengths,
         probabilities, weights, iscr, fscr, gen)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])

@@ -80,7 +80,7 @@ def update_few(keys, priorities, tag, rank, max_items, status, raw, keep_raw, al
 
 def update_priorities(shard, keys: Any, priorities: Any) -> int:
     """:meth:`Shard.update_priorities <gear_mpi.shard.Shard.update_priorities>`: the keys of the batch the last
-    one-call sample into ``out=`` filled through that sample's sorted draw
+    one-call sample (into ``out=`` or a new batch) filled through that sample's sorted draw
     (:func:`~gear_mpi.selection.sampled_update.update_batch`, any size); else through :func:`update_few`
     where it applies (a host index, ``Uniform`` or ``Prioritized`` exactly, a table whose raw-priority row
     does not stand for one value, at most ``SET_SERIAL_MAX`` keys, no bad input), else the general path.
@@ -98,7 +98,7 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
     """
     rep = shard._repeat
     batch = rep.batch() if rep is not None else None
-    if batch is not None and keys is batch.keys:  # the keys of the last sample into a reused batch
+    if batch is not None and keys is batch.__dict__.get("keys"):  # the keys of the last one-call sample's batch
         keys = batch.meta_numpy()[0]
         applied = sampled_update.update_batch(shard, keys, priorities)  # through that sample's sorted draw
         if applied is not None:
