@@ -185,3 +185,18 @@ def test_torchrl_constructors_refuse_bad_sizes_and_exponents_at_once():
         GearSampler(alpha=-1, beta=0.4)
     with pytest.raises(ValueError, match="beta must be a finite number >= 0, got 'x'"):
         GearSampler(alpha=0.6, beta="x")
+
+
+def test_torchrl_slice_sampler_refuses_counts_that_are_no_integers():
+    """``GearSliceSampler(num_slices=2.5)`` and ``slice_len="2"`` passed an ``int(v) < 1`` check, and
+    ``max_redraws=1.5`` was truncated; each now raises a ValueError naming it."""
+    from gear_mpi.integrations.torchrl import GearSliceSampler
+    for kw, what in (({"num_slices": 2.5}, "num_slices must be an integer in [1, "),
+                     ({"slice_len": "2"}, "slice_len must be an integer in [1, "),
+                     ({"slice_len": True}, "slice_len must be an integer in [1, "),
+                     ({"slice_len": 0}, "slice_len must be an integer in [1, "),
+                     ({"slice_len": 2, "max_redraws": 1.5}, "max_redraws must be an integer in [0, "),
+                     ({"slice_len": 2, "max_redraws": -1}, "max_redraws must be an integer in [0, ")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            GearSliceSampler(**kw)
+    assert GearSliceSampler(num_slices=np.int64(2), max_redraws=0).max_redraws == 0

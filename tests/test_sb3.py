@@ -135,6 +135,13 @@ def test_empty_buffer_raises_and_bad_options_are_refused():
         gsb3.GearReplayBuffer(10, spaces.Dict({"a": OBS}), SPACES["discrete"])
     with pytest.raises(ValueError):
         gsb3.GearPrioritizedReplayBuffer(10, OBS, SPACES["discrete"], alpha=-1.0)
+    # named, not a message about the shard's capacity_steps (59.5, nan) or an operator's TypeError
+    for kw, what in (({"buffer_size": 8.5}, "buffer_size"), ({"buffer_size": "8"}, "buffer_size"),
+                     ({"buffer_size": None}, "buffer_size"), ({"buffer_size": float("inf")}, "buffer_size"),
+                     ({"n_envs": 0}, "n_envs"), ({"n_envs": 2.0}, "n_envs"), ({"seed": 1.5}, "seed")):
+        for cls in (gsb3.GearReplayBuffer, gsb3.GearPrioritizedReplayBuffer):
+            with pytest.raises(ValueError, match=f"^{what} must be an integer in"):
+                cls(**({"buffer_size": 10} | kw), observation_space=OBS, action_space=SPACES["discrete"], device="cpu")
 
 
 @pytest.mark.parametrize("cls", [gsb3.GearReplayBuffer, gsb3.GearPrioritizedReplayBuffer])

@@ -63,7 +63,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from ..checkpoint.shard_archive import shard_arrays, shard_from_arrays
 from ..selection.selectors import Prioritized, Uniform
 from ..shard import Shard
-from ..spec import TrajectorySpec
+from ..spec import TrajectorySpec, check_count
 
 _SCALARS = ("reward", "done", "timeout")  # one float a transition: [buffer_size, n_envs] in SB3's storage
 
@@ -122,8 +122,9 @@ class GearReplayBuffer(ReplayBuffer):
         seed: the seed of the shard's random stream (None: drawn from NumPy's global generator).
         memory: the shard's memory (``"private"`` or ``"shm"``; see :class:`~gear_mpi.shard.Shard`).
     Raises:
-        ValueError: ``optimize_memory_usage`` with ``handle_timeout_termination``, or with fewer than 2
-            positions.
+        ValueError: ``buffer_size``, ``n_envs`` or ``seed`` not an integer (``buffer_size`` and ``seed`` >= 0,
+            ``n_envs`` >= 1); ``optimize_memory_usage`` with ``handle_timeout_termination``, or with fewer
+            than 2 positions.
         NotImplementedError: a ``Dict`` observation space, or an action space SB3 does not support.
     """
 
@@ -135,6 +136,9 @@ class GearReplayBuffer(ReplayBuffer):
         if isinstance(observation_space, spaces.Dict):
             raise NotImplementedError("GearReplayBuffer takes array observations; a Dict observation space needs "
                                       "SB3's DictReplayBuffer")
+        check_count(buffer_size, "buffer_size", 0)  # (0 keeps one position, as SB3's buffer)
+        check_count(n_envs, "n_envs")
+        check_count(seed, "seed", 0, optional=True)
         BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
         self.buffer_size = max(buffer_size // n_envs, 1)
         if optimize_memory_usage and handle_timeout_termination:

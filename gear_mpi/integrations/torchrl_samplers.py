@@ -13,6 +13,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler
 
 from ..selection.selectors import Prioritized, Selector
+from ..spec import check_count
 from .torchrl_storage import GearStorage, check_storage, index_keys, nested_key
 
 
@@ -172,8 +173,8 @@ class GearSliceSampler(GearSampler):
         if (num_slices is None) == (slice_len is None):
             raise ValueError("give exactly one of num_slices and slice_len")
         for name, v in (("num_slices", num_slices), ("slice_len", slice_len)):
-            if v is not None and (isinstance(v, bool) or int(v) < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_count(v, name, optional=True)  # (int() took 2.5 and "2" as 2)
+        check_count(max_redraws, "max_redraws", 0)
         if pad_output and strict_length:
             raise ValueError("pad_output=True is incompatible with strict_length=True: give strict_length=False")
         if end_key is not None and end_keys is not None:
@@ -182,7 +183,7 @@ class GearSliceSampler(GearSampler):
         keys = end_keys if end_keys is not None else ([end_key] if end_key is not None else None)
         self.end_keys = None if keys is None else tuple(nested_key(k) for k in keys)
         self.traj_key, self.truncated_key, self.init_key = traj_key, truncated_key, init_key
-        self.strict_length, self.pad_output, self.max_redraws = bool(strict_length), bool(pad_output), int(max_redraws)
+        self.strict_length, self.pad_output, self.max_redraws = bool(strict_length), bool(pad_output), max_redraws
 
     def storage_hints(self) -> dict:
         """As :meth:`GearSampler.storage_hints`: trajectories, cut at ``end_keys`` and changes of ``traj_key``."""
