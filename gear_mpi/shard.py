@@ -12,7 +12,7 @@ from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import local_sample, ring
 from .kernels.weights import PARALLEL_MIN, power_weights
-from .keys import GEN_MASK, SLOT_BITS, as_key_array, key_head
+from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
 from .storage.arenas import memory_kind
 from .selection import one_call, small_update
 from .selection.priority_index import DevicePriorityIndex, PriorityIndex
@@ -50,11 +50,11 @@ class Shard:
         path: ``memory="file"``: an existing directory; this shard's files go in ``path/rank-NNNNN/``.
         seed: the seed of this shard's random stream (None: fresh entropy).
         rank: the owner rank written into the keys.
-        tag: the key tag (None: drawn at random).
+        tag: the key tag, 0-255 (None: drawn at random).
         device_context: a ``DeviceContext`` to keep a proportional selector's index on the GPU.
     Raises:
         TypeError: ``spec`` is not a TrajectorySpec or ``sampler`` not a selector.
-        ValueError: a size, rank or ``max_times_sampled`` out of range, or an unknown ``memory``.
+        ValueError: a size, rank, tag or ``max_times_sampled`` out of range, or an unknown ``memory``.
         StorageError: ``memory="file"``: ``path`` missing or not writable, or not enough disk.
     """
 
@@ -67,6 +67,7 @@ class Shard:
         if not isinstance(sampler, Selector):
             raise TypeError(f"sampler must be a gear_mpi selector (Uniform(), Prioritized(...), ...), got {sampler!r}")
         self.max_times_sampled = check_count(max_times_sampled, "max_times_sampled", optional=True) or 0
+        check_count(tag, "tag", 0, optional=True, most=TAG_MASK)
         memory = memory_kind(memory, stacklevel=3)
         self.spec = spec
         self.selector = sampler

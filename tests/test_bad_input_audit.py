@@ -160,3 +160,15 @@ def test_mpi_writer_names_a_max_in_flight_that_is_no_integer():
     for value in (8.5, 8.0, "8", float("inf"), None, 0):
         with pytest.raises(ValueError, match=f"max_in_flight must be an integer in \\[1, .*got {value!r}"):
             gm.MpiWriter(MPI.COMM_WORLD, 0, max_in_flight=value)
+
+
+def test_a_shard_names_a_rank_or_tag_that_is_no_key_field():
+    """``Shard(rank=8.5)`` was taken as rank 8 and ``rank="8"`` raised a comparison's TypeError; ``tag=8.5``,
+    ``"8"`` or -1 were cut to a tag by ``int()`` and the mask."""
+    for kw, what in (({"rank": 8.5}, "rank must be in"), ({"rank": "8"}, "rank must be in"),
+                     ({"rank": None}, "rank must be in"), ({"tag": 8.5}, r"tag must be an integer in \[0, 255\]"),
+                     ({"tag": "8"}, "tag must be"), ({"tag": -1}, "tag must be"), ({"tag": 256}, "tag must be")):
+        with pytest.raises(ValueError, match=what):
+            gm.Shard(SPEC, 40, **kw)
+    with gm.Shard(SPEC, 40, rank=np.int64(3), tag=np.uint8(255)) as shard:
+        assert (shard.store.rank, shard.store.tag) == (3, 255)

@@ -39,7 +39,7 @@ from .arenas import (SharedArena, check_header, column_layout, commit_pages, mak
                      write_header)
 from .compressed import ChunkError, CompressedRing, codec_library, gather_rings
 from .huge_pages import Collapser, weak_busy
-from ..spec import TrajectorySpec, check_count
+from ..spec import TrajectorySpec, check_count, whole_number
 
 INSERT_QUIET_S = 0.1  # a large insert counts as running this long after it ends (insert_busy)
 
@@ -98,7 +98,7 @@ class TrajectoryStore:
         max_items = check_count(capacity_steps if max_items is None else max_items, "max_items")
         if not 1 <= max_items <= keyspace.MAX_SLOTS:
             raise ValueError(f"max_items must be in [1, {keyspace.MAX_SLOTS}], got {max_items}")
-        if not 0 <= rank < keyspace.MAX_RANKS:
+        if not (whole_number(rank, 0) and rank < keyspace.MAX_RANKS):
             raise ValueError(f"rank must be in [0, {keyspace.MAX_RANKS}), got {rank}")
         self.spec = spec
         self.capacity = int(capacity_steps)
