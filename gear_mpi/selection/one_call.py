@@ -213,10 +213,18 @@ def sample_again(shard, rep: Repeat):
     else:
         out = rep.batch()
         outs = rep.outs
-    gen, state = kernel_stream(shard.rng, b, rep.code, rep.skip)
-    if state is None:
-        draw_uniforms(shard.rng, rep.draw_u, b, rep.skip, rep.uniforms)  # as rng.random(len): the same stream
-    keys, probabilities, weights, lengths = out.meta_numpy()
+    rng = shard.rng
+    if b < local_sample.SORT_PARALLEL_MIN:  # (what kernel_stream answers for them, without asking it)
+        gen, state = local_sample.NO_GEN, None
+        if rep.skip:
+            draw_uniforms(rng, rep.draw_u, b, True, rep.uniforms)
+        else:
+            rng.random(out=rep.uniforms)  # as rng.random(len): the same stream
+    else:
+        gen, state = kernel_stream(rng, b, rep.code, rep.skip)
+        if state is None:
+            draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
+    keys, probabilities, weights, lengths = out._meta_np
     iscr, fscr = local_sample._scratch(b)
     local_sample._sample_kernel(
         shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
