@@ -509,6 +509,24 @@ def machine_bytes() -> int:
         return 0
 
 
+def check_out(spec: TrajectorySpec, device: bool, out, batch_size: int, window: int) -> None:
+    """A replay's checks of a sample's ``out=`` (None: nothing to check) and of its batch's size. O(columns),
+    then O(1) for a batch that fitted before (:meth:`Batch.matches`).
+
+    Args:
+        spec: the replay's columns; device: whether the replay samples onto a GPU (it returns new batches).
+        out: the ``out=`` argument; batch_size, window: the call's (checked).
+    Raises:
+        TypeError: ``out`` is not a Batch. ValueError: it does not fit, or the batch would not fit in memory.
+    """
+    check_batch_bytes(spec, batch_size, window)  # with out=, as the arguments are checked before agreeing
+    if out is not None and not isinstance(out, Batch):
+        raise TypeError(f"out= must be a Batch (one an earlier sample returned), got {type(out).__name__}")
+    if out is not None and (device or not out.matches(spec, batch_size, window)):
+        raise ValueError(f"out= must be a host batch of batch_size={batch_size} windows of window={window} "
+                         f"steps of this replay's spec (device replays return new batches), got {out!r}")
+
+
 def check_batch_bytes(spec: TrajectorySpec, batch_size: int, window: int) -> None:
     """Refuse a sample whose batch could never be allocated: more bytes than this machine's memory. O(1)
     (``spec.batch_step_bytes`` and the machine's memory are read once).

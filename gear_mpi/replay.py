@@ -36,7 +36,7 @@ from .storage import budget
 from .distributed import arguments, header, repeat, routing
 from . import keys as keyspace
 from . import stats as stats_schema
-from .batch import Batch, check_batch_bytes, check_batch_size, check_window
+from .batch import Batch, check_batch_size, check_out, check_window
 from .distributed.calls import ReplayCalls
 from .storage.device import DeviceContext
 from .feeds.replay_feeds import ReplayFeeds
@@ -373,7 +373,8 @@ class Replay:
                 raise type(problem)(f"sample: rank 0: {problem}") from problem
             try:
                 header.mode_code(self.mode if mode is None else mode)
-                self._check_out(out, check_batch_size(batch_size), check_window(self.spec, window, align)[0])
+                check_out(self.spec, self.device is not None, out, check_batch_size(batch_size),
+                          check_window(self.spec, window, align)[0])
             except (ValueError, TypeError) as e:  # worded as an agreed error (MpiComm.raise_agreed)
                 raise type(e)(f"sample: rank 0: {e}") from e
             return self._sample_local(batch_size, window, align, out)
@@ -382,7 +383,7 @@ class Replay:
             batch_size = check_batch_size(batch_size)
             window, code = check_window(self.spec, window, align)
             mcode = header.mode_code(mode)
-            self._check_out(out, batch_size, window)
+            check_out(self.spec, self.device is not None, out, batch_size, window)
         except Exception as e:  # agreed below, so every rank raises it
             err, batch_size, window, code, mcode = e, 0, 0, 0, 0
         # the writers drain; the header is agreed (over the node board when there is one), again while the
@@ -397,19 +398,15 @@ class Replay:
             try:
                 header.check_header(head, self.selector.proportional)
                 batch = self._exchange(self.plans[mode].assign(head), window, code, mode, out)
+            except BaseException as e:  # KeyboardInterrupt between its collectives: the ranks are out of step
+                if not isinstance(e, Exception) and self.comm.broken is None:
+                    self.comm.interrupted("sample", e)
+                raise
             finally:
                 self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
         if ck is not None:
             ck.after_sample(head, header.CHECKPOINT)
         return batch
-
-    def _check_out(self, out: Batch | None, batch_size: int, window: int) -> None:
-        check_batch_bytes(self.spec, batch_size, window)  # with out=, as the arguments are checked before agreeing
-        if out is not None and not isinstance(out, Batch):
-            raise TypeError(f"out= must be a Batch (one an earlier sample returned), got {type(out).__name__}")
-        if out is not None and (self.device is not None or not out.matches(self.spec, batch_size, window)):
-            raise ValueError(f"out= must be a host batch of batch_size={batch_size} windows of window={window} "
-                             f"steps of this replay's spec (device replays return new batches), got {out!r}")
 
     def _sample_local(self, batch_size: int, window: int | None, align: str, out: Batch | None = None) -> Batch:
         """This rank's own shard serves it; no communication (on the CPU the shard samples itself; a rate
@@ -421,7 +418,7 @@ class Replay:
             return self.shard.sample(batch_size, window, align, out)
         batch_size = check_batch_size(batch_size)
         window, code = check_window(self.spec, window, align)
-        self._check_out(out, batch_size, window)
+        check_out(self.spec, self.device is not None, out, batch_size, window)
         head = header.agree(self._feeds, self.shard, None, None, batch_size, window, code, header.mode_code("local"))
         return self._exchange(self.plans["local"].assign(head), window, code, "local")
 
