@@ -37,7 +37,7 @@ from .distributed import arguments, header, repeat, routing
 from . import keys as keyspace
 from . import stats as stats_schema
 from .batch import Batch, check_batch_size, check_out, check_window
-from .distributed.calls import ReplayCalls
+from .distributed.calls import ReplayCalls, interrupt_breaks
 from .storage.device import DeviceContext
 from .feeds.replay_feeds import ReplayFeeds
 from .distributed.node import NodeView
@@ -310,6 +310,7 @@ class Replay:
 
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
     @metered_sample
+    @interrupt_breaks("sample")
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
                mode: str | None = None, out: Batch | None = None) -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
@@ -398,10 +399,6 @@ class Replay:
             try:
                 header.check_header(head, self.selector.proportional)
                 batch = self._exchange(self.plans[mode].assign(head), window, code, mode, out)
-            except BaseException as e:  # KeyboardInterrupt between its collectives: the ranks are out of step
-                if not isinstance(e, Exception) and self.comm.broken is None:
-                    self.comm.interrupted("sample", e)
-                raise
             finally:
                 self.node.publish()  # this rank's reads of its node peers' memory for this sample are over
         if ck is not None:
@@ -494,6 +491,7 @@ class Replay:
         return self._update(keys, priorities)
 
     @metered_update
+    @interrupt_breaks("update_priorities")
     def _update(self, keys: Any, priorities: Any, deferred: bool = False, problem: Exception | None = None) -> int:
         """:meth:`update_priorities`; ``problem``: this rank's error known already (a ReplicaSampler reporter's refused
         update), agreed as a bad key's would be; ``deferred`` (every rank's batches() thread): up to ``FOLD_RANKS``
@@ -520,6 +518,7 @@ class Replay:
             return int(self.shard.apply_priorities(keys, pr).sum())
         return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred)
 
+    @interrupt_breaks("clear")
     def clear(self) -> None:
         """Collective: empty every rank's shard (:meth:`Shard.clear`): every key issued so far is stale, the
         memory is kept, the counters go on (items cleared count as removed). What this rank's writers had
@@ -552,6 +551,7 @@ class Replay:
         """
         return self.shard.get(key)
 
+    @interrupt_breaks("get_many")
     def get_many(self, keys: Any) -> list[dict[str, np.ndarray] | None]:
         """Collective: whole trajectories by key, whichever rank owns them (every rank calls it, with
         its own keys; an empty list is fine).
@@ -585,6 +585,7 @@ class Replay:
         return None
 
     # ---- stats and lifetime -------------------------------------------------------------------
+    @interrupt_breaks("stats")
     def stats(self) -> dict[str, Any]:
         """Collective: every rank's figures, their totals and the balance (the schema of
         :mod:`gear_mpi.stats`, tabled in docs/guide/statistics.md; a shard's ``stats()`` uses the same names).
@@ -661,6 +662,7 @@ class Replay:
         """
         return self._state.describe()
 
+    @interrupt_breaks("save")
     def save(self, path, progress: bool | None = None) -> None:
         """Collective: write a crash-safe, checksummed checkpoint of every shard to directory ``path``.
 

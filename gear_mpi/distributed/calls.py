@@ -41,7 +41,9 @@ not counted, and cannot be checked.
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -118,6 +120,33 @@ def mismatch_message(codes: list[float]) -> str:
         said.append(f"and {len(groups) - SHOWN} other calls")
     return (f"collective mismatch: {', '.join(said)}; every rank must make the replay's collective calls "
             f"in the same order (see docs/guide/collectives.md); the replay can no longer communicate (close it)")
+
+
+def interrupt_breaks(what: str) -> Callable:
+    """Decorate a replay method whose call makes collectives: an interrupt (a ``BaseException`` that is not an
+    ``Exception``: KeyboardInterrupt, SystemExit) that leaves it after its head was sent (``replay.calls.count``
+    moved) leaves the ranks out of step wherever it landed -- in a wait (:meth:`MpiComm.wait
+    <gear_mpi.distributed.comm.MpiComm.wait>` marks that already) or between two collectives, where the others
+    wait in the next one -- so the communicator is marked broken (:meth:`MpiComm.interrupted
+    <gear_mpi.distributed.comm.MpiComm.interrupted>`): the rank's next call raises at once instead of posting a
+    head that the others' pending collective could meet, and ``close()`` is local. O(1) a call.
+
+    Args:
+        what: the call's name, for the message.
+    """
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(replay, *args, **kwargs):
+            calls = replay.calls
+            sent = calls.count
+            try:
+                return method(replay, *args, **kwargs)
+            except BaseException as e:
+                if not isinstance(e, Exception) and calls.count != sent and calls.comm.broken is None:
+                    calls.comm.interrupted(what, e)
+                raise
+        return call
+    return decorate
 
 
 class ReplayCalls:

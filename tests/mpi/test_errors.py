@@ -288,37 +288,43 @@ def test_a_rank_interrupted_between_the_collectives_of_a_sample_is_unusable_at_o
     its owner makes the choices; a Ctrl-C lands there when it comes during that kernel). The communicator was
     left as usable: its next call posted a head that the others' pending exchange could meet, and waited out
     the deadline. Now the rank's next call raises at once, naming the interrupt, and close() is local; the
-    others raise CollectiveTimeoutError within their deadline. Two ranks only (see the test below)."""
+    others raise CollectiveTimeoutError within their deadline. The same for an update interrupted as its
+    owner applies the routed priorities. Two ranks only (see the test below)."""
     if SIZE != 2:
         return
     bad = SIZE - 1
-    replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, timeout=2.0,
-                       comm=COMM.Dup())  # left out of step: not the world's (never freed: still pending)
-    try:
-        replay.insert({"obs": np.ones((2, 3), np.float32)})
-        COMM.Barrier()
-        if RANK == bad:
-            def interrupted(*args, **kwargs):
-                raise KeyboardInterrupt
 
-            replay.shard.make_choices = interrupted
-            with pytest.raises(KeyboardInterrupt):
-                replay.sample(4)
-            del replay.shard.make_choices
-            t0 = time.monotonic()
-            with pytest.raises(gm.CollectiveError, match=f"sample: interrupted on rank {bad} by KeyboardInterrupt"):
-                replay.sample(4)
-            replay.close()  # local: the communicator is broken
-            assert time.monotonic() - t0 < 1.0
-        else:
-            t0 = time.monotonic()
-            with pytest.raises(gm.CollectiveTimeoutError, match="not every rank"):
-                replay.sample(4)
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    for call, part in (("sample", "make_choices"), ("update_priorities", "apply_priorities")):
+        replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, timeout=2.0,
+                           comm=COMM.Dup())  # left out of step: not the world's (never freed: still pending)
+        try:
+            if RANK == bad:  # it holds every item: the others need its choices, and its shard applies their keys
+                replay.insert({"obs": np.ones((2, 3), np.float32)})
+            keys = replay.sample(4).keys
+            COMM.Barrier()
+            again = (lambda: replay.sample(4)) if call == "sample" else (lambda: replay.update_priorities(keys, np.full(len(keys), 2.0)))
+            if RANK == bad:
+                setattr(replay.shard, part, interrupted)
+                with pytest.raises(KeyboardInterrupt):
+                    again()
+                delattr(replay.shard, part)
+                t0 = time.monotonic()
+                with pytest.raises(gm.CollectiveError, match=f"{call}: interrupted on rank {bad} by KeyboardInterrupt"):
+                    again()
+                replay.close()  # local: the communicator is broken
+                assert time.monotonic() - t0 < 1.0
+            else:
+                t0 = time.monotonic()
+                with pytest.raises(gm.CollectiveTimeoutError, match="not every rank"):
+                    again()
+                replay.close()
+                assert time.monotonic() - t0 < 2.0 + 3.0
+        finally:
             replay.close()
-            assert time.monotonic() - t0 < 2.0 + 3.0
-    finally:
-        replay.close()
-    COMM.Barrier()
+        COMM.Barrier()
 
 
 def test_a_rank_interrupted_in_a_collective_is_unusable_at_once_and_closes_locally():
