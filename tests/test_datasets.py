@@ -131,6 +131,15 @@ def test_a_max_length_that_is_not_a_positive_integer_is_refused(files, max_lengt
         from_d4rl(files / "good.hdf5", max_length=max_length, timeout=20.0)
 
 
+@pytest.mark.parametrize("capacity", [float("inf"), 500.5, "500", True])
+def test_a_capacity_that_is_not_a_positive_integer_is_refused(files, capacity):
+    """``capacity_steps=inf`` raised int()'s OverflowError, agreed as a bare ``Exception``; 500.5 was cut to 500."""
+    from gear_mpi.datasets import from_d4rl
+    with pytest.raises(ValueError, match=rf"from_d4rl: rank 0: capacity_steps must be an integer in \[1, .*"
+                                         rf"got {re.escape(repr(capacity))}"):
+        from_d4rl(files / "good.hdf5", capacity_steps=capacity, timeout=20.0)
+
+
 def test_make_dataset_writes_what_the_loader_reads(tmp_path):
     pytest.importorskip("gymnasium")
     import h5py

@@ -29,6 +29,7 @@ import numpy as np
 from ..distributed.comm import differing_ranks
 from ..errors import CheckpointError
 from ..progress import human, log
+from ..spec import check_count
 from . import incremental, pacing, segment_file, series
 from .arrival import assumed_rate
 from .files import PARTED_VERSION, path_digest, rank_dir
@@ -336,8 +337,7 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
             raise ValueError("checkpoint_every: a replay built with mode='local' makes no collective sample to "
                              "carry the schedule; pass seconds=None and call .now() between steps")
         for name, v, low in (("keep", keep, 1), ("segment_bytes", segment_bytes, 1), ("copy_limit", copy_limit, 0)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+            check_count(v, name, low)
         pacing.Pacer(write_rate, cpu_share)  # raises ValueError for a bad rate or share
         if priority not in ("low", "nice", "normal"):
             raise ValueError(f"priority must be 'low', 'nice' or 'normal', got {priority!r}")
@@ -352,8 +352,8 @@ def start(replay, directory, seconds: float | None, keep: int, segment_bytes: in
         where = path_digest(directory)  # compared below, as save's path
     except Exception as e:
         err = e
-    values = [-1.0 if seconds is None else float(seconds), float(keep), float(segment_bytes), float(first),
-              float(where)]
+    values = [0.0] * 5 if err is not None else [  # (a refused argument may be no number: agreed as it is)
+        -1.0 if seconds is None else float(seconds), float(keep), float(segment_bytes), float(first), float(where)]
     table = replay.calls.agree(err, "checkpoints", values)
     others = differing_ranks(table[:, 4])
     if others:  # each rank would write under its own directory, and rank 0 wait for files that never come

@@ -18,7 +18,7 @@ from .. import progress as progress_bar
 from ..checkpoint.arrival import Channel, CheckpointComm
 from ..distributed.comm import MpiComm
 from ..replay import Replay
-from ..spec import TrajectorySpec, whole_number
+from ..spec import TrajectorySpec, check_count, whole_number
 from .episodes import balanced_shares
 
 CHUNK_BYTES = 64 << 20  # steps read and inserted at a time (whole episodes; at least one)
@@ -58,8 +58,8 @@ def capacity_for(shares: np.ndarray, max_length: int, capacity: int | None, head
     Returns:
         The capacity in steps.
     Raises:
-        ValueError: ``headroom`` not a non-negative integer, given beside ``capacity``, or this rank's
-            share larger than ``capacity``.
+        ValueError: ``headroom`` not a non-negative integer, given beside ``capacity``; ``capacity`` not a
+            positive integer, or smaller than this rank's share.
     """
     if headroom is not None:
         if isinstance(headroom, bool) or not isinstance(headroom, (int, np.integer)) or headroom < 0:
@@ -70,10 +70,11 @@ def capacity_for(shares: np.ndarray, max_length: int, capacity: int | None, head
     if capacity is None:
         free = max_length if headroom is None else int(headroom)
         return max(int(shares.max()), max_length) + free
-    if int(shares[rank]) > int(capacity):
+    capacity = check_count(capacity, "capacity_steps")  # (8.5 was cut to 8; inf raised int()'s OverflowError)
+    if int(shares[rank]) > capacity:
         raise ValueError(f"this rank's share of the episodes has {int(shares[rank])} steps, more than "
                          f"capacity_steps={capacity} (leave capacity_steps out to size the replay for it)")
-    return int(capacity)
+    return capacity
 
 
 def load_dataset(open_source: Callable[[], Any], what: str, comm, max_length: int | None, progress: bool | None,

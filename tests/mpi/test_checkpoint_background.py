@@ -359,8 +359,14 @@ def test_load_latest_onto_fewer_ranks_and_when_there_is_none(shared_dir):
 
 def test_bad_arguments_fail_on_every_rank(shared_dir):
     replay = make()
-    with pytest.raises(ValueError, match="keep must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"keep must be an integer in \[1, "):
         replay.checkpoint_every(shared_dir, keep=0 if RANK == 0 else 2)
+    # None, or an int too large for a float, raised float()'s error on that rank alone, before the agreement
+    for kw in ({"keep": None}, {"segment_bytes": None}, {"keep": 10 ** 400}):
+        bad = {k: (v if RANK == SIZE - 1 else 2) for k, v in kw.items()}
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"checkpoints: rank {SIZE - 1}: {name} must be an integer in \[1, "):
+            replay.checkpoint_every(shared_dir, **bad)
     with pytest.raises(ValueError, match=r"cpu_share must be a number > 0 and <= 1, or None; got 2"):
         replay.checkpoint_every(shared_dir, cpu_share=2.0 if RANK == 0 else 0.1)
     with pytest.raises(ValueError, match="write_rate must be a number > 0"):
