@@ -113,3 +113,18 @@ def test_different_calls_raise_collective_error_and_break_the_communicator(mine,
             rc.agree(None, mine, payload=payload)
     finally:
         deadline.forget(comm.comm)
+
+
+def test_agreed_error_classes_keep_python_common_ones_and_list_bases_first():
+    """An agreement sends a rank's error as its most specific class in the table: an OverflowError (a size of
+    inf through int()) arrived on every rank as a bare Exception; Python's common classes are now in the table,
+    each after its bases, so that gear_mpi's errors (EmptyReplayError is a RuntimeError, StorageError an
+    OSError) still arrive as themselves."""
+    from gear_mpi.distributed.comm import _ERROR_CODES, error_code
+    for i, cls in enumerate(_ERROR_CODES):
+        assert not any(issubclass(cls, later) for later in _ERROR_CODES[i + 1:] if later is not cls), cls
+    for exc in (OverflowError(), ZeroDivisionError(), NotImplementedError(), IndexError(), OSError(), KeyError(),
+                gm.EmptyReplayError(), gm.StorageError(), gm.CorruptDataError(), gm.MemoryBudgetError()):
+        assert _ERROR_CODES[error_code(exc)] is type(exc)
+    assert _ERROR_CODES[error_code(FileNotFoundError())] is OSError
+    assert _ERROR_CODES[error_code(LookupError())] is Exception

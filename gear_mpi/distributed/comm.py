@@ -55,8 +55,11 @@ def with_deadline(comm, timeout: Any) -> tuple["MpiComm", ValueError | None]:
         return MpiComm(comm, DEFAULT_TIMEOUT), e
     return MpiComm(comm, timeout), None
 
+#: the error classes an agreement carries (by index; a rank's error is sent as its most specific class here and
+#: raised as that class on every rank): Python's common ones, then gear_mpi's; a class comes after its bases
 _ERROR_CODES: list[type[Exception]] = [
-    Exception, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
+    Exception, RuntimeError, NotImplementedError, OSError, ArithmeticError, OverflowError, ZeroDivisionError,
+    IndexError, ValueError, TypeError, KeyError, errors.InvalidTrajectoryError, errors.InvalidPriorityError,
     errors.InvalidKeyError, errors.StaleKeyError, errors.EmptyReplayError, errors.CollectiveError,
     errors.CheckpointError, errors.WriterError, MemoryError, errors.MemoryBudgetError, errors.StorageError,
     errors.CorruptDataError,
