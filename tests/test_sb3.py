@@ -241,3 +241,30 @@ def test_prioritized_dqn_trains_and_updates_priorities():
     live = buf.shard.live_keys()
     assert len(np.unique(buf.shard.priorities(live))) > 10  # TD errors, not the initial 1
     assert 0.4 < buf.beta <= 1.0  # annealed towards 1
+
+
+def test_prioritized_update_of_the_samples_keys_goes_through_the_sorted_draw(monkeypatch):
+    """The samples' ``keys`` are the batch's own keys array, which the shard knows (weakly) after the sample
+    although the batch object is gone: ``update_priorities(samples.keys, ...)`` goes through the sample's sorted
+    draw (one kernel, no key lookups) and leaves what a buffer taking the general path leaves."""
+    from gear_mpi.kernels import local_sample, priority_sampled
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    seen = []
+    real = priority_sampled.update_sampled
+    monkeypatch.setattr(priority_sampled, "update_sampled", lambda *a: seen.append(1) or real(*a))
+    fast, slow = (gsb3.GearPrioritizedReplayBuffer(256, OBS, SPACES["discrete"], device="cpu", seed=4) for _ in "ab")
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        o = rng.standard_normal((1, 3)).astype(np.float32)
+        for buf in (fast, slow):
+            buf.add(o, o, np.array([1]), np.array([0.5]), np.array([False]), [{}])
+    for step in range(4):
+        a, b = fast.sample(32), slow.sample(32)
+        np.testing.assert_array_equal(a.observations.numpy(), b.observations.numpy())  # (keys: their own tags)
+        new = rng.random(32) + 0.1
+        calls = len(seen)
+        assert fast.update_priorities(a.keys, new) == slow.update_priorities(b.keys.copy(), new)
+        assert len(seen) == calls + 1  # the fast buffer's update took the sorted draw; the copy's did not
+    np.testing.assert_array_equal(fast.shard.index.leaves, slow.shard.index.leaves)
+    fast.close()
+    slow.close()

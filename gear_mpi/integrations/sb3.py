@@ -460,7 +460,8 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
         weights = batch.weights.reshape(-1, 1)
         if self.device.type != "cpu":
             weights = weights.to(self.device)
-        return PrioritizedReplayBufferSamples(*base[:5], None, weights, batch.keys.numpy())
+        # the batch's own keys array: update_priorities knows it (the sample's sorted draw then serves the update)
+        return PrioritizedReplayBufferSamples(*base[:5], None, weights, batch.meta_numpy()[0])
 
     def update_priorities(self, keys: Any, priorities: Any) -> int:
         """Give sampled transitions new priorities (e.g. ``|TD error| + eps``); keys of transitions already
@@ -481,7 +482,7 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
         pr = np.asarray(priorities).reshape(-1)  # as given: the shard refuses text ("1.5") rather than parse it
         applied = self.shard.update_priorities(keys, pr)
         if len(pr):  # validated by the shard: real numbers
-            self.max_priority = max(self.max_priority, float(pr.astype(np.float64).max()))
+            self.max_priority = max(self.max_priority, float(pr.max()))
         return applied
 
 

@@ -115,12 +115,13 @@ class Repeat:
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "uniforms", "draw_u", "place_u", "outs",
-                 "prioritized", "skip", "fresh")
+                 "prioritized", "skip", "fresh", "keys")
 
     def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool, skip: bool = False,
                  fresh: bool = False):
         b = args[0]
         self.batch = weakref.ref(batch)  # the shard does not keep a batch its caller dropped
+        self.keys = weakref.ref(batch._meta_np[0])  # its keys array, alive while anything holds it or its tensor
         self.fitted, self.args, self.fresh = batch._fits, args, fresh
         self.b, self.window, self.code, self.prioritized = b, window, code, prioritized
         u = np.empty(2 * b if code == 0 else b)
@@ -209,6 +210,7 @@ def sample_again(shard, rep: Repeat):
     if rep.fresh:
         out = Batch.empty(shard.spec, b, rep.window, rep.args[3])
         rep.batch = weakref.ref(out)  # the last batch returned, whose keys update_priorities knows
+        rep.keys = weakref.ref(out._meta_np[0])
         outs = out.column_addresses()
     else:
         out = rep.batch()

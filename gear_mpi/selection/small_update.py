@@ -97,9 +97,12 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
     Cost: O(B log n), one numba call on the fast path; the general path's otherwise.
     """
     rep = shard._repeat
-    batch = rep.batch() if rep is not None else None
-    if batch is not None and keys is batch.__dict__.get("keys"):  # the keys of the last one-call sample's batch
-        keys = batch.meta_numpy()[0]
+    drawn = rep.keys() if rep is not None else None  # the keys array of the last one-call sample's batch
+    if drawn is not None and keys is not drawn:  # its tensor, while the batch lives, else another key set
+        batch = rep.batch()
+        drawn = drawn if batch is not None and keys is batch.__dict__.get("keys") else None
+    if drawn is not None:
+        keys = drawn
         applied = sampled_update.update_batch(shard, keys, priorities)  # through that sample's sorted draw
         if applied is not None:
             return applied
