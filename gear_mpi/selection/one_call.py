@@ -101,10 +101,13 @@ class Repeat:
     """What a sample needs besides the shard's current table and index when it repeats an earlier one-call
     sample's arguments, made by :func:`remember` after the full checks of ``Shard.sample``: the call's
     arguments, a buffer for its uniforms and either (``out=`` given) a weak reference to that batch and its
-    column addresses, or (a *fresh* record: no ``out=``) a weak reference to the last batch it returned.
-    The batch's metadata rows and mask are read from the batch at each reuse (cached there), so that the
-    shard holds none of its arrays. A later call whose arguments compare equal (:meth:`same`), into the same
-    ``out`` still fitted the same way or again into a new batch, goes through :func:`sample_again`.
+    column addresses, or (a *fresh* record: no ``out=``) a weak reference to the last batch it returned; and
+    a weak reference to that batch's keys array (``keys``), by which ``update_priorities`` knows the keys of
+    the sample whose sorted draw the scratch holds (:mod:`~gear_mpi.selection.small_update`), even once the
+    batch object is gone. The batch's metadata rows and mask are read from the batch at each reuse (cached
+    there), so that the shard holds none of its arrays. A later call whose arguments compare equal
+    (:meth:`same`), into the same ``out`` still fitted the same way or again into a new batch, goes through
+    :func:`sample_again`.
 
     Args:
         batch: the ``out=`` batch (host; checked to fit by ``Batch.matches``), or the new batch of a fresh call.
