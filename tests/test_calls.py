@@ -120,7 +120,8 @@ def test_agreed_error_classes_keep_python_common_ones_and_list_bases_first():
     inf through int()) arrived on every rank as a bare Exception; Python's common classes are now in the table,
     each after its bases, so that gear_mpi's errors (EmptyReplayError is a RuntimeError, StorageError an
     OSError) still arrive as themselves."""
-    from gear_mpi.distributed.comm import _ERROR_CODES, error_code
+    from gear_mpi.distributed import comm
+    _ERROR_CODES, error_code = comm._ERROR_CODES, comm.error_code
     for i, cls in enumerate(_ERROR_CODES):
         assert not any(issubclass(cls, later) for later in _ERROR_CODES[i + 1:] if later is not cls), cls
     for exc in (OverflowError(), ZeroDivisionError(), NotImplementedError(), IndexError(), OSError(), KeyError(),
