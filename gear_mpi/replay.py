@@ -359,8 +359,7 @@ class Replay:
         # call raises CheckpointError instead, agreed with the arguments' errors
         with self.shard.hold(strict=False) as problem:
             batch = self._sample(batch_size, window, align, mode, out, problem)
-        if out is not None:  # a record for the next call into it (when the call qualifies)
-            repeat.remember(self, out, batch_size, window, align, mode)
+        repeat.remember(self, out, batch_size, window, align, mode)  # for the next such call (when it qualifies)
         return batch
 
     def _sample(self, batch_size: int, window: int | None, align: str, mode: str | None, out: Batch | None,

@@ -1,4 +1,5 @@
-"""A repeated decentralized ``Replay.sample`` into the same ``out=`` batch, on one node (issue 34, item 6).
+"""A repeated decentralized ``Replay.sample`` into the same ``out=`` batch, or into a new batch each call, on one
+node (issue 34, items 2 and 6).
 
 A training loop calls ``replay.sample(B, W, align, out=batch)`` with the same arguments every step. On a
 two-rank W1 call (32 hopper windows of 1000 steps, 2 MB a rank) about 90 us of the 0.24 ms went to the
@@ -24,8 +25,10 @@ the checked arguments, the head row with the call's fixed values, and the buffer
 
 Which calls qualify: a host replay whose ranks all share one node (a node board), a proportional selector
 on a host index, decentralized, no rate limiter, writers, actor ranks or background checkpoints, no
-derived or compressed columns, memory columns (no mapped checkpoint to hold), and an ``out=`` batch of an
-``int`` batch size of at least 1. Whatever changes that (a writer's address asked for, ``checkpoint_every``)
+derived or compressed columns, memory columns (no mapped checkpoint to hold), an ``int`` batch size of at
+least 1, and an ``out=`` batch, or none: then the record (a *fresh* one, kept under ``id(None)``) repeats calls
+that return a new batch, allocated as the full path allocates it (a 2-rank ``Replay.sample(32, 1)`` of one-step
+items into new batches: 89-91 us a call through the full path, 54-57 us repeated; into ``out=``: 38-41 us). Whatever changes that (a writer's address asked for, ``checkpoint_every``)
 sends the next call down the full path (:meth:`SampleRecord.usable`). The record holds no strong reference
 to the batch or its arrays (its column addresses are plain integers), so a dropped batch is freed and its
 reference counts stay what its holders make them (``batches(recycle="auto")``).
@@ -42,7 +45,7 @@ from .calls import _SPAN, OPS, WIDTH, ReplayCalls
 from .header import ALIGN, BATCH, INSERTED, ITEMS, MASS, MIN_WEIGHT, MODE, SAMPLED, WINDOW
 from .node import CHOICE_CAPACITY
 from .plans import multinomial_rows, two_owner_rows
-from ..batch import check_window
+from ..batch import Batch, check_window
 from ..kernels import gather as gather_kernels
 from ..kernels import ring
 from ..kernels import serve as serve_kernels
@@ -72,7 +75,7 @@ class SampleRecord:
 
     Args:
         replay: the :class:`~gear_mpi.replay.Replay` (not kept: the record lives on it).
-        batch: the ``out=`` batch, checked to fit by the full path.
+        batch: the ``out=`` batch, checked to fit by the full path; None: a fresh record (new batches).
         args: ``(batch_size, window, align, mode)`` as the caller passed them.
         window, code: the checked window and align code.
     """
@@ -82,14 +85,16 @@ class SampleRecord:
 
     def __init__(self, replay, batch, args: tuple, window: int, code: int):
         size = replay.comm.size
-        self.batch = weakref.ref(batch)  # the replay does not keep a batch its caller dropped
-        self.fitted, self.args = batch._fits, args
+        # the replay does not keep a batch its caller dropped; None: a record of calls into new batches (fresh)
+        self.batch = None if batch is None else weakref.ref(batch)
+        self.fitted, self.args = None if batch is None else batch._fits, args
         self.b, self.window, self.code = args[0], window, code
         head = np.zeros(WIDTH, np.float64)  # the fixed values of the call's head; the shard's are set per call
         head[0] = _NO_ERROR
         head[2 + BATCH], head[2 + WINDOW], head[2 + ALIGN], head[2 + MODE] = self.b, window, code, _DECENTRALIZED
         self.head = head
-        self.outs = batch.column_addresses().copy()  # plain integers: no reference to the batch's arrays
+        # plain integers: no reference to the batch's arrays (a fresh record's come with each new batch)
+        self.outs = None if batch is None else batch.column_addresses().copy()
         self.got = np.empty((self.b, gather_kernels.CHOICE_WIDTH), np.int64)  # the requester's choices, in owner order
         self.row_of_owner = np.zeros(size + 1, np.int64)
         self.counts = np.empty((size, size), np.int64)
@@ -102,11 +107,15 @@ class SampleRecord:
                                                          np.empty(0, np.float32), np.empty(0))
 
     def same(self, out, batch_size, window, align, mode) -> bool:
-        """Whether a call with these arguments may reuse this record: the same ``out`` object, still fitted as
-        it was, and arguments equal to the recorded ones with the same types (a ``1.0`` or a ``True`` still
-        reaches the checks that refuse it). O(1)."""
-        return (out is not None and out is self.batch() and out._fits is self.fitted and type(batch_size) is int
-                and (window is None or type(window) is int) and (batch_size, window, align, mode) == self.args)
+        """Whether a call with these arguments may reuse this record: arguments equal to the recorded ones with
+        the same types (a ``1.0`` or a ``True`` still reaches the checks that refuse it), and no ``out`` for a
+        fresh record, else the same ``out`` object, still fitted as it was. O(1)."""
+        if type(batch_size) is not int or not (window is None or type(window) is int) \
+                or (batch_size, window, align, mode) != self.args:
+            return False
+        if self.batch is None:
+            return out is None
+        return out is not None and out is self.batch() and out._fits is self.fitted
 
     def usable(self, replay) -> bool:
         """Whether the replay still qualifies in what may change between calls: no rate limiter, writers,
@@ -121,11 +130,11 @@ KEPT = 8  # records a replay keeps (by out= batch): a batches() ring refills pre
 
 def remember(replay, out, batch_size, window, align, mode) -> None:
     """Keep a record of this call on ``replay._repeat`` (by ``id(out)``, the oldest of :data:`KEPT` dropped) for
-    the next call into the same ``out``, when it qualifies (see the module docstring). Called after a full-path
-    sample returned. Local, O(ranks)."""
-    if (out is None or type(batch_size) is not int or batch_size < 1 or out._fits is None
-            or out._meta_np is None or (replay.mode if mode is None else mode) != "decentralized"
-            or not qualifies(replay)):
+    the next call into the same ``out`` (``out`` None: the next call into a new batch with these arguments),
+    when it qualifies (see the module docstring). Called after a full-path sample returned. Local, O(ranks)."""
+    unfitted = out is not None and (out._fits is None or out._meta_np is None)
+    if (type(batch_size) is not int or batch_size < 1 or unfitted
+            or (replay.mode if mode is None else mode) != "decentralized" or not qualifies(replay)):
         return
     checked, code = check_window(replay.spec, window, align)  # the full path checked them: no error here
     kept = replay._repeat
@@ -143,7 +152,7 @@ def sample_again(replay, rec: SampleRecord):
     one round of choices; then the requester's gather kernel. Cost: the full path's, less about the Python
     of its layers.
     Returns:
-        ``rec``'s batch, filled.
+        ``rec``'s batch, filled (a fresh record's: a new batch).
     Raises:
         as ``Replay.sample``: CollectiveError (another rank in another call, or an earlier failure),
         another rank's argument error, ValueError (ranks asking for different windows, aligns or modes),
@@ -189,7 +198,7 @@ def sample_again(replay, rec: SampleRecord):
             busiest = int(counts.sum(0).max())
         wmin = min(r[MIN_WEIGHT] for r in rows)
         recv = counts[me]
-        out = rec.batch()
+        out = rec.batch() if rec.batch is not None else Batch.empty(replay.spec, rec.b, rec.window)
         if busiest > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
             slots = shard.select(serve)
             choices = shard.make_choices(slots, rec.window, rec.code, mass, wmin)
@@ -241,8 +250,9 @@ def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, recv: np.ndarra
         board.posted(node.epoch)
         board.collect(counts, node.epoch, board.choices[comm.rank], rec.got, "sample (choices)")
         keys, probabilities, weights, lengths = out.meta_numpy()
+        outs = rec.outs if rec.outs is not None else out.column_addresses()  # (a fresh record: the new batch's)
         gather_kernels.gather_rows_from_owners(node.column_addrs, shard.store.gather_step_bytes, shard.capacity_steps,
-                                               node.direct, row_of_owner, rec.got, rec.outs, rec.window,
+                                               node.direct, row_of_owner, rec.got, outs, rec.window,
                                                out._mask_np, keys, lengths, probabilities, weights)
     finally:
         transport.copy_seconds += time.perf_counter() - start - (comm.waited - waited)

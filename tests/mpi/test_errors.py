@@ -303,9 +303,9 @@ def test_a_rank_interrupted_between_the_collectives_of_a_sample_is_unusable_at_o
         try:
             if RANK == bad:  # it holds every item: the others need its choices, and its shard applies their keys
                 replay.insert({"obs": np.ones((2, 3), np.float32)})
-            keys = replay.sample(4).keys
+            keys = replay.sample(4).keys  # (the sample below asks 3: its first call takes the full path)
             COMM.Barrier()
-            again = (lambda: replay.sample(4)) if call == "sample" else (lambda: replay.update_priorities(keys, np.full(len(keys), 2.0)))
+            again = (lambda: replay.sample(3)) if call == "sample" else (lambda: replay.update_priorities(keys, np.full(len(keys), 2.0)))
             if RANK == bad:
                 setattr(replay.shard, part, interrupted)
                 with pytest.raises(KeyboardInterrupt):

@@ -75,26 +75,37 @@ for sampler in (gm.Prioritized(0.6, 0.4), gm.Uniform()):
     kind = type(sampler).__name__
     own = comm.Dup()  # the mismatch at the end leaves stats' payload pending on it: the next replays get another
     fast = gm.Replay(spec, 200, sampler, comm=own, seed=3, timeout=20)
+    fresh = gm.Replay(spec, 200, sampler, comm=own, seed=3, timeout=20)  # new batches, repeated (a fresh record)
     full = gm.Replay(spec, 200, sampler, comm=own, seed=3, timeout=20)
     assert fast.node.board is not None, "the ranks must share one node"
     rng = np.random.default_rng(rank)
-    fill([fast, full], rng, 10)
+    fill([fast, fresh, full], rng, 10)
     b = 4 + rank  # uneven batch sizes
     out = None
     fast_calls[0] = 0
+    earlier = []  # fresh's batches: a later call writes into none of them
     for step in range(40):
         window, align = (6, "head") if step < 15 else ((4, "random") if step < 30 else (6, "tail"))
         out = fast.sample(b, window, align, out=out if out is not None and out.window == window else None)
+        new = fresh.sample(b, window, align)
+        full._repeat.clear()  # the full path every call
         ref = full.sample(b, window, align)
         same(out, ref, (kind, step))
+        same(new, ref, (kind, step, "fresh"))
+        earlier.append((new, ref))
         if step % 3 == 0:  # new priorities for what was drawn (any rank's keys: routed)
             p = rng.uniform(0.1, 2.0, b)
             fast.update_priorities(out.keys, p)
+            fresh.update_priorities(new.keys, p)
             full.update_priorities(ref.keys, p)
         if step % 7 == 0:  # inserts: the ring evicts, the masses change
-            fill([fast, full], rng, 3)
-    assert fast_calls[0] >= 30, fast_calls  # every call after the first of each window repeated
-    assert fast.stats()["total"]["windows_shared"] == full.stats()["total"]["windows_shared"] > 0
+            fill([fast, fresh, full], rng, 3)
+    for new, ref in earlier:
+        same(new, ref, (kind, "kept"))
+    assert fast_calls[0] >= 60, fast_calls  # every call after the first of each window repeated, into out= or new
+    shared = [rp.stats()["total"]["windows_shared"] for rp in (fast, fresh, full)]
+    assert shared[0] == shared[1] == shared[2] > 0, shared
+    fresh.close()
     check(f"same-batches-{kind}")
 
     # no reference to the batch kept: its count is what its holders make it, and a dropped batch is freed
