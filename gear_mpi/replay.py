@@ -346,8 +346,9 @@ class Replay:
         call, both rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter
         published at the end (read by an owner before it next writes its shard; see the module docstring) keeps
         owners from overwriting windows that node peers still copy. Selection on the owner: O(items log n);
-        copies: each delivered byte once on a node, twice (pack + MPI) across nodes. A call repeated into the
-        same ``out=`` on one node skips the checks the first one made (:mod:`gear_mpi.distributed.repeat`).
+        copies: each delivered byte once on a node, twice (pack + MPI) across nodes. A call repeated on one node
+        (into the same ``out=``, or again into a new batch) skips the checks the first one made
+        (:mod:`gear_mpi.distributed.repeat`).
         One rank on the host: no header, plan or exchange -- the arguments are checked, the writers drained
         and the rate limiter asked as above, then the shard samples itself (:meth:`Shard.sample`), in every mode.
         """

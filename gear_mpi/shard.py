@@ -509,7 +509,9 @@ class Shard:
                out: Batch | None = None, squeeze: bool = False) -> Batch:
         """Sample windows; shorter trajectories are zero-padded (at the end, or at the front for ``"tail"``)
         and ``mask`` marks real steps. Cost: :meth:`select` plus one parallel copy of ``B * W`` steps; a new
-        batch is one allocation (:meth:`Batch.empty <gear_mpi.batch.Batch.empty>`).
+        batch is one allocation (:meth:`Batch.empty <gear_mpi.batch.Batch.empty>`). A call with the arguments
+        of the last one-kernel call (into the same ``out=``, or again into a new batch) skips the argument
+        checks (:mod:`gear_mpi.selection.one_call`).
 
         Args:
             batch_size: windows to sample (>= 0).
