@@ -52,6 +52,7 @@ def die_in_next_sample(replay: gm.Replay) -> None:
         print(f"DYING rank={RANK} at={time.time():.3f}", flush=True)  # the wall clock of the kill, for the tests
         os.kill(os.getpid(), signal.SIGKILL)
     replay._exchange = die
+    replay._repeat.clear()  # its next sample takes the full path (a repeated call would not reach _exchange)
 
 
 def sample_must_fail(replay: gm.Replay, batch: int, window: int) -> float:
