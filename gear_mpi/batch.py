@@ -59,6 +59,18 @@ def _torch_from_numpy():
     return _FROM_NUMPY[0]
 
 
+def _host_fields(batch: "Batch", data: dict[str, np.ndarray], mask: np.ndarray, meta: tuple, squeezed,
+                 stored: int | None = None, addresses: np.ndarray | None = None) -> None:
+    """Set a host batch's attributes, in one update: the column buffers ``data`` and their tensors, ``mask`` and
+    ``meta`` (keys, probabilities, weights, lengths: their tensors are made at first use, :class:`_MetaTensor`),
+    ``stored`` (the columns the gather kernels fill, the stored ones first; None: all) and the columns'
+    ``addresses`` (None: computed at first use). O(columns)."""
+    from_numpy = _torch_from_numpy()
+    batch.__dict__.update(squeezed=bool(squeezed), _np=data, _fits=None, _bytes=None, _stored=stored,
+                          _addresses=addresses, _meta_np=meta, _mask_np=mask,
+                          data={k: from_numpy(v) for k, v in data.items()})
+
+
 class _MetaTensor:
     """A host batch's metadata tensor (``mask``, ``keys``, ...), made at its first use and kept in the batch's
     ``__dict__``, which later reads find first (a non-data descriptor): a small batch's sample pays one
@@ -107,6 +119,7 @@ class Batch:
         squeezed: whether ``data`` holds ``[B, *shape]`` one-step columns (``mask`` is ``[B, 1]``).
     """
 
+    data: dict[str, torch.Tensor]  # column name -> tensor (set by _host_fields, or from_tensors)
     mask = _MetaTensor(-1)
     keys = _MetaTensor(0)
     probabilities = _MetaTensor(1)
@@ -115,17 +128,7 @@ class Batch:
 
     def __init__(self, data: dict[str, np.ndarray], mask: np.ndarray, keys: np.ndarray,
                  probabilities: np.ndarray, weights: np.ndarray, lengths: np.ndarray, squeezed: bool = False):
-        import torch
-        self.squeezed = bool(squeezed)
-        self._np = data
-        self._fits = None
-        self._bytes = None
-        self._stored = None  # columns the gather kernels fill (the stored ones, first); None: all
-        self._addresses = None
-        self._meta_np = (keys, probabilities, weights, lengths)
-        self.data: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in data.items()}
-        self._mask_np = mask
-        # mask, keys, probabilities, weights, lengths: wrapped at first use (_MetaTensor), then plain attributes
+        _host_fields(self, data, mask, (keys, probabilities, weights, lengths), squeezed)
 
     @classmethod
     def from_tensors(cls, data: dict[str, torch.Tensor], mask: torch.Tensor, keys: torch.Tensor,
@@ -188,13 +191,9 @@ class Batch:
         arrays = [np.ndarray(shape, dtype, raw, off + at) for at, nbytes, dtype, shape in views]
         names = spec.batch_names
         n = len(names)
-        data = dict(zip(names, arrays))
-        from_numpy = _torch_from_numpy()
-        batch = cls.__new__(cls)  # what __init__ sets, in one update (about 1 us less a batch)
-        batch.__dict__.update(
-            squeezed=bool(squeeze), _np=data, _fits=None, _bytes=None, _stored=len(spec.names),
-            _addresses=column_offsets + (base + off),  # contiguous and sized by construction
-            _meta_np=tuple(arrays[n + 1:]), _mask_np=arrays[n], data={k: from_numpy(v) for k, v in data.items()})
+        batch = cls.__new__(cls)  # (about 1 us less a batch than through __init__'s arguments)
+        _host_fields(batch, dict(zip(names, arrays)), arrays[n], tuple(arrays[n + 1:]), squeeze, len(spec.names),
+                     column_offsets + (base + off))  # (the addresses: contiguous and sized by construction)
         return batch
 
     def column_addresses(self) -> np.ndarray:
@@ -449,7 +448,6 @@ def _layout(spec: TrajectorySpec, batch_size: int, window: int, squeeze: bool) -
         at += nbytes
     offsets = np.array([v[0] for v in views[:len(spec.columns)]], np.int64)
     return at, base, views, offsets
-
 
 
 ALIGNS = {"random": 0, "head": 1, "tail": 2}

@@ -106,7 +106,11 @@ def whole_number(value: Any, least: int = 1) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= least
 
 
-def check_count(value: Any, name: str, least: int = 1, optional: bool = False, most: int = 2 ** 62) -> int | None:
+#: the largest size or count an argument may give unless its own bound is lower: far inside int64
+MAX_COUNT = 2 ** 62
+
+
+def check_count(value: Any, name: str, least: int = 1, optional: bool = False, most: int = MAX_COUNT) -> int | None:
     """``value`` as an ``int`` when :func:`whole_number` takes it (of at least ``least`` and at most ``most``,
     by default far inside int64); None for None where ``optional``. The check behind size and count arguments
     that once went through ``int()``, which took ``8.5`` and ``'8'`` as 8 and raised its own OverflowError for
@@ -175,7 +179,7 @@ class TrajectorySpec:
     def __init__(self, columns: Mapping[str, tuple[ShapeLike, Any]], max_length: int):
         if not isinstance(columns, Mapping) or not columns:
             raise ValueError("TrajectorySpec needs a non-empty mapping of column name -> (shape, dtype)")
-        if not whole_number(max_length) or max_length > 2 ** 62:
+        if not whole_number(max_length) or max_length > MAX_COUNT:
             raise ValueError(f"max_length must be a positive integer (at most 2**62), got {max_length!r}")
         cols, declared = [], {}
         for name, entry in columns.items():

@@ -28,10 +28,11 @@ on a host index, decentralized, no rate limiter, writers, actor ranks or backgro
 derived or compressed columns, memory columns (no mapped checkpoint to hold), an ``int`` batch size of at
 least 1, and an ``out=`` batch, or none: then the record (a *fresh* one, kept under ``id(None)``) repeats calls
 that return a new batch, allocated as the full path allocates it (a 2-rank ``Replay.sample(32, 1)`` of one-step
-items into new batches: 89-91 us a call through the full path, 54-57 us repeated; into ``out=``: 38-41 us). Whatever changes that (a writer's address asked for, ``checkpoint_every``)
-sends the next call down the full path (:meth:`SampleRecord.usable`). The record holds no strong reference
-to the batch or its arrays (its column addresses are plain integers), so a dropped batch is freed and its
-reference counts stay what its holders make them (``batches(recycle="auto")``).
+items into new batches: 89-91 us a call through the full path, 54-57 us repeated; into ``out=``: 38-41 us).
+Whatever changes that (a writer's address asked for, ``checkpoint_every``) sends the next call down the full
+path (:meth:`SampleRecord.usable`). The record holds no strong reference to the batch or its arrays (its column
+addresses are plain integers), so a dropped batch is freed and its reference counts stay what its holders make
+them (``batches(recycle="auto")``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from ..kernels import gather as gather_kernels
 from ..kernels import ring
 from ..kernels import serve as serve_kernels
 from ..keys import GEN_MASK, SLOT_BITS, key_head
+from ..selection.one_call import repeats
 from ..selection.priority_index import PriorityIndex
 from ..selection.selectors import Prioritized, Uniform
 
@@ -81,13 +83,13 @@ class SampleRecord:
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "head", "outs", "got", "row_of_owner",
-                 "counts", "peer_direct", "key_head", "prioritized", "slots", "w", "ratio", "uniforms")
+                 "counts", "peer_direct", "key_head", "prioritized", "slots", "w", "ratio", "uniforms", "fresh")
 
     def __init__(self, replay, batch, args: tuple, window: int, code: int):
         size = replay.comm.size
-        # the replay does not keep a batch its caller dropped; None: a record of calls into new batches (fresh)
-        self.batch = None if batch is None else weakref.ref(batch)
-        self.fitted, self.args = None if batch is None else batch._fits, args
+        self.fresh = batch is None  # a record of calls into new batches
+        self.batch = None if self.fresh else weakref.ref(batch)  # the replay does not keep a batch its caller dropped
+        self.fitted, self.args = None if self.fresh else batch._fits, args
         self.b, self.window, self.code = args[0], window, code
         head = np.zeros(WIDTH, np.float64)  # the fixed values of the call's head; the shard's are set per call
         head[0] = _NO_ERROR
@@ -107,15 +109,9 @@ class SampleRecord:
                                                          np.empty(0, np.float32), np.empty(0))
 
     def same(self, out, batch_size, window, align, mode) -> bool:
-        """Whether a call with these arguments may reuse this record: arguments equal to the recorded ones with
-        the same types (a ``1.0`` or a ``True`` still reaches the checks that refuse it), and no ``out`` for a
-        fresh record, else the same ``out`` object, still fitted as it was. O(1)."""
-        if type(batch_size) is not int or not (window is None or type(window) is int) \
-                or (batch_size, window, align, mode) != self.args:
-            return False
-        if self.batch is None:
-            return out is None
-        return out is not None and out is self.batch() and out._fits is self.fitted
+        """Whether a call with these arguments may reuse this record (:func:`one_call.repeats
+        <gear_mpi.selection.one_call.repeats>`, a Shard's records' test). O(1)."""
+        return repeats(self, out, (batch_size, window, align, mode))
 
     def usable(self, replay) -> bool:
         """Whether the replay still qualifies in what may change between calls: no rate limiter, writers,
@@ -198,7 +194,7 @@ def sample_again(replay, rec: SampleRecord):
             busiest = int(counts.sum(0).max())
         wmin = min(r[MIN_WEIGHT] for r in rows)
         recv = counts[me]
-        out = rec.batch() if rec.batch is not None else Batch.empty(replay.spec, rec.b, rec.window)
+        out = Batch.empty(replay.spec, rec.b, rec.window) if rec.fresh else rec.batch()
         if busiest > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
             slots = shard.select(serve)
             choices = shard.make_choices(slots, rec.window, rec.code, mass, wmin)

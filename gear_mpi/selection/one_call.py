@@ -138,15 +138,22 @@ class Repeat:
         self.outs = None if fresh else batch.column_addresses().copy()
 
     def same(self, out, batch_size, window, align, squeeze) -> bool:
-        """Whether a call with these arguments may reuse this record: arguments equal to the recorded ones with
-        the same types (so a ``1.0`` or a ``True`` still reaches the checks that refuse it), and either no
-        ``out`` for a fresh record, or the same ``out`` object, still fitted as it was. O(1)."""
-        if type(batch_size) is not int or not (window is None or type(window) is int) \
-                or (batch_size, window, align, squeeze) != self.args:
-            return False
-        if self.fresh:
-            return out is None
-        return out is not None and out is self.batch() and out._fits is self.fitted
+        """:func:`repeats` of this record by a call with these arguments. O(1)."""
+        return repeats(self, out, (batch_size, window, align, squeeze))
+
+
+def repeats(record, out, args: tuple) -> bool:
+    """Whether a call with ``args`` (batch size, window, then the rest, as ``record.args`` holds them) and ``out``
+    may reuse ``record`` (a :class:`Repeat`, or a Replay's ``distributed.repeat.SampleRecord``: its ``args``,
+    ``fresh``, ``batch`` and ``fitted``): arguments equal to the recorded ones with the same types (so a ``1.0``
+    or a ``True`` still reaches the checks that refuse it), and either no ``out`` for a fresh record, or the same
+    ``out`` object, still fitted as it was. O(1)."""
+    batch_size, window = args[0], args[1]
+    if type(batch_size) is not int or not (window is None or type(window) is int) or args != record.args:
+        return False
+    if record.fresh:
+        return out is None
+    return out is not None and out is record.batch() and out._fits is record.fitted
 
 
 def sample_one_call(shard, batch, b: int, window: int, code: int):

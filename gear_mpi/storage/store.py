@@ -95,9 +95,8 @@ class TrajectoryStore:
             raise ValueError(f"capacity_steps must be a positive integer, got {capacity_steps!r}")
         if capacity_steps < spec.max_length:
             raise ValueError(f"capacity_steps={capacity_steps} is smaller than max_length={spec.max_length}")
-        max_items = check_count(capacity_steps if max_items is None else max_items, "max_items")
-        if not 1 <= max_items <= keyspace.MAX_SLOTS:
-            raise ValueError(f"max_items must be in [1, {keyspace.MAX_SLOTS}], got {max_items}")
+        max_items = check_count(capacity_steps if max_items is None else max_items, "max_items",
+                                most=keyspace.MAX_SLOTS)
         if not (whole_number(rank, 0) and rank < keyspace.MAX_RANKS):
             raise ValueError(f"rank must be in [0, {keyspace.MAX_RANKS}), got {rank}")
         self.spec = spec
