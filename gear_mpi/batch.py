@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 from numba import njit
 
-if TYPE_CHECKING:  # torch is imported at the first batch: a process that only writes never imports it
+if TYPE_CHECKING:  # torch is imported at the first tensor read: a process that reads none never imports it
     import torch
 
 from .spec import TrajectorySpec
@@ -61,14 +61,43 @@ def _torch_from_numpy():
 
 def _host_fields(batch: "Batch", data: dict[str, np.ndarray], mask: np.ndarray, meta: tuple, squeezed,
                  stored: int | None = None, addresses: np.ndarray | None = None) -> None:
-    """Set a host batch's attributes, in one update: the column buffers ``data`` and their tensors, ``mask`` and
-    ``meta`` (keys, probabilities, weights, lengths: their tensors are made at first use, :class:`_MetaTensor`),
-    ``stored`` (the columns the gather kernels fill, the stored ones first; None: all) and the columns'
-    ``addresses`` (None: computed at first use). O(columns)."""
-    from_numpy = _torch_from_numpy()
+    """Set a host batch's attributes, in one update: the column buffers ``data``, ``mask`` and ``meta`` (keys,
+    probabilities, weights, lengths), ``stored`` (the columns the gather kernels fill, the stored ones first;
+    None: all) and the columns' ``addresses`` (None: computed at first use). No tensor is made here: each is
+    made at its first read (:class:`_ColumnTensors`, :class:`_MetaTensor`), so that a process that never reads
+    one never imports torch. O(1)."""
     batch.__dict__.update(squeezed=bool(squeezed), _np=data, _fits=None, _bytes=None, _stored=stored,
-                          _addresses=addresses, _meta_np=meta, _mask_np=mask,
-                          data={k: from_numpy(v) for k, v in data.items()})
+                          _addresses=addresses, _meta_np=meta, _mask_np=mask, _made=None)
+
+
+def _column_tensor(batch: "Batch", name: str):
+    """Host batch ``batch``'s tensor of column ``name``, made at its first read and kept (``_made``), so that
+    ``batch[name]`` and ``batch.data[name]`` are one tensor. O(1). Raises KeyError for an unknown column."""
+    made = batch._made
+    if made is None:
+        made = batch._made = {}
+    tensor = made.get(name)
+    if tensor is None:
+        tensor = made[name] = _torch_from_numpy()(batch._np[name])
+    return tensor
+
+
+class _ColumnTensors:
+    """A host batch's ``data`` (column name -> tensor), made at its first read and then kept in the batch's
+    ``__dict__`` (a non-data descriptor, as :class:`_MetaTensor`): a sample makes no tensor, and a caller
+    pays ``torch.from_numpy`` (about 0.5 us a column) for the columns it reads (``batch[name]`` makes one;
+    ``batch.data`` all of them, the same tensor objects). A device batch sets ``data`` as a plain attribute."""
+
+    def __get__(self, batch, owner=None):
+        if batch is None:
+            return self
+        made, from_numpy = batch._made, _torch_from_numpy()
+        if made is None:  # (the common case: no column read yet)
+            data = {name: from_numpy(array) for name, array in batch._np.items()}
+        else:
+            data = {name: made[name] if name in made else from_numpy(array) for name, array in batch._np.items()}
+        batch.__dict__.update(data=data, _made=data)
+        return data
 
 
 class _MetaTensor:
@@ -108,7 +137,9 @@ class Batch:
     instead of ``[B, 1, *shape]`` (the same bytes; ``mask`` stays ``[B, 1]``): what one-step transitions
     (DQN, SAC) want. :meth:`squeeze` gives that view of any ``W = 1`` batch.
 
-    Construction wraps the buffers: O(columns), no copy.
+    Construction keeps the buffers: O(1), no copy. A host batch makes each tensor at its first read (about
+    0.5 us; :meth:`numpy` and :meth:`meta_numpy` make none), so a process that never reads one never imports
+    torch (about 1.4 s of a process's start here).
     Args:
         data: column name -> ``[B, W, *shape]`` numpy buffer.
         mask: ``[B, W]`` bool numpy buffer.
@@ -119,7 +150,7 @@ class Batch:
         squeezed: whether ``data`` holds ``[B, *shape]`` one-step columns (``mask`` is ``[B, 1]``).
     """
 
-    data: dict[str, torch.Tensor]  # column name -> tensor (set by _host_fields, or from_tensors)
+    data = _ColumnTensors()  # column name -> tensor (made at first read; set by from_tensors)
     mask = _MetaTensor(-1)
     keys = _MetaTensor(0)
     probabilities = _MetaTensor(1)
@@ -147,6 +178,7 @@ class Batch:
         """
         self = cls.__new__(cls)
         self.squeezed = False
+        self._made = None
         self._np = None
         self._fits = None
         self._bytes = None
@@ -269,29 +301,40 @@ class Batch:
     @property
     def columns(self) -> tuple[str, ...]:
         """The column names, in spec order. O(columns)."""
-        return tuple(self.data)
+        return tuple(self._names())
+
+    def _names(self) -> dict:
+        """A dict keyed by the column names, in spec order, without making tensors. O(1)."""
+        return self._np if self._np is not None else self.data
 
     @property
     def batch_size(self) -> int:
         """Windows in the batch (``B``). O(1)."""
-        return int(self.keys.shape[0])
+        return int((self._mask_np if self._np is not None else self.mask).shape[0])
 
     @property
     def window(self) -> int:
         """Steps per window (``W``). O(1)."""
-        return int(self.mask.shape[1])
+        return int((self._mask_np if self._np is not None else self.mask).shape[1])
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        """Column ``name``'s ``[B, W, *shape]`` tensor (``[B, *shape]`` squeezed); a host batch makes it at the
+        first read (about 0.5 us, and torch's import in a process that had none), then O(1).
+
+        Raises:
+            KeyError: no such column.
+        """
         try:
-            return self.data[name]
-        except KeyError:
-            raise KeyError(f"no column {name!r} in this batch; it has {list(self.data)}") from None
+            data = self.__dict__.get("data")
+            return data[name] if data is not None else _column_tensor(self, name)
+        except (KeyError, TypeError):
+            raise KeyError(f"no column {name!r} in this batch; it has {list(self._names())}") from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self.data
+        return name in self._names()
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.data)
+        return iter(self._names())
 
     def __len__(self) -> int:
         return self.batch_size
@@ -299,7 +342,9 @@ class Batch:
     @property
     def nbytes(self) -> int:
         """Bytes of all returned tensors (columns, mask, keys, probabilities, weights, lengths). O(columns)."""
-        return (sum(t.numel() * t.element_size() for t in self.data.values()) + self.mask.numel()
+        columns = ([a.nbytes for a in self._np.values()] if self._np is not None
+                   else [t.numel() * t.element_size() for t in self.data.values()])
+        return (sum(columns) + self.window * self.batch_size
                 + 8 * 3 * self.batch_size + 4 * self.batch_size)
 
     def references(self) -> tuple[int, ...] | None:
@@ -347,7 +392,7 @@ class Batch:
         if self._fits is not None and self._fits[0] is spec and self._fits[1:] == (batch_size, window, squeeze):
             return True
         lead = 1 if self.squeezed else 2
-        ok = (self._np is not None and self.squeezed == bool(squeeze) and tuple(self.data) == spec.batch_names
+        ok = (self._np is not None and self.squeezed == bool(squeeze) and tuple(self._np) == spec.batch_names
               and self.batch_size == batch_size and self.window == window
               and all(self._np[c.name].dtype == c.dtype and self._np[c.name].shape[lead:] == c.shape
                       for c in spec.batch_columns))

@@ -778,7 +778,7 @@ def warm_kernels(spec: TrajectorySpec, sampler) -> None:
         scratch.insert(zeros, 1.0)
         for align in ("random", "head", "tail"):
             batch = scratch.sample(2, 1, align)
-        scratch.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
+        scratch.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
         scratch.insert_many([zeros, zeros], [1.0, 2.0])
         if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel power of large inserts and updates
             power_weights(np.ones(PARALLEL_MIN), sampler.alpha)

@@ -291,8 +291,8 @@ class BatchIterator:
         # calls right after the step cost the training thread tens of microseconds of cold code each
         last = self._given
         try:
-            if last is not None and keys is last.keys:
-                k = last._meta_np[0].copy()
+            if last is not None and (keys is last._meta_np[0] or keys is last.__dict__.get("keys")):
+                k = last._meta_np[0].copy()  # (its tensor, if made: a tensor not made cannot be ``keys``)
             else:
                 k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
             if type(priorities) is np.ndarray:

@@ -323,8 +323,8 @@ class GearReplayBuffer(ReplayBuffer):
             done = done * (1.0 - d["timeout"])
         if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
             # the batch's own tensors: a fresh batch, nobody else's (the common case, the cheapest)
-            t = batch.data
-            return ReplayBufferSamples(t["obs"], t["action"], t["next_obs"], th.from_numpy(done), t["reward"])
+            return ReplayBufferSamples(batch["obs"], batch["action"], batch["next_obs"], th.from_numpy(done),
+                                       batch["reward"])  # (four tensors made: the columns it returns)
         obs = d["obs"]
         next_obs = self._next_of(batch) if self.optimize_memory_usage else d["next_obs"]
         rewards = d["reward"]

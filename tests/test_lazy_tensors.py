@@ -1,0 +1,90 @@
+"""A host batch makes its tensors at their first read: a process that never reads one never imports torch.
+
+Writers, actors and numpy consumers of a replay (``Batch.numpy``, ``Batch.meta_numpy``) then start without
+torch's import (about 1.4 s a process here); a sample makes no tensor, and each column's tensor, made at its
+first read, is one object however it is reached (``batch[name]``, ``batch.data``).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import gear_mpi as gm
+
+SPEC = gm.TrajectorySpec({"obs": ((3,), "float32"), "action": ((), "int64")}, max_length=4)
+
+NO_TORCH = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import gear_mpi as gm
+    from mpi4py import MPI
+    spec = gm.TrajectorySpec({"obs": ((3,), "float32"), "action": ((), "int64")}, max_length=4)
+    step = {"obs": np.ones((4, 3), np.float32), "action": np.arange(4)}
+    for selector in (gm.Prioritized(0.6, 0.4), gm.Uniform(), gm.Fifo()):
+        with gm.Replay(spec, 64, selector, comm=MPI.COMM_SELF) as replay:
+            replay.insert(step, 1.0)
+            for window in (1, 2):
+                batch = replay.sample(4, window)
+                batch = replay.sample(4, window, out=batch)
+                replay.update_priorities(batch.meta_numpy()[0], np.ones(4))
+            with replay.batches(4, window=2, prefetch=1, limit=3, recycle=False) as it:
+                for batch in it:
+                    it.update_priorities(batch.meta_numpy()[0], np.ones(4))
+        shard = gm.Shard(spec, 64, selector)
+        shard.insert(step, 1.0)
+        for _ in range(3):
+            batch = shard.sample(4, 1, squeeze=True)
+        shard.update_priorities(batch.meta_numpy()[0], np.ones(4))
+        assert batch.numpy()["obs"].shape == (4, 3) and batch.columns == ("obs", "action")
+        assert len(batch) == 4 and batch.window == 1 and "obs" in batch and list(batch) == ["obs", "action"]
+        assert batch.nbytes == 4 * (12 + 8) + 4 + 4 * 28, batch.nbytes
+        shard.close()
+    print("torch imported:", "torch" in sys.modules)
+""")
+
+
+def test_sampling_and_updating_through_numpy_never_import_torch():
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def batch():
+    shard = gm.Shard(SPEC, 64, gm.Prioritized(0.6, 0.4), seed=3)
+    rng = np.random.default_rng(0)
+    shard.insert({"obs": rng.random((4, 3), np.float32), "action": np.arange(4)}, 1.0)
+    yield shard.sample(5, 2)
+    shard.close()
+
+
+@pytest.mark.parametrize("first", ["item", "data"])
+def test_a_column_tensor_is_one_object_over_the_batch_memory(batch, first):
+    import torch
+    one = batch["obs"] if first == "item" else batch.data["obs"]
+    assert batch["obs"] is one and batch.data["obs"] is one
+    assert list(batch.data) == ["obs", "action"] and batch.data["action"] is batch["action"]
+    array = batch.numpy()["obs"]
+    assert one.shape == (5, 2, 3) and one.dtype == torch.float32
+    assert one.data_ptr() == array.ctypes.data  # no copy
+    array[0, 0, 0] = 42.0
+    assert one[0, 0, 0].item() == 42.0
+    assert batch.keys.data_ptr() == batch.meta_numpy()[0].ctypes.data
+
+
+def test_unknown_column_names_the_columns(batch):
+    with pytest.raises(KeyError, match=r"no column 'nope' in this batch; it has \['obs', 'action'\]"):
+        batch["nope"]
+    assert "nope" not in batch
+
+
+def test_size_and_shape_without_tensors_match_the_tensors(batch):
+    nbytes, columns = batch.nbytes, batch.columns  # before any tensor is made
+    tensors = [batch.data[c] for c in columns]
+    assert nbytes == (sum(t.numel() * t.element_size() for t in tensors) + batch.mask.numel()
+                      + 28 * len(batch))
+    assert (batch.batch_size, batch.window) == tuple(batch.mask.shape)
