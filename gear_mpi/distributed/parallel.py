@@ -36,6 +36,7 @@ are drawn exactly as a plain sample of that replay draws them (P(item) = w_i / s
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -200,6 +201,30 @@ def parallel_groups(comm=None, tensor: int = 1, pipeline: int = 1, *, order: str
     return g
 
 
+def _interrupt_breaks(what: str):
+    """Decorate a :class:`ReplicaSampler` method that makes collectives: an interrupt (a ``BaseException`` that
+    is not an ``Exception``: KeyboardInterrupt, SystemExit) that leaves it may leave its delivery group and its
+    replay out of step wherever it landed (between the replay's call and the delivery, between two broadcasts),
+    so both communicators are marked broken on this rank (:meth:`MpiComm.interrupted
+    <gear_mpi.distributed.comm.MpiComm.interrupted>`, as :func:`~gear_mpi.distributed.calls.interrupt_breaks`
+    does for a replay): its next call raises at once instead of posting a broadcast that the others' pending
+    one could meet, and the peers fail within their deadline. O(1) a call."""
+    def decorate(method):
+        @functools.wraps(method)
+        def call(sampler, *args, **kwargs):
+            try:
+                return method(sampler, *args, **kwargs)
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    replay = sampler.replay
+                    for comm in (sampler._group, None if replay is None else replay.calls.comm):
+                        if comm is not None and comm.broken is None:
+                            comm.interrupted(f"ReplicaSampler.{what}", e)
+                raise
+        return call
+    return decorate
+
+
 class ReplicaSampler:
     """One batch per model replica, sampled by its leader and delivered to the ranks that need it.
 
@@ -277,11 +302,16 @@ class ReplicaSampler:
 
         Raises:
             RuntimeError: the sampler is closed.
+            CollectiveError: an earlier delivery on this rank timed out or was interrupted (the group is out of
+                step).
         """
         if self._closed:
             raise RuntimeError(f"ReplicaSampler.{what}: this sampler is closed")
+        if self._group is not None:  # a delivery that timed out or was interrupted: raise now, not at the deadline
+            self._group.check_usable()
 
     # ---- sampling -------------------------------------------------------------------------------
+    @_interrupt_breaks("sample")
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
                mode: str | None = None) -> Batch | None:
         """Collective over the world: the leaders sample (``"world"``: every rank takes part, asking for 0),
@@ -312,6 +342,7 @@ class ReplicaSampler:
                     error = e
         return self.deliver(batch if self.groups.is_leader else None, error)
 
+    @_interrupt_breaks("deliver")
     def deliver(self, batch: Batch | None = None, error: BaseException | None = None) -> Batch | None:
         """Collective over the replica's delivery group: its leader's ``batch`` (or ``error``) to every member.
 
@@ -358,6 +389,7 @@ class ReplicaSampler:
         return batch
 
     # ---- priorities -----------------------------------------------------------------------------
+    @_interrupt_breaks("update_priorities")
     def update_priorities(self, keys: Any = (), priorities: Any = (), *, iterator=None) -> int:
         """Collective over the world: the replica's reporter (``tp = 0``, last stage) gives new priorities for
         keys of its batch; the other ranks' arguments are ignored.

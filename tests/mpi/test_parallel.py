@@ -15,6 +15,8 @@ another number of ranks the 4-rank tests skip.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -233,3 +235,43 @@ def test_a_leaders_prefetched_batches_are_delivered():
         own = keys[owner == replay.rank]
         np.testing.assert_array_equal(replay.shard.priorities(own), 50.0 + own % 7)
     close_replica(replay, sampler, g)
+
+
+@four
+def test_an_interrupted_leader_is_unusable_at_once_and_its_peers_fail_within_the_deadline():
+    """KeyboardInterrupt on a replica's leader after its replay's sample and before the delivery (a Ctrl-C landing
+    there): the sampler used to stay usable, its next delivery posting a broadcast that its peers' pending one
+    could meet. Now its next call raises at once, naming the interrupt; the peers' delivery raises
+    CollectiveTimeoutError within their deadline, and their next call raises at once too (a timed-out delivery
+    group was also left usable). One replica of 4 ranks (1 DP x 4 TP): the replay is the leader's alone."""
+    g = gm.parallel_groups(COMM.Dup(), tensor=4)  # left out of step: not the world's (never freed)
+    replay = None
+    if g.is_leader:
+        replay = gm.Replay(SPEC, 2000, gm.Prioritized(0.8, 0.4), comm=g.replay_comm("replica"), timeout=2.0)
+        insert_random(replay, 6, np.random.default_rng(9))
+    sampler = gm.ReplicaSampler(replay, g, spec=SPEC, timeout=2.0)
+    assert len(sampler.sample(3, 2)) == 3  # in step before the interrupt
+    t0 = time.monotonic()
+    if g.is_leader:
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        sampler.deliver = interrupted  # (the sample's call of its own delivery)
+        with pytest.raises(KeyboardInterrupt):
+            sampler.sample(3, 2)
+        del sampler.deliver
+        t0 = time.monotonic()
+        for call in (lambda: sampler.sample(3, 2), lambda: sampler.update_priorities([1], [1.0]), replay.stats):
+            with pytest.raises(gm.CollectiveError, match="ReplicaSampler.sample: interrupted on rank 0 by "
+                                                         "KeyboardInterrupt"):
+                call()
+    else:
+        with pytest.raises(gm.CollectiveTimeoutError, match=r"ReplicaSampler.deliver \(header\)"):
+            sampler.sample(3, 2)
+        assert time.monotonic() - t0 < 2.0 + 3.0
+        t0 = time.monotonic()
+        with pytest.raises(gm.CollectiveError, match="unusable after an earlier failure"):
+            sampler.sample(3, 2)
+    assert time.monotonic() - t0 < 1.0
+    close_replica(replay, sampler, g)
+    COMM.Barrier()
