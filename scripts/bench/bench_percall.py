@@ -9,7 +9,10 @@ calls per case, in turn; best and median of the rounds, per call):
                      GearReplayBuffer.sample(B); SB3's ReplayBuffer.sample(B); cpprb's ReplayBuffer.sample(B)
   sample+update B    prioritized: Shard(Prioritized).sample(B, 1) + update_priorities, the SB3 adapter's
                      prioritized buffer (sample + update_priorities) and cpprb's PrioritizedReplayBuffer
-                     (SB3 has no prioritized buffer)
+                     (SB3 has no prioritized buffer); the same with every column then read as a torch
+                     tensor (``+ columns to torch``: the five columns cpprb holds and the weights; ``batch[name]``
+                     for gear_mpi, whose tensors are made at their first read, ``torch.from_numpy`` of
+                     cpprb's arrays), what a torch training loop pays
   add one step       Shard.insert_packed of one one-step item, Shard.append_step (the one-step path),
                      GearReplayBuffer.add, SB3's add, cpprb's add
 
@@ -48,6 +51,11 @@ def per_call(fns: dict, rounds: int, calls: int = CALLS) -> dict[str, list[float
                 fn()
             out[k].append((time.perf_counter() - t) / calls)
     return out
+
+
+def _from_numpy():
+    import torch
+    return torch.from_numpy
 
 
 def transitions(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -132,11 +140,30 @@ def bench_percall(n: int, batch_sizes=(32, 64, 256), rounds: int = 30, use_cpprb
                 s = sb3["gear_per"].sample(b)
                 sb3["gear_per"].update_priorities(s.keys, prio)
             fns["GearPrioritizedReplayBuffer sample+update"] = adapter_per
+        names = ("obs", "next_obs", "action", "reward", "done")  # cpprb's five columns (it holds no timeout)
+
+        def shard_per_torch():
+            batch = pshard.sample(b, 1)
+            pshard.update_priorities(batch.keys, prio)
+            for name in names:
+                batch[name]
+            batch.weights
+        fns["Shard(Prioritized) sample+update + columns to torch"] = shard_per_torch
         if cp:
             def cpprb_per():
                 s = cp[1].sample(b, beta=0.4)
                 cp[1].update_priorities(s["indexes"], prio)
             fns["cpprb PrioritizedReplayBuffer sample+update"] = cpprb_per
+            from_numpy = _from_numpy()
+            cp_names = ("obs", "next_obs", "act", "rew", "done")
+
+            def cpprb_per_torch():
+                s = cp[1].sample(b, beta=0.4)
+                cp[1].update_priorities(s["indexes"], prio)
+                for name in cp_names:
+                    from_numpy(s[name])
+                from_numpy(s["weights"])
+            fns["cpprb PrioritizedReplayBuffer sample+update + columns to torch"] = cpprb_per_torch
         times = per_call(fns, rounds)
         rows += [{"case": k, "B": b, "N": n, "us": 1e6 * min(v), "med_us": 1e6 * float(np.median(v))}
                  for k, v in times.items()]
@@ -191,6 +218,19 @@ def targets(rows: list[dict]) -> list[tuple[str, float, bool]]:
     return out
 
 
+def torch_ratios(rows: list[dict]) -> list[tuple[str, float]]:
+    """Information beside the targets: gear_mpi's prioritized step with every column read as a tensor over
+    cpprb's with ``torch.from_numpy`` of its arrays (the same five columns and the weights)."""
+    by = {(r["case"], r["B"]): r["us"] for r in rows}
+    out = []
+    for b in (32, 64):
+        cp = by.get(("cpprb PrioritizedReplayBuffer sample+update + columns to torch", b))
+        mine = by.get(("Shard(Prioritized) sample+update + columns to torch", b))
+        if cp and mine:
+            out.append((f"Shard(Prioritized) sample+update({b}) + columns to torch / cpprb's", mine / cp))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N=1e4 transitions, fewer rounds")
@@ -203,6 +243,8 @@ def main(argv=None) -> int:
         print(f"{r['case']:>45}  B={r['B']:<4d} {r['us']:8.1f} us  (med {r['med_us']:.1f})")
     for t, v, ok in targets(rows):
         print(f"# target: {t}: {v:.2f} {'met' if ok else 'NOT met'}")
+    for t, v in torch_ratios(rows):
+        print(f"# information: {t}: {v:.2f}")
     return 0
 
 

@@ -484,6 +484,8 @@ def main(argv=None) -> int:
                               ("med_us", "med_us", "{:.1f}")], percall)
         rep.comment(f"percall: one-step transitions; best of rounds of {bench_percall.CALLS} consecutive calls, "
                     "the cases interleaved round by round")
+        for text, value in bench_percall.torch_ratios(percall):
+            rep.comment(f"information: {text}: {value:.2f}")
     report_targets(rep, window, priority, storage, percall)
     return 0
 
