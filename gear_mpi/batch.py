@@ -228,6 +228,24 @@ class Batch:
                      column_offsets + (base + off))  # (the addresses: contiguous and sized by construction)
         return batch
 
+    def __getstate__(self) -> dict:
+        """What a copy or a pickle of the batch keeps (``copy.copy``, ``copy.deepcopy``, ``pickle``: all go through
+        it): a host batch's numpy buffers, without what is derived from where they lie -- its tensors, column
+        addresses, byte views and remembered fit, made again from the copy's own buffers. A deep copy or an
+        unpickled batch that kept the original's addresses would have a later ``sample(out=copy)`` write into the
+        original batch's memory (or memory freed since). A device batch keeps its tensors. O(1) (the copy of
+        the buffers is the copier's).
+
+        Returns:
+            The state (``__setstate__`` is the default: the batch's ``__dict__`` updated with it).
+        """
+        state = dict(self.__dict__)
+        if state.get("_np") is not None:
+            for name in ("data", "mask", "keys", "probabilities", "weights", "lengths"):
+                state.pop(name, None)
+            state.update(_made=None, _addresses=None, _bytes=None, _fits=None)
+        return state
+
     def column_addresses(self) -> np.ndarray:
         """The address of each stored column's buffer (int64, in column order; derived columns are not included), for kernels that take addresses
         (``gather.out_addresses``); valid while the batch lives. Computed once, then O(1).
