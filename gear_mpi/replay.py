@@ -31,11 +31,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, keys as keyspace, stats as stats_schema
 from .storage import budget
-from .distributed import arguments, header, repeat, routing
-from . import keys as keyspace
-from . import stats as stats_schema
+from .distributed import arguments, header, recovery, repeat, routing
 from .batch import Batch, check_batch_size, check_out, check_window
 from .distributed.calls import ReplayCalls, interrupt_breaks
 from .storage.device import DeviceContext
@@ -51,7 +49,6 @@ from .selection.selectors import Selector, Uniform
 from .shard import Shard, warm_kernels
 from .spec import TrajectorySpec, validate_priorities
 from .distributed.transport import WindowTransport
-from .distributed import recovery
 
 FOLD_RANKS = 64  # a deferred update folds its counts (and keys) into one allgather up to this many ranks (O(ranks^2))
 
@@ -787,6 +784,10 @@ class Replay:
             raise RuntimeError("this Replay is closed")
         self._prefetch.check_owner()
         self.comm.check_usable()
+
+    def __reduce_ex__(self, protocol):  # pickle, copy.copy, copy.deepcopy
+        raise TypeError("a Replay cannot be pickled or copied (its shards live on MPI ranks): save it with replay.save(path)"
+                        " and Replay.load(path, comm); replay.shard (a Shard) pickles as a copy of this rank's items")
 
     def __enter__(self) -> "Replay":
         return self

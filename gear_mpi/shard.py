@@ -39,6 +39,8 @@ class Shard:
 
     Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError.
     Memory: ``capacity_steps * step_bytes`` plus 65 bytes per item slot (75 with a priority index).
+    ``pickle``, ``copy.copy`` and ``copy.deepcopy`` make a new, independent shard in private host memory with the
+    same items, keys and stream (:mod:`gear_mpi.checkpoint.shard_archive`).
     Args:
         spec: the columns and the longest trajectory.
         capacity_steps: steps the ring holds (at least ``spec.max_length``).

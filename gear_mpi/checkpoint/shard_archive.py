@@ -17,6 +17,7 @@ its collective ``save``/``load`` (:mod:`gear_mpi.checkpoint`).
 """
 from __future__ import annotations
 
+import copyreg
 import json
 import os
 import zipfile
@@ -28,6 +29,15 @@ from ..errors import CheckpointError
 from ..shard import Shard
 from ..spec import TrajectorySpec
 from .protocol import _make_sampler, _sampler_dict
+
+def _reduce(shard: Shard):
+    """How ``pickle``, ``copy.copy`` and ``copy.deepcopy`` take a :class:`~gear_mpi.shard.Shard` (registered with
+    ``copyreg`` when gear_mpi is imported): a new, independent shard in private host memory (a host index)
+    holding the same items at the same ring steps, with the same keys, priorities, counters and stream. A copy
+    that shared the original's memory (a shallow copy) would also share its closing. Cost: as
+    :func:`shard_arrays`, then :func:`shard_from_arrays`. Raises: RuntimeError: the shard is closed."""
+    return shard_from_arrays, (shard_arrays(shard),)
+
 
 FORMAT = "gear_mpi.shard"
 VERSION = 1
@@ -174,3 +184,6 @@ def load_shard(path: str | os.PathLike, **overrides: Any) -> Shard:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"{path}: cannot read a saved shard ({type(e).__name__}: {e})") from None
     return shard_from_arrays(arrays, **overrides)
+
+
+copyreg.pickle(Shard, _reduce)

@@ -1,9 +1,12 @@
-"""Copies of a batch (``copy.copy``, ``copy.deepcopy``, ``pickle``) and ``out=``.
+"""Copies (``copy.copy``, ``copy.deepcopy``, ``pickle``) of batches, shards and replays.
 
-A deep copy or an unpickled batch kept the original's column addresses (the batch caches them for the gather
-kernels): ``sample(out=the_copy)`` wrote into the original batch's memory, leaving the copy as it was (or, in
-another process, into whatever lay at those addresses). A copy now keeps its buffers only; its tensors,
-addresses and fit are made again from them.
+- A deep copy or an unpickled batch kept the original's column addresses (the batch caches them for the gather
+  kernels): ``sample(out=the_copy)`` wrote into the original batch's memory, leaving the copy as it was (or, in
+  another process, into whatever lay at those addresses). A copy now keeps its buffers only; its tensors,
+  addresses and fit are made again from them.
+- A Shard could not be pickled ("cannot pickle '_Pages' object") and a shallow copy shared its memory and its
+  closing; any copy is now a new, independent shard holding the same items, keys and stream.
+- A Replay (its shards on MPI ranks) refuses any copy with a TypeError that says what to use instead.
 """
 from __future__ import annotations
 
@@ -74,3 +77,32 @@ def test_a_device_batch_keeps_its_tensors_through_a_pickle():
     again = pickle.loads(pickle.dumps(batch))
     assert torch.equal(again["obs"], data["obs"]) and torch.equal(again.keys, batch.keys)
     assert again.columns == ("obs", "action") and (again.batch_size, again.window) == (2, 2)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_shard_copy_is_independent_and_draws_what_the_original_would(how):
+    shard = filled_shard(3)
+    shard.sample(4, 2)  # the stream moved, and a repeat record left
+    dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda s: pickle.loads(pickle.dumps(s))}[how](shard)
+    assert dup is not shard and len(dup) == len(shard) and repr(dup) == repr(shard)
+    a, b = shard.sample(7, 3), dup.sample(7, 3)
+    assert all(np.array_equal(x, y) for x, y in zip(rows(a), rows(b)))  # same items, keys and stream
+    keys = a.meta_numpy()[0]
+    np.testing.assert_array_equal(dup.priorities(keys), shard.priorities(keys))
+    dup.update_priorities(keys, np.full(len(keys), 9.0))
+    dup.insert({"obs": np.ones((4, 3), np.float32), "action": np.zeros(4, np.int64)}, 1.0)
+    assert len(dup) == len(shard) + 1 and not np.any(shard.priorities(keys) == 9.0)
+    dup.close()
+    assert len(shard.sample(3, 1)) == 3  # the original is open and unchanged
+    shard.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pickle.dumps(shard)
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, pickle.dumps])
+def test_a_replay_refuses_copies_and_says_what_to_use(how):
+    from mpi4py import MPI
+    with gm.Replay(SPEC, 64, comm=MPI.COMM_SELF) as replay:
+        with pytest.raises(TypeError, match=r"a Replay cannot be pickled or copied .* replay.save\(path\)"):
+            how(replay)
+        assert len(pickle.loads(pickle.dumps(replay.shard))) == 0
