@@ -100,6 +100,26 @@ class _ColumnTensors:
         return data
 
 
+#: a host batch's metadata tensors, in the order of its buffers after the columns (mask, then ``_meta_np``'s)
+_META_NAMES = ("mask", "keys", "probabilities", "weights", "lengths")
+_USE_COUNT = []  # (storage use count of a tensor, minus a lone tensor's), once torch is imported
+
+
+def _use_count():
+    """A function of a tensor: its storage's use count beyond a tensor that nothing shares (0 for one made by
+    ``torch.from_numpy`` and not viewed), or False where torch does not report use counts. O(1)."""
+    if not _USE_COUNT:
+        import torch
+        raw = getattr(torch._C, "_storage_Use_Count", None)
+        if raw is None:  # pragma: no cover - every supported torch has it
+            _USE_COUNT.append(False)
+        else:
+            probe = torch.from_numpy(np.zeros(1))  # (alive while its count is read)
+            alone = raw(probe.untyped_storage()._cdata)
+            _USE_COUNT.append(lambda t: raw(t.untyped_storage()._cdata) - alone)
+    return _USE_COUNT[0]
+
+
 class _MetaTensor:
     """A host batch's metadata tensor (``mask``, ``keys``, ...), made at its first use and kept in the batch's
     ``__dict__``, which later reads find first (a non-data descriptor): a small batch's sample pays one
@@ -366,30 +386,35 @@ class Batch:
                 + 8 * 3 * self.batch_size + 4 * self.batch_size)
 
     def references(self) -> tuple[int, ...] | None:
-        """Reference counts of the batch and of every buffer, tensor and tensor storage it holds.
+        """Reference counts of the batch and of every buffer, tensor and tensor storage it holds, as they would
+        read had nobody made any tensor (a tensor the batch made at a read and holds alone counts as none).
 
         Two calls from the same kind of place (the same references held by the caller) give equal
         tuples exactly when nothing else took or dropped a reference in between: a kept tensor, a
         torch or numpy view of a buffer, a tensor's ``numpy()``, an autograd graph that saved a
-        tensor all count. Used to refill a batch only when nobody outside holds any of it
-        (``batches(recycle="auto")``). A raw pointer or a weak reference is not seen. O(columns).
+        tensor, a kept ``numpy()`` dict or ``meta_numpy()`` tuple all count; a tensor made in between (at its
+        first read) and held by the batch alone does not. Used to refill a batch only when nobody outside
+        holds any of it (``batches(recycle="auto")``). A raw pointer or a weak reference is not seen. Makes no
+        tensor and imports nothing. O(columns).
 
         Returns:
             The counts, or None for a device batch or a torch without storage use counts.
         """
         if self._np is None:
             return None
-        import torch
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if use_count is None:  # pragma: no cover - every supported torch has it
-            return None
-        tensors = [*self.data.values(), self.mask, self.keys, self.probabilities, self.weights, self.lengths]
+        d = self.__dict__
+        made = d.get("_made") or {}
+        tensors = [*(made.get(name) for name in self._np), *(d.get(name) for name in _META_NAMES)]
         arrays = [*self._np.values(), self._mask_np, *self._meta_np]
-        counts = [sys.getrefcount(self)]
-        for t in tensors:
-            counts.append(sys.getrefcount(t))
-            counts.append(use_count(t.untyped_storage()._cdata))
-        counts.extend(sys.getrefcount(a) for a in arrays)
+        use_count = _use_count() if any(t is not None for t in tensors) else None
+        if use_count is False:  # pragma: no cover - every supported torch has it
+            return None
+        counts = [sys.getrefcount(self), sys.getrefcount(self._np), sys.getrefcount(self._meta_np)]
+        for i in range(len(arrays)):  # (by index: a loop variable or zip's kept tuple would count too)
+            if tensors[i] is None:
+                counts += (0, 0, sys.getrefcount(arrays[i]))
+            else:  # the batch's dict, the list and getrefcount's argument hold it; it holds its array
+                counts += (sys.getrefcount(tensors[i]) - 3, use_count(tensors[i]), sys.getrefcount(arrays[i]) - 1)
         # a numpy view of an aligned buffer refers to the memory's owner (aligned_empty's byte buffer), not to it
         counts.extend(sys.getrefcount(a.base) for a in arrays if a.base is not None)
         return tuple(counts)

@@ -31,7 +31,7 @@ NO_TORCH = textwrap.dedent("""
                 batch = replay.sample(4, window)
                 batch = replay.sample(4, window, out=batch)
                 replay.update_priorities(batch.meta_numpy()[0], np.ones(4))
-            with replay.batches(4, window=2, prefetch=1, limit=3, recycle=False) as it:
+            with replay.batches(4, window=2, prefetch=1, limit=6) as it:  # (recycle="auto": references())
                 for batch in it:
                     it.update_priorities(batch.meta_numpy()[0], np.ones(4))
         shard = gm.Shard(spec, 64, selector)
@@ -88,3 +88,23 @@ def test_size_and_shape_without_tensors_match_the_tensors(batch):
     assert nbytes == (sum(t.numel() * t.element_size() for t in tensors) + batch.mask.numel()
                       + 28 * len(batch))
     assert (batch.batch_size, batch.window) == tuple(batch.mask.shape)
+
+
+def test_references_ignore_tensors_made_at_a_read_and_see_every_holder(batch):
+    """``batches(recycle="auto")`` refills a batch whose references read as they did when it was handed over:
+    a tensor the batch made at a read since, and holds alone, must not count (the batch would never be
+    refilled), and anything kept outside must (it would be overwritten)."""
+    # (each count read in a statement of its own: pytest's rewritten assert would hold a bound method of the batch)
+    before = batch.references()
+    batch["obs"], batch.keys, batch.data, batch.mask  # made, held by the batch alone
+    after = batch.references()
+    assert after == before
+    holders = [lambda: batch["obs"], lambda: batch["action"][1:], lambda: batch.weights.numpy(),
+               lambda: batch.numpy()["obs"], lambda: batch.numpy()["obs"][2:], lambda: batch.numpy(),
+               lambda: batch.meta_numpy(), lambda: batch.meta_numpy()[0], lambda: batch]
+    for make in holders:
+        kept = make()
+        held = batch.references()
+        del kept
+        after = batch.references()
+        assert held != before and after == before, make
