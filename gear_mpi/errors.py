@@ -82,3 +82,20 @@ class CorruptDataError(GearError, ValueError):
     """Stored data failed its check: a compressed chunk (:class:`gear_mpi.Compressed` columns) whose bytes do
     not match their CRC-32 or do not decompress; the message names the column, the chunk's ring steps and
     the trajectories they hold. Nothing wrong is returned."""
+
+
+def not_copyable(what: str, instead: str):
+    """A ``__reduce_ex__`` for an object that owns something live (an MPI communicator, a thread, a mapping
+    of another process's memory): ``pickle``, ``copy.copy`` and ``copy.deepcopy`` raise a TypeError naming
+    ``what`` and what to do ``instead``, rather than numpy's or mpi4py's "cannot pickle ..." or a shallow copy
+    that shares the live part (whose closing, or garbage collection, then acts on the original). O(1).
+
+    Args:
+        what: the object, for the message (e.g. ``"a Replay (its shards live on MPI ranks)"``).
+        instead: what to use instead.
+    Returns:
+        The method, to assign as ``__reduce_ex__`` in the class body.
+    """
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{what} cannot be pickled or copied: {instead}")
+    return __reduce_ex__

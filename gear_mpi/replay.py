@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import checkpoint, keys as keyspace, stats as stats_schema
+from . import checkpoint, errors, keys as keyspace, stats as stats_schema
 from .storage import budget
 from .distributed import arguments, header, recovery, repeat, routing
 from .batch import Batch, check_batch_size, check_out, check_window
@@ -785,9 +785,8 @@ class Replay:
         self._prefetch.check_owner()
         self.comm.check_usable()
 
-    def __reduce_ex__(self, protocol):  # pickle, copy.copy, copy.deepcopy
-        raise TypeError("a Replay cannot be pickled or copied (its shards live on MPI ranks): save it with replay.save(path)"
-                        " and Replay.load(path, comm); replay.shard (a Shard) pickles as a copy of this rank's items")
+    __reduce_ex__ = errors.not_copyable("a Replay (its shards live on MPI ranks)", "save it with replay.save(path) "
+                                        "and Replay.load(path, comm); replay.shard pickles as a copy of this rank's")
 
     def __enter__(self) -> "Replay":
         return self

@@ -6,12 +6,18 @@
   addresses and fit are made again from them.
 - A Shard could not be pickled ("cannot pickle '_Pages' object") and a shallow copy shared its memory and its
   closing; any copy is now a new, independent shard holding the same items, keys and stream.
-- A Replay (its shards on MPI ranks) refuses any copy with a TypeError that says what to use instead.
+- A Replay (its shards on MPI ranks) refuses any copy with a TypeError that says what to use instead; so do the
+  objects that own something live: a ``batches()`` iterator (a shallow copy, once garbage-collected, closed
+  the iterator's shared state from the copy and waited forever for the original's thread), a Writer (a
+  shallow copy shared its mapping of the rank's staging memory), ParallelGroups and a ReplicaSampler.
 """
 from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -103,6 +109,56 @@ def test_a_shard_copy_is_independent_and_draws_what_the_original_would(how):
 def test_a_replay_refuses_copies_and_says_what_to_use(how):
     from mpi4py import MPI
     with gm.Replay(SPEC, 64, comm=MPI.COMM_SELF) as replay:
-        with pytest.raises(TypeError, match=r"a Replay cannot be pickled or copied .* replay.save\(path\)"):
+        with pytest.raises(TypeError, match=r"a Replay \(its shards live on MPI ranks\) cannot be pickled or "
+                                            r"copied: save it with replay.save\(path\)"):
             how(replay)
         assert len(pickle.loads(pickle.dumps(replay.shard))) == 0
+
+
+COPIES = [copy.copy, copy.deepcopy, pickle.dumps]
+
+
+def test_live_objects_refuse_copies_and_say_what_to_use():
+    from mpi4py import MPI
+    with gm.Replay(SPEC, 64, comm=MPI.COMM_SELF) as replay:
+        with gm.Writer(replay.writer_address()) as writer:
+            for how in COPIES:
+                with pytest.raises(TypeError, match=r"a Writer .* cannot be pickled or copied: pass "
+                                                     r"replay.writer_address\(\)"):
+                    how(writer)
+        groups = gm.parallel_groups(MPI.COMM_SELF)
+        sampler = gm.ReplicaSampler(replay, groups, spec=SPEC)
+        for obj, what in ((groups, "ParallelGroups"), (sampler, "a ReplicaSampler")):
+            for how in COPIES:
+                with pytest.raises(TypeError, match=f"{what} .* cannot be pickled or copied"):
+                    how(obj)
+        sampler.close()
+        groups.free()
+
+
+ITERATOR = textwrap.dedent("""
+    import copy, pickle
+    import numpy as np
+    import gear_mpi as gm
+    from mpi4py import MPI
+    spec = gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4)
+    with gm.Replay(spec, 64, comm=MPI.COMM_SELF) as replay:
+        replay.insert({"obs": np.ones((4, 3), np.float32)})
+        it = replay.batches(2, window=1, prefetch=1, limit=4)
+        for how in (copy.copy, copy.deepcopy, pickle.dumps):
+            try:
+                how(it)  # (a copy made here and dropped used to hang this process in its __del__)
+                print("copied", how.__name__)
+            except TypeError as e:
+                print("refused", how.__name__, e)
+        print("batches", sum(1 for _ in it))
+""")
+
+
+def test_a_batches_iterator_refuses_copies_instead_of_hanging_at_their_collection():
+    proc = subprocess.run([sys.executable, "-c", ITERATOR], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for how in ("copy", "deepcopy", "dumps"):
+        assert f"refused {how} a batches() iterator (it runs a thread over the replay) cannot be pickled" \
+            in proc.stdout, proc.stdout
+    assert "batches 4" in proc.stdout, proc.stdout

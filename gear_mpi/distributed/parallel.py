@@ -100,6 +100,9 @@ class ParallelGroups:
     data_comm: Any = None
     replica_comm: Any = None
 
+    __reduce_ex__ = errors.not_copyable("ParallelGroups (its communicators are this process's)",
+                                        "call gm.parallel_groups(...) in each process")
+
     @property
     def is_leader(self) -> bool:
         """Whether this rank samples for its replica (``tp = 0, pp = 0``)."""
@@ -247,6 +250,9 @@ class ReplicaSampler:
         CollectiveTimeoutError: a rank did not arrive within ``timeout``.
     Cost: one allgather of a 32-byte digest over the world, one barrier and one ``Split`` of the replica.
     """
+
+    __reduce_ex__ = errors.not_copyable("a ReplicaSampler (its delivery group is an MPI communicator)",
+                                        "build one in each process, on every rank")
 
     def __init__(self, replay, groups: ParallelGroups, *, spec=None, stages: str = "ends", timeout: float = 180.0):
         world, err = with_deadline(groups.world, timeout)

@@ -132,6 +132,9 @@ class BatchIterator:
             on the node board); RuntimeError: MPI without THREAD_MULTIPLE.
     """
 
+    __reduce_ex__ = errors.not_copyable("a batches() iterator (it runs a thread over the replay)",
+                                        "take its batches (copy.deepcopy(batch) copies one) and close it")
+
     def __init__(self, replay, owner: "ReplayPrefetch", batch_size: int, window: int | None, align: str,
                  mode: str | None, prefetch: int, limit: int | None, recycle: bool | str = "auto"):
         if replay.comm.size > 1:  # a property of the job, the same on every rank: raised there too, unagreed

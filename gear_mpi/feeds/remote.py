@@ -51,7 +51,7 @@ import numpy as np
 
 from ..distributed.comm import check_timeout
 from ..distributed.deadline import _process_failed, poll
-from ..errors import WriterError, WriterTimeoutError
+from ..errors import WriterError, WriterTimeoutError, not_copyable
 from ..spec import TrajectorySpec, check_count, whole_number
 from .writer import EpisodeWriter
 
@@ -108,6 +108,9 @@ class MpiWriter(EpisodeWriter):
         that talks to the learner (``end_episode``, ``insert``, ``flush``): the writer is then closed.
     Cost: ``max_length * step_bytes`` for the open episode, up to ``max_in_flight`` episode buffers in flight.
     """
+
+    __reduce_ex__ = not_copyable("an MpiWriter (it sends over an MPI communicator)",
+                                 "build one on each actor rank, from that rank's communicator")
 
     def __init__(self, comm, learner: int, *, timeout: float = 60.0, max_in_flight: int = 8,
                  check_finite: bool = False):

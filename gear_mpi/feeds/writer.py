@@ -46,7 +46,7 @@ _ndarray, _generic = np.ndarray, np.generic
 
 from ..distributed.comm import check_timeout
 from ..distributed.deadline import poll
-from ..errors import InvalidPriorityError, InvalidTrajectoryError, WriterError, WriterTimeoutError
+from ..errors import InvalidPriorityError, InvalidTrajectoryError, WriterError, WriterTimeoutError, not_copyable
 from ..kernels.hints import publish
 from ..spec import TrajectorySpec, _castable, check_finite_columns, whole_number
 from .staging import (R_CLOSED, R_HOLD, S_CLOSED, S_CONSUMED, S_CONSUMED_STEPS, S_PUBLISHED, S_PUBLISHED_STEPS,
@@ -275,6 +275,9 @@ class Writer(EpisodeWriter):
     end (or while held), within the timeout; the writer of a dead owner then removes its staging area and the
     owner's registry from ``/dev/shm``.
     """
+
+    __reduce_ex__ = not_copyable("a Writer (it maps its rank's staging memory)", "pass replay.writer_address() "
+                                 "to the other process and open gm.Writer(address) there")
 
     def __init__(self, address: str, *, timeout: float = 60.0, staging_steps: int | None = None,
                  check_finite: bool = False, hold_timeout: float | None = None):
