@@ -4,7 +4,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import TYPE_CHECKING, Iterator
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import numpy as np
 from numba import njit
@@ -75,7 +76,7 @@ def _column_tensor(batch: "Batch", name: str):
     ``batch[name]`` and ``batch.data[name]`` are one tensor. O(1). Raises KeyError for an unknown column."""
     made = batch._made
     if made is None:
-        made = batch._made = {}
+        made = batch.__dict__["_made"] = {}  # (past __setattr__'s check)
     tensor = made.get(name)
     if tensor is None:
         tensor = made[name] = _torch_from_numpy()(batch._np[name])
@@ -83,7 +84,7 @@ def _column_tensor(batch: "Batch", name: str):
 
 
 class _ColumnTensors:
-    """A host batch's ``data`` (column name -> tensor), made at its first read and then kept in the batch's
+    """A host batch's ``data`` (column name -> tensor, read-only), made at its first read and then kept in the batch's
     ``__dict__`` (a non-data descriptor, as :class:`_MetaTensor`): a sample makes no tensor, and a caller
     pays ``torch.from_numpy`` (about 0.5 us a column) for the columns it reads (``batch[name]`` makes one;
     ``batch.data`` all of them, the same tensor objects). A device batch sets ``data`` as a plain attribute."""
@@ -96,12 +97,15 @@ class _ColumnTensors:
             data = {name: from_numpy(array) for name, array in batch._np.items()}
         else:
             data = {name: made[name] if name in made else from_numpy(array) for name, array in batch._np.items()}
-        batch.__dict__.update(data=data, _made=data)
-        return data
+        view = MappingProxyType(data)  # read-only: a tensor put in a column's place would not be refilled
+        batch.__dict__.update(data=view, _made=data)
+        return view
 
 
 #: a host batch's metadata tensors, in the order of its buffers after the columns (mask, then ``_meta_np``'s)
 _META_NAMES = ("mask", "keys", "probabilities", "weights", "lengths")
+#: what a batch's ``__setattr__`` refuses: what it hands out and its shape
+_READ_ONLY = frozenset(("data", "squeezed") + _META_NAMES)
 _USE_COUNT = []  # (storage use count of a tensor, minus a lone tensor's), once torch is imported
 
 
@@ -157,6 +161,9 @@ class Batch:
     instead of ``[B, 1, *shape]`` (the same bytes; ``mask`` stays ``[B, 1]``): what one-step transitions
     (DQN, SAC) want. :meth:`squeeze` gives that view of any ``W = 1`` batch.
 
+    Its tensors, its mappings (``data``, :meth:`numpy`) and ``squeezed`` are read-only: a later
+    ``sample(out=batch)`` refills the batch's own buffers, so a value put in their place would go stale.
+
     Construction keeps the buffers: O(1), no copy. A host batch makes each tensor at its first read (about
     0.5 us; :meth:`numpy` and :meth:`meta_numpy` make none), so a process that never reads one never imports
     torch (about 1.4 s of a process's start here).
@@ -197,17 +204,9 @@ class Batch:
             The batch.
         """
         self = cls.__new__(cls)
-        self.squeezed = False
-        self._made = None
-        self._np = None
-        self._fits = None
-        self._bytes = None
-        self._stored = None
-        self._addresses = None
-        self._meta_np = None
-        self._mask_np = None
-        self.data, self.mask, self.keys = dict(data), mask, keys
-        self.probabilities, self.weights, self.lengths = probabilities, weights, lengths
+        self.__dict__.update(squeezed=False, _made=None, _np=None, _fits=None, _bytes=None, _stored=None,
+                             _addresses=None, _meta_np=None, _mask_np=None, data=MappingProxyType(dict(data)),
+                             mask=mask, keys=keys, probabilities=probabilities, weights=weights, lengths=lengths)
         return self
 
     @classmethod
@@ -257,14 +256,35 @@ class Batch:
         the buffers is the copier's).
 
         Returns:
-            The state (``__setstate__`` is the default: the batch's ``__dict__`` updated with it).
+            The state (:meth:`__setstate__` puts it back).
         """
         state = dict(self.__dict__)
         if state.get("_np") is not None:
             for name in ("data", "mask", "keys", "probabilities", "weights", "lengths"):
                 state.pop(name, None)
             state.update(_made=None, _addresses=None, _bytes=None, _fits=None)
+        elif state.get("data") is not None:  # (a read-only view does not pickle: its dict does)
+            state["data"] = dict(state["data"])
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """The inverse of :meth:`__getstate__` (a device batch's ``data`` read-only again). O(1)."""
+        if isinstance(state.get("data"), dict):
+            state = {**state, "data": MappingProxyType(state["data"])}
+        self.__dict__.update(state)
+
+    def __setattr__(self, name: str, value) -> None:
+        """The batch's tensors, buffers and shape are read-only (a private attribute is set as usual): a tensor put
+        in a column's place would not be refilled by a later ``sample(out=batch)`` (which writes where the batch's
+        own buffers lie), and the batch would hand out stale rows. O(1).
+
+        Raises:
+            AttributeError: ``data``, ``mask``, ``keys``, ``probabilities``, ``weights``, ``lengths`` or ``squeezed``.
+        """
+        if name in _READ_ONLY:
+            raise AttributeError(f"batch.{name} is read-only: a later sample(out=batch) refills the batch's own buffers, "
+                                 f"not a value put in their place; keep yours in a variable of its own")
+        object.__setattr__(self, name, value)
 
     def column_addresses(self) -> np.ndarray:
         """The address of each stored column's buffer (int64, in column order; derived columns are not included), for kernels that take addresses
@@ -319,17 +339,19 @@ class Batch:
             raise RuntimeError("this batch lives on a device; use its tensors")
         return self._meta_np
 
-    def numpy(self) -> dict[str, np.ndarray]:
+    def numpy(self) -> Mapping[str, np.ndarray]:
         """The column buffers as numpy arrays (same memory as the tensors). O(1).
 
         Returns:
-            Column name -> ``[B, W, *shape]`` array.
+            Column name -> ``[B, W, *shape]`` array, a read-only mapping (``dict(batch.numpy())`` for one of your
+            own): the arrays are the batch's, which a later ``sample(out=batch)`` refills, so an array put in
+            their place would not be (the sample writes where the batch's own buffers lie).
         Raises:
             RuntimeError: a device batch.
         """
         if self._np is None:
             raise RuntimeError("this batch lives on a device; use its tensors (batch[name], batch.mask)")
-        return self._np
+        return MappingProxyType(self._np)
 
     @property
     def device(self) -> torch.device:
@@ -461,7 +483,7 @@ class Batch:
         if self._np is None:
             out = Batch.from_tensors({k: v[:, 0] for k, v in self.data.items()}, self.mask, self.keys,
                                      self.probabilities, self.weights, self.lengths)
-            out.squeezed = True
+            out.__dict__["squeezed"] = True
             return out
         out = Batch({k: v[:, 0] for k, v in self._np.items()}, self._mask_np, *self._meta_np, squeezed=True)
         out._stored = self._stored
