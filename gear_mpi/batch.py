@@ -161,7 +161,8 @@ class Batch:
     instead of ``[B, 1, *shape]`` (the same bytes; ``mask`` stays ``[B, 1]``): what one-step transitions
     (DQN, SAC) want. :meth:`squeeze` gives that view of any ``W = 1`` batch.
 
-    Its tensors, its mappings (``data``, :meth:`numpy`) and ``squeezed`` are read-only: a later
+    Its attributes (``data``, ``mask``, ``keys``, ..., ``squeezed``) and its mappings (``data``, :meth:`numpy`)
+    cannot be rebound or changed (the tensors' and arrays' contents can: they are the batch's buffers): a later
     ``sample(out=batch)`` refills the batch's own buffers, so a value put in their place would go stale.
 
     Construction keeps the buffers: O(1), no copy. A host batch makes each tensor at its first read (about
