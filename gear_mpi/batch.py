@@ -92,11 +92,11 @@ class _ColumnTensors:
     def __get__(self, batch, owner=None):
         if batch is None:
             return self
-        made, from_numpy = batch._made, _torch_from_numpy()
-        if made is None:  # (the common case: no column read yet)
+        if batch._made is None:  # (the common case, in one comprehension: no column read yet)
+            from_numpy = _torch_from_numpy()
             data = {name: from_numpy(array) for name, array in batch._np.items()}
-        else:
-            data = {name: made[name] if name in made else from_numpy(array) for name, array in batch._np.items()}
+        else:  # the columns read so far keep their tensors
+            data = {name: _column_tensor(batch, name) for name in batch._np}
         view = MappingProxyType(data)  # read-only: a tensor put in a column's place would not be refilled
         batch.__dict__.update(data=view, _made=data)
         return view
@@ -106,22 +106,20 @@ class _ColumnTensors:
 _META_NAMES = ("mask", "keys", "probabilities", "weights", "lengths")
 #: what a batch's ``__setattr__`` refuses: what it hands out and its shape
 _READ_ONLY = frozenset(("data", "squeezed") + _META_NAMES)
-_USE_COUNT = []  # (storage use count of a tensor, minus a lone tensor's), once torch is imported
 
 
+@functools.cache
 def _use_count():
     """A function of a tensor: its storage's use count beyond a tensor that nothing shares (0 for one made by
-    ``torch.from_numpy`` and not viewed), or False where torch does not report use counts. O(1)."""
-    if not _USE_COUNT:
-        import torch
-        raw = getattr(torch._C, "_storage_Use_Count", None)
-        if raw is None:  # pragma: no cover - every supported torch has it
-            _USE_COUNT.append(False)
-        else:
-            probe = torch.from_numpy(np.zeros(1))  # (alive while its count is read)
-            alone = raw(probe.untyped_storage()._cdata)
-            _USE_COUNT.append(lambda t: raw(t.untyped_storage()._cdata) - alone)
-    return _USE_COUNT[0]
+    ``torch.from_numpy`` and not viewed), or False where torch does not report use counts. Imports torch at
+    the first call; then O(1)."""
+    import torch
+    raw = getattr(torch._C, "_storage_Use_Count", None)
+    if raw is None:  # pragma: no cover - every supported torch has it
+        return False
+    probe = torch.from_numpy(np.zeros(1))  # (alive while its count is read)
+    alone = raw(probe.untyped_storage()._cdata)
+    return lambda t: raw(t.untyped_storage()._cdata) - alone
 
 
 class _MetaTensor:
@@ -261,7 +259,7 @@ class Batch:
         """
         state = dict(self.__dict__)
         if state.get("_np") is not None:
-            for name in ("data", "mask", "keys", "probabilities", "weights", "lengths"):
+            for name in ("data",) + _META_NAMES:
                 state.pop(name, None)
             state.update(_made=None, _addresses=None, _bytes=None, _fits=None)
         elif state.get("data") is not None:  # (a read-only view does not pickle: its dict does)
@@ -328,6 +326,15 @@ class Batch:
         self.byte_views()
         return self._bytes[1]
 
+    def owns_keys(self, keys) -> bool:
+        """Whether ``keys`` is this host batch's own keys array or its keys tensor (without making the tensor):
+        an update of exactly the keys a sample returned. O(1).
+
+        Args:
+            keys: anything (as ``update_priorities`` takes it).
+        """
+        return self._np is not None and (keys is self._meta_np[0] or keys is self.__dict__.get("keys"))
+
     def meta_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The per-item metadata as numpy arrays (same memory as the tensors). O(1).
 
@@ -364,8 +371,8 @@ class Batch:
         """The column names, in spec order. O(columns)."""
         return tuple(self._names())
 
-    def _names(self) -> dict:
-        """A dict keyed by the column names, in spec order, without making tensors. O(1)."""
+    def _names(self) -> Mapping:
+        """A mapping keyed by the column names, in spec order, without making tensors. O(1)."""
         return self._np if self._np is not None else self.data
 
     @property

@@ -785,8 +785,8 @@ class Replay:
         self._prefetch.check_owner()
         self.comm.check_usable()
 
-    __reduce_ex__ = errors.not_copyable("a Replay (its shards live on MPI ranks)", "save it with replay.save(path) "
-                                        "and Replay.load(path, comm); replay.shard pickles as a copy of this rank's")
+    __reduce_ex__ = errors.not_copyable("a Replay (its shards live on MPI ranks)", "save it with replay.save(path) and "
+                                        "Replay.load(path, comm); replay.shard pickles as a copy of this rank's items")
 
     def __enter__(self) -> "Replay":
         return self

@@ -294,8 +294,8 @@ class BatchIterator:
         # calls right after the step cost the training thread tens of microseconds of cold code each
         last = self._given
         try:
-            if last is not None and (keys is last._meta_np[0] or keys is last.__dict__.get("keys")):
-                k = last._meta_np[0].copy()  # (its tensor, if made: a tensor not made cannot be ``keys``)
+            if last is not None and last.owns_keys(keys):
+                k = last._meta_np[0].copy()
             else:
                 k = np.array(keys.numpy() if hasattr(keys, "numpy") else keys, copy=True)
             if type(priorities) is np.ndarray:

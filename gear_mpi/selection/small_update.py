@@ -100,7 +100,7 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
     drawn = rep.keys() if rep is not None else None  # the keys array of the last one-call sample's batch
     if drawn is not None and keys is not drawn:  # its tensor, while the batch lives, else another key set
         batch = rep.batch()
-        drawn = drawn if batch is not None and keys is batch.__dict__.get("keys") else None
+        drawn = drawn if batch is not None and batch.owns_keys(keys) else None
     if drawn is not None:
         keys = drawn
         applied = sampled_update.update_batch(shard, keys, priorities)  # through that sample's sorted draw
