@@ -347,6 +347,19 @@ class Batch:
             raise RuntimeError("this batch lives on a device; use its tensors")
         return self._meta_np
 
+    def mask_numpy(self) -> np.ndarray:
+        """The mask as a numpy array (same memory as the ``mask`` tensor, which it does not make). O(1).
+
+        With :meth:`numpy` and :meth:`meta_numpy` it lets a process read a whole batch without torch.
+        Returns:
+            ``[B, W]`` bool, True on real steps (``[B, 1]`` for a squeezed batch).
+        Raises:
+            RuntimeError: a device batch.
+        """
+        if self._mask_np is None:
+            raise RuntimeError("this batch lives on a device; use its tensors (batch.mask)")
+        return self._mask_np
+
     def numpy(self) -> Mapping[str, np.ndarray]:
         """The column buffers as numpy arrays (same memory as the tensors). O(1).
 
@@ -538,7 +551,8 @@ class Batch:
         return td
 
     def __repr__(self) -> str:
-        cols = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.data.items())
+        columns = self.data if self._np is None else self._np  # a host batch's buffers: no tensor made
+        cols = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in columns.items())
         return f"Batch(B={self.batch_size}, W={self.window}, {cols}{', squeezed' if self.squeezed else ''})"
 
 

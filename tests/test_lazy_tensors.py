@@ -1,8 +1,8 @@
 """A host batch makes its tensors at their first read: a process that never reads one never imports torch.
 
-Writers, actors and numpy consumers of a replay (``Batch.numpy``, ``Batch.meta_numpy``) then start without
-torch's import (about 1.4 s a process here); a sample makes no tensor, and each column's tensor, made at its
-first read, is one object however it is reached (``batch[name]``, ``batch.data``).
+Writers, actors and numpy consumers of a replay (``Batch.numpy``, ``Batch.mask_numpy``, ``Batch.meta_numpy``)
+then start without torch's import (about 1.4 s a process here); a sample makes no tensor, and each column's
+tensor, made at its first read, is one object however it is reached (``batch[name]``, ``batch.data``).
 """
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ NO_TORCH = textwrap.dedent("""
             batch = shard.sample(4, 1, squeeze=True)
         shard.update_priorities(batch.meta_numpy()[0], np.ones(4))
         assert batch.numpy()["obs"].shape == (4, 3) and batch.columns == ("obs", "action")
+        assert batch.mask_numpy().shape == (4, 1) and batch.mask_numpy().all()
         assert len(batch) == 4 and batch.window == 1 and "obs" in batch and list(batch) == ["obs", "action"]
         assert batch.nbytes == 4 * (12 + 8) + 4 + 4 * 28, batch.nbytes
+        assert repr(batch) == "Batch(B=4, W=1, obs: (4, 3) float32, action: (4,) int64, squeezed)", repr(batch)
         shard.close()
     print("torch imported:", "torch" in sys.modules)
 """)
@@ -74,6 +76,18 @@ def test_a_column_tensor_is_one_object_over_the_batch_memory(batch, first):
     array[0, 0, 0] = 42.0
     assert one[0, 0, 0].item() == 42.0
     assert batch.keys.data_ptr() == batch.meta_numpy()[0].ctypes.data
+    assert batch.mask.data_ptr() == batch.mask_numpy().ctypes.data and batch.mask_numpy().dtype == np.bool_
+
+
+def test_a_batch_of_tensors_has_no_numpy_buffers():
+    import torch
+    b = gm.Batch.from_tensors({"obs": torch.zeros(2, 1, 3)}, torch.ones(2, 1, dtype=torch.bool),
+                              torch.zeros(2, dtype=torch.int64), torch.ones(2), torch.ones(2),
+                              torch.ones(2, dtype=torch.int64))
+    for read in (b.numpy, b.mask_numpy, b.meta_numpy):
+        with pytest.raises(RuntimeError, match="lives on a device; use its tensors"):
+            read()
+    assert repr(b) == "Batch(B=2, W=1, obs: (2, 1, 3) float32)", repr(b)  # the same words as a host batch's
 
 
 def test_unknown_column_names_the_columns(batch):
@@ -101,7 +115,8 @@ def test_references_ignore_tensors_made_at_a_read_and_see_every_holder(batch):
     assert after == before
     holders = [lambda: batch["obs"], lambda: batch["action"][1:], lambda: batch.weights.numpy(),
                lambda: batch.numpy()["obs"], lambda: batch.numpy()["obs"][2:], lambda: batch.numpy(),
-               lambda: batch.meta_numpy(), lambda: batch.meta_numpy()[0], lambda: batch]
+               lambda: batch.meta_numpy(), lambda: batch.meta_numpy()[0], lambda: batch.mask_numpy(),
+               lambda: batch.mask_numpy()[1:], lambda: batch]
     for make in holders:
         kept = make()
         held = batch.references()

@@ -389,7 +389,7 @@ class ReplicaSampler:
             arrays = _host_arrays(batch)
         else:
             batch = Batch.empty(self.spec, int(head[1]), int(head[2]))
-            arrays = [*batch.numpy().values(), batch.mask.numpy(), *batch.meta_numpy()]
+            arrays = [*batch.numpy().values(), batch.mask_numpy(), *batch.meta_numpy()]
         g.wait_all([g.comm.Ibcast(a.reshape(-1).view(np.uint8), 0) for a in arrays],
                    "ReplicaSampler.deliver (batch)")
         return batch
@@ -500,21 +500,35 @@ def _batch_problem(batch: Any, spec: TrajectorySpec) -> Exception | None:
         return ValueError("deliver: the leader has no batch to deliver")
     if not isinstance(batch, Batch):
         return TypeError(f"deliver: the leader's batch must be a gear_mpi Batch, got {type(batch).__name__}")
-    if tuple(batch.data) != tuple(spec.batch_names):
-        return ValueError(f"deliver: the leader's batch has the columns {list(batch.data)}, the sampler's spec "
+    if tuple(batch.columns) != tuple(spec.batch_names):
+        return ValueError(f"deliver: the leader's batch has the columns {list(batch.columns)}, the sampler's spec "
                           f"{list(spec.batch_names)}: deliver batches of the replay the sampler was built for")
     b, w = batch.batch_size, batch.window
+    columns = _columns(batch)
     for c in spec.batch_columns:
-        t = batch.data[c.name]
-        if t.numel() != b * w * int(np.prod(c.shape)) or t.element_size() != np.dtype(c.dtype).itemsize:
+        t = columns[c.name]
+        size, itemsize = (t.size, t.itemsize) if isinstance(t, np.ndarray) else (t.numel(), t.element_size())
+        if size != b * w * int(np.prod(c.shape)) or itemsize != np.dtype(c.dtype).itemsize:
             return ValueError(f"deliver: the leader's column {c.name!r} is {tuple(t.shape)} {t.dtype}, not {b} "
                               f"windows of {w} steps of {c.shape} {np.dtype(c.dtype)} as the sampler's spec says")
     return None
 
 
+def _columns(batch: Batch):
+    """A host batch's column buffers (numpy: no tensor made, torch not imported), a device batch's tensors."""
+    try:
+        return batch.numpy()
+    except RuntimeError:
+        return batch.data
+
+
 def _host_arrays(batch: Batch) -> list[np.ndarray]:
     """The batch's columns, mask, keys, probabilities, weights, lengths as contiguous host arrays (no copy
-    for a host batch)."""
+    for a host batch, whose buffers are read without making its tensors)."""
+    try:
+        return [*batch.numpy().values(), batch.mask_numpy(), *batch.meta_numpy()]
+    except RuntimeError:  # a device batch
+        pass
     tensors = itertools.chain(batch.data.values(), (batch.mask, batch.keys, batch.probabilities, batch.weights,
                                                     batch.lengths))
     return [np.ascontiguousarray(t.detach().cpu().numpy()) for t in tensors]

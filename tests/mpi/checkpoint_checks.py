@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
+from replay_checks import arrays, keys_of
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
@@ -35,11 +36,9 @@ def fill(replay: gm.Replay, count: int, base: int) -> None:
 
 
 def same_batch(a: gm.Batch, b: gm.Batch, what: str) -> None:
-    for name in ("keys", "lengths", "probabilities", "weights", "mask"):
-        x, y = getattr(a, name).cpu().numpy(), getattr(b, name).cpu().numpy()
-        assert x.dtype == y.dtype and np.array_equal(x, y), (what, name, x, y)
-    for name in SPEC.names:
-        assert np.array_equal(a[name].cpu().numpy(), b[name].cpu().numpy()), (what, name)
+    x, y = arrays(a), arrays(b)
+    for name in ("keys", "lengths", "probabilities", "weights", "mask", *SPEC.names):
+        assert x[name].dtype == y[name].dtype and np.array_equal(x[name], y[name]), (what, name, x[name], y[name])
 
 
 def drive(replay: gm.Replay, steps: int, seed: int) -> list:
@@ -49,7 +48,7 @@ def drive(replay: gm.Replay, steps: int, seed: int) -> list:
     for i in range(steps):
         b = replay.sample(3 + replay.rank, 4, ("random", "head", "tail")[i % 3])
         out.append(b)
-        replay.update_priorities(b.keys, rng.uniform(0.0, 3.0, len(b)))
+        replay.update_priorities(keys_of(b), rng.uniform(0.0, 3.0, len(b)))
     return out
 
 

@@ -43,7 +43,7 @@ def test_counters_and_rates():
     assert act["per_rank"]["inserted"] == [10] * SIZE
     assert act["per_rank"]["inserted_bytes"][RANK] == steps * SPEC.step_bytes
     batches = [replay.sample(4 + RANK, 5) for _ in range(6)]
-    replay.update_priorities(batches[0].keys, np.ones(4 + RANK))
+    replay.update_priorities(batches[0].meta_numpy()[0], np.ones(4 + RANK))
     after = replay.stats()
     a = after["activity"]["per_rank"]
     assert a["received"][RANK] == 6 * (4 + RANK) and a["sample_calls"][RANK] == 6

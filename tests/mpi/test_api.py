@@ -48,11 +48,11 @@ def fill_in_turn(replays: list, n: int, seed: int) -> dict:
 
 
 def same_rows(a: gm.Batch, b: gm.Batch, where: str) -> None:
-    np.testing.assert_array_equal(without_tag(a.keys.numpy()), without_tag(b.keys.numpy()), err_msg=where)
-    np.testing.assert_array_equal(a.probabilities.numpy(), b.probabilities.numpy(), err_msg=where)
-    np.testing.assert_array_equal(a.weights.numpy(), b.weights.numpy(), err_msg=where)
-    np.testing.assert_array_equal(a.lengths.numpy(), b.lengths.numpy(), err_msg=where)
-    np.testing.assert_array_equal(a.mask.numpy(), b.mask.numpy(), err_msg=where)
+    (ka, *meta_a), (kb, *meta_b) = a.meta_numpy(), b.meta_numpy()  # numpy: no torch on this rank
+    np.testing.assert_array_equal(without_tag(ka), without_tag(kb), err_msg=where)
+    for name, x, y in zip(("probabilities", "weights", "lengths"), meta_a, meta_b):
+        np.testing.assert_array_equal(x, y, err_msg=f"{where}: {name}")
+    np.testing.assert_array_equal(a.mask_numpy(), b.mask_numpy(), err_msg=where)
     for name in SPEC.names:
         np.testing.assert_array_equal(a.numpy()[name], b.numpy()[name], err_msg=f"{where}: {name}")
 
@@ -73,10 +73,10 @@ def test_per_call_mode_draws_what_a_replay_built_with_that_mode_draws(mode, sele
         check_windows(got, ref, window, align)
         same_rows(got, want, f"{mode} per call on a {built} replay, call {call}")
         if mode == "local":
-            assert all(owner_of(k) == RANK for k in got.keys.tolist())
-        keys = got.keys.numpy()
+            assert all(owner_of(k) == RANK for k in got.meta_numpy()[0].tolist())
+        keys = got.meta_numpy()[0]
         new = np.linspace(0.5, 2.0, len(keys))
-        assert other.update_priorities(keys, new) == ref_replay.update_priorities(want.keys.numpy(), new)
+        assert other.update_priorities(keys, new) == ref_replay.update_priorities(want.meta_numpy()[0], new)
     a, b = other.stats(), ref_replay.stats()
     assert a["mode"] == built and b["mode"] == mode
     assert a["per_rank"] == b["per_rank"] and a["total"] == b["total"], (a, b)
@@ -230,7 +230,7 @@ def test_clear_empties_every_shard_and_later_inserts_sample_alone(force):
             sum(owner_of(k) == RANK for k in old))) == 0  # stale: nothing applied
         new = fill(replay, 2, seed=6)
         batch = replay.sample(16, 3)
-        assert set(batch.keys.numpy().tolist()) <= set(new)
+        assert set(batch.meta_numpy()[0].tolist()) <= set(new)
         check_windows(batch, new, 3, "random")
 
 
@@ -251,7 +251,7 @@ def test_sample_of_nothing_from_a_replay_with_nothing_to_draw_is_an_empty_batch(
             for mode in MODES:
                 for window, align in ((None, "random"), (1, "head"), (3, "tail")):
                     batch = replay.sample(0, window, align, mode=mode)
-                    assert len(batch) == 0 and batch.mask.shape[0] == 0, (mode, window, align)
+                    assert len(batch) == 0 and batch.mask_numpy().shape[0] == 0, (mode, window, align)
                 if state != "priority 0" or isinstance(sampler, gm.Prioritized):
                     expect_same_error(lambda: replay.sample(2, 3, mode=mode), gm.EmptyReplayError,
                                       "empty" if state != "priority 0" else "priority 0")

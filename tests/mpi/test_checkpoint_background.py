@@ -31,6 +31,7 @@ import pytest
 import gear_mpi as gm
 from checkpoint_checks import COMM, RANK, SIZE, SPEC, drive, fill, same_batch, shared_dir, sub_comm  # noqa: F401
 from gear_mpi import checkpoint as ck
+from replay_checks import arrays
 
 SEG = 7 * SPEC.step_bytes  # 7 ring steps a segment: a ring of 60 has 9
 
@@ -411,10 +412,9 @@ def test_compressed_columns_are_checkpointed_in_the_background(shared_dir):
         return [r.sample(5, window=2) for _ in range(3)]
 
     def same(a: list, b: list) -> None:
-        for x, y in zip(a, b):
+        for x, y in zip(map(arrays, a), map(arrays, b)):
             for name in ("keys", "lengths", "mask", "pixels", "reward"):
-                assert np.array_equal(np.asarray(x[name] if name in spec.names else getattr(x, name)),
-                                      np.asarray(y[name] if name in spec.names else getattr(y, name))), name
+                assert np.array_equal(x[name], y[name]), name
 
     try:
         put(12)

@@ -37,6 +37,7 @@ from checkpoint_checks import (COMM, RANK, SIZE, SPEC, drive, fill, rows, same_b
                                sub_comm, traj)
 from gear_mpi import checkpoint as ck
 from gear_mpi import keys as keyspace
+from replay_checks import arrays
 
 CONFIGS = [("prio-dec", gm.Prioritized(0.7, 0.5), "decentralized", {}),
            ("uni-cen", gm.Uniform(), "centralized", {"max_times_sampled": 4}),
@@ -271,10 +272,11 @@ def _check_resharded(path: str, ref: dict, comm, capacity: int | None) -> None:
     lookup = {}
     for part in comm.allgather({k: by_key[o] for o, k in zip(old.tolist(), new.tolist()) if k >= 0}):
         lookup.update(part)
-    for row, k in enumerate(b.keys.tolist()):
+    got = arrays(b)
+    for row, k in enumerate(got["keys"].tolist()):
         want = traj(int(ref["id"][lookup[k]]))
-        n = int(b.lengths[row])
-        assert np.array_equal(b["obs"].numpy()[row, :n], want["obs"][:n])
+        n = int(got["lengths"][row])
+        assert np.array_equal(got["obs"][row, :n], want["obs"][:n])
     assert replay.stats()["total"]["items"] == int((~dropped).sum())
     replay.close()
 

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import gear_mpi as gm
 import twin_replays
+from replay_checks import arrays
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
@@ -123,9 +124,10 @@ def test_load_twins_resharded():
             held[name] = sorted((t["reward"].tobytes(), t["pixels"].tobytes()) for t in contents)
             batch = replay.sample(6, 4, "head")
             by_key = {int(k): t for k, t in zip(replay.shard.live_keys(), contents)}
-            for row, key in enumerate(batch.keys.tolist()):
-                n = int(batch.mask[row].sum())
-                assert np.array_equal(batch["pixels"].numpy()[row, :n], by_key[key]["pixels"][:n])
+            got = arrays(batch)
+            for row, key in enumerate(got["keys"].tolist()):
+                n = int(got["mask"][row].sum())
+                assert np.array_equal(got["pixels"][row, :n], by_key[key]["pixels"][:n])
         finally:
             replay.close()
     assert held["raw"] == held["comp"] and len(held["raw"]) == 16  # 9 + 7 live on the two saving ranks

@@ -131,9 +131,9 @@ def test_draws_are_exact_and_rows_hold_their_trajectory(mode):
         drawn = []
         for _ in range(50):
             b = comp.sample(30 + 5 * RANK, 2, "head")
-            keys = b.keys.tolist()
+            keys = b.meta_numpy()[0].tolist()
             drawn.extend(keys)
-            px, mask = b["pixels"].numpy(), b.mask.numpy()
+            px, mask = b.numpy()["pixels"], b.mask_numpy()
             for row, key in enumerate(keys):
                 _, ident, length = everyone[key]
                 n = int(mask[row].sum())

@@ -28,7 +28,7 @@ def test_global_distribution_is_exact(mode, selector, record_property):
     ref = fill(replay, shard_sizes()[RANK], seed=4)
     drawn = []
     for _ in range(60):
-        drawn.extend(replay.sample(40 + 10 * RANK, 1).keys.tolist())
+        drawn.extend(replay.sample(40 + 10 * RANK, 1).meta_numpy()[0].tolist())
     parts = COMM.gather(drawn, root=0)
     replay.close()
     if RANK == 0:

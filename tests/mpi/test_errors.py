@@ -39,10 +39,10 @@ def test_invalid_arguments_fail_on_every_rank(force):
     pr = np.ones(len(batch))
     if RANK == bad:
         pr[0] = np.nan
-    expect_same_error(lambda: replay.update_priorities(batch.keys, pr), gm.InvalidPriorityError, "finite")
+    expect_same_error(lambda: replay.update_priorities(batch.meta_numpy()[0], pr), gm.InvalidPriorityError, "finite")
     if RANK == bad:
         pr[0] = -1.0
-    expect_same_error(lambda: replay.update_priorities(batch.keys, pr), gm.InvalidPriorityError, "non-negative")
+    expect_same_error(lambda: replay.update_priorities(batch.meta_numpy()[0], pr), gm.InvalidPriorityError, "non-negative")
     other = make_replay(gm.Prioritized(0.6, 0.4), force=force)
     other_key = other.insert({"obs": np.zeros((2, 3)), "step": np.zeros(2, np.int64),
                               "flag": np.zeros((2, 2), np.uint8)})
@@ -107,7 +107,7 @@ def test_a_huge_batch_an_out_that_is_not_a_batch_or_complex_priorities_on_one_ra
                           f"sample: rank {bad}: out= must be a Batch")
         batch = replay.sample(2, 3)
         pr = np.ones(len(batch)) * 1j if RANK == bad else np.ones(len(batch))
-        expect_same_error(lambda: replay.update_priorities(batch.keys, pr), gm.InvalidPriorityError,
+        expect_same_error(lambda: replay.update_priorities(batch.meta_numpy()[0], pr), gm.InvalidPriorityError,
                           f"update_priorities: rank {bad}: priorities must be real numbers")
         assert replay.stats()["total"]["sampled"] == 2 * SIZE  # only the good sample counted
         assert len(replay.sample(3, 4)) == 3
@@ -303,7 +303,7 @@ def test_a_rank_interrupted_between_the_collectives_of_a_sample_is_unusable_at_o
         try:
             if RANK == bad:  # it holds every item: the others need its choices, and its shard applies their keys
                 replay.insert({"obs": np.ones((2, 3), np.float32)})
-            keys = replay.sample(4).keys  # (the sample below asks 3: its first call takes the full path)
+            keys = replay.sample(4).meta_numpy()[0]  # (the sample below asks 3: its first call takes the full path)
             COMM.Barrier()
             again = (lambda: replay.sample(3)) if call == "sample" else (lambda: replay.update_priorities(keys, np.full(len(keys), 2.0)))
             if RANK == bad:

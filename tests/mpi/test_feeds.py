@@ -80,7 +80,7 @@ def test_writers_feed_each_rank_through_its_collectives():
         calls = 0
         while anyone(any(p.poll() is None for p in procs)):
             batch = replay.sample(2, window=4)  # waits for the first item; drains the writers each call
-            assert batch.keys.shape == (2,)
+            assert batch.meta_numpy()[0].shape == (2,)
             calls += 1
         for p in procs:
             out, err = p.communicate()
@@ -193,7 +193,7 @@ def test_rate_limit_timeout_raises_on_every_rank_and_the_replay_goes_on():
         for i in range(3):
             cols, p = episode(99, i)
             replay.insert(cols, p)
-        assert replay.sample(2, window=1).keys.shape == (2,)  # usable after the error
+        assert len(replay.sample(2, window=1)) == 2  # usable after the error
 
 
 def test_a_call_larger_than_the_band_is_refused_on_every_rank():

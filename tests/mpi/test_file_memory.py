@@ -35,7 +35,8 @@ import gear_mpi as gm
 from checkpoint_checks import shared_dir  # noqa: F401 (fixture)
 from gear_mpi import checkpoint as ck
 from gear_mpi.storage import arenas, file_guard
-from replay_checks import COMM, RANK, SIZE, SPEC, TIMEOUT, check_windows, expect_same_error, fill, shard_sizes
+from replay_checks import (COMM, RANK, SIZE, SPEC, TIMEOUT, arrays, check_windows, expect_same_error, fill, keys_of,
+                           shard_sizes)
 
 SELECTORS = {"Uniform": gm.Uniform, "Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": gm.Fifo,
              "Lifo": gm.Lifo, "MaxPriority": gm.MaxPriority, "MinPriority": gm.MinPriority}
@@ -64,12 +65,11 @@ def fill_in_turn(replay: gm.Replay, n: int, seed: int) -> dict:
 
 
 def same(a: gm.Batch, b: gm.Batch, what: str, tags: bool = True) -> None:
-    ka, kb = a.keys.numpy(), b.keys.numpy()
+    x, y = arrays(a), arrays(b)
+    ka, kb = x["keys"], y["keys"]
     assert np.array_equal(ka, kb) if tags else np.array_equal(ka & NO_TAG, kb & NO_TAG), (what, ka, kb)
-    for name in ("lengths", "probabilities", "weights", "mask"):
-        assert np.array_equal(getattr(a, name).numpy(), getattr(b, name).numpy()), (what, name)
-    for name in SPEC.names:
-        assert np.array_equal(a[name].numpy(), b[name].numpy()), (what, name)
+    for name in ("lengths", "probabilities", "weights", "mask", *SPEC.names):
+        assert np.array_equal(x[name], y[name]), (what, name)
 
 
 @pytest.mark.parametrize("selector", list(SELECTORS))
@@ -87,7 +87,7 @@ def test_file_backed_replay_matches_private_memory(shared_dir, mode, selector, f
             a, b = (r.sample(ask, window, align) for r in replays)
             same(a, b, f"{mode} {selector} {align}", tags=False)
             check_windows(b, refs[1], window or SPEC.max_length, align)
-            from_peers += int((gm.keys.decode(b.keys.numpy())[1] != RANK).sum())
+            from_peers += int((gm.keys.decode(keys_of(b))[1] != RANK).sum())
         st = replays[1].stats()
         shared = COMM.allreduce(from_peers) > 0 and not force  # (an ordered selector may draw only own items)
         if SIZE > 1 and mode != "local":
@@ -115,7 +115,7 @@ def drive(replay: gm.Replay, steps: int, seed: int) -> list:
     out = []
     for i in range(steps):
         b = replay.sample(2 + RANK, 5, ("random", "head", "tail")[i % 3])
-        replay.update_priorities(b.keys, rng.uniform(0.1, 3.0, len(b)))
+        replay.update_priorities(keys_of(b), rng.uniform(0.1, 3.0, len(b)))
         out.append(b)
     return out
 
@@ -292,7 +292,7 @@ def test_a_mapped_checkpoint_changed_by_another_process(saved, monkeypatch, how,
         assert len(set(got)) == 1 and what in got[0][1] and "another process" in got[0][1], got
         it.close()
     expect_same_error(lambda: replay.sample(2 + RANK, 5), gm.CheckpointError, what)
-    expect_same_error(lambda: replay.get_many(before.keys), gm.CheckpointError, what)
+    expect_same_error(lambda: replay.get_many(keys_of(before)), gm.CheckpointError, what)
     if RANK == 0:
         with pytest.raises(gm.CheckpointError, match="load the checkpoint again"):
             replay.get(int(mine[0]))

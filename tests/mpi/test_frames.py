@@ -48,7 +48,7 @@ def test_replay_frames_match_naive(mode, window, align, spec, force):
             replay.insert(episode(i), priority=1.0 + i % 5)
         for _ in range(3):
             b = replay.sample(24 + 8 * RANK, window, align)
-            d, mask = b.numpy(), b.mask.numpy()
+            d, mask = b.numpy(), b.mask_numpy()
             owners = set()
             for i in range(mask.shape[0]):
                 for j in range(mask.shape[1]):

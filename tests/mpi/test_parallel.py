@@ -45,7 +45,7 @@ def rows(batch) -> tuple | None:
     """Everything a batch holds, as comparable arrays."""
     if batch is None:
         return None
-    return (tuple(a.copy() for a in batch.numpy().values()), batch.mask.numpy().copy(),
+    return (tuple(a.copy() for a in batch.numpy().values()), batch.mask_numpy().copy(),
             *(a.copy() for a in batch.meta_numpy()))
 
 
@@ -150,7 +150,7 @@ def test_the_replicas_draw_the_exact_distribution(tensor, pipeline, sharding, re
     for _ in range(40):
         batch = sampler.sample(48, 1)
         if g.is_leader:
-            drawn.extend(batch.keys.tolist())
+            drawn.extend(batch.meta_numpy()[0].tolist())
     parts = COMM.gather(drawn, root=0)
     close_replica(replay, sampler, g)
     if RANK == 0:
@@ -197,7 +197,7 @@ def test_the_reporters_priorities_reach_the_owners(sharding):
     replay, _ = build(g, sharding, 8)
     sampler = gm.ReplicaSampler(replay, g, spec=SPEC)
     batch = sampler.sample(10, 2)
-    keys = np.unique(batch.keys.numpy())
+    keys = np.unique(batch.meta_numpy()[0])
     new = 10.0 + keys % 97  # a key drawn by both replicas gets the same value from each
     applied = sampler.update_priorities(keys, new) if g.is_reporter else sampler.update_priorities()
     sent = {}
@@ -225,7 +225,7 @@ def test_a_leaders_prefetched_batches_are_delivered():
         got = [r for d, r in COMM.allgather((g.data_rank, rows(batch))) if d == g.data_rank]
         assert same(got[0], got[1])
         if step == 0:  # the reporter's update goes to its leader's iterator (applied before a later sample)
-            keys = np.unique(batch.keys.numpy())
+            keys = np.unique(batch.meta_numpy()[0])
             sent = COMM.allgather(keys if g.is_reporter else None)
             sampler.update_priorities(keys, 50.0 + keys % 7, iterator=it)
     if it is not None:

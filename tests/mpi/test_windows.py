@@ -32,9 +32,10 @@ def test_exact_windows_weights_and_order(mode, selector, force):
     for align, window in (("random", 5), ("head", 12), ("tail", 7)):
         ask = 0 if RANK == SIZE - 1 and SIZE > 1 else 3 + RANK
         batch = replay.sample(ask, window, align)
-        assert len(batch) == ask and batch["obs"].shape == (ask, window, 3)
+        assert len(batch) == ask and batch.numpy()["obs"].shape == (ask, window, 3)
         check_windows(batch, ref, window, align)
-        rows = COMM.allgather(list(zip(batch.keys.tolist(), batch.probabilities.tolist(), batch.weights.tolist())))
+        keys, probabilities, weights, _ = batch.meta_numpy()
+        rows = COMM.allgather(list(zip(keys.tolist(), probabilities.tolist(), weights.tolist())))
         flat = [r for part in rows for r in part]
         if sel.proportional:
             # the weights as the index holds them: p ** alpha rounded to float32 (gear_mpi.kernels.leaf_values)
@@ -92,10 +93,11 @@ def test_priority_updates_reach_owners_and_stale_keys_are_dropped(force):
     ref = fill(replay, shard_sizes()[RANK], seed=2)
     batch = replay.sample(4, 4)
     new = np.arange(len(batch), dtype=np.float64) + 10.0 * (RANK + 1)
-    applied = replay.update_priorities(batch.keys, new)
+    keys = batch.meta_numpy()[0]
+    applied = replay.update_priorities(keys, new)
     # duplicates within and across ranks: the highest rank's last value wins
     final = {}
-    for part in COMM.allgather(list(zip(batch.keys.tolist(), new.tolist()))):
+    for part in COMM.allgather(list(zip(keys.tolist(), new.tolist()))):
         for k, p in part:
             final[k] = p
     assert applied == len(batch), (applied, len(batch))
@@ -139,5 +141,5 @@ def test_one_rank_in_every_mode(mode, force):
     ref = fill(replay, 6, seed=8)
     batch = replay.sample(5, 6, "head")
     check_windows(batch, ref, 6, "head")
-    assert replay.update_priorities(batch.keys, np.full(5, 2.0)) == 5
+    assert replay.update_priorities(batch.meta_numpy()[0], np.full(5, 2.0)) == 5
     replay.close()

@@ -7,6 +7,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 import gear_mpi as gm
+from replay_checks import arrays, keys_of
 
 
 def twin_specs(columns: Mapping[str, tuple], chunk: int | None) -> tuple[gm.TrajectorySpec, gm.TrajectorySpec]:
@@ -18,10 +19,9 @@ def twin_specs(columns: Mapping[str, tuple], chunk: int | None) -> tuple[gm.Traj
 
 def same_batch(a: gm.Batch, b: gm.Batch, names: Iterable[str]) -> None:
     """Columns ``names``, mask, probabilities, weights and lengths of ``a`` and ``b`` are equal."""
-    for name in names:
-        assert np.array_equal(a[name].numpy(), b[name].numpy()), name
-    for field in ("mask", "probabilities", "weights", "lengths"):
-        assert np.array_equal(getattr(a, field).numpy(), getattr(b, field).numpy()), field
+    x, y = arrays(a), arrays(b)
+    for name in (*names, "mask", "probabilities", "weights", "lengths"):
+        assert np.array_equal(x[name], y[name]), name
 
 
 def feed_and_compare(raw: gm.Replay, comp: gm.Replay, trajectories: Iterable[tuple[Mapping, float]],
@@ -37,5 +37,5 @@ def feed_and_compare(raw: gm.Replay, comp: gm.Replay, trajectories: Iterable[tup
             a, b = raw.sample(5 + rank, window, align), comp.sample(5 + rank, window, align)
             same_batch(a, b, names)
             new = np.linspace(0.5, 2.0, len(a))
-            raw.update_priorities(a.keys, new)
-            comp.update_priorities(b.keys, new)
+            raw.update_priorities(keys_of(a), new)
+            comp.update_priorities(keys_of(b), new)
