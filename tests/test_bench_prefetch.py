@@ -26,7 +26,9 @@ def test_bench_prefetch_prints_every_case_and_the_hidden_share():
         for case in ("sample", "replay", "compute", "plain", "prefetch1", "prefetch2", "thread1", "blocked2",
                      "prefetch1r", "prefetch2r", "thread2r", "blocked1r", "prefetch1a", "prefetch2a"):
             assert med[case] >= 0 and r["spread_s"][case][0] <= med[case] <= r["spread_s"][case][1], (case, r)
-        assert med["sample"] > 0 and med["compute"] > 0 and med["plain"] > med["compute"], r
+        # (no order between the cases' times: 2 repetitions of 5 steps beside another test worker are noise --
+        # a matmul step's median once read 3.4 ms alone against 2.3 ms with a sample before it)
+        assert med["sample"] > 0 and med["compute"] > 0 and med["plain"] > 0, r
         assert set(r["hidden"]) == {f"prefetch{p}{s}" for p in "12" for s in ("", "r", "a")}, r
         assert all(h <= 1 for h in r["hidden"].values()), r
         assert set(r["hidden_per_rep"]) == set(r["hidden"]) and all(len(v) == 2 for v in r["hidden_per_rep"].values())
