@@ -85,10 +85,10 @@ def _exercise_replay(spec, selector: str, mode: str, rng, folder: str) -> None:
         for window in sorted({1, min(2, length), length}):
             for align in ("random", "head", "tail"):
                 batch = replay.sample(8, window, align)
-        replay.update_priorities(batch.keys.numpy(), np.linspace(0.5, 2.0, len(batch)))
+        replay.update_priorities(batch.meta_numpy()[0], np.linspace(0.5, 2.0, len(batch)))
         with replay.batches(4, window=min(2, length), prefetch=1, limit=3) as it:
             for batch in it:
-                it.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
+                it.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
         if mode == "decentralized" and selector in ("Uniform", "Prioritized"):
             path = os.path.join(folder, f"ckpt-{selector}-{spec.max_length}")
             replay.save(path, progress=False)
@@ -105,7 +105,7 @@ def _exercise_file_shard(spec, rng, folder: str) -> None:
     try:
         shard.insert_many([_trajectory(spec, spec.max_length, rng) for _ in range(4)], [1.0, 2.0, 3.0, 4.0])
         batch = shard.sample(8, 2)
-        shard.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
+        shard.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
     finally:
         shard.close()
 
@@ -127,7 +127,7 @@ def _exercise_options(spec, rng) -> None:
                     shard.append_step({name: v[0] for name, v in _trajectory(spec, 1, rng).items()})
                 for _ in range(3):
                     batch = shard.sample(8, 1)
-                shard.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
+                shard.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
                 shard.clear()
             finally:
                 shard.close()
@@ -152,7 +152,7 @@ def _exercise_derived(rng, folder: str) -> None:
                 shard.insert_many([_trajectory(spec, n, rng) for n in (3, 9, 16)], [1.0, 2.0, 3.0])
                 for window in (1, 4):
                     batch = shard.sample(8, window)
-                shard.update_priorities(batch.keys.numpy(), np.ones(len(batch)))
+                shard.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
             finally:
                 shard.close()
 

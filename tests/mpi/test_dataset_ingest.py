@@ -61,7 +61,7 @@ def check_every_episode_once(replay: gm.Replay, names: dict[str, str]) -> None:
     # Fifo over this rank's shard: its episodes oldest first
     if len(mine):
         batch = replay.sample(len(mine), 1, "head", mode="local")
-        np.testing.assert_array_equal(batch.keys, mine)
+        np.testing.assert_array_equal(batch.meta_numpy()[0], mine)
     else:
         replay.sample(0, 1, "head", mode="local")
 

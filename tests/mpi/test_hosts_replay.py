@@ -109,7 +109,7 @@ def test_windows_of_the_other_host_travel_through_mpi(mode):
         peers = same_host()
         shared = mpi = 0
         for _ in range(4):
-            owners = [owner_of(k) for k in replay.sample(12, 4).keys.tolist()]
+            owners = [owner_of(k) for k in replay.sample(12, 4).meta_numpy()[0].tolist()]
             shared += sum(o in peers and o != RANK for o in owners)
             mpi += sum(o not in peers for o in owners)
         st = replay.stats()
@@ -122,13 +122,13 @@ def test_windows_of_the_other_host_travel_through_mpi(mode):
 
 def check_against_get_many(replay: gm.Replay, batch: gm.Batch) -> None:
     """Each window equals the same steps of the trajectory get_many fetches for its key (plain MPI)."""
-    cols = batch.numpy()
-    mask = batch.mask.numpy()
-    trajs = replay.get_many(batch.keys.numpy())
+    cols, mask = batch.numpy(), batch.mask_numpy()
+    keys, _, _, lengths = batch.meta_numpy()
+    trajs = replay.get_many(keys)
     for i, traj in enumerate(trajs):
         assert traj is not None
         pad = int(np.argmax(mask[i]))
-        n = int(batch.lengths[i])
+        n = int(lengths[i])
         offset = int(np.searchsorted(traj["step"], cols["step"][i, pad]))
         for name, column in traj.items():
             np.testing.assert_array_equal(cols[name][i, pad:pad + n], column[offset:offset + n], err_msg=name)
@@ -150,7 +150,7 @@ def test_every_mode_and_selector_is_bit_exact(mode, selector):
             check_windows(batch, ref, window, align)
             check_against_get_many(replay, batch)
             if mode == "local":
-                assert all(owner_of(k) == RANK for k in batch.keys.tolist())
+                assert all(owner_of(k) == RANK for k in batch.meta_numpy()[0].tolist())
         st = replay.stats()
         assert st["per_rank"]["items"] == sizes
         if mode == "local":

@@ -82,11 +82,11 @@ def call(replay: gm.Replay, what: str, batch, folder: str):
     if what == "update_priorities":
         return replay.update_priorities([], [])
     if what == "update_keys":
-        return replay.update_priorities(batch.keys, np.full(len(batch), 2.0))
+        return replay.update_priorities(batch.meta_numpy()[0], np.full(len(batch), 2.0))
     if what == "stats":
         return replay.stats()["total"]["items"]
     if what == "get_many":
-        return replay.get_many(batch.keys)
+        return replay.get_many(batch.meta_numpy()[0])
     if what == "sample":
         return replay.sample(4)
     if what == "sample_out":
@@ -105,7 +105,7 @@ def call(replay: gm.Replay, what: str, batch, folder: str):
     with replay.batches(4, prefetch=0, limit=3) as it:
         for j, b in enumerate(it):
             if what == "batches_update" and j == 0:
-                it.update_priorities(b.keys, np.full(len(b), 2.0))
+                it.update_priorities(b.meta_numpy()[0], np.full(len(b), 2.0))
             if what == "batch_then_stats":
                 break
     return replay.stats() if what == "batch_then_stats" else "all batches"

@@ -26,7 +26,7 @@ except gm.MemoryBudgetError as e:
     assert "cannot reserve" in str(e) and "/dev/shm" in str(e), str(e)
 with gm.Replay(spec, 1000, memory="shm", timeout=30) as replay:
     replay.insert({"obs": np.ones((5, 1024), np.uint8)})
-    assert replay.sample(2, 3).keys.shape == (2,)
+    assert len(replay.sample(2, 3)) == 2
     point = intake.WriterIntake(replay.shard)
     try:
         gm.Writer(point.address, staging_steps=100 * 1024)  # 100 MB of staging
