@@ -9,7 +9,7 @@ with ``--oversubscribe --bind-to none`` (more ranks than cores) and, as root, th
 ``OMPI_ALLOW_RUN_AS_ROOT`` variables.
 
 What these runs cover under Open MPI: node shared memory found by ``COMM_TYPE_SHARED`` (windows
-read from node peers, the fence), every remote window forced through ``Ialltoallv``,
+read from node peers), every remote window forced through ``Ialltoallv``,
 non-blocking collectives polled to completion with a deadline (prefetched batches), a rank that
 stops while the others wait (Open MPI fails the next, mismatched collective with
 MPI_ERR_TRUNCATE where MPICH times out: both must surface as CollectiveTimeoutError),
@@ -46,11 +46,13 @@ FEEDS = [f"test_feeds.py::{t}" for t in ("test_writers_feed_each_rank_through_it
                                          "test_rate_limit_timeout_raises_on_every_rank_and_the_replay_goes_on",
                                          "test_actor_ranks_send_episodes_over_mpi")]
 RUNS = [
-    (2, False, ["test_windows.py", "test_errors.py", "test_api.py", "test_fence.py", "test_checkpoint_restore.py",
+    # (not test_fence.py nor test_activity.py: the node fence's counters and the rate meters are gear_mpi's own
+    # shared memory and arithmetic over collectives these modules run too; 10 s each under Open MPI, mostly waits)
+    (2, False, ["test_windows.py", "test_errors.py", "test_api.py", "test_checkpoint_restore.py",
                 "test_checkpoint_fixture.py", *FEEDS, "test_dataset_ingest.py", "test_prefetch.py"]),
     (2, True, ["test_file_memory.py"]),
     # (windows and prefetching on 4 ranks under Open MPI: the 4-rank Ialltoallv run and the 2-rank run)
-    (4, False, ["test_distribution.py", "test_parallel.py", "test_activity.py"]),
+    (4, False, ["test_distribution.py", "test_parallel.py"]),
     (4, True, ["test_windows.py", "test_errors.py"]),
 ]
 
