@@ -281,8 +281,8 @@ class Batch:
             AttributeError: ``data``, ``mask``, ``keys``, ``probabilities``, ``weights``, ``lengths`` or ``squeezed``.
         """
         if name in _READ_ONLY:
-            raise AttributeError(f"batch.{name} is read-only: a later sample(out=batch) refills the batch's own buffers, "
-                                 f"not a value put in their place; keep yours in a variable of its own")
+            raise AttributeError(f"batch.{name} is read-only: a later sample(out=batch) refills the batch's own "
+                                 f"buffers, not a value put in their place; keep yours in a variable of its own")
         object.__setattr__(self, name, value)
 
     def column_addresses(self) -> np.ndarray:
@@ -385,7 +385,8 @@ class Batch:
         return tuple(self._names())
 
     def _names(self) -> Mapping:
-        """A mapping keyed by the column names, in spec order, without making tensors. O(1)."""
+        """The columns by name, in spec order, without making tensors: a host batch's buffers, a device batch's
+        tensors. O(1)."""
         return self._np if self._np is not None else self.data
 
     @property
@@ -551,8 +552,8 @@ class Batch:
         return td
 
     def __repr__(self) -> str:
-        columns = self.data if self._np is None else self._np  # a host batch's buffers: no tensor made
-        cols = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in columns.items())
+        cols = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+                         for k, v in self._names().items())  # a host batch's buffers: no tensor made
         return f"Batch(B={self.batch_size}, W={self.window}, {cols}{', squeezed' if self.squeezed else ''})"
 
 

@@ -385,11 +385,9 @@ class ReplicaSampler:
         head = g.bcast(head, 0, "ReplicaSampler.deliver (header)")
         if head[0]:
             raise _share_error(g, 0, error, int(head[0]), "ReplicaSampler.deliver (error)", "leader")
-        if leader:
-            arrays = _host_arrays(batch)
-        else:
+        if not leader:
             batch = Batch.empty(self.spec, int(head[1]), int(head[2]))
-            arrays = [*batch.numpy().values(), batch.mask_numpy(), *batch.meta_numpy()]
+        arrays = _host_arrays(batch)  # the members': their new batch's own buffers, received into
         g.wait_all([g.comm.Ibcast(a.reshape(-1).view(np.uint8), 0) for a in arrays],
                    "ReplicaSampler.deliver (batch)")
         return batch
