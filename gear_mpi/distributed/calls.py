@@ -122,28 +122,42 @@ def mismatch_message(codes: list[float]) -> str:
             f"in the same order (see docs/guide/collectives.md); the replay can no longer communicate (close it)")
 
 
-def interrupt_breaks(what: str) -> Callable:
-    """Decorate a replay method whose call makes collectives: an interrupt (a ``BaseException`` that is not an
-    ``Exception``: KeyboardInterrupt, SystemExit) that leaves it after its head was sent (``replay.calls.count``
-    moved) leaves the ranks out of step wherever it landed -- in a wait (:meth:`MpiComm.wait
+def _replay_comms(replay) -> tuple:
+    return (replay.calls.comm,)
+
+
+def _replay_heads(replay) -> int:
+    return replay.calls.count
+
+
+def interrupt_breaks(what: str, comms: Callable = _replay_comms, started: Callable | None = _replay_heads) -> Callable:
+    """Decorate a method whose call makes collectives: an interrupt (a ``BaseException`` that is not an
+    ``Exception``: KeyboardInterrupt, SystemExit) that leaves it once its collectives have begun leaves the
+    ranks out of step wherever it landed -- in a wait (:meth:`MpiComm.wait
     <gear_mpi.distributed.comm.MpiComm.wait>` marks that already) or between two collectives, where the others
-    wait in the next one -- so the communicator is marked broken (:meth:`MpiComm.interrupted
+    wait in the next one -- so the communicators are marked broken (:meth:`MpiComm.interrupted
     <gear_mpi.distributed.comm.MpiComm.interrupted>`): the rank's next call raises at once instead of posting a
-    head that the others' pending collective could meet, and ``close()`` is local. O(1) a call.
+    message that the others' pending collective could meet, the peers fail within their deadline, and
+    ``close()`` is local. O(1) a call.
 
     Args:
         what: the call's name, for the message.
+        comms: ``comms(owner)``, the communicators the call uses (None entries are skipped); default: a
+            replay's.
+        started: ``started(owner)``, a value that moves once the call has begun its collectives (a replay's
+            head count, the default): an interrupt before that breaks nothing. None: any interrupt breaks.
     """
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
-        def call(replay, *args, **kwargs):
-            calls = replay.calls
-            sent = calls.count
+        def call(owner, *args, **kwargs):
+            before = None if started is None else started(owner)
             try:
-                return method(replay, *args, **kwargs)
+                return method(owner, *args, **kwargs)
             except BaseException as e:
-                if not isinstance(e, Exception) and calls.count != sent and calls.comm.broken is None:
-                    calls.comm.interrupted(what, e)
+                if not isinstance(e, Exception) and (started is None or started(owner) != before):
+                    for comm in comms(owner):
+                        if comm is not None and comm.broken is None:
+                            comm.interrupted(what, e)
                 raise
         return call
     return decorate

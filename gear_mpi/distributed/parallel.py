@@ -36,7 +36,6 @@ are drawn exactly as a plain sample of that replay draws them (P(item) = w_i / s
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from .. import errors
 from ..batch import Batch
 from ..keys import as_key_array
 from ..spec import TrajectorySpec, validate_priorities, whole_number
+from .calls import interrupt_breaks
 from .comm import MpiComm, error_code, message_bytes, message_text, with_deadline
 
 AXES = ("tp", "dp", "pp")
@@ -204,28 +204,12 @@ def parallel_groups(comm=None, tensor: int = 1, pipeline: int = 1, *, order: str
     return g
 
 
-def _interrupt_breaks(what: str):
-    """Decorate a :class:`ReplicaSampler` method that makes collectives: an interrupt (a ``BaseException`` that
-    is not an ``Exception``: KeyboardInterrupt, SystemExit) that leaves it may leave its delivery group and its
-    replay out of step wherever it landed (between the replay's call and the delivery, between two broadcasts),
-    so both communicators are marked broken on this rank (:meth:`MpiComm.interrupted
-    <gear_mpi.distributed.comm.MpiComm.interrupted>`, as :func:`~gear_mpi.distributed.calls.interrupt_breaks`
-    does for a replay): its next call raises at once instead of posting a broadcast that the others' pending
-    one could meet, and the peers fail within their deadline. O(1) a call."""
-    def decorate(method):
-        @functools.wraps(method)
-        def call(sampler, *args, **kwargs):
-            try:
-                return method(sampler, *args, **kwargs)
-            except BaseException as e:
-                if not isinstance(e, Exception):
-                    replay = sampler.replay
-                    for comm in (sampler._group, None if replay is None else replay.calls.comm):
-                        if comm is not None and comm.broken is None:
-                            comm.interrupted(f"ReplicaSampler.{what}", e)
-                raise
-        return call
-    return decorate
+def _sampler_comms(sampler) -> tuple:
+    """A :class:`ReplicaSampler`'s communicators: its delivery group's and its replay's (None without one).
+    An interrupt that leaves one of its calls may leave both out of step (between the replay's call and the
+    delivery, between two broadcasts), so :func:`~gear_mpi.distributed.calls.interrupt_breaks` marks both."""
+    replay = sampler.replay
+    return sampler._group, None if replay is None else replay.calls.comm
 
 
 class ReplicaSampler:
@@ -317,7 +301,7 @@ class ReplicaSampler:
             self._group.check_usable()
 
     # ---- sampling -------------------------------------------------------------------------------
-    @_interrupt_breaks("sample")
+    @interrupt_breaks("ReplicaSampler.sample", comms=_sampler_comms, started=None)
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
                mode: str | None = None) -> Batch | None:
         """Collective over the world: the leaders sample (``"world"``: every rank takes part, asking for 0),
@@ -348,7 +332,7 @@ class ReplicaSampler:
                     error = e
         return self.deliver(batch if self.groups.is_leader else None, error)
 
-    @_interrupt_breaks("deliver")
+    @interrupt_breaks("ReplicaSampler.deliver", comms=_sampler_comms, started=None)
     def deliver(self, batch: Batch | None = None, error: BaseException | None = None) -> Batch | None:
         """Collective over the replica's delivery group: its leader's ``batch`` (or ``error``) to every member.
 
@@ -393,7 +377,7 @@ class ReplicaSampler:
         return batch
 
     # ---- priorities -----------------------------------------------------------------------------
-    @_interrupt_breaks("update_priorities")
+    @interrupt_breaks("ReplicaSampler.update_priorities", comms=_sampler_comms, started=None)
     def update_priorities(self, keys: Any = (), priorities: Any = (), *, iterator=None) -> int:
         """Collective over the world: the replica's reporter (``tp = 0``, last stage) gives new priorities for
         keys of its batch; the other ranks' arguments are ignored.
