@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
-from replay_checks import arrays, keys_of
+from replay_checks import keys_of, same_batch  # noqa: F401 (same_batch: for the checkpoint modules)
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
@@ -33,12 +33,6 @@ def fill(replay: gm.Replay, count: int, base: int) -> None:
     for j in range(0, len(ids), 5):
         part = ids[j:j + 5]
         replay.insert_many([traj(i) for i in part], [0.25 + (i % 11) for i in part])
-
-
-def same_batch(a: gm.Batch, b: gm.Batch, what: str) -> None:
-    x, y = arrays(a), arrays(b)
-    for name in ("keys", "lengths", "probabilities", "weights", "mask", *SPEC.names):
-        assert x[name].dtype == y[name].dtype and np.array_equal(x[name], y[name]), (what, name, x[name], y[name])
 
 
 def drive(replay: gm.Replay, steps: int, seed: int) -> list:

@@ -94,6 +94,27 @@ def arrays(batch: gm.Batch) -> dict[str, np.ndarray]:
     return out
 
 
+#: a key without its replay's tag (the top 8 of its 63 bits): owner, generation and slot
+NO_TAG = (1 << 55) - 1
+
+
+def same_batch(a: gm.Batch, b: gm.Batch, what: str = "", names=None, keys: str | None = "exact") -> None:
+    """Assert that two batches are the same, bit for bit and dtype for dtype: their columns (``names``; default:
+    every column, and both batches must have the same ones), mask, probabilities, weights, lengths, and keys as
+    ``keys`` says: ``"exact"``, ``"untagged"`` (two replays with different tags: :data:`NO_TAG`) or None (not
+    compared). ``what`` names the comparison in the failure's message. Reads numpy (:func:`arrays`)."""
+    x, y = arrays(a), arrays(b)
+    columns = [n for n in x if n not in META]
+    if names is None:
+        assert sorted(columns) == sorted(n for n in y if n not in META), (what, "columns", columns, list(y))
+        names = columns
+    for name in (*names, "mask", "probabilities", "weights", "lengths"):
+        assert x[name].dtype == y[name].dtype and np.array_equal(x[name], y[name]), (what, name, x[name], y[name])
+    if keys is not None:
+        ka, kb = (x["keys"], y["keys"]) if keys == "exact" else (x["keys"] & NO_TAG, y["keys"] & NO_TAG)
+        assert np.array_equal(ka, kb), (what, "keys", ka, kb)
+
+
 def keys_of(batch: gm.Batch):
     """A host batch's keys array (what ``update_priorities`` takes as the batch's own keys), without torch; a
     device batch's keys tensor."""

@@ -24,15 +24,10 @@ import pytest
 import gear_mpi as gm
 from gear_mpi import stats as stats_schema
 from replay_checks import (RANK, SIZE, SPEC, check_windows, expect_same_error, fill, make_replay, owner_of,
-                           shard_sizes)
+                           same_batch, shard_sizes)
 
 MODES = ("decentralized", "centralized", "local")
 SELECTORS = {"Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": lambda: gm.Fifo()}
-
-
-def without_tag(keys) -> np.ndarray:
-    """Owner, generation and slot of each key: what two replays with different key tags share."""
-    return np.stack(gm.keys.decode(np.asarray(keys, np.int64))[1:])
 
 
 def fill_in_turn(replays: list, n: int, seed: int) -> dict:
@@ -45,16 +40,6 @@ def fill_in_turn(replays: list, n: int, seed: int) -> dict:
             if replay is replays[0]:
                 ref.update(got)
     return ref
-
-
-def same_rows(a: gm.Batch, b: gm.Batch, where: str) -> None:
-    (ka, *meta_a), (kb, *meta_b) = a.meta_numpy(), b.meta_numpy()  # numpy: no torch on this rank
-    np.testing.assert_array_equal(without_tag(ka), without_tag(kb), err_msg=where)
-    for name, x, y in zip(("probabilities", "weights", "lengths"), meta_a, meta_b):
-        np.testing.assert_array_equal(x, y, err_msg=f"{where}: {name}")
-    np.testing.assert_array_equal(a.mask_numpy(), b.mask_numpy(), err_msg=where)
-    for name in SPEC.names:
-        np.testing.assert_array_equal(a.numpy()[name], b.numpy()[name], err_msg=f"{where}: {name}")
 
 
 @pytest.mark.parametrize("selector", list(SELECTORS))
@@ -71,7 +56,7 @@ def test_per_call_mode_draws_what_a_replay_built_with_that_mode_draws(mode, sele
         got = other.sample(ask, window, align, mode=mode)
         want = ref_replay.sample(ask, window, align)
         check_windows(got, ref, window, align)
-        same_rows(got, want, f"{mode} per call on a {built} replay, call {call}")
+        same_batch(got, want, f"{mode} per call on a {built} replay, call {call}", keys="untagged")
         if mode == "local":
             assert all(owner_of(k) == RANK for k in got.meta_numpy()[0].tolist())
         keys = got.meta_numpy()[0]
@@ -202,7 +187,7 @@ def test_sample_out_refills_the_callers_batch_with_what_a_new_one_would_hold(mod
     for call in range(3):
         got = a.sample(ask, 6, "random", out=out)
         assert got is out  # the same buffers, filled again
-        same_rows(got, b.sample(ask, 6, "random"), f"{mode} out= call {call}")
+        same_batch(got, b.sample(ask, 6, "random"), f"{mode} out= call {call}", keys="untagged")
     wrong = gm.Batch.empty(SPEC, ask + (1 if RANK == SIZE - 1 else 0), 6)
     if mode == "local" and a.mode == "local":  # no communication: this rank's own error only
         if RANK == SIZE - 1:

@@ -41,7 +41,7 @@ def trajectories(seed: int, n: int):
 
 
 def same_batch(a: gm.Batch, b: gm.Batch) -> None:
-    twin_replays.same_batch(a, b, COLUMNS)
+    twin_replays.same_batch(a, b, names=COLUMNS, keys="untagged")
 
 
 def shared_dir(tmp_path_factory, name: str) -> str:

@@ -44,7 +44,7 @@ def trajectories(seed: int, n: int):
 
 
 def same_batch(a: gm.Batch, b: gm.Batch, names=COLUMNS) -> None:
-    twin_replays.same_batch(a, b, names)
+    twin_replays.same_batch(a, b, names=names, keys="untagged")
 
 
 def windows_crossed(replay) -> int:

@@ -35,12 +35,11 @@ import gear_mpi as gm
 from checkpoint_checks import shared_dir  # noqa: F401 (fixture)
 from gear_mpi import checkpoint as ck
 from gear_mpi.storage import arenas, file_guard
-from replay_checks import (COMM, RANK, SIZE, SPEC, TIMEOUT, arrays, check_windows, expect_same_error, fill, keys_of,
-                           shard_sizes)
+from replay_checks import (COMM, NO_TAG, RANK, SIZE, SPEC, TIMEOUT, check_windows, expect_same_error, fill,
+                           keys_of, same_batch, shard_sizes)
 
 SELECTORS = {"Uniform": gm.Uniform, "Prioritized": lambda: gm.Prioritized(0.7, 0.5), "Fifo": gm.Fifo,
              "Lifo": gm.Lifo, "MaxPriority": gm.MaxPriority, "MinPriority": gm.MinPriority}
-NO_TAG = (1 << 55) - 1  # a key without its replay tag (the top 8 of its 63 bits)
 
 
 def build(sel, mode, force, **kw) -> gm.Replay:
@@ -64,14 +63,6 @@ def fill_in_turn(replay: gm.Replay, n: int, seed: int) -> dict:
     return ref
 
 
-def same(a: gm.Batch, b: gm.Batch, what: str, tags: bool = True) -> None:
-    x, y = arrays(a), arrays(b)
-    ka, kb = x["keys"], y["keys"]
-    assert np.array_equal(ka, kb) if tags else np.array_equal(ka & NO_TAG, kb & NO_TAG), (what, ka, kb)
-    for name in ("lengths", "probabilities", "weights", "mask", *SPEC.names):
-        assert np.array_equal(x[name], y[name]), (what, name)
-
-
 @pytest.mark.parametrize("selector", list(SELECTORS))
 @pytest.mark.parametrize("mode", ["decentralized", "centralized", "local"])
 def test_file_backed_replay_matches_private_memory(shared_dir, mode, selector, force):
@@ -85,7 +76,7 @@ def test_file_backed_replay_matches_private_memory(shared_dir, mode, selector, f
         for align, window in (("random", 5), ("head", 12), ("tail", 7), ("random", None)):
             ask = 0 if RANK == SIZE - 1 and SIZE > 1 else 3 + RANK
             a, b = (r.sample(ask, window, align) for r in replays)
-            same(a, b, f"{mode} {selector} {align}", tags=False)
+            same_batch(a, b, f"{mode} {selector} {align}", keys="untagged")
             check_windows(b, refs[1], window or SPEC.max_length, align)
             from_peers += int((gm.keys.decode(keys_of(b))[1] != RANK).sum())
         st = replays[1].stats()
@@ -143,7 +134,7 @@ def test_mmap_reopen_draws_what_a_plain_load_draws(saved, force):
                                                   replay.node.size > 1 else "private"))
         shared = replay.stats()["total"]["windows_shared"]  # restored from the checkpoint
         for i, (a, b) in enumerate(zip(expect, drive(replay, 4, seed=2))):
-            same(a, b, f"{kw} batch {i}")
+            same_batch(a, b, f"{kw} batch {i}")
         if kw.get("mmap"):  # node peers cannot see copy-on-write pages: their windows go through MPI
             assert replay.stats()["total"]["windows_shared"] == shared
             replay.insert_many([{"obs": np.ones((12, 3), np.float32), "step": np.zeros(12, np.int64),
@@ -203,7 +194,7 @@ def test_save_over_the_mapped_checkpoint(saved):
     replay.close()
     again, _ = gm.Replay.load(cp, timeout=TIMEOUT, mmap=True, verify=True)
     for i, (a, b) in enumerate(zip(expect, drive(again, 3, seed=4))):
-        same(a, b, f"batch {i}")
+        same_batch(a, b, f"batch {i}")
     again.close()
 
 

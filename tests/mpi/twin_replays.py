@@ -7,7 +7,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 import gear_mpi as gm
-from replay_checks import arrays, keys_of
+from replay_checks import keys_of, same_batch
 
 
 def twin_specs(columns: Mapping[str, tuple], chunk: int | None) -> tuple[gm.TrajectorySpec, gm.TrajectorySpec]:
@@ -15,13 +15,6 @@ def twin_specs(columns: Mapping[str, tuple], chunk: int | None) -> tuple[gm.Traj
     chunk), trajectories of at most 9 steps."""
     comp = dict(columns, pixels=columns["pixels"] + (gm.Compressed(level=1, chunk=chunk),))
     return gm.TrajectorySpec(columns, max_length=9), gm.TrajectorySpec(comp, max_length=9)
-
-
-def same_batch(a: gm.Batch, b: gm.Batch, names: Iterable[str]) -> None:
-    """Columns ``names``, mask, probabilities, weights and lengths of ``a`` and ``b`` are equal."""
-    x, y = arrays(a), arrays(b)
-    for name in (*names, "mask", "probabilities", "weights", "lengths"):
-        assert np.array_equal(x[name], y[name]), name
 
 
 def feed_and_compare(raw: gm.Replay, comp: gm.Replay, trajectories: Iterable[tuple[Mapping, float]],
@@ -35,7 +28,7 @@ def feed_and_compare(raw: gm.Replay, comp: gm.Replay, trajectories: Iterable[tup
             continue
         for align, window in (("random", 4), ("head", 9), ("tail", 6)):
             a, b = raw.sample(5 + rank, window, align), comp.sample(5 + rank, window, align)
-            same_batch(a, b, names)
+            same_batch(a, b, names=names, keys="untagged")
             new = np.linspace(0.5, 2.0, len(a))
             raw.update_priorities(keys_of(a), new)
             comp.update_priorities(keys_of(b), new)
