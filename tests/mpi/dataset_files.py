@@ -9,8 +9,12 @@ numbering the steps ``0..N-1``, so a trajectory read back tells exactly where it
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import io
 import os
+import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -104,5 +108,19 @@ def write_all(root: Path) -> Path:
     return root
 
 
+@functools.lru_cache(maxsize=None)
 def root_from_env() -> Path:
-    return Path(os.environ[ENV])
+    """The datasets' directory: ``$GEAR_MPI_TEST_DATASETS`` (tests/test_datasets.py writes the files once for its
+    jobs); without it (a run by hand, ``mpiexec -n N python -m pytest tests/mpi/test_dataset_ingest.py``), rank 0
+    of ``MPI.COMM_WORLD`` writes them into a new temporary directory (removed at its exit) and every rank is told
+    where (collective, once per process)."""
+    if ENV in os.environ:
+        return Path(os.environ[ENV])
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    root = None
+    if comm.rank == 0:
+        root = tempfile.mkdtemp(prefix="gear_datasets_")
+        atexit.register(shutil.rmtree, root, True)
+        write_all(Path(root))
+    return Path(comm.bcast(root))

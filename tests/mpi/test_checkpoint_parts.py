@@ -44,7 +44,9 @@ def meta_of(path) -> dict:
 
 def test_a_partly_filled_segment_gets_a_new_part_not_a_rewrite(shared_dir):
     replay = make()
-    fill(replay, 4, base=1)  # 14 steps (rank 0), 18 (rank 1): the write position inside segment 0
+    # ids 1 - RANK % 9 + 100_000 * RANK + (0..3): lengths 2, 3, 4, 5 on every rank (100_000 = 1 mod 9, and an id's
+    # length is 1 + id % 9), 14 steps: the write position inside segment 0
+    fill(replay, 4, base=1 - RANK % 9)
     assert 0 < int(replay.shard.store.state[ring.STEPS_USED]) < K
     handle = replay.checkpoint_every(shared_dir, seconds=None, keep=3, segment_bytes=SEG)
     handle.now()

@@ -1,7 +1,7 @@
-"""Progress reports and the ``gear_mpi`` logger of save and load, on one rank (a plain process).
+"""Progress reports and the ``gear_mpi`` logger of save and load.
 
-Run by tests/test_checkpoint.py (``python -m pytest tests/mpi/test_checkpoint_progress.py``
-by hand). Under pytest stderr is not a terminal, so reports are plain lines; the ranks' totals
+Run by tests/test_checkpoint.py on one rank (``python -m pytest tests/mpi/test_checkpoint_progress.py``
+by hand; under ``mpiexec -n N`` too: only rank 0 reports). Under pytest stderr is not a terminal, so reports are plain lines; the ranks' totals
 are tests/mpi/test_progress.py's.
 
 - by default (and with ``progress=True`` or ``GEAR_MPI_PROGRESS=1``), save and load report
@@ -16,11 +16,19 @@ import os
 import re
 
 import gear_mpi as gm
-from checkpoint_checks import SPEC, fill, shared_dir  # noqa: F401
+from checkpoint_checks import RANK, SIZE, SPEC, fill, shared_dir  # noqa: F401
 from gear_mpi import progress
 
 LINE = re.compile(r"gear_mpi (save|load): +\d+% \| \d+(\.\d+)? [kMG]?B of \d+(\.\d+)? [kMG]?B")
-DONE = re.compile(r"gear_mpi (save|load): 100% \| \d+(\.\d+)? [kMG]?B in \d+\.\d s")
+DONE = re.compile(r"gear_mpi (save|load): 100% \| \d+(\.\d+)? [kMG]?B( over \d+ ranks)? in \d+\.\d s")
+
+
+def reported(err: str, what: str) -> None:
+    """Rank 0's stderr holds plain progress lines of ``what`` and its closing 100 % line; the others' nothing."""
+    if RANK == 0:
+        assert LINE.search(err) and DONE.search(err) and what in err, err
+    else:
+        assert what not in err, err
 
 
 def make() -> gm.Replay:
@@ -36,13 +44,13 @@ def test_reports_show_bytes(shared_dir, capsys, monkeypatch):
     path = os.path.join(shared_dir, "bar")
     replay.save(path)  # by default, though stderr is not a terminal
     err = capsys.readouterr().err
-    assert LINE.search(err) and DONE.search(err) and "gear_mpi save" in err, err
+    reported(err, "gear_mpi save")
     loaded, _ = gm.Replay.load(path, progress=True)
     err = capsys.readouterr().err
-    assert LINE.search(err) and DONE.search(err) and "gear_mpi load" in err, err
+    reported(err, "gear_mpi load")
     monkeypatch.setenv(progress.ENV, "1")  # the variable asks for it too
     loaded.save(path)
-    assert "gear_mpi save" in capsys.readouterr().err
+    assert ("gear_mpi save" in capsys.readouterr().err) == (RANK == 0)
     loaded.close()
     replay.close()
 
@@ -68,8 +76,8 @@ def test_the_logger_records_save_and_load(shared_dir, caplog):
         replay.save(path, progress=False)
         loaded, _ = gm.Replay.load(path, progress=False)
     text = "\n".join(r.getMessage() for r in caplog.records if r.name == "gear_mpi")
-    assert re.search(r"save: rank 0 wrote \d+(\.\d+)? kB in \d+\.\d\d s", text), text
-    assert f"save: {path} installed: 1 ranks" in text, text
-    assert "load: rank 0 restored its shard" in text, text
+    assert re.search(rf"save: rank {RANK} wrote \d+(\.\d+)? kB in \d+\.\d\d s", text), text
+    assert (f"save: {path} installed: {SIZE} ranks" in text) == (RANK == 0), text
+    assert f"load: rank {RANK} restored its shard" in text, text
     loaded.close()
     replay.close()

@@ -196,8 +196,7 @@ def test_get_many_of_a_damaged_chunk_fails_on_every_rank():
                         return j
                 return None
             i, j = next((i, sealed_chunk(i)) for i in range(len(live)) if sealed_chunk(i) is not None)
-            ring.chunks[j] = bytearray(ring.chunks[j])  # (a private copy, then one flipped byte)
-            ring.chunks[j][len(ring.chunks[j]) // 2] ^= 0x10
+            twin_replays.flip_a_byte(ring, j)
             bad = live[i]
         bad = COMM.bcast(bad, root=owner)
         with pytest.raises(gm.CorruptDataError, match=rf"rank {owner}: column 'pixels': .*compressed chunk .*"
@@ -225,8 +224,7 @@ def test_sampling_a_damaged_chunk_fails_on_every_rank(force_alltoallv):
             ring = replay.shard.store.compressed["pixels"]
             for j, c in enumerate(ring.chunks):
                 if c is not None:
-                    ring.chunks[j] = bytearray(c)  # (a private copy, then one flipped byte)
-                    ring.chunks[j][len(c) // 2] ^= 0x10
+                    twin_replays.flip_a_byte(ring, j)
         failed = None
         for i in range(40):
             try:

@@ -2,8 +2,8 @@
 
 Run by tests/test_datasets.py on 1, 2 and 3 ranks over the files of
 tests/mpi/dataset_files.py (their directory in $GEAR_MPI_TEST_DATASETS); by hand:
-``GEAR_MPI_TEST_DATASETS=/tmp/ds mpiexec -n 3 python -m pytest tests/mpi/test_dataset_ingest.py``
-after ``dataset_files.write_all(Path("/tmp/ds"))``.
+``mpiexec -n 3 python -m mpi4py -m pytest tests/mpi/test_dataset_ingest.py`` (rank 0 then writes the files into
+a temporary directory first).
 
 - from_d4rl and from_npz_dir of 49 uneven episodes (the last open): the ranks' episodes
   are disjoint contiguous runs in dataset order, balanced by steps (each share within one

@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import gear_mpi as gm
+from twin_replays import flip_a_byte
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
@@ -81,13 +82,8 @@ def test_stacks_from_a_damaged_chunk_fail_on_every_rank(window, force):
         if RANK == SIZE - 1:
             ring = replay.shard.store.compressed["frame"]
             for j, c in enumerate(ring.chunks):
-                if c is None:
-                    continue
-                try:  # in place: a chunk in the node's shared memory, which peers decode too
-                    c[len(c) // 2] ^= 0x10
-                except TypeError:  # bytes in process memory: a private copy, then one flipped byte
-                    ring.chunks[j] = bytearray(c)
-                    ring.chunks[j][len(c) // 2] ^= 0x10
+                if c is not None:  # in place in the node's shared memory (peers decode it too), else a copy
+                    flip_a_byte(ring, j)
         failed = None
         for i in range(30):
             try:

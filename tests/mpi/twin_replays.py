@@ -2,6 +2,7 @@
 its compressed twin fed the same trajectories must sample the same batches, bit for bit."""
 from __future__ import annotations
 
+import ctypes
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -15,6 +16,17 @@ def twin_specs(columns: Mapping[str, tuple], chunk: int | None) -> tuple[gm.Traj
     chunk), trajectories of at most 9 steps."""
     comp = dict(columns, pixels=columns["pixels"] + (gm.Compressed(level=1, chunk=chunk),))
     return gm.TrajectorySpec(columns, max_length=9), gm.TrajectorySpec(comp, max_length=9)
+
+
+def flip_a_byte(ring, j: int) -> None:
+    """Damage sealed chunk ``j`` of ``ring`` (a ``CompressedRing``) where it lies, as bit rot would: the byte in its
+    middle flipped in place, in process, node-shared or file memory alike, so that every reader of those bytes (the
+    kernels through the ring's addresses, its Python path, node peers) meets the damage. (Replacing
+    ``ring.chunks[j]`` by a damaged copy instead left the kernels reading the old object's memory after it was
+    freed, and seeing the damage or not by chance.)"""
+    c = ring.chunks[j]
+    byte = ctypes.c_uint8.from_address(np.frombuffer(c, np.uint8).ctypes.data + len(c) // 2)
+    byte.value ^= 0x10
 
 
 def feed_and_compare(raw: gm.Replay, comp: gm.Replay, trajectories: Iterable[tuple[Mapping, float]],
