@@ -350,7 +350,9 @@ def test_load_latest_onto_fewer_ranks_and_when_there_is_none(shared_dir):
     replay.close()
     sub = sub_comm(1)
     if sub is not None:
-        loaded, key_map = gm.Replay.load_latest(shared_dir, sub, capacity_steps=200)
+        # room for what every rank held (at most 60 steps and 9 + rank trajectories each), whatever their number
+        loaded, key_map = gm.Replay.load_latest(shared_dir, sub, capacity_steps=60 * SIZE,
+                                                max_items=9 * SIZE + SIZE * (SIZE - 1) // 2)
         assert len(key_map[0]) == len(every)
         assert ids_of(loaded) == every
         loaded.sample(3, 2)
