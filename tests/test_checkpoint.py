@@ -55,8 +55,10 @@ def test_reshard_onto_three_ranks():
                 "test_checkpoint_restore.py::test_reshard_onto_fewer_ranks_fails_unless_drops_are_allowed")
 
 
-def test_progress_over_every_rank_on_three_ranks():
-    run_modules(3, "test_progress.py")
+def test_progress_and_segment_parts_on_three_ranks():
+    """Progress over every rank, rank 0's report lines and segments stored in parts, on an odd number of ranks
+    (these modules assumed one or two ranks until 2026-12-06)."""
+    run_modules(3, "test_progress.py", "test_checkpoint_progress.py", "test_checkpoint_parts.py")
 
 
 def test_one_rank_device_index_fixture_and_progress():
