@@ -16,7 +16,6 @@ import numpy as np
 from numba import njit
 
 from gear_mpi.kernels import gather
-from gear_mpi.kernels.gather import _gather_run
 from issue34_w2_shard import w2_shard
 
 N, B = 100_000, 256
@@ -37,7 +36,7 @@ sorted_pool = np.sort(pool, axis=1)
 @njit(nogil=True)
 def one_run(addrs, sizes, cap, starts, nv, pf, rows, outs):
     for c in range(len(outs)):
-        _gather_run(addrs[c], cap, sizes[c], starts, nv, pf, rows, outs[c], sizes[c], 0, starts.shape[0])
+        gather._gather_run(addrs[c], cap, sizes[c], starts, nv, pf, rows, outs[c], sizes[c], 0, starts.shape[0])
 
 
 @njit(nogil=True)
@@ -45,7 +44,7 @@ def chunked(addrs, sizes, cap, starts, nv, pf, rows, outs):
     b = starts.shape[0]
     for c in range(len(outs)):
         for t in range(8):
-            _gather_run(addrs[c], cap, sizes[c], starts, nv, pf, rows, outs[c], sizes[c], t * b // 8,
+            gather._gather_run(addrs[c], cap, sizes[c], starts, nv, pf, rows, outs[c], sizes[c], t * b // 8,
                         (t + 1) * b // 8)
 
 
