@@ -62,8 +62,7 @@ def capacity_for(shares: np.ndarray, max_length: int, capacity: int | None, head
             positive integer, or smaller than this rank's share.
     """
     if headroom is not None:
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, np.integer)) or headroom < 0:
-            raise ValueError(f"headroom must be a number of steps >= 0 (or None: max_length), got {headroom!r}")
+        check_count(headroom, "headroom", least=0, optional=True)
         if capacity is not None:
             raise ValueError(f"give capacity_steps={capacity} or headroom={headroom}, not both (capacity_steps "
                              f"fixes the size; headroom adds free steps to the largest share)")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from ..spec import whole_number
+from ..spec import check_count
 
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio"]
 
@@ -48,9 +48,7 @@ def _real(value, name: str) -> float:
 
 def _min_size(value) -> int:
     """``min_size_to_sample`` checked: an integer >= 1 (not 5.0, inf, nan, True or None). O(1)."""
-    if not whole_number(value):
-        raise ValueError(f"min_size_to_sample must be an integer >= 1, got {value!r}")
-    return int(value)
+    return check_count(value, "min_size_to_sample")
 
 
 class RateLimiter:
