@@ -486,7 +486,7 @@ def _batch_problem(batch: Any, spec: TrajectorySpec) -> Exception | None:
         return ValueError(f"deliver: the leader's batch has the columns {list(batch.columns)}, the sampler's spec "
                           f"{list(spec.batch_names)}: deliver batches of the replay the sampler was built for")
     b, w = batch.batch_size, batch.window
-    columns = _columns(batch)
+    columns = batch._names()  # a host batch's buffers (no tensor made, torch not imported), a device batch's tensors
     for c in spec.batch_columns:
         t = columns[c.name]
         size, itemsize = (t.size, t.itemsize) if isinstance(t, np.ndarray) else (t.numel(), t.element_size())
@@ -494,14 +494,6 @@ def _batch_problem(batch: Any, spec: TrajectorySpec) -> Exception | None:
             return ValueError(f"deliver: the leader's column {c.name!r} is {tuple(t.shape)} {t.dtype}, not {b} "
                               f"windows of {w} steps of {c.shape} {np.dtype(c.dtype)} as the sampler's spec says")
     return None
-
-
-def _columns(batch: Batch):
-    """A host batch's column buffers (numpy: no tensor made, torch not imported), a device batch's tensors."""
-    try:
-        return batch.numpy()
-    except RuntimeError:
-        return batch.data
 
 
 def _host_arrays(batch: Batch) -> list[np.ndarray]:

@@ -94,8 +94,8 @@ def arrays(batch: gm.Batch) -> dict[str, np.ndarray]:
     return out
 
 
-#: a key without its replay's tag (the top 8 of its 63 bits): owner, generation and slot
-NO_TAG = (1 << 55) - 1
+#: a key without its replay's tag (the top bits of its 63): owner, generation and slot
+NO_TAG = (1 << (gm.keys.RANK_BITS + gm.keys.GEN_BITS + gm.keys.SLOT_BITS)) - 1
 
 
 def same_batch(a: gm.Batch, b: gm.Batch, what: str = "", names=None, keys: str | None = "exact") -> None:

@@ -1,8 +1,8 @@
 """Progress reports and the ``gear_mpi`` logger of save and load.
 
-Run by tests/test_checkpoint.py on one rank (``python -m pytest tests/mpi/test_checkpoint_progress.py``
-by hand; under ``mpiexec -n N`` too: only rank 0 reports). Under pytest stderr is not a terminal, so reports are plain lines; the ranks' totals
-are tests/mpi/test_progress.py's.
+Run by tests/test_checkpoint.py on one and three ranks (``python -m pytest tests/mpi/test_checkpoint_progress.py``
+by hand, or under ``mpiexec -n N``: only rank 0 reports). Under pytest stderr is not a terminal, so reports are
+plain lines; the ranks' totals are tests/mpi/test_progress.py's.
 
 - by default (and with ``progress=True`` or ``GEAR_MPI_PROGRESS=1``), save and load report
   their bytes on stderr once they have lasted ``GEAR_MPI_PROGRESS_DELAY`` seconds (0 here);

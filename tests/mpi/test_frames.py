@@ -82,7 +82,7 @@ def test_stacks_from_a_damaged_chunk_fail_on_every_rank(window, force):
         if RANK == SIZE - 1:
             ring = replay.shard.store.compressed["frame"]
             for j, c in enumerate(ring.chunks):
-                if c is not None:  # in place in the node's shared memory (peers decode it too), else a copy
+                if c is not None:  # in place, in process or node-shared memory (peers decode it too)
                     flip_a_byte(ring, j)
         failed = None
         for i in range(30):
