@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
+import numba
+from numba import njit, prange
 
 import gear_mpi as gm
 from gear_mpi import keys as keyspace
-from gear_mpi.kernels import gather, priority_draw, priority_tree as tree, ring
+from gear_mpi.kernels import gather, hints, priority_draw, priority_tree as tree, ring
 from gear_mpi.selection import PriorityIndex
 
 
@@ -270,6 +271,37 @@ def test_gather_windows_matches_numpy_with_wrap(step_bytes, capacity, window, b)
     np.testing.assert_array_equal(out, want)
     untouched = np.setdiff1d(np.arange(rows_total), out_rows)
     assert (out.reshape(rows_total, -1)[untouched] == 0xAB).all(), "rows not asked for were written"
+
+
+@njit(parallel=True)
+def _hand_out(n, done, first_lane_share):
+    taken = np.empty(1, np.int64)
+    taken[0] = 0
+    for lane in prange(n):
+        t = hints.take_next(taken)
+        while t < n:
+            done[t] += 1
+            first_lane_share[lane] += 1
+            t = hints.take_next(taken)
+    return taken[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 7, 64, 5000])
+def test_take_next_hands_out_every_task_once(n, threads):
+    """The parallel copies' work sharing (hints.take_next): every task exactly once, whatever lane takes it;
+    the counter ends one past the tasks for every lane's final, empty take."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        done, share = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        end = _hand_out(n, done, share)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(done, np.ones(n, np.int64))
+    assert share.sum() == n and end == 2 * n  # n tasks, then one empty take per lane
+    if numba.get_num_threads() == 1 or threads == 1:
+        assert share[0] == n  # one thread: its first lane takes everything
 
 
 @pytest.mark.parametrize("window, b", [(12, 50), (64, 1500)])  # the second: over the kernel's serial size

@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .hints import prefetch as _prefetch
-from .hints import prefetch_address
+from .hints import prefetch_address, take_next
 
 # Smaller batches than these run on the calling thread: a parallel region costs microseconds
 # of thread-pool hand-off when the pool is spinning, and a scheduler tick (~4 ms) when
@@ -88,9 +88,14 @@ def _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
         _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, 0, b)
     else:
         chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
-        for t in prange(chunks):
-            _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes,
-                        t * b // chunks, (t + 1) * b // chunks)
+        taken = np.empty(1, np.int64)  # runs handed out as the threads arrive (hints.take_next)
+        taken[0] = 0
+        for _ in prange(chunks):
+            t = take_next(taken)
+            while t < chunks:
+                _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out,
+                            row_bytes, t * b // chunks, (t + 1) * b // chunks)
+                t = take_next(taken)
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -408,9 +413,14 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
             _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
                          task_owner[t], task_lo[t], task_hi[t])
     else:
-        for t in prange(ntask):
-            _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
-                         task_owner[t], task_lo[t], task_hi[t])
+        taken = np.empty(1, np.int64)  # tasks handed out as the threads arrive (hints.take_next)
+        taken[0] = 0
+        for _ in prange(ntask):
+            t = take_next(taken)
+            while t < ntask:
+                _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
+                             task_owner[t], task_lo[t], task_hi[t])
+                t = take_next(taken)
 
 
 @njit(cache=True, inline="always")

@@ -1,5 +1,5 @@
 """Memory hints for the CPU kernels: software prefetch; ordered stores for flags that other
-processes read.
+processes read; an atomic counter that hands out work to threads as they arrive.
 
 Batched draws, updates and window copies touch memory at random: cache misses
 that, issued one after another, cost a DRAM latency each. Asking for the next
@@ -66,6 +66,22 @@ def _fence(typingctx):
     def codegen(context, builder, signature, args):
         builder.fence("seq_cst")
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def take_next(typingctx, counter):
+    """``counter[0] += 1`` as one atomic step, returning the value before (an int64 array; monotonic order:
+    it hands out indices, it orders no other memory). A parallel region over ``n`` lanes that each loop
+    ``while (t := take_next(c)) < n`` shares ``n`` tasks among its threads as they arrive: the first
+    lane a thread runs takes tasks until none is left, so a thread woken late takes what remains instead
+    of a fixed share that the others wait for."""
+    sig = types.int64(counter)
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", a.data, ir.Constant(ir.IntType(64), 1), "monotonic")
 
     return sig, codegen
 
