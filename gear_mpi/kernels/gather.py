@@ -105,7 +105,8 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     ``out_rows[i]`` is the batch row that window ``i`` fills. Each delivered byte is
     copied once (``memmove`` of each contiguous run: at most two per window, for the
     ring's wrap-around), padding bytes are written once (zeros). Batches under
-    ``SERIAL_BYTES`` run on the calling thread. Cost: O(sum n_valid * step_bytes)
+    ``SERIAL_BYTES`` run on the calling thread; larger ones in runs of 32 windows or more, handed out as
+    the threads arrive (``hints.take_next``). Cost: O(sum n_valid * step_bytes)
     copied plus O(padding) zeroed; memory-bandwidth bound; no allocation. Each thread
     prefetches the start of a window some places ahead of the one it copies (``_ahead``).
     ``out`` must not overlap ``src``. The copies are raw ``memmove`` calls, so every
@@ -365,8 +366,8 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
     copied from ``addrs[o, c]``, the address of owner ``o``'s column ``c`` (a ring of ``capacity``
     steps of ``step_bytes[c]`` bytes, kept mapped by the caller). Every window is checked first: one
     outside the ring raises ValueError before anything is copied. One call per sample; the copies run
-    on the calling thread under ``SERIAL_BYTES`` bytes, else in parallel over runs of >= 32 rows, each
-    prefetching some windows ahead (``_ahead``). ``weights`` (float32, optional): each row's importance
+    on the calling thread under ``SERIAL_BYTES`` bytes, else in parallel over runs of >= 32 rows, handed out
+    as the threads arrive (``hints.take_next``), each prefetching some windows ahead (``_ahead``). ``weights`` (float32, optional): each row's importance
     weight too, the float64 of its choice rounded as numpy's assignment rounds it (a ``Replay.sample`` would
     otherwise copy the strided column in numpy, about 3 us a call).
     Cost: O(B W) for the mask, each delivered byte copied once."""
