@@ -8,8 +8,9 @@ system CPU seconds and its wall time are printed per run, then the medians.
 
 Settings: ``default`` (what ``import gear_mpi`` chooses: see ``gear_mpi.threads``), ``active``
 (``OMP_WAIT_POLICY=ACTIVE``: numba's workers spin when idle), ``one-thread`` (``NUMBA_NUM_THREADS=1``, as
-``GEAR_MPI_THREADS=1``) and ``workqueue`` (``NUMBA_THREADING_LAYER=workqueue``). Run the same script
-against an older checkout to compare versions: ``PYTHONPATH=/old/checkout python scripts/bench/bench_threads.py``.
+``GEAR_MPI_THREADS=1``), ``workqueue`` (``NUMBA_THREADING_LAYER=workqueue``) and ``spin1000``
+(``GOMP_SPINCOUNT=1000``: GNU OpenMP's idle threads, numba's and torch's, spin about 25 us before they
+sleep). Run the same script against an older checkout to compare versions: ``PYTHONPATH=/old/checkout python scripts/bench/bench_threads.py``.
 
     python -m scripts.bench.bench_threads [--steps 3000] [--reps 3] [--settings default,active]
 """
@@ -23,8 +24,8 @@ import sys
 import time
 
 SETTINGS = {"default": {}, "active": {"OMP_WAIT_POLICY": "ACTIVE"}, "one-thread": {"NUMBA_NUM_THREADS": "1"},
-            "workqueue": {"NUMBA_THREADING_LAYER": "workqueue"}}
-CLEARED = ("OMP_WAIT_POLICY", "NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "GEAR_MPI_THREADS")
+            "workqueue": {"NUMBA_THREADING_LAYER": "workqueue"}, "spin1000": {"GOMP_SPINCOUNT": "1000"}}
+CLEARED = ("OMP_WAIT_POLICY", "NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "GEAR_MPI_THREADS", "GOMP_SPINCOUNT")
 
 
 def loop(steps: int, batch: int, train_every: int, capacity: int) -> dict:
