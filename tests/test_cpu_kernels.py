@@ -373,17 +373,20 @@ def test_window_meta_and_place_slots_agree_with_place_windows(align_code):
         np.testing.assert_array_equal(w, leaves[slots] if len(lv) else np.ones(b))
 
 
-def test_gather_from_owners_matches_numpy_and_checks_windows():
-    """Two owners' columns read by address, one owner skipped (its rows come through MPI)."""
+@pytest.mark.parametrize("counts, cols", [((40, 7, 33), (5, 1)),
+                                          ((400, 7, 330), (300, 1))])  # over SERIAL_BYTES: runs on the threads
+def test_gather_from_owners_matches_numpy_and_checks_windows(counts, cols):
+    """Two owners' columns read by address, one owner skipped (its rows come through MPI); ``cols``: the step
+    bytes of two columns."""
     rng = np.random.default_rng(5)
     capacity, window = 97, 16
-    cols = (5, 1)  # step bytes of two columns
     owners = [[rng.integers(0, 256, capacity * sb).astype(np.uint8) for sb in cols] for _ in range(3)]
     addrs = np.array([[a.ctypes.data for a in cs] for cs in owners], np.int64)
     direct = np.array([True, False, True])
-    counts = np.array([40, 7, 33])
+    counts = np.array(counts)
     row_of_owner = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     nb = int(counts.sum())
+    assert (nb * window * sum(cols) >= gather.SERIAL_BYTES) == (cols[0] > 5)
     n_valid = rng.integers(0, window + 1, nb)
     pad_front = np.array([rng.integers(0, window - v + 1) for v in n_valid])
     starts = rng.integers(0, capacity, nb)

@@ -26,6 +26,33 @@ def _shard(sel, n=400, maxlen=5):
 
 
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
+def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
+    """A batch under DRAW_THREADS_MIN items whose rows pass SERIAL_BYTES: drawn by the caller, copied in runs the
+    threads take as they arrive (hints.take_next); the same batch as the general path's."""
+    from gear_mpi.kernels.gather import SERIAL_BYTES
+    from gear_mpi.kernels.priority_draw import DRAW_THREADS_MIN
+    spec = gm.TrajectorySpec({"obs": ((256,), "float32"), "r": ((), "int32")}, max_length=3)
+    shards = []
+    for _ in range(2):
+        sh = Shard(spec, 3000, sel, seed=5, tag=7, rank=3)
+        rng = np.random.default_rng(0)
+        for _ in range(2):  # the ring wraps
+            lengths = rng.integers(1, 4, 800)
+            sh.insert_packed({"obs": rng.standard_normal((lengths.sum(), 256)).astype(np.float32),
+                              "r": np.arange(lengths.sum(), dtype=np.int32)}, lengths, rng.random(800) + 0.1)
+        shards.append(sh)
+    fast, slow = shards
+    slow._fused = False
+    b, window = 300, 3
+    assert b < DRAW_THREADS_MIN and b * window * spec.step_bytes >= SERIAL_BYTES and fast._one_call()
+    for _ in range(3):
+        bf, bs = fast.sample(b, window), slow.sample(b, window)
+        for got, want in ((bf["obs"], bs["obs"]), (bf["r"], bs["r"]), (bf.mask, bs.mask), (bf.keys, bs.keys),
+                          (bf.lengths, bs.lengths), (bf.probabilities, bs.probabilities)):
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 @pytest.mark.parametrize("b", [1, 31, 32, 300, 4000])
 def test_one_call_matches_the_general_path(sel, b, monkeypatch):
     monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call even for large B on small shards
