@@ -29,8 +29,7 @@ def _shard(sel, n=400, maxlen=5):
 def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
     """A batch under DRAW_THREADS_MIN items whose rows pass SERIAL_BYTES: drawn by the caller, copied in runs the
     threads take as they arrive (hints.take_next); the same batch as the general path's."""
-    from gear_mpi.kernels.gather import SERIAL_BYTES
-    from gear_mpi.kernels.priority_draw import DRAW_THREADS_MIN
+    from gear_mpi.kernels import gather, priority_draw
     spec = gm.TrajectorySpec({"obs": ((256,), "float32"), "r": ((), "int32")}, max_length=3)
     shards = []
     for _ in range(2):
@@ -44,7 +43,8 @@ def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
     fast, slow = shards
     slow._fused = False
     b, window = 300, 3
-    assert b < DRAW_THREADS_MIN and b * window * spec.step_bytes >= SERIAL_BYTES and fast._one_call()
+    assert b < priority_draw.DRAW_THREADS_MIN and b * window * spec.step_bytes >= gather.SERIAL_BYTES
+    assert fast._one_call()
     for _ in range(3):
         bf, bs = fast.sample(b, window), slow.sample(b, window)
         for got, want in ((bf["obs"], bs["obs"]), (bf["r"], bs["r"]), (bf.mask, bs.mask), (bf.keys, bs.keys),

@@ -59,6 +59,7 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("b", [40, 300, 2500])
 def test_same_as_general_path(sel, b, calls, monkeypatch):
     monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call for 2500 items too
+    monkeypatch.setattr(priority_sampled, "PARALLEL_MIN", 2048)  # and 2500 keys updated by the threads
     fast, slow = _shard(sel), _shard(sel)
     out = fast.sample(b, 1)
     slow.sample(b, 1)

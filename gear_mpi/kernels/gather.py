@@ -367,9 +367,10 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
     steps of ``step_bytes[c]`` bytes, kept mapped by the caller). Every window is checked first: one
     outside the ring raises ValueError before anything is copied. One call per sample; the copies run
     on the calling thread under ``SERIAL_BYTES`` bytes, else in parallel over runs of >= 32 rows, handed out
-    as the threads arrive (``hints.take_next``), each prefetching some windows ahead (``_ahead``). ``weights`` (float32, optional): each row's importance
-    weight too, the float64 of its choice rounded as numpy's assignment rounds it (a ``Replay.sample`` would
-    otherwise copy the strided column in numpy, about 3 us a call).
+    as the threads arrive (``hints.take_next``), each prefetching some windows ahead (``_ahead``).
+    ``weights`` (float32, optional): each row's importance weight too, the float64 of its choice rounded as
+    numpy's assignment rounds it (a ``Replay.sample`` would otherwise copy the strided column in numpy, about
+    3 us a call).
     Cost: O(B W) for the mask, each delivered byte copied once."""
     nb = choices.shape[0]
     for i in range(nb):
