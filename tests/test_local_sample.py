@@ -25,6 +25,40 @@ def _shard(sel, n=400, maxlen=5):
     return sh
 
 
+def test_small_samples_run_on_the_calling_thread_alone(monkeypatch):
+    """Where the threads would not pay (local_sample.caller_alone), the kernel runs with one thread and the
+    calling thread's count comes back afterwards; the batch is the one the threads would give."""
+    import numba
+    from gear_mpi.kernels import gather, priority_draw
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs numba's pool to hold 2 threads")
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        alone = local_sample.caller_alone
+        low, high = priority_draw.DRAW_THREADS_MIN, local_sample.THREADS_MIN_ITEMS
+        assert alone(low - 1, 4) == 0 and alone(high, 4) == 0 and alone(low, gather.SERIAL_BYTES // low) == 0
+        assert numba.get_num_threads() == 2
+        assert alone(low, 4) == 2 and numba.get_num_threads() == 1
+        numba.set_num_threads(2)
+        spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
+        shards = [Shard(spec, 5000, gm.Prioritized(0.6, 0.4), seed=3, tag=7, rank=3) for _ in range(2)]
+        for sh in shards:
+            rng = np.random.default_rng(1)
+            sh.insert_packed({"x": rng.random(5000, dtype=np.float32)}, np.ones(5000, np.int64), rng.random(5000) + 0.1)
+        monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call on this small shard
+        got = [shards[0].sample(low + 5, 1) for _ in range(2)]  # 2 threads asked: run alone, given back after
+        assert numba.get_num_threads() == 2
+        numba.set_num_threads(1)
+        want = [shards[1].sample(low + 5, 1) for _ in range(2)]
+        for g, w in zip(got, want):
+            for a, b in ((g["x"], w["x"]), (g.keys, w.keys), (g.probabilities, w.probabilities),
+                         (g.weights, w.weights)):
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+    finally:
+        numba.set_num_threads(before)
+
+
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
     """A batch under DRAW_THREADS_MIN items whose rows pass SERIAL_BYTES: drawn by the caller, copied in runs the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 
+import numba
 import numpy as np
 
 from ..batch import Batch
@@ -115,14 +116,16 @@ class Repeat:
             ``int`` or None window).
         window, code: the checked window and align code.
         fresh: the call made ``batch`` (no ``out=``): later calls with these arguments and no ``out=`` repeat it.
+        row_bytes: the bytes a batch row copies (the window's steps of every stored column).
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "uniforms", "draw_u", "place_u", "outs",
-                 "prioritized", "skip", "fresh", "keys")
+                 "prioritized", "skip", "fresh", "keys", "row_bytes")
 
     def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool, skip: bool = False,
-                 fresh: bool = False):
+                 fresh: bool = False, row_bytes: int = 0):
         b = args[0]
+        self.row_bytes = row_bytes  # bytes a batch row copies (local_sample.caller_alone)
         self.batch = weakref.ref(batch)  # the shard does not keep a batch its caller dropped
         self.keys = weakref.ref(batch._meta_np[0])  # its keys array, alive while anything holds it or its tensor
         self.fitted, self.args, self.fresh = batch._fits, args, fresh
@@ -160,8 +163,8 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
     """Sample ``b`` windows of ``window`` steps (align ``code``) into ``batch`` in one kernel call, with the
     shard's stream: ``2 b`` uniforms (draws, then placements) for random alignment, else ``b``. The
     arguments were checked by the caller (``Shard.sample``), the shard :func:`fits` and the call
-    :func:`~gear_mpi.kernels.local_sample.pays_off`. O(B log n) plus the copy; parallel from
-    ``DRAW_THREADS_MIN`` items.
+    :func:`~gear_mpi.kernels.local_sample.pays_off`. O(B log n) plus the copy; on the threads where they
+    pay (:func:`~gear_mpi.kernels.local_sample.caller_alone`).
 
     Returns:
         ``batch``, filled.
@@ -176,11 +179,16 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
     keys, probabilities, weights, lengths = batch.meta_numpy()
     prioritized = type(shard.selector) is Prioritized
     iscr, fscr = local_sample._scratch(b)
-    local_sample._sample_kernel(
-        shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
-        key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
-        shard.column_addresses()[0], shard.spec.step_bytes_array, batch.column_addresses(), batch._mask_np,
-        keys, lengths, probabilities, weights, iscr, fscr, gen)
+    alone = local_sample.caller_alone(b, window * shard.spec.step_bytes)
+    try:
+        local_sample._sample_kernel(
+            shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
+            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
+            shard.column_addresses()[0], shard.spec.step_bytes_array, batch.column_addresses(), batch._mask_np,
+            keys, lengths, probabilities, weights, iscr, fscr, gen)
+    finally:
+        if alone:
+            numba.set_num_threads(alone)
     if state is not None:
         end_stream(shard.rng, state, u.shape[0])
     if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
@@ -197,7 +205,7 @@ def remember(shard, batch, args: tuple, window: int, code: int, fresh: bool = Fa
     b = args[0]
     if type(b) is int and b > 0 and (fresh or (batch._fits is not None and batch._meta_np is not None)):
         shard._repeat = Repeat(batch, args, window, code, type(shard.selector) is Prioritized,
-                               placement_unread(shard, b, window, code), fresh)
+                               placement_unread(shard, b, window, code), fresh, window * shard.spec.step_bytes)
 
 
 def sample_again(shard, rep: Repeat):
@@ -238,11 +246,16 @@ def sample_again(shard, rep: Repeat):
             draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
     keys, probabilities, weights, lengths = out._meta_np
     iscr, fscr = local_sample._scratch(b)
-    local_sample._sample_kernel(
-        shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
-        key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code, rep.prioritized,
-        shard.column_addresses()[0], shard.spec.step_bytes_array, outs, out._mask_np, keys, lengths,
-        probabilities, weights, iscr, fscr, gen)
+    alone = local_sample.caller_alone(b, rep.row_bytes)
+    try:
+        local_sample._sample_kernel(
+            shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
+            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code, rep.prioritized,
+            shard.column_addresses()[0], shard.spec.step_bytes_array, outs, out._mask_np, keys, lengths,
+            probabilities, weights, iscr, fscr, gen)
+    finally:
+        if alone:
+            numba.set_num_threads(alone)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])
     if rep.prioritized:
