@@ -273,6 +273,32 @@ def test_gather_windows_matches_numpy_with_wrap(step_bytes, capacity, window, b)
     assert (out.reshape(rows_total, -1)[untouched] == 0xAB).all(), "rows not asked for were written"
 
 
+def test_index_set_and_draw_of_mid_size_batches_run_alone_and_give_the_count_back():
+    """PriorityIndex.set and .draw of 1000 items (where the threads do not pay: kernels.thread_share) leave the
+    calling thread's numba count as it was and the same tree and draws as with one thread."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs numba's pool to hold 2 threads")
+    before = numba.get_num_threads()
+    rng = np.random.default_rng(9)
+    weights = rng.random(50_000) + 0.1
+    slots, values, u = rng.integers(0, 50_000, 1000), rng.random(1000), rng.random(1000)
+    results = []
+    try:
+        for threads in (2, 1):
+            numba.set_num_threads(threads)
+            index = loaded_index(weights)
+            index.set(slots, values)
+            drawn = index.draw(u)
+            assert numba.get_num_threads() == threads
+            results.append((tuple(a.copy() for a in index.tree), drawn))
+    finally:
+        numba.set_num_threads(before)
+    (tree2, drawn2), (tree1, drawn1) = results
+    for a, b in zip(tree2, tree1):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(drawn2, drawn1)
+
+
 @njit(parallel=True)
 def _hand_out(n, done, first_lane_share):
     taken = np.empty(1, np.int64)

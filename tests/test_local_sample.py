@@ -26,21 +26,22 @@ def _shard(sel, n=400, maxlen=5):
 
 
 def test_small_samples_run_on_the_calling_thread_alone(monkeypatch):
-    """Where the threads would not pay (local_sample.caller_alone), the kernel runs with one thread and the
+    """Where the threads would not pay (thread_share.caller_alone), the kernel runs with one thread and the
     calling thread's count comes back afterwards; the batch is the one the threads would give."""
     import numba
-    from gear_mpi.kernels import gather, priority_draw
+    from gear_mpi.kernels import gather, priority_draw, thread_share
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs numba's pool to hold 2 threads")
     before = numba.get_num_threads()
     numba.set_num_threads(2)
     try:
-        alone = local_sample.caller_alone
-        low, high = priority_draw.DRAW_THREADS_MIN, local_sample.THREADS_MIN_ITEMS
-        assert alone(low - 1, 4) == 0 and alone(high, 4) == 0 and alone(low, gather.SERIAL_BYTES // low) == 0
+        alone = thread_share.caller_alone
+        low, high = priority_draw.DRAW_THREADS_MIN, thread_share.THREADS_MIN_ITEMS
+        assert alone(low - 1, low) == 0 and alone(high, low) == 0 and alone(low, low, gather.SERIAL_BYTES) == 0
         assert numba.get_num_threads() == 2
-        assert alone(low, 4) == 2 and numba.get_num_threads() == 1
-        numba.set_num_threads(2)
+        assert alone(low, low, 4 * low) == 2 and numba.get_num_threads() == 1
+        thread_share.give_back(2)
+        assert numba.get_num_threads() == 2
         spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
         shards = [Shard(spec, 5000, gm.Prioritized(0.6, 0.4), seed=3, tag=7, rank=3) for _ in range(2)]
         for sh in shards:

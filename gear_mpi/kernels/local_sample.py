@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -31,6 +30,7 @@ from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement, out_addres
 from .hints import prefetch as _prefetch
 from .hints import staggered_rows, take_next
 from .pcg_fill import _draw_slice, _jump
+from .thread_share import caller_alone, give_back
 from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
                             _sort_order_into, draw_one)
 
@@ -147,8 +147,8 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
 
     Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
     ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
-    order from O(B) scratch; parallel from ``THREADS_MIN_ITEMS`` items, or where the copy reaches
-    ``SERIAL_BYTES`` (:func:`caller_alone`). The caller guarantees a positive total. The O(B) scratch is this thread's, kept
+    order from O(B) scratch; parallel from ``thread_share.THREADS_MIN_ITEMS`` items, or where the copy
+    reaches ``SERIAL_BYTES`` (:func:`thread_share.caller_alone`). The caller guarantees a positive total. The O(B) scratch is this thread's, kept
     between calls (:func:`_scratch`): fresh scratch pages fault in on every call (about 1000 faults, 1-2
     ms a call at B=65536 on this VM).
     """
@@ -161,42 +161,14 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
         out_addrs = outs
     else:
         out_addrs = out_addresses(outs, uniforms.shape[0], window, step_bytes)
-    alone = caller_alone(uniforms.shape[0], window * int(step_bytes.sum()))
+    nb = uniforms.shape[0]
+    alone = caller_alone(nb, DRAW_THREADS_MIN, nb * window * int(step_bytes.sum()))
     try:
         _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                        window, align_code, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
                        probabilities, weights, iscr, fscr, NO_GEN)
     finally:
-        if alone:
-            numba.set_num_threads(alone)
-
-
-#: a one-call sample of fewer items runs on the calling thread alone unless its rows to copy reach SERIAL_BYTES
-#: (:func:`caller_alone`): each parallel region wakes the sleeping workers (OMP_WAIT_POLICY=PASSIVE,
-#: gear_mpi.threads), and the draw of a smaller batch does not pay for it. One-float items over N = 1e6 on the
-#: reference VM, one thread / two (us): B = 512: 64-69 / 108-113; 2048: 176-186 / 203-216; 8192: 625-670 /
-#: 681-756; 16384: 1146-1222 / 1131-1233; 65536: 4512-4696 / 3442-3642.
-THREADS_MIN_ITEMS = 16384
-
-
-def caller_alone(nb: int, row_bytes: int) -> int:
-    """Run the next one-call sample of ``nb`` items of ``row_bytes`` bytes (all columns, the whole window) on the
-    calling thread alone where its threads would not pay (from ``DRAW_THREADS_MIN`` items, where the kernel's
-    runs open a parallel region, below ``THREADS_MIN_ITEMS`` unless the copy reaches ``SERIAL_BYTES``): the
-    calling thread's numba thread count is set to 1 (per thread, so other threads' calls are unaffected).
-
-    Args:
-        nb: the batch size; row_bytes: the bytes a batch row copies.
-    Returns:
-        The count to give back with ``numba.set_num_threads`` after the call, or 0 where nothing changed. O(1).
-    """
-    if nb < DRAW_THREADS_MIN or nb >= THREADS_MIN_ITEMS or nb * row_bytes >= SERIAL_BYTES:
-        return 0
-    threads = numba.get_num_threads()
-    if threads == 1:
-        return 0
-    numba.set_num_threads(1)
-    return threads
+        give_back(alone)
 
 
 NO_GEN = np.zeros(0, np.uint64)  # _sample_kernel's gen when the uniforms are given

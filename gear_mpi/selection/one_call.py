@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import weakref
 
-import numba
 import numpy as np
 
 from ..batch import Batch
-from ..kernels import local_sample, pcg_fill
+from ..kernels import local_sample, pcg_fill, thread_share
+from ..kernels.priority_draw import DRAW_THREADS_MIN
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from .priority_index import PriorityIndex
 from .selectors import Prioritized, Uniform
@@ -125,7 +125,7 @@ class Repeat:
     def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool, skip: bool = False,
                  fresh: bool = False, row_bytes: int = 0):
         b = args[0]
-        self.row_bytes = row_bytes  # bytes a batch row copies (local_sample.caller_alone)
+        self.row_bytes = row_bytes  # bytes a batch row copies (thread_share.caller_alone)
         self.batch = weakref.ref(batch)  # the shard does not keep a batch its caller dropped
         self.keys = weakref.ref(batch._meta_np[0])  # its keys array, alive while anything holds it or its tensor
         self.fitted, self.args, self.fresh = batch._fits, args, fresh
@@ -164,7 +164,7 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
     shard's stream: ``2 b`` uniforms (draws, then placements) for random alignment, else ``b``. The
     arguments were checked by the caller (``Shard.sample``), the shard :func:`fits` and the call
     :func:`~gear_mpi.kernels.local_sample.pays_off`. O(B log n) plus the copy; on the threads where they
-    pay (:func:`~gear_mpi.kernels.local_sample.caller_alone`).
+    pay (:func:`~gear_mpi.kernels.thread_share.caller_alone`).
 
     Returns:
         ``batch``, filled.
@@ -179,7 +179,7 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
     keys, probabilities, weights, lengths = batch.meta_numpy()
     prioritized = type(shard.selector) is Prioritized
     iscr, fscr = local_sample._scratch(b)
-    alone = local_sample.caller_alone(b, window * shard.spec.step_bytes)
+    alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, b * window * shard.spec.step_bytes)
     try:
         local_sample._sample_kernel(
             shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
@@ -187,8 +187,7 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
             shard.column_addresses()[0], shard.spec.step_bytes_array, batch.column_addresses(), batch._mask_np,
             keys, lengths, probabilities, weights, iscr, fscr, gen)
     finally:
-        if alone:
-            numba.set_num_threads(alone)
+        thread_share.give_back(alone)
     if state is not None:
         end_stream(shard.rng, state, u.shape[0])
     if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
@@ -246,7 +245,7 @@ def sample_again(shard, rep: Repeat):
             draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
     keys, probabilities, weights, lengths = out._meta_np
     iscr, fscr = local_sample._scratch(b)
-    alone = local_sample.caller_alone(b, rep.row_bytes)
+    alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, b * rep.row_bytes)
     try:
         local_sample._sample_kernel(
             shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
@@ -254,8 +253,7 @@ def sample_again(shard, rep: Repeat):
             shard.column_addresses()[0], shard.spec.step_bytes_array, outs, out._mask_np, keys, lengths,
             probabilities, weights, iscr, fscr, gen)
     finally:
-        if alone:
-            numba.set_num_threads(alone)
+        thread_share.give_back(alone)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])
     if rep.prioritized:

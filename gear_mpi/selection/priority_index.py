@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..kernels.cuda_support import as_device, cuda_module, is_device_array, simulator_enabled
-from ..kernels import priority_draw
+from ..kernels import priority_draw, thread_share
 from ..kernels.hints import staggered_rows
 from ..kernels import priority_tree as tree_kernels
 from ..kernels.priority_tree import LEAF_DTYPE, TREE_FIELDS, Tree, leaf_values
@@ -130,14 +130,19 @@ class PriorityIndex:
             slots: int slots in ``[0, n)`` (not checked: the kernel trusts them).
             values: the new weights, non-negative and not NaN.
 
-        Cost: O(B + n / 4096), one kernel call (parallel from 513 slots).
+        Cost: O(B + n / 4096), one kernel call (on the threads from ``thread_share.THREADS_MIN_ITEMS`` slots).
         """
         nb = len(slots)
         if nb:
             ints, floats = self._set_scratch(nb)
-            tree_kernels.set_leaves_into(self._arrays, self._flags1, self._flags2, np.ascontiguousarray(slots, np.int64),
-                                         np.ascontiguousarray(values, np.float64), self._bounds, ints[0], floats,
-                                         ints[1])
+            alone = thread_share.caller_alone(nb, tree_kernels.SET_SERIAL_MAX + 1)
+            try:
+                tree_kernels.set_leaves_into(self._arrays, self._flags1, self._flags2,
+                                             np.ascontiguousarray(slots, np.int64),
+                                             np.ascontiguousarray(values, np.float64), self._bounds, ints[0], floats,
+                                             ints[1])
+            finally:
+                thread_share.give_back(alone)
 
     def _set_scratch(self, nb: int) -> tuple[np.ndarray, np.ndarray]:
         """Scratch rows for :meth:`set` of ``nb`` slots (``[2, nb]`` int64, ``nb`` float64), kept up to
@@ -163,7 +168,11 @@ class PriorityIndex:
         Cost: O(B (log(n / 4096) + 80)), one kernel call.
         """
         out = np.empty(len(uniforms), np.int64) if out is None else out
-        priority_draw.draw(self._arrays, uniforms, out)
+        alone = thread_share.caller_alone(len(uniforms), priority_draw.DRAW_THREADS_MIN)
+        try:
+            priority_draw.draw(self._arrays, uniforms, out)
+        finally:
+            thread_share.give_back(alone)
         return out
 
     def rebuild(self) -> None:
