@@ -14,6 +14,8 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage.store`,
 - :mod:`~gear_mpi.kernels.weights` -- index weights ``p ** alpha`` from raw priorities (numpy's
   values, shared among the threads).
 - :mod:`~gear_mpi.kernels.hints` -- software prefetch and ordered stores used by the above.
+- :mod:`~gear_mpi.kernels.thread_share` -- where a kernel's work pays for waking the sleeping workers, and
+  the calling thread alone where it does not.
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
   twins of the priority and gather kernels, same results (imported only for ``device="cuda"``
   and by the tests; they need numba-cuda, see :mod:`gear_mpi.kernels.cuda_support`).
