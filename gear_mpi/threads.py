@@ -15,11 +15,12 @@ therefore sets, when it is imported and before numba loads its threading layer:
   :class:`~gear_mpi.replay.Replay` gives each rank its share of the node's cores.
 
 Small batches never wake the workers: every kernel with a parallel loop runs on the calling thread below
-its threshold (``gather.SERIAL_BYTES`` bytes copied; ``kernels.thread_share.THREADS_MIN_ITEMS`` draws or
-priority updates, the calling thread's count set to 1 around the call; ``priority_sampled.PARALLEL_MIN`` keys
-for the update of a batch just sampled), so a B = 32-256 sample or update costs no thread wake-up. A wake-up costs about 65 us on the reference VM (docs/BENCHMARKS.md,
-"Parallel copies that do not wait for a late thread"): the thresholds are where the threads' share of the
-work pays for it there.
+its threshold (``gather.COPY_THREADS_BYTES`` bytes copied, ``gather.SERIAL_BYTES`` decoded;
+``kernels.thread_share.THREADS_MIN_ITEMS`` draws or priority updates, the calling thread's count set to 1
+around the call; ``priority_sampled.PARALLEL_MIN`` keys for the update of a batch just sampled), so a
+B = 32-256 sample or update costs no thread wake-up. A wake-up costs about 65 us on the reference VM
+(docs/BENCHMARKS.md, "Parallel copies that do not wait for a late thread"): the thresholds are where the
+threads' share of the work pays for it there.
 
 :func:`set_threads` changes the count at run time (numba's count is per calling thread; a replay's
 prefetch thread takes its creator's). Everything here is local and O(1).

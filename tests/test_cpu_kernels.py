@@ -248,7 +248,7 @@ def reference_gather(src, capacity, step_bytes, starts, n_valid, pad_front, out_
 
 @pytest.mark.parametrize("step_bytes, capacity, window, b", [
     (1, 50, 7, 200), (5, 97, 16, 200), (42, 31, 31, 200), (8, 1000, 64, 200),
-    (42, 500, 64, 300),  # over 256 KiB: the kernel's parallel path
+    (42, 500, 64, 400),  # over gather.COPY_THREADS_BYTES (1 MiB): the kernel's parallel path
 ])
 def test_gather_windows_matches_numpy_with_wrap(step_bytes, capacity, window, b):
     rng = np.random.default_rng(step_bytes * capacity)
@@ -400,7 +400,7 @@ def test_window_meta_and_place_slots_agree_with_place_windows(align_code):
 
 
 @pytest.mark.parametrize("counts, cols", [((40, 7, 33), (5, 1)),
-                                          ((400, 7, 330), (300, 1))])  # over SERIAL_BYTES: runs on the threads
+                                          ((400, 7, 330), (300, 1))])  # over COPY_THREADS_BYTES: on the threads
 def test_gather_from_owners_matches_numpy_and_checks_windows(counts, cols):
     """Two owners' columns read by address, one owner skipped (its rows come through MPI); ``cols``: the step
     bytes of two columns."""
@@ -412,7 +412,7 @@ def test_gather_from_owners_matches_numpy_and_checks_windows(counts, cols):
     counts = np.array(counts)
     row_of_owner = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     nb = int(counts.sum())
-    assert (nb * window * sum(cols) >= gather.SERIAL_BYTES) == (cols[0] > 5)
+    assert (nb * window * sum(cols) >= gather.COPY_THREADS_BYTES) == (cols[0] > 5)
     n_valid = rng.integers(0, window + 1, nb)
     pad_front = np.array([rng.integers(0, window - v + 1) for v in n_valid])
     starts = rng.integers(0, capacity, nb)

@@ -37,7 +37,7 @@ def test_small_samples_run_on_the_calling_thread_alone(monkeypatch):
     try:
         alone = thread_share.caller_alone
         low, high = priority_draw.DRAW_THREADS_MIN, thread_share.THREADS_MIN_ITEMS
-        assert alone(low - 1, low) == 0 and alone(high, low) == 0 and alone(low, low, gather.SERIAL_BYTES) == 0
+        assert alone(low - 1, low) == 0 and alone(high, low) == 0 and alone(low, low, gather.COPY_THREADS_BYTES) == 0
         assert numba.get_num_threads() == 2
         assert alone(low, low, 4 * low) == 2 and numba.get_num_threads() == 1
         thread_share.give_back(2)
@@ -62,7 +62,7 @@ def test_small_samples_run_on_the_calling_thread_alone(monkeypatch):
 
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
-    """A batch under DRAW_THREADS_MIN items whose rows pass SERIAL_BYTES: drawn by the caller, copied in runs the
+    """A batch under DRAW_THREADS_MIN items whose rows pass COPY_THREADS_BYTES: drawn by the caller, copied in runs the
     threads take as they arrive (hints.take_next); the same batch as the general path's."""
     from gear_mpi.kernels import gather, priority_draw
     spec = gm.TrajectorySpec({"obs": ((256,), "float32"), "r": ((), "int32")}, max_length=3)
@@ -77,8 +77,8 @@ def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
         shards.append(sh)
     fast, slow = shards
     slow._fused = False
-    b, window = 300, 3
-    assert b < priority_draw.DRAW_THREADS_MIN and b * window * spec.step_bytes >= gather.SERIAL_BYTES
+    b, window = 400, 3
+    assert b < priority_draw.DRAW_THREADS_MIN and b * window * spec.step_bytes >= gather.COPY_THREADS_BYTES
     assert fast._one_call()
     for _ in range(3):
         bf, bs = fast.sample(b, window), slow.sample(b, window)

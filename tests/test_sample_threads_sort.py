@@ -99,14 +99,15 @@ def test_crowded_buckets_stay_exact(threads):
 
 
 @pytest.mark.parametrize("b", [2 * priority_draw.DRAW_PIPE - 1, 2 * priority_draw.DRAW_PIPE,
-                               2 * priority_draw.DRAW_PIPE + 1, priority_draw.DRAW_THREADS_MIN - 1,
+                               2 * priority_draw.DRAW_PIPE + 1, 255, 256, priority_draw.DRAW_THREADS_MIN - 1,
                                priority_draw.DRAW_THREADS_MIN])
 def test_small_batches_with_a_shared_copy(b, threads):
-    """4 KiB rows (a shared copy from 64 rows): around 2 * DRAW_PIPE and DRAW_THREADS_MIN (where the threads
-    draw too), the same batch, stream and update as the general path, into a kept ``out=`` batch as well."""
+    """4 KiB rows (a shared copy from 256 rows): around 2 * DRAW_PIPE, COPY_THREADS_BYTES and DRAW_THREADS_MIN
+    (where the threads draw too), the same batch, stream and update as the general path, into a kept ``out=``
+    batch as well."""
     fast, slow = _pair(300, 900, 1, row=4096)
     rows = b * 4100
-    assert (rows >= local_sample.SERIAL_BYTES) == (b >= 64)
+    assert (rows >= local_sample.COPY_THREADS_BYTES) == (b >= 256)
     out = fast.sample(b, 1)
     slow.sample(b, 1)
     for _ in range(3):

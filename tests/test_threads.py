@@ -26,7 +26,7 @@ spec = gm.TrajectorySpec({"obs": ((256,), "float32")}, max_length=1)
 shard = gm.Shard(spec, 8192, gm.Uniform(), seed=0)
 shard.insert_packed({"obs": np.ones((8192, 256), np.float32)}, np.ones(8192, np.int64))
 for _ in range(20):
-    shard.sample(2048, 1)  # 2 MiB copied: above gather.SERIAL_BYTES, so the parallel loop runs
+    shard.sample(2048, 1)  # 2 MiB copied: above gather.COPY_THREADS_BYTES, so the parallel loop runs
 t0 = resource.getrusage(resource.RUSAGE_SELF)
 time.sleep(0.3)
 t1 = resource.getrusage(resource.RUSAGE_SELF)

@@ -20,6 +20,11 @@ from .hints import prefetch_address, take_next
 # of thread-pool hand-off when the pool is spinning, and a scheduler tick (~4 ms) when
 # another process holds a core -- more than copying a small batch.
 SERIAL_BYTES = 1 << 18
+#: a plain copy (the gather kernels here, the one-call sample's) shares its runs among the threads from this many
+#: bytes; SERIAL_BYTES stays the bound of the decoding kernels (chunks, frames), whose bytes cost more. Each
+#: parallel region wakes the sleeping workers (gear_mpi.threads): rows of 4 KiB from a W2 shard's ring on the
+#: reference VM, one thread / two, us: 256 KiB 16-20 / 48-54, 512 KiB 46-49 / 67-69, 1 MiB 110-113 / 93-96
+COPY_THREADS_BYTES = 1 << 20
 SERIAL_MASK_CELLS = 1 << 16
 SERIAL_PLACE = 1 << 14
 # While a window is copied, the first PREFETCH_BYTES of the window PREFETCH_AHEAD places later
@@ -84,7 +89,7 @@ def _check_windows(capacity, starts, n_valid, pad_front, out_rows, window, rows)
 def _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, window):
     row_bytes = window * step_bytes
     b = starts.shape[0]
-    if b * row_bytes < SERIAL_BYTES:
+    if b * row_bytes < COPY_THREADS_BYTES:
         _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, 0, b)
     else:
         chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
@@ -105,7 +110,7 @@ def gather_windows(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
     ``out_rows[i]`` is the batch row that window ``i`` fills. Each delivered byte is
     copied once (``memmove`` of each contiguous run: at most two per window, for the
     ring's wrap-around), padding bytes are written once (zeros). Batches under
-    ``SERIAL_BYTES`` run on the calling thread; larger ones in runs of 32 windows or more, handed out as
+    ``COPY_THREADS_BYTES`` run on the calling thread; larger ones in runs of 32 windows or more, handed out as
     the threads arrive (``hints.take_next``). Cost: O(sum n_valid * step_bytes)
     copied plus O(padding) zeroed; memory-bandwidth bound; no allocation. Each thread
     prefetches the start of a window some places ahead of the one it copies (``_ahead``).
@@ -366,7 +371,7 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
     copied from ``addrs[o, c]``, the address of owner ``o``'s column ``c`` (a ring of ``capacity``
     steps of ``step_bytes[c]`` bytes, kept mapped by the caller). Every window is checked first: one
     outside the ring raises ValueError before anything is copied. One call per sample; the copies run
-    on the calling thread under ``SERIAL_BYTES`` bytes, else in parallel over runs of >= 32 rows, handed out
+    on the calling thread under ``COPY_THREADS_BYTES`` bytes, else in parallel over runs of >= 32 rows, handed out
     as the threads arrive (``hints.take_next``), each prefetching some windows ahead (``_ahead``).
     ``weights`` (float32, optional): each row's importance weight too, the float64 of its choice rounded as
     numpy's assignment rounds it (a ``Replay.sample`` would otherwise copy the strided column in numpy, about
@@ -410,7 +415,7 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
     row_bytes = 0
     for c in range(step_bytes.shape[0]):
         row_bytes += window * step_bytes[c]
-    if nb * row_bytes < SERIAL_BYTES:  # a small batch: waking the workers costs more than the copies
+    if nb * row_bytes < COPY_THREADS_BYTES:  # a small batch: waking the workers costs more than the copies
         for t in range(ntask):
             _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
                          task_owner[t], task_lo[t], task_hi[t])

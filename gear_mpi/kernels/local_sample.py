@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
-from .gather import SERIAL_BYTES, _gather_run, _mask_row, _placement, out_addresses
+from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
 from .hints import staggered_rows, take_next
 from .pcg_fill import _draw_slice, _jump
@@ -148,9 +148,9 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
     ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
     order from O(B) scratch; parallel from ``thread_share.THREADS_MIN_ITEMS`` items, or where the copy
-    reaches ``SERIAL_BYTES`` (:func:`thread_share.caller_alone`). The caller guarantees a positive total. The O(B) scratch is this thread's, kept
-    between calls (:func:`_scratch`): fresh scratch pages fault in on every call (about 1000 faults, 1-2
-    ms a call at B=65536 on this VM).
+    reaches ``COPY_THREADS_BYTES`` (:func:`thread_share.caller_alone`). The caller guarantees a positive
+    total. The O(B) scratch is this thread's, kept between calls (:func:`_scratch`): fresh scratch pages
+    fault in on every call (about 1000 faults, 1-2 ms a call at B=65536 on this VM).
     """
     iscr, fscr = _scratch(uniforms.shape[0])
     # the columns by address: one compiled kernel for every column count (gather.out_addresses); a batch's
@@ -288,7 +288,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                    window, align_code, place_u, order, skey, sw, ws, nv, pf)
         _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
                        weights, mask)
-        if nb * row_bytes < SERIAL_BYTES:
+        if nb * row_bytes < COPY_THREADS_BYTES:
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
         else:  # runs of >= 32 windows, so each run prefetches ahead of itself, handed out as the threads arrive
             chunks = max(1, min(64, nb // 32))  # (a sleeping worker wakes while the caller copies: take_next)

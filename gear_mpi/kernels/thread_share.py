@@ -4,7 +4,7 @@
 parallel region of a kernel wakes them: about 65 us a region on the reference VM (docs/BENCHMARKS.md,
 "Parallel copies that do not wait for a late thread"), a few microseconds on most bare-metal hosts. Below
 ``THREADS_MIN_ITEMS`` items a draw or a priority update does not pay for it there, while a copy of
-``gather.SERIAL_BYTES`` or more still does. :func:`caller_alone` sets the calling thread's numba count to 1
+``gather.COPY_THREADS_BYTES`` or more still does. :func:`caller_alone` sets the calling thread's numba count to 1
 around such a call (numba's count is per calling thread: other threads' calls are unaffected); the caller gives
 it back with :func:`give_back` in a ``finally``. Local, O(1).
 
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import numba
 
-from .gather import SERIAL_BYTES
+from .gather import COPY_THREADS_BYTES
 
 #: from this many items a draw or an update pays for waking the workers (below it, with less than
-#: ``SERIAL_BYTES`` to copy, :func:`caller_alone` keeps the call on the calling thread)
+#: ``COPY_THREADS_BYTES`` to copy, :func:`caller_alone` keeps the call on the calling thread)
 THREADS_MIN_ITEMS = 16384
 
 
 def caller_alone(items: int, parallel_from: int, copy_bytes: int = 0) -> int:
     """Run the next kernel call on the calling thread alone where its threads would not pay: ``items`` in
     ``[parallel_from, THREADS_MIN_ITEMS)`` (from ``parallel_from`` the kernel opens a parallel region) and
-    ``copy_bytes`` under ``SERIAL_BYTES``.
+    ``copy_bytes`` under ``COPY_THREADS_BYTES``.
 
     Args:
         items: the call's batch size (draws, keys).
@@ -37,7 +37,7 @@ def caller_alone(items: int, parallel_from: int, copy_bytes: int = 0) -> int:
     Returns:
         The count to give back (:func:`give_back`) after the call, or 0 where nothing changed. O(1).
     """
-    if items < parallel_from or items >= THREADS_MIN_ITEMS or copy_bytes >= SERIAL_BYTES:
+    if items < parallel_from or items >= THREADS_MIN_ITEMS or copy_bytes >= COPY_THREADS_BYTES:
         return 0
     threads = numba.get_num_threads()
     if threads == 1:
