@@ -123,7 +123,7 @@ class Repeat:
                  "prioritized", "skip", "fresh", "keys", "row_bytes")
 
     def __init__(self, batch, args: tuple, window: int, code: int, prioritized: bool, skip: bool = False,
-                 fresh: bool = False, row_bytes: int = 0):
+                 fresh: bool = False, *, row_bytes: int):
         b = args[0]
         self.row_bytes = row_bytes  # bytes a batch row copies (thread_share.caller_alone)
         self.batch = weakref.ref(batch)  # the shard does not keep a batch its caller dropped
@@ -204,7 +204,8 @@ def remember(shard, batch, args: tuple, window: int, code: int, fresh: bool = Fa
     b = args[0]
     if type(b) is int and b > 0 and (fresh or (batch._fits is not None and batch._meta_np is not None)):
         shard._repeat = Repeat(batch, args, window, code, type(shard.selector) is Prioritized,
-                               placement_unread(shard, b, window, code), fresh, window * shard.spec.step_bytes)
+                               placement_unread(shard, b, window, code), fresh,
+                               row_bytes=window * shard.spec.step_bytes)
 
 
 def sample_again(shard, rep: Repeat):

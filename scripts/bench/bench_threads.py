@@ -10,7 +10,8 @@ Settings: ``default`` (what ``import gear_mpi`` chooses: see ``gear_mpi.threads`
 (``OMP_WAIT_POLICY=ACTIVE``: numba's workers spin when idle), ``one-thread`` (``NUMBA_NUM_THREADS=1``, as
 ``GEAR_MPI_THREADS=1``), ``workqueue`` (``NUMBA_THREADING_LAYER=workqueue``) and ``spin1000``
 (``GOMP_SPINCOUNT=1000``: GNU OpenMP's idle threads, numba's and torch's, spin about 25 us before they
-sleep). Run the same script against an older checkout to compare versions: ``PYTHONPATH=/old/checkout python scripts/bench/bench_threads.py``.
+sleep). Run the same script against an older checkout to compare versions:
+``PYTHONPATH=/old/checkout python scripts/bench/bench_threads.py``.
 
     python -m scripts.bench.bench_threads [--steps 3000] [--reps 3] [--settings default,active]
 """
