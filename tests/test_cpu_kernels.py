@@ -330,6 +330,48 @@ def test_take_next_hands_out_every_task_once(n, threads):
         assert share[0] == n  # one thread: its first lane takes everything
 
 
+@njit(parallel=True)
+def _one_fills_the_others_read(lanes, payload, seen, waited):
+    ctl = np.empty(2, np.int64)
+    ticket, ready = ctl[0:1], ctl[1:2]
+    ctl[0] = 0
+    ctl[1] = 0
+    for lane in prange(lanes):
+        if hints.take_next(ticket) == 0:  # the first lane in writes the payload, then raises the flag
+            for i in range(payload.shape[0]):
+                payload[i] = 3 * i + 1
+            hints.raise_flag(ready)
+            waited[lane] = 2
+        elif hints.wait_flag(ready, 1 << 26):
+            waited[lane] = 1
+        else:
+            waited[lane] = -1
+        seen[lane] = payload.sum() if waited[lane] > 0 else -1
+    return ready[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_raised_flag_publishes_what_came_before(threads):
+    """The one-call sample's hand-over (hints.raise_flag, wait_flag): one lane writes, raises the flag, and every
+    lane that waited for the flag reads the whole payload; a flag never raised gives up after its spins; the
+    raise returns the count before it."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for _ in range(20):
+            n = 200_000
+            payload, seen, waited = np.zeros(n, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64)
+            assert _one_fills_the_others_read(8, payload, seen, waited) == 1
+            assert (waited == 2).sum() == 1 and (waited == 1).sum() == 7  # one writer; the others saw the flag
+            np.testing.assert_array_equal(seen, np.full(8, 3 * n * (n - 1) // 2 + n))
+    finally:
+        numba.set_num_threads(before)
+    flag = np.zeros(1, np.int64)
+    assert not njit(lambda f: hints.wait_flag(f, 1000))(flag)
+    assert njit(lambda f: hints.raise_flag(f))(flag) == 0 and flag[0] == 1
+    assert njit(lambda f: hints.wait_flag(f, 1))(flag)
+
+
 @pytest.mark.parametrize("window, b", [(12, 50), (64, 1500)])  # the second: over the kernel's serial size
 def test_fill_mask_matches_numpy(window, b):
     rng = np.random.default_rng(window)

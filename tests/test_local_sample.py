@@ -62,8 +62,9 @@ def test_small_samples_run_on_the_calling_thread_alone(monkeypatch):
 
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
-    """A batch under DRAW_THREADS_MIN items whose rows pass COPY_THREADS_BYTES: drawn by the caller, copied in runs the
-    threads take as they arrive (hints.take_next); the same batch as the general path's."""
+    """A batch under DRAW_THREADS_MIN items whose rows pass COPY_THREADS_BYTES: drawn by the first thread into the
+    copy's parallel region, copied in runs the threads take as they arrive (hints.take_next); the same batch as the
+    general path's."""
     from gear_mpi.kernels import gather, priority_draw
     spec = gm.TrajectorySpec({"obs": ((256,), "float32"), "r": ((), "int32")}, max_length=3)
     shards = []

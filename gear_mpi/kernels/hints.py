@@ -86,6 +86,42 @@ def take_next(typingctx, counter):
     return sig, codegen
 
 
+@intrinsic
+def raise_flag(typingctx, flag):
+    """``flag[0] += 1`` as one atomic step with release order (an int64 array): a thread that then reads
+    the new value with :func:`flag_value` sees every store this thread made before. Returns the value before."""
+    sig = types.int64(flag)
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", a.data, ir.Constant(ir.IntType(64), 1), "release")
+
+    return sig, codegen
+
+
+@intrinsic
+def flag_value(typingctx, flag):
+    """``flag[0]`` read with acquire order (an int64 array): after it, this thread sees every store made
+    before the :func:`raise_flag` that wrote the value read. The read is not hoisted out of a loop."""
+    sig = types.int64(flag)
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(a.data, "acquire", 8)
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def wait_flag(flag, spins):
+    """Wait (spinning) until ``flag[0]`` is not 0, at most ``spins`` reads: True when it was raised, False
+    when the wait gave up (the caller then leaves the work to the thread that raises it)."""
+    for _ in range(spins):
+        if flag_value(flag) != 0:
+            return True
+    return False
+
+
 @njit(cache=True, nogil=True)
 def publish(flag, value):
     """``flag[0] = value`` after every earlier load and store of this process (a full fence first):

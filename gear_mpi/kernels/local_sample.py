@@ -28,7 +28,7 @@ from numba import njit, prange
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
-from .hints import staggered_rows, take_next
+from .hints import raise_flag, staggered_rows, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
 from .thread_share import caller_alone, give_back
 from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
@@ -141,16 +141,18 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     smallest positive weight, read from the tree's level-2 minima; else 1) and
     mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
     step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
-    columns, checked; or their addresses as int64, from ``Batch.column_addresses``: not checked). Uses are not counted (the caller takes this path only without ``max_times_sampled``, where the
-    table keeps no use counts). ``generation`` may be the table's ``status`` row: ``gen_mask`` keeps its
-    generation bits. The table is trusted (placements lie in the ring).
+    columns, checked; or their addresses as int64, from ``Batch.column_addresses``: not checked). Uses are not
+    counted (the caller takes this path only without ``max_times_sampled``, where the table keeps no use
+    counts). ``generation`` may be the table's ``status`` row: ``gen_mask`` keeps its generation bits. The
+    table is trusted (placements lie in the ring).
 
     Cost: the draw's (see ``priority_draw.draw``) plus, per item, its table rows, leaf and window read in
     ascending slot order within each of the draw's runs (prefetched ahead), then the batch rows written in
     order from O(B) scratch; parallel from ``thread_share.THREADS_MIN_ITEMS`` items, or where the copy
-    reaches ``COPY_THREADS_BYTES`` (:func:`thread_share.caller_alone`). The caller guarantees a positive
-    total. The O(B) scratch is this thread's, kept between calls (:func:`_scratch`): fresh scratch pages
-    fault in on every call (about 1000 faults, 1-2 ms a call at B=65536 on this VM).
+    reaches ``COPY_THREADS_BYTES`` (:func:`thread_share.caller_alone`; under ``DRAW_THREADS_MIN`` items, one
+    parallel region in which the first thread in draws while the others wake, then all copy). The caller
+    guarantees a positive total. The O(B) scratch is this thread's, kept between calls (:func:`_scratch`):
+    fresh scratch pages fault in on every call (about 1000 faults, 1-2 ms a call at B=65536 on this VM).
     """
     iscr, fscr = _scratch(uniforms.shape[0])
     # the columns by address: one compiled kernel for every column count (gather.out_addresses); a batch's
@@ -245,16 +247,10 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
         order = ident
         inv = ident
         skeys = uniforms
-        for i in range(nb):
-            sslots[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
-    else:
-        if nb >= SORT_PARALLEL_MIN:  # the bucket pass on the threads; each run below sorts its buckets
-            _bucket_parallel(uniforms, inv, order, skeys, gen)
-        else:
-            _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
-        if runs == 0:
-            for k in range(nb):
-                inv[order[k]] = k
+    elif nb >= SORT_PARALLEL_MIN:  # the bucket pass on the threads; each run below sorts its buckets
+        _bucket_parallel(uniforms, inv, order, skeys, gen)
+    elif runs > 0:  # (fewer draws are sorted by the thread that draws them, _draw_small)
+        _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
     if runs > 0:  # draw, place and copy each run of sorted uniforms on one thread
         rb = np.empty(runs + 1, np.int64)  # where each run starts: whole buckets when the runs end the sort
         for t in range(runs):
@@ -281,25 +277,64 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                             capacity, window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys,
                             lengths, probabilities, weights, mask)
             _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
-    else:
-        if nb >= DRAW_PIPE:
-            _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
-        _place_run(sslots, 0, nb, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
-                   window, align_code, place_u, order, skey, sw, ws, nv, pf)
-        _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
-                       weights, mask)
-        if nb * row_bytes < COPY_THREADS_BYTES:
-            _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
-        else:  # runs of >= 32 windows, so each run prefetches ahead of itself, handed out as the threads arrive
-            chunks = max(1, min(64, nb // 32))  # (a sleeping worker wakes while the caller copies: take_next)
-            taken = np.empty(1, np.int64)
-            taken[0] = 0
-            for _ in prange(chunks):
+    elif nb * row_bytes < COPY_THREADS_BYTES:
+        _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation, key_head,
+                    gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv,
+                    pf, order, inv, ident, sw, skeys, keys, lengths, probabilities, weights, mask)
+        _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
+    else:  # one region: the first thread in draws and places the rows while the others wake (a sleeping worker
+        # takes tens of microseconds), then all copy runs of >= 32 windows (each run prefetches ahead of
+        # itself), handed out as the threads arrive (take_next)
+        chunks = max(1, min(64, nb // 32))
+        ctl = np.empty(3, np.int64)  # (np.zeros would be a parallel region of its own: a wake-up)
+        ticket = ctl[0:1]  # the draw's: the thread that takes 0 draws
+        ready = ctl[1:2]  # raised once the rows are placed and described
+        taken = ctl[2:3]  # copy runs handed out
+        for j in range(3):
+            ctl[j] = 0
+        for _ in prange(chunks):
+            drawn = True
+            if take_next(ticket) == 0:
+                _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation,
+                            key_head, gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin,
+                            sslots, skey, ws, nv, pf, order, inv, ident, sw, skeys, keys, lengths, probabilities,
+                            weights, mask)
+                raise_flag(ready)
+            else:  # a thread that waits past WAIT_SPINS leaves the copy to the drawing thread, which copies too
+                drawn = wait_flag(ready, WAIT_SPINS)
+            if drawn:
                 t = take_next(taken)
                 while t < chunks:
                     _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, t * nb // chunks,
                               (t + 1) * nb // chunks)
                     t = take_next(taken)
+
+
+#: reads of the draw's flag after which a thread of the one-call sample's region stops waiting for it (well
+#: past a draw of DRAW_THREADS_MIN items, tens of microseconds; bounded for a drawing thread the OS preempted)
+WAIT_SPINS = 1 << 20
+
+
+@njit(cache=True, nogil=True)
+def _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation, key_head,
+                gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv, pf,
+                order, inv, ident, sw, skeys, keys, lengths, probabilities, weights, mask):
+    """The one-call sample's draw, placement and batch metadata of fewer than ``DRAW_THREADS_MIN`` items, on
+    one thread (:func:`_sample_kernel`'s scratch rows; under ``DRAW_PIPE`` items ``order`` and ``inv`` are
+    ``ident`` and ``skeys`` the uniforms)."""
+    nb = uniforms.shape[0]
+    if nb < DRAW_PIPE:
+        for i in range(nb):
+            sslots[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
+    else:
+        _sort_order_into(uniforms, inv, order, skeys)  # inv serves as the sort's bucket bounds first
+        for k in range(nb):
+            inv[order[k]] = k
+        _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, 0, nb, sslots)
+    _place_run(sslots, 0, nb, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
+               window, align_code, place_u, order, skey, sw, ws, nv, pf)
+    _describe_rows(0, nb, inv, skey, sw, nv, pf, total, wmin, prioritized, window, keys, lengths, probabilities,
+                   weights, mask)
 
 
 #: from this many items the uniforms are bucketed by the threads (SORT_PARTS slices), and each run of the draw
@@ -348,9 +383,10 @@ def _bucket_parallel(uniforms, cnt, order, keys, gen):
 
 @njit(cache=True, inline="always")
 def _runs(nb, row_bytes):
-    """How many runs of sorted items the threads draw, place and copy (0: the calling thread draws). Small
-    batches are drawn by the calling thread even where their copy is shared (4 KiB rows, B = 256: the threads
-    drawing too made no difference, 154-157 against 152-154 us a W2 step, round 4)."""
+    """How many runs of sorted items the threads draw, place and copy (0: one thread draws). Small batches are
+    drawn by one thread even where their copy is shared (4 KiB rows, B = 256: the threads drawing too made no
+    difference, 154-157 against 152-154 us a W2 step, round 4); where the copy is shared, the draw runs inside
+    the copy's parallel region, by the first thread in, while a sleeping worker wakes (:func:`_sample_kernel`)."""
     if nb >= DRAW_THREADS_MIN:
         return max(2, min(DRAW_RUNS, nb // 256))
     return 0
