@@ -310,9 +310,10 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     t = take_next(taken)
 
 
-#: reads of the draw's flag after which a thread of the one-call sample's region stops waiting for it (well
-#: past a draw of DRAW_THREADS_MIN items, tens of microseconds; bounded for a drawing thread the OS preempted)
-WAIT_SPINS = 1 << 20
+#: reads of the draw's flag after which a thread of the one-call sample's region stops waiting for it, a pause
+#: between two (hints.wait_flag): 0.2-3 ms, well past a draw of DRAW_THREADS_MIN items (tens of microseconds),
+#: and bounded for a drawing thread that the OS preempted
+WAIT_SPINS = 1 << 16
 
 
 @njit(cache=True, nogil=True)
