@@ -3,6 +3,8 @@
 placement and masks, and the ring/table bookkeeping (driven through a Shard)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import numba
@@ -342,7 +344,7 @@ def _one_fills_the_others_read(lanes, payload, seen, waited):
                 payload[i] = 3 * i + 1
             hints.raise_flag(ready)
             waited[lane] = 2
-        elif hints.wait_flag(ready, 1 << 26):
+        elif hints.wait_flag(ready, 1 << 26, 1 << 40):
             waited[lane] = 1
         else:
             waited[lane] = -1
@@ -367,9 +369,24 @@ def test_a_raised_flag_publishes_what_came_before(threads):
     finally:
         numba.set_num_threads(before)
     flag = np.zeros(1, np.int64)
-    assert not njit(lambda f: hints.wait_flag(f, 1000))(flag)
+    assert not njit(lambda f: hints.wait_flag(f, 1000, 1 << 40))(flag)
     assert njit(lambda f: hints.raise_flag(f))(flag) == 0 and flag[0] == 1
-    assert njit(lambda f: hints.wait_flag(f, 1))(flag)
+    assert njit(lambda f: hints.wait_flag(f, 1, 1 << 40))(flag)
+
+
+def test_a_wait_for_a_flag_gives_up_after_its_cycles():
+    """hints.wait_flag's second bound: about ``cycles`` of the cycle counter, however many reads it may still
+    make (2**40 reads would take hours), so that a thread never waits long for a drawing thread the OS preempted."""
+    count = njit(lambda: hints.cycle_count())
+    first = count()
+    if count() == first:
+        pytest.skip("no cycle counter on this processor: the bound is the reads'")
+    wait = njit(lambda f, c: hints.wait_flag(f, 1 << 40, c))
+    flag = np.zeros(1, np.int64)
+    wait(flag, 1)
+    start = time.perf_counter()
+    assert not wait(flag, 1 << 22)  # a few milliseconds at most at any clock rate
+    assert time.perf_counter() - start < 5.0
 
 
 @pytest.mark.parametrize("window, b", [(12, 50), (64, 1500)])  # the second: over the kernel's serial size

@@ -141,15 +141,33 @@ def spin_pause(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def cycle_count(typingctx):
+    """The processor's cycle counter (``llvm.readcyclecounter``: x86's time-stamp counter; a fixed-rate counter
+    on Arm; 0 where there is none), for bounding a wait, never for a result."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
 @njit(cache=True, inline="always")
-def wait_flag(flag, spins):
-    """Wait until ``flag[0]`` is not 0, at most ``spins`` reads with the spin-wait hint between them (x86's
-    ``pause``: about 10 cycles on older cores, 140 on newer): True when it was raised, False when the wait
-    gave up (the caller then leaves the work to the thread that raises it)."""
-    for _ in range(spins):
+def wait_flag(flag, spins, cycles):
+    """Wait until ``flag[0]`` is not 0, with the spin-wait hint between reads, at most ``spins`` reads and
+    about ``cycles`` of the cycle counter (checked every 64 reads; a counter that does not move leaves the
+    bound to ``spins``): True when it was raised, False when the wait gave up (the caller then leaves the
+    work to the thread that raises it)."""
+    t0 = cycle_count()
+    for i in range(spins):
         if flag_value(flag) != 0:
             return True
         spin_pause()
+        if (i & 63) == 63 and cycle_count() - t0 > cycles:
+            return False
     return False
 
 

@@ -300,8 +300,8 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                             sslots, skey, ws, nv, pf, order, inv, ident, sw, skeys, keys, lengths, probabilities,
                             weights, mask)
                 raise_flag(ready)
-            else:  # a thread that waits past WAIT_SPINS leaves the copy to the drawing thread, which copies too
-                drawn = wait_flag(ready, WAIT_SPINS)
+            else:  # a thread that waits past its bound leaves the copy to the drawing thread, which copies too
+                drawn = wait_flag(ready, WAIT_SPINS, WAIT_CYCLES)
             if drawn:
                 t = take_next(taken)
                 while t < chunks:
@@ -310,10 +310,12 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     t = take_next(taken)
 
 
-#: reads of the draw's flag after which a thread of the one-call sample's region stops waiting for it, a pause
-#: between two (hints.wait_flag): 0.2-3 ms, well past a draw of DRAW_THREADS_MIN items (tens of microseconds),
-#: and bounded for a drawing thread that the OS preempted
+#: how long a thread of the one-call sample's region waits for the draw's flag (hints.wait_flag): at most
+#: WAIT_SPINS reads, a pause between two (0.2-3 ms), and about WAIT_CYCLES of the cycle counter (65-130 us at
+#: 2-4 GHz): past a draw of DRAW_THREADS_MIN items (tens of microseconds), and short where the OS preempted the
+#: drawing thread (more threads than cores), whose copy the waiting thread then leaves to it
 WAIT_SPINS = 1 << 16
+WAIT_CYCLES = 1 << 18
 
 
 @njit(cache=True, nogil=True)
