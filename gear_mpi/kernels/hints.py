@@ -61,7 +61,6 @@ def prefetch_address(typingctx, addr):
     return sig, codegen
 
 
-
 @intrinsic
 def _fence(typingctx):
     sig = types.void()
@@ -73,6 +72,16 @@ def _fence(typingctx):
     return sig, codegen
 
 
+def _add_one(ordering: str):
+    """The codegen of ``a[0] += 1`` as one atomic step of the given LLVM ``ordering`` on an int64 array ``a``,
+    returning the value before."""
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", a.data, ir.Constant(ir.IntType(64), 1), ordering)
+
+    return codegen
+
+
 @intrinsic
 def take_next(typingctx, counter):
     """``counter[0] += 1`` as one atomic step, returning the value before (an int64 array; monotonic order:
@@ -80,26 +89,14 @@ def take_next(typingctx, counter):
     ``while (t := take_next(c)) < n`` shares ``n`` tasks among its threads as they arrive: the first
     lane a thread runs takes tasks until none is left, so a thread woken late takes what remains instead
     of a fixed share that the others wait for."""
-    sig = types.int64(counter)
-
-    def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", a.data, ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return sig, codegen
+    return types.int64(counter), _add_one("monotonic")
 
 
 @intrinsic
 def raise_flag(typingctx, flag):
     """``flag[0] += 1`` as one atomic step with release order (an int64 array): a thread that then reads
     the new value with :func:`flag_value` sees every store this thread made before. Returns the value before."""
-    sig = types.int64(flag)
-
-    def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", a.data, ir.Constant(ir.IntType(64), 1), "release")
-
-    return sig, codegen
+    return types.int64(flag), _add_one("release")
 
 
 @intrinsic
