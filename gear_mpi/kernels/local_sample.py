@@ -261,22 +261,26 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             for t in range(1, runs):  # the end of the bucket before the run's first (the last slice's offsets)
                 kb = t * nbk // runs
                 rb[t] = inv[(SORT_PARTS - 1) * nbk + kb - 1] if kb > 0 else 0
-        # a fixed share of runs a thread, not take_next: each thread then reads one contiguous part of the tree
-        # and ring (W3, N=1e6, 2 threads: 5.90 against 6.12 ms a step handed out); the region's thread wake-up
-        # is small beside these batches' work
-        for t in prange(runs):
-            lo = rb[t]
-            hi = rb[t + 1]
-            if nb >= SORT_PARALLEL_MIN:
-                _insertion_fix(order, skeys, lo, hi)
-            for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
-                ident[k] = k
-                inv[order[k]] = k
-            _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
-            _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask,
-                            capacity, window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys,
-                            lengths, probabilities, weights, mask)
-            _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
+        if nb >= SORT_PARALLEL_MIN:
+            # a fixed share of runs a thread, not take_next: each thread then reads one contiguous part of the
+            # tree and ring (W3, N=1e6, 2 threads: 5.90 against 6.12 ms a step handed out); the region's thread
+            # wake-up is small beside these batches' work
+            for t in prange(runs):
+                _sample_run(rb[t], rb[t + 1], True, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length,
+                            generation, key_head, gen_shift, gen_mask, capacity, window, align_code, place_u,
+                            prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys, lengths,
+                            probabilities, weights, mask, addrs, step_bytes, outs)
+        else:  # handed out as the threads arrive (take_next): the caller works while a sleeping worker wakes
+            taken = np.empty(1, np.int64)
+            taken[0] = 0
+            for _ in prange(runs):
+                t = take_next(taken)
+                while t < runs:
+                    _sample_run(rb[t], rb[t + 1], False, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length,
+                                generation, key_head, gen_shift, gen_mask, capacity, window, align_code, place_u,
+                                prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys, lengths,
+                                probabilities, weights, mask, addrs, step_bytes, outs)
+                    t = take_next(taken)
     elif nb * row_bytes < COPY_THREADS_BYTES:
         _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation, key_head,
                     gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv,
@@ -308,6 +312,25 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, t * nb // chunks,
                               (t + 1) * nb // chunks)
                     t = take_next(taken)
+
+
+@njit(cache=True, nogil=True)
+def _sample_run(lo, hi, fix_sort, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length, generation, key_head,
+                gen_shift, gen_mask, capacity, window, align_code, place_u, prioritized, total, wmin, sslots, ws, nv,
+                pf, order, inv, ident, skeys, keys, lengths, probabilities, weights, mask, addrs, step_bytes, outs):
+    """One run ``lo:hi`` of :func:`_sample_kernel`'s sorted items on one thread: its part of the sort finished
+    (``fix_sort``: the bucket pass left its buckets unsorted), its identity and inverse rows, its draws,
+    placements, batch metadata and window copies."""
+    if fix_sort:
+        _insertion_fix(order, skeys, lo, hi)
+    for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
+        ident[k] = k
+        inv[order[k]] = k
+    _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
+    _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
+                    window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
+                    probabilities, weights, mask)
+    _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
 
 
 #: how long a thread of the one-call sample's region waits for the draw's flag (hints.wait_flag): at most
