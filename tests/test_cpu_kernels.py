@@ -374,6 +374,45 @@ def test_a_raised_flag_publishes_what_came_before(threads):
     assert njit(lambda f: hints.wait_flag(f, 1, 1 << 40))(flag)
 
 
+@njit(parallel=True)
+def _all_write_then_all_read(tasks, block, payload, seen):
+    ctl = np.empty(2, np.int64)
+    taken, done = ctl[0:1], ctl[1:2]
+    ctl[0] = 0
+    ctl[1] = 0
+    for lane in prange(tasks):
+        t = hints.take_next(taken)
+        while t < tasks:  # each task writes its block, then counts itself done
+            for i in range(t * block, (t + 1) * block):
+                payload[i] = i + 1
+            hints.raise_flag(done)
+            t = hints.take_next(taken)
+        if hints.wait_flag(done, 1 << 26, 1 << 40, tasks):  # every task's block written
+            total = 0
+            for i in range(payload.shape[0] - 1, -1, -1):  # from the end: the last tasks taken first
+                total += payload[i]
+            seen[lane] = total
+        else:
+            seen[lane] = -1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_flag_counted_to_a_target_publishes_every_task(threads):
+    """hints.wait_flag with a target (the update of a sampled batch waits so for every slice's checks): a lane that
+    sees the count reach the number of tasks reads every task's writes."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for _ in range(20):
+            tasks, block = 8, 50_000
+            payload, seen = np.zeros(tasks * block, np.int64), np.zeros(tasks, np.int64)
+            _all_write_then_all_read(tasks, block, payload, seen)
+            n = tasks * block
+            np.testing.assert_array_equal(seen, np.full(tasks, n * (n + 1) // 2))
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_a_wait_for_a_flag_gives_up_after_its_cycles():
     """hints.wait_flag's second bound: about ``cycles`` of the cycle counter, however many reads it may still
     make (2**40 reads would take hours), so that a thread never waits long for a drawing thread the OS preempted."""

@@ -142,3 +142,48 @@ def test_small_batches_and_no_draw(monkeypatch):
     assert local_sample.sorted_draw(8) is None
     assert sampled_update.update_batch(sh, out.keys.numpy(), np.ones(8)) is None
     assert sh.update_priorities(out.keys, np.ones(8)) == 8
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("where", [0, 1300, 2499])
+def test_bad_input_on_the_threads_changes_nothing(where, threads, calls, monkeypatch):
+    """The parallel kernel checks every slice before any thread writes (its one region waits for every slice's
+    checks): a NaN priority or a foreign key in the first, a middle or the last slice is refused by the kernel,
+    raised by the general path, and leaves the index, the raw priorities and the counts as they were; the same
+    batch then updates as the general path would."""
+    import numba
+    before_threads = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+        monkeypatch.setattr(priority_sampled, "PARALLEL_MIN", 2048)
+        sel = gm.Prioritized(0.6, 0.4)
+        sh, twin = _shard(sel), _shard(sel)
+        b = 2500
+        out = sh.sample(b, 1)
+        sh.sample(b, 1, out=out)
+        twin.sample(b, 1)
+        twin_keys = twin.sample(b, 1).keys.numpy().copy()
+        new = np.random.default_rng(where).random(b) + 0.01
+        sh.update_priorities(out.keys, new)  # raw priorities kept from here on
+        twin.apply_priorities(twin_keys.copy(), new)
+        sh.sample(b, 1, out=out)
+        twin_keys = twin.sample(b, 1).keys.numpy().copy()
+        before = _state(sh)
+        bad = new.copy()
+        bad[where] = np.nan
+        with pytest.raises(InvalidPriorityError):
+            sh.update_priorities(out.keys, bad)
+        keys = out.keys.numpy()
+        saved = keys[where]
+        keys[where] = saved ^ (1 << 62)  # in place: the batch's keys tensor sees it
+        with pytest.raises(InvalidKeyError):
+            sh.update_priorities(out.keys, new)
+        keys[where] = saved
+        _assert_same(_state(sh), before)
+        assert calls[-2:] == ["update_sampled_parallel"] * 2  # both refused by the parallel kernel
+        assert sh.update_priorities(out.keys, new[::-1].copy()) == twin.apply_priorities(twin_keys.copy(),
+                                                                                       new[::-1].copy()).sum()
+        _assert_same(_state(sh), _state(twin))
+    finally:
+        numba.set_num_threads(before_threads)

@@ -153,18 +153,19 @@ def cycle_count(typingctx):
 
 
 @njit(cache=True, inline="always")
-def wait_flag(flag, spins, cycles):
-    """Wait until ``flag[0]`` is not 0, with the spin-wait hint between reads, at most ``spins`` reads and
-    about ``cycles`` of the cycle counter (checked every 64 reads; a counter that does not move leaves the
-    bound to ``spins``): True when it was raised, False when the wait gave up (the caller then leaves the
-    work to the thread that raises it)."""
+def wait_flag(flag, spins, cycles, target=1):
+    """Wait until ``flag[0]`` reaches ``target`` (by default: is raised once), with the spin-wait hint between
+    reads, at most ``spins`` reads and about ``cycles`` of the cycle counter (checked every 64 reads; a counter
+    that does not move leaves the bound to ``spins``): True when it did, False when the wait gave up (the
+    caller then leaves the work to the thread that raises it last)."""
     t0 = cycle_count()
     for i in range(spins):
-        if flag_value(flag) != 0:
+        if flag_value(flag) >= target:
             return True
         spin_pause()
         if (i & 63) == 63 and cycle_count() - t0 > cycles:
             return False
+    return False
     return False
 
 

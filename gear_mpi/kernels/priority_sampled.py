@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
+from .hints import flag_value, raise_flag, take_next, wait_flag
 from .hints import prefetch as _prefetch
 from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group, \
     leaf_value
@@ -181,28 +182,49 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
                             live_code, raw, keep_raw, alpha, powered, tree, chunks):
     """:func:`update_sampled` shared among the threads: the checks in ``chunks`` slices of the keys, then the
     writes in ``chunks`` runs of sorted items cut at level-2 block boundaries (no two threads share a line or a
-    block). The same result. Cost: O(B) over the threads plus O(n / 4096) for the prefix."""
+    block). The same result. One parallel region (one wake-up of sleeping workers): slices and runs are handed
+    out as the threads arrive (``hints.take_next``); a thread done with the checks waits for every slice's
+    (``hints.wait_flag``, bounded: a thread that gives up leaves the runs to the others; the one that finishes
+    the last check never waits), and nothing is written unless every check passed. Cost: O(B) over the threads
+    plus O(n / 4096) for the prefix."""
     n = keys.shape[0]
+    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     # np.empty and plain loops: np.ones, np.zeros and .sum() would each be a parallel region of their own here
     # (numba makes them parfors), each waking the sleeping workers once more
-    ok = np.empty(chunks, np.bool_)
-    for t in prange(chunks):
-        ok[t] = _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, t * n // chunks,
-                        (t + 1) * n // chunks)
-    for t in range(chunks):
-        if not ok[t]:
-            return -1
-    leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
+    ctl = np.empty(4, np.int64)
+    check_taken, checked, failed, write_taken = ctl[0:1], ctl[1:2], ctl[2:3], ctl[3:4]
+    for j in range(4):
+        ctl[j] = 0
     counts = np.empty(chunks, np.int64)
-    for t in prange(chunks):
-        lo = _boundary(sslots, t * n // chunks)
-        hi = _boundary(sslots, (t + 1) * n // chunks)
-        counts[t] = 0
-        if hi > lo:
-            counts[t] = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw,
-                                   alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, lo, hi)
+    for _ in prange(chunks):
+        t = take_next(check_taken)
+        while t < chunks:
+            if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, t * n // chunks,
+                           (t + 1) * n // chunks):
+                raise_flag(failed)
+            raise_flag(checked)  # (release: the failure, if any, is seen by whoever sees this count)
+            t = take_next(check_taken)
+        if wait_flag(checked, WAIT_SPINS, WAIT_CYCLES, chunks) and flag_value(failed) == 0:
+            t = take_next(write_taken)
+            while t < chunks:
+                lo = _boundary(sslots, t * n // chunks)
+                hi = _boundary(sslots, (t + 1) * n // chunks)
+                counts[t] = 0
+                if hi > lo:
+                    counts[t] = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw,
+                                           keep_raw, alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min,
+                                           lo, hi)
+                t = take_next(write_taken)
+    if ctl[2] != 0:
+        return -1
     _rebuild_prefix(l2_sum, prefix)
     applied = 0
     for t in range(chunks):
         applied += counts[t]
     return applied
+
+
+#: how long a thread of :func:`update_sampled_parallel` waits for the other slices' checks (``hints.wait_flag``):
+#: at most WAIT_SPINS reads and about WAIT_CYCLES of the cycle counter (65-130 us at 2-4 GHz)
+WAIT_SPINS = 1 << 16
+WAIT_CYCLES = 1 << 18
