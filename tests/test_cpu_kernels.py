@@ -334,10 +334,8 @@ def test_take_next_hands_out_every_task_once(n, threads):
 
 @njit(parallel=True)
 def _one_fills_the_others_read(lanes, payload, seen, waited):
-    ctl = np.empty(2, np.int64)
+    ctl = hints.counters(2)
     ticket, ready = ctl[0:1], ctl[1:2]
-    ctl[0] = 0
-    ctl[1] = 0
     for lane in prange(lanes):
         if hints.take_next(ticket) == 0:  # the first lane in writes the payload, then raises the flag
             for i in range(payload.shape[0]):
@@ -376,10 +374,8 @@ def test_a_raised_flag_publishes_what_came_before(threads):
 
 @njit(parallel=True)
 def _all_write_then_all_read(tasks, block, payload, seen):
-    ctl = np.empty(2, np.int64)
+    ctl = hints.counters(2)
     taken, done = ctl[0:1], ctl[1:2]
-    ctl[0] = 0
-    ctl[1] = 0
     for lane in prange(tasks):
         t = hints.take_next(taken)
         while t < tasks:  # each task writes its block, then counts itself done

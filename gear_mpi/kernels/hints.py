@@ -82,6 +82,17 @@ def _add_one(ordering: str):
     return codegen
 
 
+@njit(cache=True, inline="always")
+def counters(n):
+    """``n`` int64 zeros for :func:`take_next`, :func:`raise_flag` and :func:`wait_flag` (slice one per
+    counter: ``c[0:1]``), made by a plain loop: ``np.zeros`` in a parallel kernel is a parallel region of its
+    own (numba makes it a parfor), one more wake-up of sleeping workers. O(n)."""
+    c = np.empty(n, np.int64)
+    for j in range(n):
+        c[j] = 0
+    return c
+
+
 @intrinsic
 def take_next(typingctx, counter):
     """``counter[0] += 1`` as one atomic step, returning the value before (an int64 array; monotonic order:

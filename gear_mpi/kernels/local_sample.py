@@ -28,7 +28,7 @@ from numba import njit, prange
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
-from .hints import raise_flag, staggered_rows, take_next, wait_flag
+from .hints import counters, raise_flag, staggered_rows, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
 from .thread_share import caller_alone, give_back
 from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
@@ -290,12 +290,10 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
         # takes tens of microseconds), then all copy runs of >= 32 windows (each run prefetches ahead of
         # itself), handed out as the threads arrive (take_next)
         chunks = max(1, min(64, nb // 32))
-        ctl = np.empty(3, np.int64)  # (np.zeros would be a parallel region of its own: a wake-up)
+        ctl = counters(3)
         ticket = ctl[0:1]  # the draw's: the thread that takes 0 draws
         ready = ctl[1:2]  # raised once the rows are placed and described
         taken = ctl[2:3]  # copy runs handed out
-        for j in range(3):
-            ctl[j] = 0
         for _ in prange(chunks):
             drawn = True
             if take_next(ticket) == 0:

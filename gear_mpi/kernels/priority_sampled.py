@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
-from .hints import flag_value, raise_flag, take_next, wait_flag
+from .hints import counters, flag_value, raise_flag, take_next, wait_flag
 from .hints import prefetch as _prefetch
 from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group, \
     leaf_value
@@ -189,12 +189,10 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
     plus O(n / 4096) for the prefix."""
     n = keys.shape[0]
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
-    # np.empty and plain loops: np.ones, np.zeros and .sum() would each be a parallel region of their own here
-    # (numba makes them parfors), each waking the sleeping workers once more
-    ctl = np.empty(4, np.int64)
+    # hints.counters, np.empty and plain loops: np.ones, np.zeros and .sum() would each be a parallel region of
+    # their own here (numba makes them parfors), each waking the sleeping workers once more
+    ctl = counters(4)
     check_taken, checked, failed, write_taken = ctl[0:1], ctl[1:2], ctl[2:3], ctl[3:4]
-    for j in range(4):
-        ctl[j] = 0
     counts = np.empty(chunks, np.int64)
     for _ in prange(chunks):
         t = take_next(check_taken)
