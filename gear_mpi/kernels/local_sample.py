@@ -25,6 +25,7 @@ import threading
 import numpy as np
 from numba import njit, prange
 
+from .pipeline import SERIAL
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
@@ -312,7 +313,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     t = take_next(taken)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def _sample_run(lo, hi, fix_sort, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length, generation, key_head,
                 gen_shift, gen_mask, capacity, window, align_code, place_u, prioritized, total, wmin, sslots, ws, nv,
                 pf, order, inv, ident, skeys, keys, lengths, probabilities, weights, mask, addrs, step_bytes, outs):
@@ -339,7 +340,7 @@ WAIT_SPINS = 1 << 16
 WAIT_CYCLES = 1 << 18
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation, key_head,
                 gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv, pf,
                 order, inv, ident, sw, skeys, keys, lengths, probabilities, weights, mask):
@@ -416,7 +417,7 @@ def _runs(nb, row_bytes):
     return 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def resolve_live(keys, priorities, tag, rank, max_items, status, alive_shift, live_code, priority, keep_raw,
                  slots_out, values_out, live):
     """Resolve ``keys`` of one shard and, where the table keeps raw priorities (``keep_raw``), write those

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .pipeline import SERIAL
 from .hints import prefetch as _prefetch
 from .priority_tree import FANOUT, LINE
 
@@ -141,7 +142,7 @@ def _sort_order(uniforms):
     return order, keys
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def _sort_order_into(uniforms, bounds, order, keys):
     """:func:`_sort_order` into the caller's arrays: ``order`` and ``keys`` of ``len(uniforms)`` entries,
     ``bounds`` (int64 scratch) of at least ``max(1, len(uniforms) // 2) + 1``. The same result."""
@@ -216,7 +217,7 @@ def _resumable_scan(sums, lo, hi, r, block, cur, pos, acc0, last0):
     return -1, acc, last
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, keys, order, lo, hi, out):
     """Draws ``keys[lo:hi]`` (ascending uniforms) in one pass; draw ``k`` goes to ``out[order[k]]``.
 

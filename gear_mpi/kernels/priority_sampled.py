@@ -28,6 +28,7 @@ from numba import njit, prange
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .hints import counters, flag_value, raise_flag, take_next, wait_flag
 from .hints import prefetch as _prefetch
+from .pipeline import SERIAL
 from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group, \
     leaf_value
 from .weights import _power
@@ -149,7 +150,7 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
     return applied
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)  # (pipeline.SERIAL: no reference counting in its loop)
 def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift, live_code, raw,
                    keep_raw, alpha, powered, tree):
     """Set the priorities of ``keys``, the batch whose sorted draw ``sslots``/``order``/``inv`` describe (see the

@@ -50,6 +50,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit, prange
 
+from .pipeline import SERIAL
 from .hints import prefetch as _prefetch
 
 LINE = 8                      # leaves per line (a 32-byte half cache line of float32; a line sum is 8 bytes)
@@ -235,7 +236,7 @@ def _prefetch_slot(leaves, l0_sum, l1_sum, l1_min, flags1, s):
     _prefetch(flags1, s // FANOUT)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def _set_serial(leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, flags1, flags2, slots, values):
     """Small batches: write leaves in order, recount each touched line and block. O(B).
 
@@ -287,7 +288,7 @@ def _group_by_top(slots, values, n2, bounds, gslots, gvalues):
     bounds[0] = 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def set_leaves(tree, flags1, flags2, slots, values):
     """Batched update of ``tree`` (a :class:`Tree`, or the plain tuple of its arrays):
     ``leaves[slots[i]] = values[i]`` (the last of duplicates wins).

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from ..kernels.pipeline import SERIAL
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT, as_key_array
 from ..kernels import ring
 from ..kernels.priority_tree import SET_SERIAL_MAX, _rebuild_prefix, _set_serial
@@ -30,7 +31,7 @@ from .selectors import Prioritized, Uniform
 _NO_ROW = np.zeros(0, np.float64)  # update_few's raw-priority row where the table keeps none
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def update_few(keys, priorities, tag, rank, max_items, status, raw, keep_raw, alpha, powered, tree, flags1,
                flags2):
     """Set the priorities of ``keys`` (one shard's, at most ``SET_SERIAL_MAX``): each live key's raw priority

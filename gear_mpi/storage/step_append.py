@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 from numba import njit
 
+from ..kernels.pipeline import SERIAL
 from .. import keys as keyspace
 from ..errors import InvalidTrajectoryError
 from ..kernels import ring
@@ -38,7 +39,7 @@ _NO_LOG = (np.zeros(0, np.int64), np.zeros(0, np.int64), -2, 0)  # place_one's l
 _EVICTIONS = 4  # live trajectories one step can evict: at most one for its slot and one for its ring step
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=SERIAL)
 def place_one(table, capacity, now, one, slot_out, evicted, tree, flags1, flags2, weight, tag, rank, seqs, stamps,
               count, limit):
     """The table's part of storing one one-step trajectory: its slot and ring step planned (evicting the
