@@ -13,9 +13,12 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage.store`,
   into a batch (from this process's ring or, by address, from node peers' rings).
 - :mod:`~gear_mpi.kernels.weights` -- index weights ``p ** alpha`` from raw priorities (numpy's
   values, shared among the threads).
-- :mod:`~gear_mpi.kernels.hints` -- software prefetch and ordered stores used by the above.
+- :mod:`~gear_mpi.kernels.hints` -- software prefetch, ordered stores, and the atomic counters and flags by
+  which a parallel region's threads share work as they arrive.
 - :mod:`~gear_mpi.kernels.thread_share` -- where a kernel's work pays for waking the sleeping workers, and
   the calling thread alone where it does not.
+- :mod:`~gear_mpi.kernels.pipeline` -- the compile options of the serial kernels (numba's parallel pipeline
+  with its transformations off: no reference counting inside their loops).
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
   twins of the priority and gather kernels, same results (imported only for ``device="cuda"``
   and by the tests; they need numba-cuda, see :mod:`gear_mpi.kernels.cuda_support`).
