@@ -34,10 +34,13 @@ from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1
 from .weights import _power
 
 AHEAD = 16  # sorted items ahead whose lines are requested
-#: from this many keys the update is shared among the threads (two parallel regions). Each region wakes the
-#: sleeping workers (OMP_WAIT_POLICY=PASSIVE, gear_mpi.threads): on the reference VM the update of B keys over
-#: N = 1e6 took, one thread / two, B = 2048: 73 / 159 us; 4096: 145 / 197-213; 8192: 285 / 271; 16384: 582 / 412
-PARALLEL_MIN = 8192
+#: from this many keys the update is shared among the threads (one parallel region, which wakes the sleeping
+#: workers: OMP_WAIT_POLICY=PASSIVE, gear_mpi.threads). Timed where it runs, after a sample (the worker has
+#: slept through it), at two threads on the reference VM, N = 1e6 one-float items, a sample + update step, us:
+#: B = 8192 994-1056 with the update on the threads against 866-949 on the caller; 16384 1670-1792 against
+#: 1742-1792 (one thread: 981, 1803); the update alone, back to back, favours the threads from 8192 (171-184
+#: against 247-262 us), but a training loop leaves the worker asleep longer still
+PARALLEL_MIN = 16384
 
 
 @njit(cache=True, inline="always")
