@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .hints import prefetch as _prefetch
-from .hints import prefetch_address, take_next
+from .hints import counters, prefetch_address, take_next
 
 # Smaller batches than these run on the calling thread: a parallel region costs microseconds
 # of thread-pool hand-off when the pool is spinning, and a scheduler tick (~4 ms) when
@@ -93,8 +93,7 @@ def _gather_column(src, capacity, step_bytes, starts, n_valid, pad_front, out_ro
         _gather_run(src.ctypes.data, capacity, step_bytes, starts, n_valid, pad_front, out_rows, out, row_bytes, 0, b)
     else:
         chunks = max(1, min(64, b // 32))  # runs of >= 32 windows, so each run prefetches ahead of itself
-        taken = np.empty(1, np.int64)  # runs handed out as the threads arrive (hints.take_next)
-        taken[0] = 0
+        taken = counters(1)  # runs handed out as the threads arrive (hints.take_next)
         for _ in prange(chunks):
             t = take_next(taken)
             while t < chunks:
@@ -420,8 +419,7 @@ def gather_rows_from_owners(addrs, step_bytes, capacity, direct, row_of_owner, c
             _gather_task(addrs, capacity, step_bytes, starts, n_valid, pad_front, rows, outs, window,
                          task_owner[t], task_lo[t], task_hi[t])
     else:
-        taken = np.empty(1, np.int64)  # tasks handed out as the threads arrive (hints.take_next)
-        taken[0] = 0
+        taken = counters(1)  # tasks handed out as the threads arrive (hints.take_next)
         for _ in prange(ntask):
             t = take_next(taken)
             while t < ntask:

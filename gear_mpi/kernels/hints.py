@@ -163,6 +163,15 @@ def cycle_count(typingctx):
     return sig, codegen
 
 
+#: how long a thread of a parallel region waits for a flag (:func:`wait_flag`) before it leaves the work to the
+#: thread that raises it: at most WAIT_SPINS reads, a pause between two (0.2-3 ms), and about WAIT_CYCLES of the
+#: cycle counter (65-130 us at 2-4 GHz): past the serial work the kernels wait for (a draw of fewer than
+#: ``priority_draw.DRAW_THREADS_MIN`` items, a slice of an update's checks: tens of microseconds), and short
+#: where the OS preempted the thread that raises it (more threads than cores)
+WAIT_SPINS = 1 << 16
+WAIT_CYCLES = 1 << 18
+
+
 @njit(cache=True, inline="always")
 def wait_flag(flag, spins, cycles, target=1):
     """Wait until ``flag[0]`` reaches ``target`` (by default: is raised once), with the spin-wait hint between
@@ -176,7 +185,6 @@ def wait_flag(flag, spins, cycles, target=1):
         spin_pause()
         if (i & 63) == 63 and cycle_count() - t0 > cycles:
             return False
-    return False
     return False
 
 

@@ -25,12 +25,12 @@ import threading
 import numpy as np
 from numba import njit, prange
 
-from .pipeline import SERIAL
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
-from .hints import counters, raise_flag, staggered_rows, take_next, wait_flag
+from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_rows, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
+from .pipeline import SERIAL
 from .thread_share import caller_alone, give_back
 from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
                             _sort_order_into, draw_one)
@@ -272,8 +272,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                             prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys, lengths,
                             probabilities, weights, mask, addrs, step_bytes, outs)
         else:  # handed out as the threads arrive (take_next): the caller works while a sleeping worker wakes
-            taken = np.empty(1, np.int64)
-            taken[0] = 0
+            taken = counters(1)
             for _ in prange(runs):
                 t = take_next(taken)
                 while t < runs:
@@ -330,14 +329,6 @@ def _sample_run(lo, hi, fix_sort, leaves, l0_sum, l1_sum, l2_sum, prefix, start,
                     window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
                     probabilities, weights, mask)
     _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
-
-
-#: how long a thread of the one-call sample's region waits for the draw's flag (hints.wait_flag): at most
-#: WAIT_SPINS reads, a pause between two (0.2-3 ms), and about WAIT_CYCLES of the cycle counter (65-130 us at
-#: 2-4 GHz): past a draw of DRAW_THREADS_MIN items (tens of microseconds), and short where the OS preempted the
-#: drawing thread (more threads than cores), whose copy the waiting thread then leaves to it
-WAIT_SPINS = 1 << 16
-WAIT_CYCLES = 1 << 18
 
 
 @njit(cache=True, nogil=True, parallel=SERIAL)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .pipeline import SERIAL
 from .hints import prefetch as _prefetch
+from .pipeline import SERIAL
 from .priority_tree import FANOUT, LINE
 
 # Fewer than DRAW_PIPE draws go one by one (sorting them costs more than it saves); from

@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
-from .hints import counters, flag_value, raise_flag, take_next, wait_flag
+from .hints import WAIT_CYCLES, WAIT_SPINS, counters, flag_value, raise_flag, take_next, wait_flag
 from .hints import prefetch as _prefetch
 from .pipeline import SERIAL
 from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group, \
@@ -217,7 +217,7 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
                                            keep_raw, alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min,
                                            lo, hi)
                 t = take_next(write_taken)
-    if ctl[2] != 0:
+    if failed[0] != 0:
         return -1
     _rebuild_prefix(l2_sum, prefix)
     applied = 0
@@ -225,8 +225,3 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
         applied += counts[t]
     return applied
 
-
-#: how long a thread of :func:`update_sampled_parallel` waits for the other slices' checks (``hints.wait_flag``):
-#: at most WAIT_SPINS reads and about WAIT_CYCLES of the cycle counter (65-130 us at 2-4 GHz)
-WAIT_SPINS = 1 << 16
-WAIT_CYCLES = 1 << 18

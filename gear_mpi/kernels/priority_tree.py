@@ -50,8 +50,8 @@ from collections import namedtuple
 import numpy as np
 from numba import njit, prange
 
-from .pipeline import SERIAL
 from .hints import prefetch as _prefetch
+from .pipeline import SERIAL
 
 LINE = 8                      # leaves per line (a 32-byte half cache line of float32; a line sum is 8 bytes)
 FANOUT = 64                   # leaves per level-1 block (8 lines)
