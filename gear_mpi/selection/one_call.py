@@ -175,25 +175,36 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
     if state is None:
         draw_uniforms(shard.rng, u[:b], b, skip, u)
     uniforms, place_u = (u[:b], u[b:]) if code == 0 else (u, _NO_UNIFORMS)
-    st = shard.store
-    keys, probabilities, weights, lengths = batch.meta_numpy()
     prioritized = type(shard.selector) is Prioritized
-    iscr, fscr = local_sample._scratch(b)
-    alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, b * window * shard.spec.step_bytes)
-    try:
-        local_sample._sample_kernel(
-            shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
-            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
-            shard.column_addresses()[0], shard.spec.step_bytes_array, batch.column_addresses(), batch._mask_np,
-            keys, lengths, probabilities, weights, iscr, fscr, gen)
-    finally:
-        thread_share.give_back(alone)
+    weights = batch.meta_numpy()[2]
+    _call_kernel(shard, uniforms, place_u, window, code, prioritized, batch.column_addresses(), batch,
+                 b * window * shard.spec.step_bytes, gen)
     if state is not None:
         end_stream(shard.rng, state, u.shape[0])
     if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
         np.power(weights, np.float32(shard.selector.beta), out=weights)
     shard.samples_drawn += b
     return batch
+
+
+def _call_kernel(shard, uniforms, place_u, window: int, code: int, prioritized: bool, outs, batch, copy_bytes: int,
+                 gen) -> None:
+    """The sampling kernel over ``shard``'s index, table and columns into ``batch`` (its metadata rows and mask;
+    its columns at the addresses ``outs``), on the calling thread alone where the threads would not pay for
+    waking (:func:`~gear_mpi.kernels.thread_share.caller_alone`, ``copy_bytes`` the bytes it copies)."""
+    st = shard.store
+    keys, probabilities, weights, lengths = batch._meta_np
+    b = uniforms.shape[0]
+    iscr, fscr = local_sample._scratch(b)
+    alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, copy_bytes)
+    try:
+        local_sample._sample_kernel(
+            shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
+            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
+            shard.column_addresses()[0], shard.spec.step_bytes_array, outs, batch._mask_np, keys, lengths,
+            probabilities, weights, iscr, fscr, gen)
+    finally:
+        thread_share.give_back(alone)
 
 
 def remember(shard, batch, args: tuple, window: int, code: int, fresh: bool = False) -> None:
@@ -244,17 +255,9 @@ def sample_again(shard, rep: Repeat):
         gen, state = kernel_stream(rng, b, rep.code, rep.skip)
         if state is None:
             draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
-    keys, probabilities, weights, lengths = out._meta_np
-    iscr, fscr = local_sample._scratch(b)
-    alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, b * rep.row_bytes)
-    try:
-        local_sample._sample_kernel(
-            shard.index._arrays, rep.draw_u, rep.place_u, st.start, st.length, st.status,
-            key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, rep.window, rep.code, rep.prioritized,
-            shard.column_addresses()[0], shard.spec.step_bytes_array, outs, out._mask_np, keys, lengths,
-            probabilities, weights, iscr, fscr, gen)
-    finally:
-        thread_share.give_back(alone)
+    weights = out._meta_np[2]
+    _call_kernel(shard, rep.draw_u, rep.place_u, rep.window, rep.code, rep.prioritized, outs, out, b * rep.row_bytes,
+                 gen)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])
     if rep.prioritized:
