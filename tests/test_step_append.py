@@ -45,14 +45,17 @@ def twins(sampler, spec=SPEC, capacity=600, max_items=200):
     return a, b
 
 
-@pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Fifo(), gm.MaxPriority()],
-                         ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("sampler", [gm.Uniform(), gm.Prioritized(0.6, 0.4), gm.Prioritized(0.5, 0.4), gm.Fifo(),
+                                     gm.MaxPriority()],
+                         ids=lambda s: type(s).__name__ + str(getattr(s, "alpha", "")))
 @pytest.mark.parametrize("priorities", ["default", "varied"])
 def test_append_step_stores_what_insert_packed_stores(sampler, priorities):
+    """Array for array what insert_packed stores, float priorities included (their weight is computed in
+    place_one: alpha 0.6 through pow, 0.5 through the square root shortcut; -0.0 stored as +0.0)."""
     a, b = twins(sampler)
     rng = np.random.default_rng(5)
     for i in range(700):  # wraps the ring and the slots more than once
-        p = 1.0 if priorities == "default" or i % 4 == 0 else float(rng.choice([0.0, 0.25, 3.0, rng.random()]))
+        p = 1.0 if priorities == "default" or i % 4 == 0 else float(rng.choice([0.0, -0.0, 0.25, 3.0, rng.random()]))
         one = {k: np.asarray(v)[None] for k, v in step(i).items()}
         ka = a.append_step(step(i) if i % 2 else one, priority=p)
         kb = int(b.insert_packed(one, np.ones(1, np.int64), np.array([p]))[0])
@@ -101,8 +104,9 @@ def test_a_bad_step_changes_nothing_on_a_full_shard(bad, match):
     before, count, stamps = snapshot(a), len(a), a.store.layout.stamp_log.count
     with pytest.raises(gm.InvalidTrajectoryError, match=match):
         a.append_step(bad, priority=2.0)
-    with pytest.raises(gm.InvalidPriorityError):
-        a.append_step(step(1), priority=-1.0)
+    for priority in (-1.0, float("nan"), float("inf"), -1e-300):  # floats the fast path would power
+        with pytest.raises(gm.InvalidPriorityError):
+            a.append_step(step(1), priority=priority)
     after = snapshot(a)
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
