@@ -131,9 +131,7 @@ class StepAppender:
         # the index weight of the default priority 1.0, where the selector's weights are known to give 1.0
         kind = type(inserter.selector)
         self.unit_weight = 1.0 if kind in (Uniform, Prioritized) else None
-        # a float priority's weight where place_one computes it: Prioritized's p ** alpha (powered), Uniform's 1
-        self.alpha = float(inserter.selector.alpha) if kind is Prioritized else 0.0
-        self.powered = kind is Prioritized
+        self.powered = kind is Prioritized  # a float priority's weight: p ** alpha in place_one (Uniform's: 1)
 
     def check(self, step: Mapping[str, Any]) -> list[np.ndarray]:
         """The step's columns, checked: present and none unknown, numeric and castable to the column (safe
@@ -216,13 +214,16 @@ class StepAppender:
         checked = self.check(step)
         inserter = self.inserter
         store, index = inserter.store, inserter.index
-        powered = False
+        powered, alpha = False, 0.0
         if type(priority) is float and priority == 1.0:
             pr, p, weight = _ONE_PRIORITY, 1.0, self.unit_weight
         elif type(priority) is float and 0.0 <= priority < math.inf and self.unit_weight is not None:
             p = priority + 0.0  # -0.0 stored as +0.0
             pr = None  # made where needed (_priority_row)
-            weight, powered = (p, True) if self.powered else (1.0, False)  # p ** alpha in place_one
+            if self.powered:  # p ** alpha in place_one, with the selector's alpha of this call (as update_few)
+                weight, powered, alpha = p, True, float(inserter.selector.alpha)
+            else:
+                weight = 1.0
         else:
             pr = validate_priorities([priority], 1)
             p, weight = float(pr[0]) + 0.0, None
@@ -249,7 +250,7 @@ class StepAppender:
             seqs, stamps, count, limit = log.seqs, log.stamps, log.count, log.limit
         now = time.time_ns()
         key, pos, count = place_one(store._arrays, store.capacity, now, self.scratch, tree, flags1, flags2, weight,
-                                    powered and index is not None, self.alpha, store.tag, store.rank, seqs, stamps,
+                                    powered and index is not None, alpha, store.tag, store.rank, seqs, stamps,
                                     count, limit)
         for name, arr in zip(self.order, checked):
             cols[name][pos] = arr
