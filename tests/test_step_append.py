@@ -19,6 +19,11 @@ def step(i: int) -> dict:
     return {"obs": np.full(3, i, np.float32), "action": np.array([i % 5]), "reward": np.float32(i / 4)}
 
 
+def exact_step(i: int) -> dict:
+    """``step(i)`` as arrays of the columns' dtypes and step shapes: the appender's quick check."""
+    return {"obs": np.full(3, i, np.float32), "action": np.array([i % 5]), "reward": np.array(i / 4, np.float32)}
+
+
 def snapshot(shard: gm.Shard) -> dict[str, np.ndarray]:
     out = {f"table.{k}": np.array(v) for k, v in zip(shard.store.table._fields, shard.store.table) if k != "stamp"}
     out.update({f"col.{k}": v.copy() for k, v in shard.store.columns.items()})
@@ -57,7 +62,7 @@ def test_append_step_stores_what_insert_packed_stores(sampler, priorities):
     for i in range(700):  # wraps the ring and the slots more than once
         p = 1.0 if priorities == "default" or i % 4 == 0 else float(rng.choice([0.0, -0.0, 0.25, 3.0, rng.random()]))
         one = {k: np.asarray(v)[None] for k, v in step(i).items()}
-        ka = a.append_step(step(i) if i % 2 else one, priority=p)
+        ka = a.append_step((exact_step(i), step(i), one)[i % 3], priority=p)  # quick check, general, leading 1
         kb = int(b.insert_packed(one, np.ones(1, np.int64), np.array([p]))[0])
         assert ka == kb
         if i % 97 == 0 or i > 690:
@@ -111,6 +116,38 @@ def test_a_bad_step_changes_nothing_on_a_full_shard(bad, match):
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
     assert len(a) == count and a.store.layout.stamp_log.count == stamps
+
+
+def test_the_quick_check_takes_only_what_the_general_check_passes_as_it_is():
+    a, _ = twins(gm.Uniform())
+    ap = a.inserter.appender
+    good = exact_step(3)
+    assert ap.exact(good) is not None and [x is y for x, y in zip(ap.check(good), good.values())] == [True] * 3
+    count, before = len(a), snapshot(a)
+    renamed = {"obs": good["obs"], "action": good["action"], "rewards": good["reward"]}  # as many, one unknown
+    with pytest.raises(gm.InvalidTrajectoryError, match=r"missing column\(s\) \['reward'\]"):
+        a.append_step(renamed)
+    with pytest.raises(gm.InvalidTrajectoryError, match=r"unknown column\(s\) \['x'\]"):
+        a.append_step(dict(good, x=good["reward"]))
+    with pytest.raises(gm.InvalidTrajectoryError, match="column 'obs' has shape"):
+        a.append_step(dict(good, obs=np.zeros(4, np.float32)))
+    after = snapshot(a)
+    assert len(a) == count and all(np.array_equal(before[k], after[k]) for k in before)
+    for other in (dict(good, obs=good["obs"].astype(">f4")), dict(good, reward=3 / 4), dict(good, action=[3])):
+        assert ap.exact(other) is None  # another dtype object, a float, a list: the general check converts them
+        got = a.get(a.append_step(other))
+        assert np.array_equal(got["obs"][0], good["obs"]) and got["action"][0, 0] == 3 and got["reward"][0] == 0.75
+
+
+def test_column_names_any_string_on_the_quick_path():
+    names = ("it's", 'say "x"', "back\\slash\nline")
+    spec = gm.TrajectorySpec({names[0]: ((2,), "float32"), names[1]: ((), "int64"), names[2]: ((), "float32")},
+                             max_length=1)
+    shard = gm.Shard(spec, 16, seed=0)
+    value = {names[0]: np.array([1, 2], np.float32), names[1]: np.array(7), names[2]: np.array(0.5, np.float32)}
+    assert shard.inserter.appender.exact(value) is not None
+    got = shard.get(shard.append_step(value))
+    assert [got[n][0].tolist() for n in names] == [[1.0, 2.0], 7, 0.5]
 
 
 def test_append_step_refuses_a_spec_that_needs_two_steps():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from numba import njit
@@ -122,6 +122,10 @@ class StepAppender:
         self.columns = [(c.name, c.dtype, tuple(c.shape), (1,) + tuple(c.shape)) for c in self.spec.columns]
         self.step_bytes = int(self.spec.step_bytes)
         self.min_length = int(self.spec.min_length)
+        # the common step (a dict of arrays of the columns' dtypes and step shapes) checked, and the columns
+        # written, by code made for this spec (_exact_check, _column_writes)
+        self.exact = _exact_check(self.columns) if self.min_length <= 1 else None
+        self.write = _column_writes(self.order)
         self.one = np.ones(1, np.int64)  # the general path's lengths
         self.one.flags.writeable = False
         self.scratch = np.zeros(2 + _EVICTIONS, np.int64)  # place_one's: the length 1, the slot, the evicted
@@ -147,6 +151,13 @@ class StepAppender:
             InvalidTrajectoryError: not a mapping; a column missing or unknown, non-numeric, of a dtype that
                 does not cast, or of another shape; a spec whose trajectories need 2 steps or more (NextStep).
         """
+        if type(step) is dict and self.exact is not None and len(step) == self.count:
+            try:
+                out = self.exact(step)
+            except KeyError:  # a column missing (and one unknown): said below
+                out = None
+            if out is not None:
+                return out
         if type(step) is not dict and not isinstance(step, Mapping):
             raise InvalidTrajectoryError(f"append_step: expected a mapping of column -> value, got "
                                          f"{type(step).__name__}")
@@ -252,8 +263,7 @@ class StepAppender:
         key, pos, count = place_one(store._arrays, store.capacity, now, self.scratch, tree, flags1, flags2, weight,
                                     powered and index is not None, alpha, store.tag, store.rank, seqs, stamps,
                                     count, limit)
-        for name, arr in zip(self.order, checked):
-            cols[name][pos] = arr
+        self.write(cols, pos, checked)
         if keep:
             layout.priority[key & keyspace.SLOT_MASK] = p
         if count >= 0:
@@ -271,6 +281,38 @@ class StepAppender:
         """The general insert of one checked step (a store this path does not cover)."""
         columns = {name: arr.reshape((1,) + arr.shape) for name, arr in zip(self.order, checked)}
         return int(self.inserter.store_packed(columns, self.one, pr, steps=1)[0])
+
+
+def _exact_check(columns: list[tuple]) -> Callable[[dict], list | None]:
+    """A function of a step (a dict holding the spec's column names, as many as there are columns) that
+    returns its values in the spec's order when each is a numpy array of its column's dtype (the same dtype
+    object) and step shape, else None (the general check then converts or refuses them); a column missing
+    raises KeyError. Written out column by column for the spec (``exec``), which takes about half the time
+    of a loop over the columns: 0.49 against 0.99 us for six columns. O(columns).
+
+    Args:
+        columns: ``StepAppender.columns``: (name, dtype, step shape, shape with a leading 1) per column.
+    """
+    reads = "".join(f"    v{i} = step[{name!r}]\n" for i, (name, _, _, _) in enumerate(columns))
+    fits = " and ".join(f"type(v{i}) is ndarray and v{i}.dtype is d{i} and v{i}.shape == s{i}"
+                        for i in range(len(columns)))
+    values = ", ".join(f"v{i}" for i in range(len(columns)))
+    source = f"def exact(step):\n{reads}    if {fits}:\n        return [{values}]\n    return None\n"
+    scope: dict[str, Any] = {"ndarray": np.ndarray}
+    for i, (_, dtype, shape, _) in enumerate(columns):
+        scope[f"d{i}"], scope[f"s{i}"] = dtype, shape
+    exec(source, scope)
+    return scope["exact"]
+
+
+def _column_writes(order: tuple[str, ...]) -> Callable[[dict, int, list], None]:
+    """A function ``write(columns, pos, values)`` doing ``columns[name][pos] = values[i]`` for each column
+    ``name`` of ``order`` (the ``i``-th), written out for the spec (``exec``): 0.84 against 1.10 us for six
+    columns in a loop. O(columns)."""
+    lines = "".join(f"    columns[{name!r}][pos] = values[{i}]\n" for i, name in enumerate(order))
+    scope: dict[str, Any] = {}
+    exec(f"def write(columns, pos, values):\n{lines}", scope)
+    return scope["write"]
 
 
 def _priority_row(pr: np.ndarray | None, p: float) -> np.ndarray:
