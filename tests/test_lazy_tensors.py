@@ -123,3 +123,26 @@ def test_references_ignore_tensors_made_at_a_read_and_see_every_holder(batch):
         del kept
         after = batch.references()
         assert held != before and after == before, make
+
+
+def test_a_new_batchs_column_arrays_are_made_at_their_first_read_over_its_memory(batch):
+    """``Batch.empty`` makes no column array (the kernels fill the columns through their addresses): each is made
+    at its first read, once, where the addresses say, and holds what the sample wrote (the fixture's rows are
+    uniforms in (0, 1); the padding of short windows is 0)."""
+    import copy
+    import pickle
+    columns = batch._np
+    assert list(columns) == ["obs", "action"] and len(columns) == 2 and columns._made == {}
+    obs = batch.numpy()["obs"]
+    assert list(columns._made) == ["obs"] and batch.numpy()["obs"] is obs and batch._np["obs"] is obs
+    assert [columns[n].ctypes.data for n in ("obs", "action")] == batch.column_addresses().tolist()
+    real = batch.mask_numpy()
+    assert real.any() and (obs[real] > 0).all() and (obs[~real] == 0).all()  # the rows the sample wrote, padding 0
+    with pytest.raises(KeyError):
+        columns["nope"]
+    assert "nope" not in columns and dict(columns).keys() == {"obs", "action"}
+    for twin in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):  # copies of the buffers, not views
+        assert type(twin._np) is dict
+        for name in ("obs", "action"):
+            np.testing.assert_array_equal(twin.numpy()[name], batch.numpy()[name])
+            assert not np.shares_memory(twin.numpy()[name], batch.numpy()[name])
