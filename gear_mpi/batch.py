@@ -61,7 +61,7 @@ def _torch_from_numpy():
     return _FROM_NUMPY[0]
 
 
-def _host_fields(batch: "Batch", data: dict[str, np.ndarray], mask: np.ndarray, meta: tuple, squeezed,
+def _host_fields(batch: "Batch", data: Mapping[str, np.ndarray], mask: np.ndarray, meta: tuple, squeezed,
                  stored: int | None = None, addresses: np.ndarray | None = None) -> None:
     """Set a host batch's attributes, in one update: the column buffers ``data``, ``mask`` and ``meta`` (keys,
     probabilities, weights, lengths), ``stored`` (the columns the gather kernels fill, the stored ones first;
@@ -85,16 +85,16 @@ class _LazyColumns(collections.abc.Mapping):
         index: column name -> its place in ``views`` (one dict per layout).
     """
 
-    __slots__ = ("_raw", "_off", "_views", "_index", "_made")
+    __slots__ = ("_raw", "_off", "_views", "_index", "_arrays")
 
     def __init__(self, raw: np.ndarray, off: int, views: list, index: dict[str, int]):
-        self._raw, self._off, self._views, self._index, self._made = raw, off, views, index, {}
+        self._raw, self._off, self._views, self._index, self._arrays = raw, off, views, index, {}
 
     def __getitem__(self, name: str) -> np.ndarray:
-        array = self._made.get(name)
+        array = self._arrays.get(name)
         if array is None:
             at, _, dtype, shape = self._views[self._index[name]]  # KeyError for a name of no column
-            array = self._made[name] = np.ndarray(shape, dtype, self._raw, self._off + at)
+            array = self._arrays[name] = np.ndarray(shape, dtype, self._raw, self._off + at)
         return array
 
     def __iter__(self) -> Iterator[str]:

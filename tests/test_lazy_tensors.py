@@ -132,9 +132,9 @@ def test_a_new_batchs_column_arrays_are_made_at_their_first_read_over_its_memory
     import copy
     import pickle
     columns = batch._np
-    assert list(columns) == ["obs", "action"] and len(columns) == 2 and columns._made == {}
+    assert list(columns) == ["obs", "action"] and len(columns) == 2 and columns._arrays == {}
     obs = batch.numpy()["obs"]
-    assert list(columns._made) == ["obs"] and batch.numpy()["obs"] is obs and batch._np["obs"] is obs
+    assert list(columns._arrays) == ["obs"] and batch.numpy()["obs"] is obs and batch._np["obs"] is obs
     assert [columns[n].ctypes.data for n in ("obs", "action")] == batch.column_addresses().tolist()
     real = batch.mask_numpy()
     assert real.any() and (obs[real] > 0).all() and (obs[~real] == 0).all()  # the rows the sample wrote, padding 0
