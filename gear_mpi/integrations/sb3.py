@@ -322,9 +322,11 @@ class GearReplayBuffer(ReplayBuffer):
         if self.handle_timeout_termination:
             done = done * (1.0 - d["timeout"])
         if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
-            # the batch's own tensors: a fresh batch, nobody else's (the common case, the cheapest)
-            return ReplayBufferSamples(batch["obs"], batch["action"], batch["next_obs"], th.from_numpy(done),
-                                       batch["reward"])  # (four tensors made: the columns it returns)
+            # tensors over the batch's own arrays: a fresh batch, nobody else's (the common case, the cheapest;
+            # th.from_numpy of the arrays rather than batch[name], which keeps each tensor in the batch: 0.5 us a
+            # column more, for a batch nobody else sees)
+            return ReplayBufferSamples(th.from_numpy(d["obs"]), th.from_numpy(d["action"]),
+                                       th.from_numpy(d["next_obs"]), th.from_numpy(done), th.from_numpy(d["reward"]))
         obs = d["obs"]
         next_obs = self._next_of(batch) if self.optimize_memory_usage else d["next_obs"]
         rewards = d["reward"]
@@ -457,11 +459,12 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
                                                   np.full(batch_size, -1, np.int64))
         batch = self.shard.sample(batch_size, 1, squeeze=True)
         base = self._samples(batch, env)
-        weights = batch.weights.reshape(-1, 1)
+        keys, _, weights, _ = batch.meta_numpy()
+        weights = th.from_numpy(weights.reshape(-1, 1))  # (numpy's reshape, then one tensor: 0.8 us less than torch's)
         if self.device.type != "cpu":
             weights = weights.to(self.device)
         # the batch's own keys array: update_priorities knows it (the sample's sorted draw then serves the update)
-        return PrioritizedReplayBufferSamples(*base[:5], None, weights, batch.meta_numpy()[0])
+        return PrioritizedReplayBufferSamples(*base[:5], None, weights, keys)
 
     def update_priorities(self, keys: Any, priorities: Any) -> int:
         """Give sampled transitions new priorities (e.g. ``|TD error| + eps``); keys of transitions already
