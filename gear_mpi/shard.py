@@ -241,7 +241,10 @@ class Shard:
         :meth:`insert_packed`; a cached answer per dtype pair),
         the column's shape or that shape with a leading 1 -- and the priority, if not the default 1.0; a bad
         step raises before anything is stored. Values are not checked for NaN (use ``insert_packed(...,
-        check_finite=True)`` for that). Cost: O(columns) checks, then as :meth:`store_packed` for one item.
+        check_finite=True)`` for that). Cost: O(columns) checks and item writes and one numba call (the slot,
+        the evictions, O(log n) index work): about 4.5 us for six columns on the reference VM, where SB3's ``add``
+        takes 2.6 (:mod:`gear_mpi.storage.step_append`); a store that path does not cover (compressed columns, a
+        device index or mirror) takes :meth:`store_packed` for one item. Local; no communication.
 
         Args:
             step: column name -> the step's value (numpy array or scalar, a CPU tensor, a list), of shape
