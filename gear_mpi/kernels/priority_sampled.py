@@ -224,4 +224,3 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
     for t in range(chunks):
         applied += counts[t]
     return applied
-

@@ -241,30 +241,25 @@ class StepAppender:
             pr = validate_priorities([priority], 1)
             p, weight = float(pr[0]) + 0.0, None
         cols = store.columns
-        if type(index) is PriorityIndex:
+        if store.compressed or store.on_write is not None or len(cols) != self.count \
+                or not (index is None or type(index) is PriorityIndex):
+            return self._general(checked, _priority_row(pr, p))
+        if index is None:
+            weight, powered = -1.0, False
+            tree, flags1, flags2 = self.no_index
+        else:
             if weight is None:
                 weight = float(inserter.selector.weights(pr)[0])
             tree, flags1, flags2 = index._arrays, index._flags1, index._flags2
-        elif index is None:
-            weight = -1.0
-            tree, flags1, flags2 = self.no_index
-        else:
-            return self._general(checked, _priority_row(pr, p))
-        if store.compressed or store.on_write is not None or len(cols) != self.count:
-            return self._general(checked, _priority_row(pr, p))
         layout = store.layout
         constant = layout.priority_constant
         keep = (constant is None or p != constant) and isinstance(layout.priority, np.ndarray) \
             and layout.keep_priorities(_priority_row(pr, p))  # may materialize the row: before anything else changes
         log = layout.stamp_log
-        if log is None:
-            seqs, stamps, count, limit = _NO_LOG
-        else:
-            seqs, stamps, count, limit = log.seqs, log.stamps, log.count, log.limit
+        seqs, stamps, count, limit = _NO_LOG if log is None else (log.seqs, log.stamps, log.count, log.limit)
         now = time.time_ns()
         key, pos, count = place_one(store._arrays, store.capacity, now, self.scratch, tree, flags1, flags2, weight,
-                                    powered and index is not None, alpha, store.tag, store.rank, seqs, stamps,
-                                    count, limit)
+                                    powered, alpha, store.tag, store.rank, seqs, stamps, count, limit)
         self.write(cols, pos, checked)
         if keep:
             layout.priority[key & keyspace.SLOT_MASK] = p
