@@ -6,10 +6,13 @@ holds the sorted slots (``sslots``), the batch row of each (``order``) and the i
 general update (``resolve_live``, the weights' power, then :func:`~gear_mpi.kernels.priority_tree.set_leaves`)
 resolves the keys in batch order, one random table line after another on one thread, powers the weights in a
 second pass, and groups the slots again by level-2 block (a counting sort) before writing the tree. Here the
-sorted slots serve as they are: one check pass, then each thread walks a run of sorted slots that starts and
-ends on a level-2 block boundary, checks each key's status, writes its raw priority and leaf, and recounts
-each line, level-1 block and level-2 block once, when the walk leaves it. The table's and tree's lines are
-read in ascending address order, prefetched ahead.
+sorted slots serve as they are: one pass in batch order checks the input and computes the new leaves
+(``weights.leaf_powers_into``: a vectorised power, ``pow`` only where the float32 rounding is in doubt; the
+same leaves), then each thread walks a run of sorted slots that starts and ends on a level-2 block boundary,
+checks each key's status, writes its raw priority and leaf, and recounts each line, level-1 block and level-2
+block once, when the walk leaves it. The table's and tree's lines are read in ascending address order,
+prefetched ahead. (``pow`` inside that walk, one call per key between its cache misses, cost twice what it
+costs in a pass of its own: W3, two threads, 2.8 against 2.3 ms an update.)
 
 The result is the general path's, bit for bit: the same raw priorities, leaves, sums and minima (every sum
 recomputed from its children in index order; a block minimum lowered in place or recounted where the value
@@ -29,9 +32,8 @@ from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_S
 from .hints import WAIT_CYCLES, WAIT_SPINS, counters, flag_value, raise_flag, take_next, wait_flag
 from .hints import prefetch as _prefetch
 from .pipeline import SERIAL
-from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group, \
-    leaf_value
-from .weights import _power
+from .priority_tree import FANOUT, FANOUT2, LINE, _rebuild_prefix, _recompute_l1_min, _recompute_l2, _sum_group
+from .weights import leaf_powers_into
 
 AHEAD = 16  # sorted items ahead whose lines are requested
 #: from this many keys the update is shared among the threads (one parallel region, which wakes the sleeping
@@ -75,10 +77,11 @@ def _boundary(sslots, k):
 
 
 @njit(cache=True, inline="always")
-def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, alpha, powered,
+def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, new_leaves, powered,
                leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, lo, hi):
-    """Sorted items ``lo:hi`` (whole level-2 blocks): statuses checked, raw priorities and leaves written, each
-    touched line, level-1 block and level-2 block recounted once. Returns the live keys applied."""
+    """Sorted items ``lo:hi`` (whole level-2 blocks): statuses checked, raw priorities and leaves written (the
+    leaf of batch row ``i``: ``new_leaves[i]`` where ``powered``, else 1), each touched line, level-1 block and
+    level-2 block recounted once. Returns the live keys applied."""
     n = leaves.shape[0]
     n0 = l0_sum.shape[0]
     n1 = l1_sum.shape[0]
@@ -137,7 +140,7 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
             if ccur >= 0:
                 _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, ccur, n1)
             ccur = c
-        v = leaf_value(_power(p, alpha) if powered else 1.0)
+        v = new_leaves[best] if powered else 1.0
         old = np.float64(leaves[s])
         leaves[s] = v
         if v > 0.0 and v < l1_min[b]:
@@ -155,10 +158,11 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
 
 @njit(cache=True, nogil=True, parallel=SERIAL)  # (pipeline.SERIAL: no reference counting in its loop)
 def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift, live_code, raw,
-                   keep_raw, alpha, powered, tree):
+                   keep_raw, alpha, powered, tree, new_leaves):
     """Set the priorities of ``keys``, the batch whose sorted draw ``sslots``/``order``/``inv`` describe (see the
     module), on one thread: each live key's raw priority (``raw[slot] = p + 0.0`` where ``keep_raw``) and index
-    weight (``p ** alpha`` as ``weights._power`` where ``powered``, else 1).
+    weight (``p ** alpha`` as ``weights._power`` where ``powered``, else 1; its leaf as ``leaf_value`` rounds it,
+    computed first for the whole batch by ``weights.leaf_powers_into``).
 
     Args:
         keys: int64 keys; priorities: float64, one per key (not yet checked).
@@ -168,14 +172,18 @@ def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, s
         raw, keep_raw: the table's raw-priority row (any float64 array when not kept) and whether it is kept.
         alpha, powered: the selector's exponent, and whether weights are powers (else all 1).
         tree: the host index's arrays (``PriorityIndex._arrays``).
+        new_leaves: float64 scratch of ``len(keys)`` (the batch's leaves where ``powered``).
     Returns:
         The live keys applied, or -1 (nothing written) when a check fails: the caller takes the general path.
-    Cost: O(B), two passes; the table's and tree's lines in ascending address order.
+    Cost: O(B), three passes (checks, the leaves' powers in batch order, the writes in slot order); the table's
+    and tree's lines in ascending address order.
     """
     if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, 0, keys.shape[0]):
         return -1
+    if powered:  # (a pass of its own, away from the writes' cache misses, vectorised: see weights.leaf_powers_into)
+        leaf_powers_into(priorities, alpha, new_leaves, 0, keys.shape[0])
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
-    applied = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, alpha,
+    applied = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, new_leaves,
                          powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, 0, keys.shape[0])
     _rebuild_prefix(l2_sum, prefix)
     return applied
@@ -183,14 +191,14 @@ def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, s
 
 @njit(cache=True, parallel=True, nogil=True)
 def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift,
-                            live_code, raw, keep_raw, alpha, powered, tree, chunks):
-    """:func:`update_sampled` shared among the threads: the checks in ``chunks`` slices of the keys, then the
-    writes in ``chunks`` runs of sorted items cut at level-2 block boundaries (no two threads share a line or a
-    block). The same result. One parallel region (one wake-up of sleeping workers): slices and runs are handed
-    out as the threads arrive (``hints.take_next``); a thread done with the checks waits for every slice's
-    (``hints.wait_flag``, bounded: a thread that gives up leaves the runs to the others; the one that finishes
-    the last check never waits), and nothing is written unless every check passed. Cost: O(B) over the threads
-    plus O(n / 4096) for the prefix."""
+                            live_code, raw, keep_raw, alpha, powered, tree, new_leaves, chunks):
+    """:func:`update_sampled` shared among the threads: the checks (and the leaves' powers) in ``chunks`` slices of
+    the keys, then the writes in ``chunks`` runs of sorted items cut at level-2 block boundaries (no two threads
+    share a line or a block). The same result. One parallel region (one wake-up of sleeping workers): slices and
+    runs are handed out as the threads arrive (``hints.take_next``); a thread done with the checks waits for every
+    slice's (``hints.wait_flag``, bounded: a thread that gives up leaves the runs to the others; the one that
+    finishes the last check never waits), and nothing is written unless every check passed. Cost: O(B) over the
+    threads plus O(n / 4096) for the prefix."""
     n = keys.shape[0]
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     # hints.counters, np.empty and plain loops: np.ones, np.zeros and .sum() would each be a parallel region of
@@ -201,9 +209,12 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
     for _ in prange(chunks):
         t = take_next(check_taken)
         while t < chunks:
-            if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, t * n // chunks,
-                           (t + 1) * n // chunks):
+            lo = t * n // chunks
+            hi = (t + 1) * n // chunks
+            if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi):
                 raise_flag(failed)
+            elif powered:
+                leaf_powers_into(priorities, alpha, new_leaves, lo, hi)
             raise_flag(checked)  # (release: the failure, if any, is seen by whoever sees this count)
             t = take_next(check_taken)
         if wait_flag(checked, WAIT_SPINS, WAIT_CYCLES, chunks) and flag_value(failed) == 0:
@@ -214,8 +225,8 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
                 counts[t] = 0
                 if hi > lo:
                     counts[t] = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw,
-                                           keep_raw, alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min,
-                                           lo, hi)
+                                           keep_raw, new_leaves, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum,
+                                           l2_min, lo, hi)
                 t = take_next(write_taken)
     if failed[0] != 0:
         return -1

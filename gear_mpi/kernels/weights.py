@@ -9,11 +9,21 @@ VM: 0.9 ms for a W3 update of 65536 priorities); on AVX-512 CPUs numpy >= 2 uses
 that differs from the C library's in the last bit for about 5% of values. So every power of a
 priority in gear_mpi goes through :func:`power_weights`, the raw priorities read back from the
 index included (:class:`~gear_mpi.storage.table.DerivedPriority`): the same function both ways.
+
+A priority index keeps each weight rounded to float32 (``priority_tree.leaf_value``), so a batch of index
+weights needs ``pow`` only where the rounding is in doubt: :func:`leaf_powers_into` computes ``x ** alpha`` in
+a loop the compiler vectorises (a polynomial logarithm and exponential, relative error below ``2 ** -43``),
+keeps the float32 value where every number within ``2 ** -38`` of it rounds the same way, and asks ``pow``
+for the rest (about 1 in 10,000). The leaves are those of ``leaf_value(_power(x, alpha))``, bit for bit.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .priority_tree import LEAF_MAX, leaf_value
 
 # From this many values the power is shared among the threads (below, a parallel region costs more than it
 # saves when another process holds a core: a scheduler tick).
@@ -68,3 +78,100 @@ def power_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None =
     else:
         _power_serial(values, float(alpha), out)
     return out
+
+
+@intrinsic
+def _bits(typingctx, x):
+    """The IEEE-754 bits of a float64 as an int64 (a bit cast: no conversion)."""
+    return types.int64(types.float64), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(64))
+
+
+@intrinsic
+def _from_bits(typingctx, b):
+    """The float64 whose IEEE-754 bits are the int64 ``b`` (a bit cast)."""
+    return types.float64(types.int64), lambda context, builder, sig, args: builder.bitcast(args[0], ir.DoubleType())
+
+
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 split in two (Cody and Waite): _LN2_HI * k is exact for |k| < 2 ** 11
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.4426950408889634
+_SQRT2 = 1.4142135623730951
+#: the quick power's margin: its value is kept where both ends of [y (1 - margin), y (1 + margin)] round to the
+#: same float32. Its own relative error is below 2 ** -43 on the range it takes (measured over 2.4e7 values, x
+#: from 1e-30 to 1e30, alpha from -7.99 to 7.99: 6.6e-14 = 2 ** -43.8 at worst, 2 ** -46 and less for |alpha|
+#: <= 1), and ``pow``'s below 2 ** -52, so ``pow``'s result lies inside too; about 1 value in 10,000 is left
+#: to ``pow`` (2 * margin * 2 ** 24)
+_MARGIN = 2.0 ** -38
+_F32_NORMAL_MIN = float(np.finfo(np.float32).tiny)
+_QUICK_X_MIN, _QUICK_X_MAX = 1e-30, 1e30  # the quick power's range of x (and |alpha| < _QUICK_ALPHA_MAX)
+_QUICK_ALPHA_MAX = 8.0
+
+
+@njit(cache=True, inline="always")
+def _quick_leaf_power(x, alpha):
+    """``leaf_value(x ** alpha)`` from a polynomial ``ln`` and ``exp`` (no branch: the loop vectorises), or -1.0
+    where ``pow`` must decide: the float32 rounding in doubt, ``x`` outside ``[1e-30, 1e30]``, or a result outside
+    float32's normal range (``leaf_value``'s clamps). ``|alpha| < 8`` (the caller's check)."""
+    b = _bits(x)
+    m = _from_bits((b & 0x000FFFFFFFFFFFFF) | 0x3FF0000000000000)  # x = m 2 ** e, m in [1, 2) ...
+    big = m > _SQRT2
+    e = np.float64(((b >> 52) & 0x7FF) - 1023 + (1 if big else 0))
+    m = m * 0.5 if big else m  # ... then m in (sqrt(1/2), sqrt(2)]
+    s = (m - 1.0) / (m + 1.0)  # ln m = 2 artanh s = 2 (s + s^3 / 3 + ... + s^17 / 17), s^2 <= 0.0295
+    z = s * s
+    p = 1.0 / 17.0
+    p = p * z + 1.0 / 15.0
+    p = p * z + 1.0 / 13.0
+    p = p * z + 1.0 / 11.0
+    p = p * z + 1.0 / 9.0
+    p = p * z + 1.0 / 7.0
+    p = p * z + 1.0 / 5.0
+    p = p * z + 1.0 / 3.0
+    t = alpha * (e * _LN2_HI + ((2.0 * s + 2.0 * s * z * p) + e * _LN2_LO))  # alpha ln x
+    t = t if t > -700.0 else -700.0  # (outside float32's range anyway: refused below)
+    t = t if t < 700.0 else 700.0
+    kf = np.floor(t * _INV_LN2 + 0.5)  # exp t = 2 ** k exp r, |r| <= ln(2) / 2
+    r = (t - kf * _LN2_HI) - kf * _LN2_LO
+    q = 1.0 / 39916800.0  # Taylor to r^11 / 11!
+    q = q * r + 1.0 / 3628800.0
+    q = q * r + 1.0 / 362880.0
+    q = q * r + 1.0 / 40320.0
+    q = q * r + 1.0 / 5040.0
+    q = q * r + 1.0 / 720.0
+    q = q * r + 1.0 / 120.0
+    q = q * r + 1.0 / 24.0
+    q = q * r + 1.0 / 6.0
+    q = q * r + 0.5
+    q = q * r + 1.0
+    q = q * r + 1.0
+    y = q * _from_bits((np.int64(kf) + 1023) << 52)
+    lo = np.float64(np.float32(y * (1.0 - _MARGIN)))
+    hi = np.float64(np.float32(y * (1.0 + _MARGIN)))
+    ok = (lo == hi) & (lo >= _F32_NORMAL_MIN) & (hi <= LEAF_MAX) & (x >= _QUICK_X_MIN) & (x <= _QUICK_X_MAX)
+    return lo if ok else -1.0
+
+
+@njit(cache=True, nogil=True, error_model="numpy")  # (numpy's: a division that cannot raise, so it vectorises)
+def leaf_powers_into(values, alpha, out, lo, hi):
+    """``out[i] = leaf_value(_power(values[i], alpha))`` for ``i`` in ``lo:hi``: the index weight a priority
+    index stores for raw priority ``values[i]``, bit for bit, for a fraction of ``pow``'s cost (see the module:
+    a vectorised quick power, then ``pow`` where the float32 rounding is in doubt). ``values`` non-negative.
+
+    Args:
+        values: float64 raw priorities; alpha: the exponent (a float); out: float64, at least ``hi`` long.
+        lo, hi: the range of entries to compute.
+    Cost: O(hi - lo), about 6 ns an entry against 10 for ``pow`` on the reference VM (two passes: the quick
+    power, then ``pow`` for the entries it left, about 1 in 10,000); exact throughout for alpha 0, 0.5, 1 and 2
+    (``_power``'s shortcuts) and for ``|alpha| >= 8``. Serial, one thread.
+    """
+    x = values[lo:hi]  # (views counted from 0: a loop from lo vectorises less well, 6.2 against 5.1 ns an entry)
+    y = out[lo:hi]
+    if alpha == 0.5 or alpha == 2.0 or alpha == 1.0 or alpha == 0.0 or not (abs(alpha) < _QUICK_ALPHA_MAX):
+        for i in range(x.shape[0]):
+            y[i] = leaf_value(_power(x[i], alpha))
+        return
+    for i in range(x.shape[0]):
+        y[i] = _quick_leaf_power(x[i], alpha)
+    for i in range(x.shape[0]):
+        if y[i] < 0.0:
+            y[i] = leaf_value(_power(x[i], alpha))

@@ -1,0 +1,85 @@
+"""weights.leaf_powers_into: the float32 leaf of ``p ** alpha`` from a vectorised quick power, bit for bit the
+leaf of the C library's ``pow`` (``leaf_value(_power(p, alpha))``), over the values priorities take, the edges
+of float32's range, and values built so that the rounding is in doubt (which the quick power must leave to
+``pow``). Fixed seeds."""
+import numpy as np
+import pytest
+from numba import njit
+
+from gear_mpi.kernels import weights
+from gear_mpi.kernels.priority_tree import LEAF_MAX, LEAF_TINY, leaf_values
+
+
+@njit(cache=False)
+def _quick(values, alpha, out):
+    for i in range(values.shape[0]):
+        out[i] = weights._quick_leaf_power(values[i], alpha)
+
+
+def _reference(values, alpha):
+    """The leaves the index held before: pow (or its shortcuts) element by element, rounded by leaf_value."""
+    return leaf_values(weights.power_weights(values, alpha))
+
+
+def _leaves(values, alpha):
+    out = np.full(values.shape[0], np.nan)
+    weights.leaf_powers_into(values, alpha, out, 0, values.shape[0])
+    return out
+
+
+ALPHAS = [0.6, 0.4, 0.7, 0.9, 0.123456789, 1.5, 3.0, 7.99, -0.5, 8.0, 12.0, 0.0, 0.5, 1.0, 2.0]
+
+
+def _values(rng):
+    return np.concatenate([
+        rng.random(200_000) + 0.01,  # TD errors plus an epsilon, as replay sets them
+        rng.random(50_000),  # down to 0
+        np.exp(rng.uniform(-100, 100, 200_000)),  # 1e-43 .. 1e43: inside and outside the quick range
+        np.arange(0, 50_000, dtype=np.float64),  # whole numbers, 0 included
+        [0.0, -0.0, 5e-324, 1e-310, 1e-30, 1e30, np.nextafter(1e-30, 0), np.nextafter(1e30, np.inf), 1.0,
+         2.0 ** -126, 2.0 ** 127, LEAF_MAX, LEAF_TINY, 1.7976931348623157e308],
+    ])
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_bit_for_bit_pow_leaves(alpha):
+    values = _values(np.random.default_rng(0))
+    got = _leaves(values, alpha)
+    want = _reference(values, alpha)
+    bad = np.flatnonzero(got.view(np.int64) != want.view(np.int64))
+    assert bad.size == 0, f"alpha {alpha}: {bad.size} leaves differ, first at p = {values[bad[0]]!r}"
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.4, 0.123456789, 3.0, 7.99])
+def test_rounding_in_doubt_goes_to_pow(alpha):
+    """p = m ** (1 / alpha) for m halfway between two float32 values: p ** alpha lies within a few float64 ulps
+    of m, so the float32 rounding is decided by pow's last bits. The quick power must decline nearly all of
+    them, and the result must still be pow's leaf (a margin of 0 in _quick_leaf_power fails here)."""
+    rng = np.random.default_rng(1)
+    f = np.unique(rng.uniform(1e-3, 1e3, 20_000).astype(np.float32)).astype(np.float64)
+    halfway = (f + np.nextafter(f.astype(np.float32), np.float32(np.inf)).astype(np.float64)) / 2  # exact in float64
+    values = weights.power_weights(halfway, 1.0 / alpha)
+    values = values[(values >= 1e-30) & (values <= 1e30)]
+    quick = np.empty_like(values)
+    _quick(values, alpha, quick)
+    assert np.mean(quick < 0) > 0.99  # declined: left to pow
+    np.testing.assert_array_equal(_leaves(values, alpha), _reference(values, alpha))
+
+
+def test_quick_power_declines_rarely_on_typical_priorities():
+    """The quick power's point: about 1 value in 10,000 is left to pow (2 * margin * 2 ** 24)."""
+    values = np.random.default_rng(2).random(1_000_000) + 0.01
+    quick = np.empty_like(values)
+    _quick(values, 0.6, quick)
+    declined = np.mean(quick < 0)
+    assert declined < 1e-3
+    kept = quick >= 0
+    np.testing.assert_array_equal(quick[kept], _reference(values[kept], 0.6))
+
+
+def test_only_the_range_is_written():
+    values = np.random.default_rng(3).random(1000) + 0.5
+    out = np.full(1000, -7.0)
+    weights.leaf_powers_into(values, 0.6, out, 100, 900)
+    assert np.all(out[:100] == -7.0) and np.all(out[900:] == -7.0)
+    np.testing.assert_array_equal(out[100:900], _reference(values[100:900], 0.6))
