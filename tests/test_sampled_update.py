@@ -187,3 +187,30 @@ def test_bad_input_on_the_threads_changes_nothing(where, threads, calls, monkeyp
         _assert_same(_state(sh), _state(twin))
     finally:
         numba.set_num_threads(before_threads)
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["serial", "threads"])
+def test_a_key_of_another_generation_is_stale(threads, calls, monkeypatch):
+    """A batch key whose generation was changed in place (its slot still the draw's) is a stale key, as the
+    general path counts it: the sorted update reads each key's generation at its sorted position."""
+    from gear_mpi.keys import _GEN_SHIFT
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    monkeypatch.setattr(priority_sampled, "PARALLEL_MIN", 256 if threads else 1 << 30)
+    sel = gm.Prioritized(0.6, 0.4)
+    sh, twin = _shard(sel), _shard(sel)
+    out = sh.sample(300, 1)
+    sh.sample(300, 1, out=out)
+    twin.sample(300, 1)
+    twin_keys = twin.sample(300, 1).keys.numpy().copy()
+    keys = out.keys.numpy()
+    np.testing.assert_array_equal(keys, twin_keys)
+    for row in (5, 6, 299):
+        keys[row] ^= 1 << _GEN_SHIFT
+        twin_keys[row] ^= 1 << _GEN_SHIFT
+    new = np.random.default_rng(2).random(300) + 0.1
+    before = len(calls)
+    got = sh.update_priorities(out.keys, new)
+    assert len(calls) == before + 1  # through the sorted draw, not refused
+    assert got == twin.update_priorities(twin_keys, new) == 300 - 3
+    assert sh.stale_updates == twin.stale_updates == 3
+    _assert_same(_state(sh), _state(twin))

@@ -6,13 +6,15 @@ holds the sorted slots (``sslots``), the batch row of each (``order``) and the i
 general update (``resolve_live``, the weights' power, then :func:`~gear_mpi.kernels.priority_tree.set_leaves`)
 resolves the keys in batch order, one random table line after another on one thread, powers the weights in a
 second pass, and groups the slots again by level-2 block (a counting sort) before writing the tree. Here the
-sorted slots serve as they are: one pass in batch order checks the input and computes the new leaves
-(``weights.leaf_powers_into``: a vectorised power, ``pow`` only where the float32 rounding is in doubt; the
-same leaves), then each thread walks a run of sorted slots that starts and ends on a level-2 block boundary,
-checks each key's status, writes its raw priority and leaf, and recounts each line, level-1 block and level-2
-block once, when the walk leaves it. The table's and tree's lines are read in ascending address order,
-prefetched ahead. (``pow`` inside that walk, one call per key between its cache misses, cost twice what it
-costs in a pass of its own: W3, two threads, 2.8 against 2.3 ms an update.)
+sorted slots serve as they are: one pass in batch order checks the input and writes each key's priority and
+generation at its sorted position; then each thread takes a run of sorted slots that starts and ends on a
+level-2 block boundary, computes its new leaves (``weights.leaf_powers_into``: a vectorised power, ``pow`` only
+where the float32 rounding is in doubt; the same leaves), and walks it: checks each key's status, writes its raw
+priority and leaf, and recounts each line, level-1 block and level-2 block once, when the walk leaves it. The
+table's and tree's lines are read in ascending address order, prefetched ahead, and the run's own rows in order.
+(W3, N = 1e7, B = 65536, two threads, an update: 2.8 ms with ``pow`` called inside the walk, between its cache
+misses; 2.2 ms with the leaves computed in a pass of their own; 1.8 ms with the keys and priorities read in slot
+order instead of at their batch rows.)
 
 The result is the general path's, bit for bit: the same raw priorities, leaves, sums and minima (every sum
 recomputed from its children in index order; a block minimum lowered in place or recounted where the value
@@ -46,8 +48,10 @@ PARALLEL_MIN = 16384
 
 
 @njit(cache=True, inline="always")
-def _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi):
-    """Whether keys ``lo:hi`` and their priorities pass every check (see the module)."""
+def _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi, sorted_p, sorted_gen):
+    """Whether keys ``lo:hi`` and their priorities pass every check (see the module); on the way, each key's
+    priority and generation are written at its sorted position (``sorted_p[inv[i]]``, ``sorted_gen[inv[i]]``),
+    so that the writes in slot order read them in order instead of at random batch rows."""
     n = keys.shape[0]
     for i in range(lo, hi):
         v = priorities[i]
@@ -62,6 +66,8 @@ def _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi):
             return False
         if j > 0 and sslots[j - 1] > sslots[j]:
             return False
+        sorted_p[j] = v
+        sorted_gen[j] = (k >> _GEN_SHIFT) & GEN_MASK
     return True
 
 
@@ -77,11 +83,14 @@ def _boundary(sslots, k):
 
 
 @njit(cache=True, inline="always")
-def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, new_leaves, powered,
-               leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, lo, hi):
-    """Sorted items ``lo:hi`` (whole level-2 blocks): statuses checked, raw priorities and leaves written (the
-    leaf of batch row ``i``: ``new_leaves[i]`` where ``powered``, else 1), each touched line, level-1 block and
-    level-2 block recounted once. Returns the live keys applied."""
+def _write_run(sslots, order, sorted_p, sorted_gen, sorted_leaf, status, alive_shift, live_code, raw, keep_raw,
+               alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, lo, hi):
+    """Sorted items ``lo:hi`` (whole level-2 blocks): their new leaves computed (``sorted_leaf``, from
+    ``sorted_p`` by ``weights.leaf_powers_into``, vectorised, where ``powered``; else 1), statuses checked against
+    ``sorted_gen``, raw priorities and leaves written, each touched line, level-1 block and level-2 block
+    recounted once. Returns the live keys applied."""
+    if powered:  # (a pass of its own, away from the walk's cache misses: see weights.leaf_powers_into)
+        leaf_powers_into(sorted_p, alpha, sorted_leaf, lo, hi)
     n = leaves.shape[0]
     n0 = l0_sum.shape[0]
     n1 = l1_sum.shape[0]
@@ -102,6 +111,7 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
         live = 0
         st = np.int64(status[s])
         alive = (st >> alive_shift) == live_code
+        kbest = -1
         while k < hi and sslots[k] == s:  # duplicates of a slot are adjacent: the last live one in batch order wins
             if k + AHEAD < hi:
                 t = sslots[k + AHEAD]
@@ -110,16 +120,17 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
                 _prefetch(l0_sum, t // LINE)
                 if keep_raw:
                     _prefetch(raw, t)
-            i = order[k]
-            if alive and (st & GEN_MASK) == ((keys[i] >> _GEN_SHIFT) & GEN_MASK):
+            if alive and (st & GEN_MASK) == sorted_gen[k]:
                 live += 1
+                i = order[k]
                 if i > best:
                     best = i
+                    kbest = k
             k += 1
         if live == 0:
             continue
         applied += live
-        p = priorities[best] + 0.0  # -0.0 as +0.0
+        p = sorted_p[kbest] + 0.0  # -0.0 as +0.0
         if keep_raw:
             raw[s] = p
         g = s // LINE
@@ -140,7 +151,7 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
             if ccur >= 0:
                 _recompute_l2(l1_sum, l1_min, l2_sum, l2_min, ccur, n1)
             ccur = c
-        v = new_leaves[best] if powered else 1.0
+        v = sorted_leaf[kbest] if powered else 1.0
         old = np.float64(leaves[s])
         leaves[s] = v
         if v > 0.0 and v < l1_min[b]:
@@ -158,11 +169,11 @@ def _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, 
 
 @njit(cache=True, nogil=True, parallel=SERIAL)  # (pipeline.SERIAL: no reference counting in its loop)
 def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift, live_code, raw,
-                   keep_raw, alpha, powered, tree, new_leaves):
+                   keep_raw, alpha, powered, tree, sorted_p, sorted_gen, sorted_leaf):
     """Set the priorities of ``keys``, the batch whose sorted draw ``sslots``/``order``/``inv`` describe (see the
     module), on one thread: each live key's raw priority (``raw[slot] = p + 0.0`` where ``keep_raw``) and index
     weight (``p ** alpha`` as ``weights._power`` where ``powered``, else 1; its leaf as ``leaf_value`` rounds it,
-    computed first for the whole batch by ``weights.leaf_powers_into``).
+    by ``weights.leaf_powers_into``).
 
     Args:
         keys: int64 keys; priorities: float64, one per key (not yet checked).
@@ -172,29 +183,30 @@ def update_sampled(keys, priorities, sslots, order, inv, tag, rank, max_items, s
         raw, keep_raw: the table's raw-priority row (any float64 array when not kept) and whether it is kept.
         alpha, powered: the selector's exponent, and whether weights are powers (else all 1).
         tree: the host index's arrays (``PriorityIndex._arrays``).
-        new_leaves: float64 scratch of ``len(keys)`` (the batch's leaves where ``powered``).
+        sorted_p, sorted_gen, sorted_leaf: scratch rows of ``len(keys)`` (float64, int64, float64): the priorities,
+            the keys' generations and the new leaves in slot order.
     Returns:
         The live keys applied, or -1 (nothing written) when a check fails: the caller takes the general path.
-    Cost: O(B), three passes (checks, the leaves' powers in batch order, the writes in slot order); the table's
-    and tree's lines in ascending address order.
+    Cost: O(B), two passes: the checks in batch order (writing each key's priority and generation at its sorted
+    position), then in slot order the new leaves (vectorised) and the writes; the table's and tree's lines in
+    ascending address order.
     """
-    if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, 0, keys.shape[0]):
+    if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, 0, keys.shape[0], sorted_p,
+                   sorted_gen):
         return -1
-    if powered:  # (a pass of its own, away from the writes' cache misses, vectorised: see weights.leaf_powers_into)
-        leaf_powers_into(priorities, alpha, new_leaves, 0, keys.shape[0])
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
-    applied = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw, keep_raw, new_leaves,
-                         powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, 0, keys.shape[0])
+    applied = _write_run(sslots, order, sorted_p, sorted_gen, sorted_leaf, status, alive_shift, live_code, raw,
+                         keep_raw, alpha, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, 0, keys.shape[0])
     _rebuild_prefix(l2_sum, prefix)
     return applied
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max_items, status, alive_shift,
-                            live_code, raw, keep_raw, alpha, powered, tree, new_leaves, chunks):
-    """:func:`update_sampled` shared among the threads: the checks (and the leaves' powers) in ``chunks`` slices of
-    the keys, then the writes in ``chunks`` runs of sorted items cut at level-2 block boundaries (no two threads
-    share a line or a block). The same result. One parallel region (one wake-up of sleeping workers): slices and
+                            live_code, raw, keep_raw, alpha, powered, tree, sorted_p, sorted_gen, sorted_leaf, chunks):
+    """:func:`update_sampled` shared among the threads: the checks in ``chunks`` slices of the keys, then the new
+    leaves and the writes in ``chunks`` runs of sorted items cut at level-2 block boundaries (no two threads share
+    a line or a block). The same result. One parallel region (one wake-up of sleeping workers): slices and
     runs are handed out as the threads arrive (``hints.take_next``); a thread done with the checks waits for every
     slice's (``hints.wait_flag``, bounded: a thread that gives up leaves the runs to the others; the one that
     finishes the last check never waits), and nothing is written unless every check passed. Cost: O(B) over the
@@ -211,10 +223,8 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
         while t < chunks:
             lo = t * n // chunks
             hi = (t + 1) * n // chunks
-            if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi):
+            if not _checks(keys, priorities, sslots, order, inv, tag, rank, max_items, lo, hi, sorted_p, sorted_gen):
                 raise_flag(failed)
-            elif powered:
-                leaf_powers_into(priorities, alpha, new_leaves, lo, hi)
             raise_flag(checked)  # (release: the failure, if any, is seen by whoever sees this count)
             t = take_next(check_taken)
         if wait_flag(checked, WAIT_SPINS, WAIT_CYCLES, chunks) and flag_value(failed) == 0:
@@ -224,9 +234,9 @@ def update_sampled_parallel(keys, priorities, sslots, order, inv, tag, rank, max
                 hi = _boundary(sslots, (t + 1) * n // chunks)
                 counts[t] = 0
                 if hi > lo:
-                    counts[t] = _write_run(keys, priorities, sslots, order, status, alive_shift, live_code, raw,
-                                           keep_raw, new_leaves, powered, leaves, l0_sum, l1_sum, l1_min, l2_sum,
-                                           l2_min, lo, hi)
+                    counts[t] = _write_run(sslots, order, sorted_p, sorted_gen, sorted_leaf, status, alive_shift,
+                                           live_code, raw, keep_raw, alpha, powered, leaves, l0_sum, l1_sum, l1_min,
+                                           l2_sum, l2_min, lo, hi)
                 t = take_next(write_taken)
     if failed[0] != 0:
         return -1

@@ -4,8 +4,8 @@ A training loop calls ``Shard.sample(B, W, out=batch)`` then ``Shard.update_prio
 The one-call sample drew the batch's slots in ascending order and left them in this thread's scratch
 (:func:`~gear_mpi.kernels.local_sample.sorted_draw`); :func:`update_batch` sets the new priorities through
 them (:mod:`~gear_mpi.kernels.priority_sampled`): no second grouping of the slots, the table's and tree's
-lines in address order, the checks and the new leaves (the weights' powers, vectorised) in one pass and the
-keys' statuses and the tree writes in another, both shared among the threads. The same leaves, levels, raw
+lines in address order, the checks in one pass and the new leaves (the weights' powers, vectorised), the keys'
+statuses and the tree writes in another, both shared among the threads. The same leaves, levels, raw
 priorities and counts as the general path, bit for bit; where the scratch does not describe these keys
 (another sample in between, keys changed in place), or anything is wrong with the input, it returns None and
 the caller takes the general path, which raises the errors. Local: no communication.
@@ -25,16 +25,17 @@ _NO_ROW = np.zeros(0, np.float64)  # the raw-priority row where the table keeps 
 _local = threading.local()
 
 
-def _leaf_scratch(n: int) -> np.ndarray:
-    """This thread's float64 scratch of ``n`` entries for the batch's new leaves, kept between calls (grown when a
-    larger batch comes; larger than ``local_sample._SCRATCH_KEEP``: a fresh one each call, as the sample's): fresh
-    pages would fault in at every call. O(1) once grown."""
+def _sorted_scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's scratch rows of ``n`` entries for the update's priorities, generations (int64) and new leaves
+    in slot order, kept between calls (grown when a larger batch comes; larger than ``local_sample._SCRATCH_KEEP``:
+    fresh ones each call, as the sample's): fresh pages would fault in at every call. O(1) once grown."""
     if n > local_sample._SCRATCH_KEEP:
-        return np.empty(n)
-    row = getattr(_local, "row", None)
-    if row is None or row.shape[0] < n:
-        row = _local.row = np.empty(max(n, 64))
-    return row[:n]
+        rows = np.empty((3, n))
+    else:
+        rows = getattr(_local, "rows", None)
+        if rows is None or rows.shape[1] < n:
+            rows = _local.rows = np.empty((3, max(n, 64)))
+    return rows[0, :n], rows[1, :n].view(np.int64), rows[2, :n]
 
 
 def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
@@ -70,7 +71,7 @@ def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
     sslots, order, inv = drawn
     args = (np.ascontiguousarray(keys), np.ascontiguousarray(pr), sslots, order, inv, store.tag, store.rank,
             store.max_items, store.status, ring.ALIVE_SHIFT, ring.LIVE, row if keep else _NO_ROW, keep, alpha,
-            kind is Prioritized, index._arrays, _leaf_scratch(n) if kind is Prioritized else _NO_ROW)
+            kind is Prioritized, index._arrays, *_sorted_scratch(n))
     if n >= priority_sampled.PARALLEL_MIN:
         applied = priority_sampled.update_sampled_parallel(*args, max(2, min(64, n // 1024)))
     else:
