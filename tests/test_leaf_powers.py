@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from gear_mpi.kernels import weights
-from gear_mpi.kernels.priority_tree import LEAF_MAX, LEAF_TINY, leaf_values
+from gear_mpi.kernels import priority_tree, weights
+
+LEAF_MAX, LEAF_TINY = priority_tree.LEAF_MAX, priority_tree.LEAF_TINY
 
 
 @njit(cache=False)
@@ -18,7 +19,7 @@ def _quick(values, alpha, out):
 
 def _reference(values, alpha):
     """The leaves the index held before: pow (or its shortcuts) element by element, rounded by leaf_value."""
-    return leaf_values(weights.power_weights(values, alpha))
+    return priority_tree.leaf_values(weights.power_weights(values, alpha))
 
 
 def _leaves(values, alpha):
