@@ -16,7 +16,7 @@ from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
 from .storage.arenas import memory_kind
 from .selection import one_call, small_update
 from .selection.priority_index import DevicePriorityIndex, PriorityIndex
-from .selection.selectors import Prioritized, Selector, Uniform, rank_by_priority
+from .selection.selectors import Selector, Uniform, rank_by_priority
 from .storage.shard_insert import ShardInserter
 from .checkpoint.shard_state import ShardCheckpointState
 from .spec import TrajectorySpec, check_count

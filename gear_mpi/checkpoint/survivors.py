@@ -118,7 +118,7 @@ def rebuild(old: Any, comm: Any, survivors: list[int], checkpoint, opts: dict,
     from ..distributed.comm import MpiComm
     t0 = time.monotonic()
     mc = MpiComm(comm, opts["timeout"])
-    size, rank = mc.size, mc.rank
+    size = mc.size
     dead = sorted(set(range(old.ranks)) - set(survivors))
     err, body, where, digest = None, None, None, 0
     try:

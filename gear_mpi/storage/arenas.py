@@ -18,7 +18,6 @@ knows the spec and capacity can map the same columns by name.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import hashlib
 import json
 import mmap

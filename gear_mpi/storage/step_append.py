@@ -166,7 +166,7 @@ class StepAppender:
         if len(step) != self.count or not self.names.issuperset(step):
             missing = [k for k in self.spec.names if k not in step]
             extra = [k for k in step if k not in self.names]
-            raise InvalidTrajectoryError(f"append_step: " + (f"missing column(s) {missing}" if missing else
+            raise InvalidTrajectoryError("append_step: " + (f"missing column(s) {missing}" if missing else
                                          f"unknown column(s) {extra}") + f"; the spec has {list(self.spec.names)}")
         if self.min_length > 1:
             raise InvalidTrajectoryError(f"append_step: a spec with a NextStep column stores trajectories of at "
