@@ -29,13 +29,17 @@ def _sorted_scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This thread's scratch rows of ``n`` entries for the update's priorities, generations (int64) and new leaves
     in slot order, kept between calls (grown when a larger batch comes; larger than ``local_sample._SCRATCH_KEEP``:
     fresh ones each call, as the sample's): fresh pages would fault in at every call. O(1) once grown."""
+    if getattr(_local, "n", -1) == n:
+        return _local.views
     if n > local_sample._SCRATCH_KEEP:
         rows = np.empty((3, n))
-    else:
-        rows = getattr(_local, "rows", None)
-        if rows is None or rows.shape[1] < n:
-            rows = _local.rows = np.empty((3, max(n, 64)))
-    return rows[0, :n], rows[1, :n].view(np.int64), rows[2, :n]
+        return rows[0], rows[1].view(np.int64), rows[2]
+    rows = getattr(_local, "rows", None)
+    if rows is None or rows.shape[1] < n:
+        rows = _local.rows = np.empty((3, max(n, 64)))
+    _local.views = rows[0, :n], rows[1, :n].view(np.int64), rows[2, :n]  # (the same views for the next call of n)
+    _local.n = n
+    return _local.views
 
 
 def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
