@@ -185,3 +185,23 @@ def test_kernel_draws_the_uniforms_with_a_buffered_half(monkeypatch):
         bf, bs = fast.sample(b, window, out=out) if window == 2 else fast.sample(b, window), slow.sample(b, window)
         _same(bf, bs, fast, slow)
     assert fast.rng.bit_generator.state["has_uint32"]
+
+
+@pytest.mark.parametrize("b", [priority_draw.DRAW_THREADS_MIN, SORT_MIN + 1])
+def test_one_step_rows_written_in_row_order(b, threads, monkeypatch):
+    """A one-step spec (max_length 1): the runs write every batch row's real steps and mask in row order, the
+    same for every item (``local_sample._fill_fixed_rows``); the batch, into a new batch and a kept ``out=``, is
+    the general path's for windows that fit and windows padded at the end or the front."""
+    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    fast, slow = _pair(3000, 10_000, 1)
+    seen = []
+    real = local_sample._sample_kernel
+    monkeypatch.setattr(local_sample, "_sample_kernel", lambda *a: seen.append(a[-1]) or real(*a))
+    for window, align in ((1, "random"), (1, "tail"), (3, "head"), (3, "tail"), (2, "random")):
+        out = fast.sample(b, window, align)
+        _same(out, slow.sample(b, window, align), fast, slow)
+        out.mask.numpy()[:] = ~out.mask.numpy()  # rows the next call must write again
+        out.lengths.numpy()[:] = 7
+        for _ in range(2):
+            _same(fast.sample(b, window, align, out=out), slow.sample(b, window, align), fast, slow)
+    assert seen and all(flag is True for flag in seen)  # the one-step rows, every call

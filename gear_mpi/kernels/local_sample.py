@@ -103,12 +103,13 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
 @njit(cache=True, inline="always")
 def _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                     window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
-                    probabilities, weights, mask):
+                    probabilities, weights, mask, fixed_rows):
     """:func:`_place_run` and :func:`_describe_rows` in one pass over sorted items ``lo:hi``: the placement
     into the scratch rows the copy reads (``ws``, ``nv``, ``pf``, at ``k``) and the batch row of each item
     (at ``order[k]``: key, real steps, probability, importance weight ratio, mask row), with the same values.
     One pass and one parallel region less than the two (a region wakes the sleeping workers: about 45 us on
-    this VM)."""
+    this VM). ``fixed_rows``: the real steps and mask rows are left to the caller (:func:`_fill_fixed_rows`: the
+    same for every item of a one-step spec)."""
     for k in range(lo, hi):
         if k + AHEAD < hi:
             t = sslots[k + AHEAD]
@@ -124,9 +125,22 @@ def _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head,
         ws[k] = a - capacity if a >= capacity else a
         nv[k] = b
         pf[k] = c
-        lengths[i] = b
         probabilities[i] = w / total
         weights[i] = wmin / w if prioritized else 1.0
+        if not fixed_rows:
+            lengths[i] = b
+            _mask_row(mask, i, c, c + b, window)
+
+
+@njit(cache=True, inline="always")
+def _fill_fixed_rows(lo, hi, lengths, mask, window, align_code):
+    """Batch rows ``lo:hi``'s real steps and mask rows where every trajectory has one step (a one-step spec):
+    the placement of a 1-step trajectory is the same for every item (:func:`gather._placement`), so they are
+    written in row order here instead of at each item's row (random writes: on W3, two threads, the sample's
+    lengths and mask rows cost 0.3-0.45 ms that way)."""
+    _, b, c = _placement(0, 1, window, align_code, 0.0)
+    for i in range(lo, hi):
+        lengths[i] = b
         _mask_row(mask, i, c, c + b, window)
 
 
@@ -219,12 +233,14 @@ def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
-                   probabilities, weights, iscr, fscr, gen):
+                   probabilities, weights, iscr, fscr, gen, one_step=False):
     """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64),
     with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``: empty, or the
     four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
     first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
-    ``SORT_PARALLEL_MIN`` items)."""
+    ``SORT_PARALLEL_MIN`` items). ``one_step``: every stored trajectory has exactly one step (the spec's
+    ``max_length`` is 1), so the runs write the batch's real steps and mask rows in row order
+    (:func:`_fill_fixed_rows`)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
@@ -267,7 +283,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             # tree and ring (W3, N=1e6, 2 threads: 5.90 against 6.12 ms a step handed out); the region's thread
             # wake-up is small beside these batches' work
             for t in prange(runs):
-                _sample_run(rb[t], rb[t + 1], True, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length,
+                _sample_run(rb[t], rb[t + 1], True, one_step, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length,
                             generation, key_head, gen_shift, gen_mask, capacity, window, align_code, place_u,
                             prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys, lengths,
                             probabilities, weights, mask, addrs, step_bytes, outs)
@@ -276,10 +292,10 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
             for _ in prange(runs):
                 t = take_next(taken)
                 while t < runs:
-                    _sample_run(rb[t], rb[t + 1], False, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length,
-                                generation, key_head, gen_shift, gen_mask, capacity, window, align_code, place_u,
-                                prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys, lengths,
-                                probabilities, weights, mask, addrs, step_bytes, outs)
+                    _sample_run(rb[t], rb[t + 1], False, one_step, leaves, l0_sum, l1_sum, l2_sum, prefix, start,
+                                length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
+                                place_u, prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys,
+                                lengths, probabilities, weights, mask, addrs, step_bytes, outs)
                     t = take_next(taken)
     elif nb * row_bytes < COPY_THREADS_BYTES:
         _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation, key_head,
@@ -313,12 +329,14 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
 
 
 @njit(cache=True, nogil=True, parallel=SERIAL)
-def _sample_run(lo, hi, fix_sort, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length, generation, key_head,
-                gen_shift, gen_mask, capacity, window, align_code, place_u, prioritized, total, wmin, sslots, ws, nv,
-                pf, order, inv, ident, skeys, keys, lengths, probabilities, weights, mask, addrs, step_bytes, outs):
+def _sample_run(lo, hi, fix_sort, one_step, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length, generation,
+                key_head, gen_shift, gen_mask, capacity, window, align_code, place_u, prioritized, total, wmin, sslots,
+                ws, nv, pf, order, inv, ident, skeys, keys, lengths, probabilities, weights, mask, addrs, step_bytes,
+                outs):
     """One run ``lo:hi`` of :func:`_sample_kernel`'s sorted items on one thread: its part of the sort finished
     (``fix_sort``: the bucket pass left its buckets unsorted), its identity and inverse rows, its draws,
-    placements, batch metadata and window copies."""
+    placements, batch metadata and window copies (``one_step``: the real steps and mask of batch rows ``lo:hi``,
+    the same for every item, written in row order; the runs cover every row)."""
     if fix_sort:
         _insertion_fix(order, skeys, lo, hi)
     for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
@@ -327,7 +345,9 @@ def _sample_run(lo, hi, fix_sort, leaves, l0_sum, l1_sum, l2_sum, prefix, start,
     _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
     _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                     window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
-                    probabilities, weights, mask)
+                    probabilities, weights, mask, one_step)
+    if one_step:
+        _fill_fixed_rows(lo, hi, lengths, mask, window, align_code)
     _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
 
 

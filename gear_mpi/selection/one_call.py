@@ -202,7 +202,7 @@ def _call_kernel(shard, uniforms, place_u, window: int, code: int, prioritized: 
             shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
             shard.column_addresses()[0], shard.spec.step_bytes_array, outs, batch._mask_np, keys, lengths,
-            probabilities, weights, iscr, fscr, gen)
+            probabilities, weights, iscr, fscr, gen, shard.spec.max_length == 1)  # one-step trajectories only
     finally:
         thread_share.give_back(alone)
 
