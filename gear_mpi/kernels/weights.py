@@ -18,6 +18,8 @@ for the rest (about 1 in 10,000). The leaves are those of ``leaf_value(_power(x,
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -105,6 +107,18 @@ _MARGIN = 2.0 ** -38
 _F32_NORMAL_MIN = float(np.finfo(np.float32).tiny)
 _QUICK_X_MIN, _QUICK_X_MAX = 1e-30, 1e30  # the quick power's range of x (and |alpha| < _QUICK_ALPHA_MAX)
 _QUICK_ALPHA_MAX = 8.0
+_LN_SERIES = tuple(1.0 / k for k in range(17, 1, -2))  # 1/17, 1/15, ..., 1/3: artanh's series in s^2, after s
+_EXP_SERIES = tuple(1.0 / math.factorial(k) for k in range(11, -1, -1))  # 1/11!, ..., 1/1!, 1/0!
+
+
+@njit(cache=True, inline="always")
+def _horner(x, coefficients):
+    """The polynomial with ``coefficients`` (highest power first) at ``x``, by Horner's rule (a constant trip
+    count: unrolled, so a loop over it still vectorises)."""
+    acc = coefficients[0]
+    for c in coefficients[1:]:
+        acc = acc * x + c
+    return acc
 
 
 @njit(cache=True, inline="always")
@@ -119,31 +133,13 @@ def _quick_leaf_power(x, alpha):
     m = m * 0.5 if big else m  # ... then m in (sqrt(1/2), sqrt(2)]
     s = (m - 1.0) / (m + 1.0)  # ln m = 2 artanh s = 2 (s + s^3 / 3 + ... + s^17 / 17), s^2 <= 0.0295
     z = s * s
-    p = 1.0 / 17.0
-    p = p * z + 1.0 / 15.0
-    p = p * z + 1.0 / 13.0
-    p = p * z + 1.0 / 11.0
-    p = p * z + 1.0 / 9.0
-    p = p * z + 1.0 / 7.0
-    p = p * z + 1.0 / 5.0
-    p = p * z + 1.0 / 3.0
+    p = _horner(z, _LN_SERIES)
     t = alpha * (e * _LN2_HI + ((2.0 * s + 2.0 * s * z * p) + e * _LN2_LO))  # alpha ln x
     t = t if t > -700.0 else -700.0  # (outside float32's range anyway: refused below)
     t = t if t < 700.0 else 700.0
     kf = np.floor(t * _INV_LN2 + 0.5)  # exp t = 2 ** k exp r, |r| <= ln(2) / 2
     r = (t - kf * _LN2_HI) - kf * _LN2_LO
-    q = 1.0 / 39916800.0  # Taylor to r^11 / 11!
-    q = q * r + 1.0 / 3628800.0
-    q = q * r + 1.0 / 362880.0
-    q = q * r + 1.0 / 40320.0
-    q = q * r + 1.0 / 5040.0
-    q = q * r + 1.0 / 720.0
-    q = q * r + 1.0 / 120.0
-    q = q * r + 1.0 / 24.0
-    q = q * r + 1.0 / 6.0
-    q = q * r + 0.5
-    q = q * r + 1.0
-    q = q * r + 1.0
+    q = _horner(r, _EXP_SERIES)  # Taylor to r^11 / 11!
     y = q * _from_bits((np.int64(kf) + 1023) << 52)
     lo = np.float64(np.float32(y * (1.0 - _MARGIN)))
     hi = np.float64(np.float32(y * (1.0 + _MARGIN)))
