@@ -551,7 +551,7 @@ class Shard:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
         with self.hold():
-            if batch_size > 0 and self._one_call() and local_sample.pays_off(batch_size, self.store.capacity):
+            if batch_size > 0 and self._one_call():
                 one_call.remember(self, batch, args, window, code, fresh=out is None)
                 return one_call.sample_one_call(self, batch, batch_size, window, code)
             slots = self.select(batch_size)

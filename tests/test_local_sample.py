@@ -47,7 +47,6 @@ def test_small_samples_run_on_the_calling_thread_alone(monkeypatch):
         for sh in shards:
             rng = np.random.default_rng(1)
             sh.insert_packed({"x": rng.random(5000, dtype=np.float32)}, np.ones(5000, np.int64), rng.random(5000) + 0.1)
-        monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call on this small shard
         got = [shards[0].sample(low + 5, 1) for _ in range(2)]  # 2 threads asked: run alone, given back after
         assert numba.get_num_threads() == 2
         numba.set_num_threads(1)
@@ -91,7 +90,6 @@ def test_one_call_copies_wide_rows_on_the_threads_as_the_general_path(sel):
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 @pytest.mark.parametrize("b", [1, 31, 32, 300, 4000])
 def test_one_call_matches_the_general_path(sel, b, monkeypatch):
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call even for large B on small shards
     for window, align in ((1, "random"), (3, "random"), (4, "head"), (5, "tail")):
         fast, slow = _shard(sel), _shard(sel)
         assert fast._one_call()
@@ -116,10 +114,11 @@ def test_one_call_only_where_it_applies(tmp_path):
     assert not Shard(spec, 10, gm.Prioritized(), max_times_sampled=2)._one_call()
     assert not Shard(spec, 10, gm.Fifo())._one_call()
     assert not Shard(spec, 10, gm.Uniform(), memory="file", path=tmp_path)._one_call()
-    # a large batch from a shard that sits in cache goes the plain way (faster there); small batches always one
-    assert local_sample.pays_off(local_sample.DRAW_THREADS_MIN - 1, 10)
-    assert not local_sample.pays_off(local_sample.DRAW_THREADS_MIN, local_sample.ONE_CALL_MIN_CAPACITY - 1)
-    assert local_sample.pays_off(65536, local_sample.ONE_CALL_MIN_CAPACITY)
+    # a large batch from a small shard (tree and table in cache) takes the one call too
+    small = Shard(spec, 1000, gm.Prioritized(), seed=1)
+    small.insert_packed({"x": np.zeros(1000, np.float32)}, np.ones(1000, np.int64), np.ones(1000))
+    small.sample(4 * local_sample.DRAW_THREADS_MIN, 1)
+    assert small._repeat is not None  # one_call.remember: only the one-call path keeps a record
 
 
 def test_update_with_stale_and_foreign_keys():

@@ -34,7 +34,6 @@ def _same(got, want):
 @pytest.mark.parametrize("sel", [gm.Prioritized(0.6, 0.4), gm.Uniform()], ids=["prioritized", "uniform"])
 @pytest.mark.parametrize("b", [1, 40, 700])
 def test_repeated_out_matches_new_batches(sel, b, monkeypatch):
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call for 700 items too
     for window, align, squeeze in ((1, "random", False), (1, "head", True), (3, "random", False), (5, "tail", False)):
         again, fresh = _shard(sel), _shard(sel)
         out = again.sample(b, window, align, squeeze=squeeze)
@@ -151,7 +150,6 @@ def test_repeated_new_batches_match_the_checked_path(sel, b, monkeypatch):
     """A sample into a new batch with the arguments of the last one-call sample skips the checks (a fresh
     record): the same draws as a twin that takes the checked path every call, a new batch each call (the last
     one left as it was), and an update of that batch's keys (through the sorted draw) the same as the twin's."""
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     for window, align, squeeze in ((1, "random", False), (1, "head", True), (3, "random", False), (5, "tail", False)):
         fast, checked = _shard(sel), _shard(sel)
         batches, twins = [], []

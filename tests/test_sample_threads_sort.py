@@ -54,7 +54,6 @@ def threads(request):
 def test_parallel_bucket_pass_is_the_serial_sort(b, threads, monkeypatch):
     """At and around SORT_PARALLEL_MIN: the sorted draw the sample leaves (order of the uniforms) is the serial
     counting sort's, and the batch, the stream and the update that follows are the general path's."""
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     fast, slow = _pair(6000, 20_000, 4)
     for window, align in ((1, "random"), (2, "head"), (4, "random")):
         state = fast.rng.bit_generator.state
@@ -123,7 +122,6 @@ def test_unread_placement_uniforms_are_skipped_in_the_stream(monkeypatch):
     state after the call, the same batch); not where a trajectory is longer than the window, nor when a 32-bit
     half is buffered in the generator or its slot holds one used (``advance`` would clear them), nor below
     SKIP_MIN."""
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     b = one_call.SKIP_MIN
     fast, slow = _pair(3000, 10_000, 2)
     assert one_call.placement_unread(fast, b, 2, 0) and not one_call.placement_unread(fast, b, 1, 0)
@@ -171,7 +169,6 @@ def test_pcg_fill_is_numpy_random(n, skip, threads):
 def test_kernel_draws_the_uniforms_with_a_buffered_half(monkeypatch):
     """From SORT_PARALLEL_MIN the kernel draws the uniforms itself (placements unread): the same batch and
     stream as the general path, a buffered 32-bit half included; where placements are read, numpy draws."""
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     b = SORT_MIN + 5
     fast, slow = _pair(6000, 20_000, 2)
     for sh in (fast, slow):
@@ -192,7 +189,6 @@ def test_one_step_rows_written_in_row_order(b, threads, monkeypatch):
     """A one-step spec (max_length 1): the runs write every batch row's real steps and mask in row order, the
     same for every item (``local_sample._fill_fixed_rows``); the batch, into a new batch and a kept ``out=``, is
     the general path's for windows that fit and windows padded at the end or the front."""
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     fast, slow = _pair(3000, 10_000, 1)
     seen = []
     real = local_sample._sample_kernel

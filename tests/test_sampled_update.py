@@ -58,7 +58,6 @@ def calls(monkeypatch):
                                  gm.Uniform()], ids=["alpha0.6", "alpha1", "alpha0", "uniform"])
 @pytest.mark.parametrize("b", [40, 300, 2500])
 def test_same_as_general_path(sel, b, calls, monkeypatch):
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)  # the one call for 2500 items too
     monkeypatch.setattr(priority_sampled, "PARALLEL_MIN", 2048)  # and 2500 keys updated by the threads
     fast, slow = _shard(sel), _shard(sel)
     out = fast.sample(b, 1)
@@ -88,7 +87,6 @@ def test_same_as_general_path(sel, b, calls, monkeypatch):
 
 
 def test_other_inputs_go_the_general_way(calls, monkeypatch):
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     sel = gm.Prioritized(0.6, 0.4)
     sh, twin = _shard(sel), _shard(sel)
     out = sh.sample(300, 1)
@@ -155,7 +153,6 @@ def test_bad_input_on_the_threads_changes_nothing(where, threads, calls, monkeyp
     before_threads = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
         monkeypatch.setattr(priority_sampled, "PARALLEL_MIN", 2048)
         sel = gm.Prioritized(0.6, 0.4)
         sh, twin = _shard(sel), _shard(sel)
@@ -194,7 +191,6 @@ def test_a_key_of_another_generation_is_stale(threads, calls, monkeypatch):
     """A batch key whose generation was changed in place (its slot still the draw's) is a stale key, as the
     general path counts it: the sorted update reads each key's generation at its sorted position."""
     from gear_mpi.keys import _GEN_SHIFT
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
     monkeypatch.setattr(priority_sampled, "PARALLEL_MIN", 256 if threads else 1 << 30)
     sel = gm.Prioritized(0.6, 0.4)
     sh, twin = _shard(sel), _shard(sel)

@@ -247,8 +247,7 @@ def test_prioritized_update_of_the_samples_keys_goes_through_the_sorted_draw(mon
     """The samples' ``keys`` are the batch's own keys array, which the shard knows (weakly) after the sample
     although the batch object is gone: ``update_priorities(samples.keys, ...)`` goes through the sample's sorted
     draw (one kernel, no key lookups) and leaves what a buffer taking the general path leaves."""
-    from gear_mpi.kernels import local_sample, priority_sampled
-    monkeypatch.setattr(local_sample, "ONE_CALL_MIN_CAPACITY", 0)
+    from gear_mpi.kernels import priority_sampled
     seen = []
     real = priority_sampled.update_sampled
     monkeypatch.setattr(priority_sampled, "update_sampled", lambda *a: seen.append(1) or real(*a))

@@ -38,16 +38,11 @@ from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _dr
 AHEAD = 16  # table rows requested this many items ahead
 
 
-#: below this capacity a large batch (>= DRAW_THREADS_MIN) is drawn by the plain path: when the tree and
-#: table sit in cache, sorting the uniforms and the extra passes of the one-call kernel cost more than its
-#: in-order reads save (W3, B=65536 here: 15-16 ms one call against 8.5 ms plain at N=1e5, 14.5 against
-#: 16-21 ms at N=1e6, one thread)
-ONE_CALL_MIN_CAPACITY = 1 << 19
-
-
-def pays_off(batch_size: int, capacity: int) -> bool:
-    """Whether :func:`sample_proportional` beats the plain draw-place-copy chain for this batch and shard."""
-    return batch_size < DRAW_THREADS_MIN or capacity >= ONE_CALL_MIN_CAPACITY
+# (Until 2026-12-06 a batch of DRAW_THREADS_MIN or more items from a shard under 2**19 items took the plain
+# draw-place-copy chain, then faster where the tree and table sit in cache. Since the sampled update's and the
+# one-step rows' changes the one call is as fast or faster at every size measured, 1e4 to 3e5 items, batches of
+# 1024 to 65536, one-float and 4 KiB rows, windows of 1 and 4, one and two threads: docs/BENCHMARKS.md, "The
+# update's leaves and rows in slot order".)
 
 
 @njit(cache=True, inline="always")

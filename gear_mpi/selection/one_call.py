@@ -89,8 +89,7 @@ def fits(shard) -> bool:
     Args:
         shard: the :class:`~gear_mpi.shard.Shard`.
     Returns:
-        True when :func:`sample_one_call` may serve its samples of any size that
-        :func:`~gear_mpi.kernels.local_sample.pays_off`.
+        True when :func:`sample_one_call` may serve its samples (of any size).
     """
     st = shard.store
     return (isinstance(shard.index, PriorityIndex) and type(shard.selector) in (Uniform, Prioritized)
@@ -162,8 +161,7 @@ def repeats(record, out, args: tuple) -> bool:
 def sample_one_call(shard, batch, b: int, window: int, code: int):
     """Sample ``b`` windows of ``window`` steps (align ``code``) into ``batch`` in one kernel call, with the
     shard's stream: ``2 b`` uniforms (draws, then placements) for random alignment, else ``b``. The
-    arguments were checked by the caller (``Shard.sample``), the shard :func:`fits` and the call
-    :func:`~gear_mpi.kernels.local_sample.pays_off`. O(B log n) plus the copy; on the threads where they
+    arguments were checked by the caller (``Shard.sample``) and the shard :func:`fits`. O(B log n) plus the copy; on the threads where they
     pay (:func:`~gear_mpi.kernels.thread_share.caller_alone`).
 
     Returns:
