@@ -551,6 +551,8 @@ class Shard:
             self.check_can_sample()
         batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
         with self.hold():
+            # every batch size and shard size: the one call was as fast or faster wherever measured, shards that
+            # sit in cache included (docs/BENCHMARKS.md, "The update's leaves and rows in slot order")
             if batch_size > 0 and self._one_call():
                 one_call.remember(self, batch, args, window, code, fresh=out is None)
                 return one_call.sample_one_call(self, batch, batch_size, window, code)

@@ -38,13 +38,6 @@ from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _dr
 AHEAD = 16  # table rows requested this many items ahead
 
 
-# (Until 2026-12-06 a batch of DRAW_THREADS_MIN or more items from a shard under 2**19 items took the plain
-# draw-place-copy chain, then faster where the tree and table sit in cache. Since the sampled update's and the
-# one-step rows' changes the one call is as fast or faster at every size measured, 1e4 to 3e5 items, batches of
-# 1024 to 65536, one-float and 4 KiB rows, windows of 1 and 4, one and two threads: docs/BENCHMARKS.md, "The
-# update's leaves and rows in slot order".)
-
-
 @njit(cache=True, inline="always")
 def _place_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity, window,
                align_code, place_u, order, skey, sw, ws, nv, pf):
@@ -185,27 +178,46 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
 
 NO_GEN = np.zeros(0, np.uint64)  # _sample_kernel's gen when the uniforms are given
 _I_ROWS, _F_ROWS = 8, 2  # int64 rows: sslots skey ws nv pf order inv ident; float64 rows: sw, sorted uniforms
-_SCRATCH_KEEP = 1 << 20  # batches up to this many items keep their scratch (80 bytes an item) for the next call
+_U_ROWS = 3  # and the update of the batch's rows (update_rows): priorities, generations, new leaves in slot order
+_SCRATCH_KEEP = 1 << 20  # batches up to this many items keep their scratch (104 bytes an item) for the next call
 _local = threading.local()
 
 
 def _scratch(nb: int) -> tuple[tuple, tuple]:
     """This thread's scratch for a batch of ``nb`` items: ``_I_ROWS`` int64 and ``_F_ROWS`` float64 contiguous
-    rows of ``nb`` entries, staggered in one allocation (:func:`staggered_rows`), kept for the next call
-    (grown when a larger batch comes; batches larger than ``_SCRATCH_KEEP`` get fresh ones). Per thread, so
-    concurrent samplers (a prefetch thread) never share it. O(1) for the batch size of the last call."""
+    rows of ``nb`` entries, staggered in one allocation (:func:`staggered_rows`) with the ``_U_ROWS`` of
+    :func:`update_rows`, kept for the next call (grown when a larger batch comes; batches larger than
+    ``_SCRATCH_KEEP`` get fresh ones, without update rows). Per thread, so concurrent samplers (a prefetch
+    thread) never share it. O(1) for the batch size of the last call."""
     if getattr(_local, "nb", -1) == nb:
         return _local.rows
     if nb > getattr(_local, "size", 0):
         size = max(nb, DRAW_PIPE)
-        both = staggered_rows(_I_ROWS + _F_ROWS, size)
-        iscr, fscr = both[:_I_ROWS], both[_I_ROWS:].view(np.float64)
+        rows = staggered_rows(_I_ROWS + _F_ROWS + _U_ROWS, size)
+        iscr, fscr = rows[:_I_ROWS], rows[_I_ROWS:_I_ROWS + _F_ROWS].view(np.float64)
         if size > _SCRATCH_KEEP:
             return tuple(iscr[:, :nb]), tuple(fscr[:, :nb])
-        _local.iscr, _local.fscr, _local.size = iscr, fscr, size
+        _local.iscr, _local.fscr, _local.uscr, _local.size = iscr, fscr, rows[_I_ROWS + _F_ROWS:], size
     _local.rows = (tuple(_local.iscr[:, :nb]), tuple(_local.fscr[:, :nb]))
+    u = _local.uscr
+    _local.update = (u[0, :nb].view(np.float64), u[1, :nb], u[2, :nb].view(np.float64))
     _local.nb = nb
     return _local.rows
+
+
+def update_rows(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The scratch rows of ``nb`` entries the update of this thread's last sample's batch works in
+    (:mod:`~gear_mpi.kernels.priority_sampled`): the priorities (float64), the keys' generations (int64) and the
+    new leaves (float64), in slot order. Valid where :func:`sorted_draw` of ``nb`` returned rows. O(1).
+
+    Args:
+        nb: the batch size.
+    Returns:
+        ``(sorted_p, sorted_gen, sorted_leaf)``, views kept with the sample's scratch.
+    """
+    if getattr(_local, "nb", -1) != nb:
+        raise ValueError(f"update_rows: this thread's scratch holds no sample of {nb} items")
+    return _local.update
 
 
 def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

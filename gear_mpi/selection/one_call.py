@@ -161,8 +161,8 @@ def repeats(record, out, args: tuple) -> bool:
 def sample_one_call(shard, batch, b: int, window: int, code: int):
     """Sample ``b`` windows of ``window`` steps (align ``code``) into ``batch`` in one kernel call, with the
     shard's stream: ``2 b`` uniforms (draws, then placements) for random alignment, else ``b``. The
-    arguments were checked by the caller (``Shard.sample``) and the shard :func:`fits`. O(B log n) plus the copy; on the threads where they
-    pay (:func:`~gear_mpi.kernels.thread_share.caller_alone`).
+    arguments were checked by the caller (``Shard.sample``) and the shard :func:`fits`. O(B log n) plus the
+    copy; on the threads where they pay (:func:`~gear_mpi.kernels.thread_share.caller_alone`).
 
     Returns:
         ``batch``, filled.

@@ -12,8 +12,6 @@ the caller takes the general path, which raises the errors. Local: no communicat
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from ..kernels import local_sample, priority_sampled, ring
@@ -22,24 +20,6 @@ from .priority_index import PriorityIndex
 from .selectors import Prioritized, Uniform
 
 _NO_ROW = np.zeros(0, np.float64)  # the raw-priority row where the table keeps none
-_local = threading.local()
-
-
-def _sorted_scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This thread's scratch rows of ``n`` entries for the update's priorities, generations (int64) and new leaves
-    in slot order, kept between calls (grown when a larger batch comes; larger than ``local_sample._SCRATCH_KEEP``:
-    fresh ones each call, as the sample's): fresh pages would fault in at every call. O(1) once grown."""
-    if getattr(_local, "n", -1) == n:
-        return _local.views
-    if n > local_sample._SCRATCH_KEEP:
-        rows = np.empty((3, n))
-        return rows[0], rows[1].view(np.int64), rows[2]
-    rows = getattr(_local, "rows", None)
-    if rows is None or rows.shape[1] < n:
-        rows = _local.rows = np.empty((3, max(n, 64)))
-    _local.views = rows[0, :n], rows[1, :n].view(np.int64), rows[2, :n]  # (the same views for the next call of n)
-    _local.n = n
-    return _local.views
 
 
 def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
@@ -75,7 +55,7 @@ def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
     sslots, order, inv = drawn
     args = (np.ascontiguousarray(keys), np.ascontiguousarray(pr), sslots, order, inv, store.tag, store.rank,
             store.max_items, store.status, ring.ALIVE_SHIFT, ring.LIVE, row if keep else _NO_ROW, keep, alpha,
-            kind is Prioritized, index._arrays, *_sorted_scratch(n))
+            kind is Prioritized, index._arrays, *local_sample.update_rows(n))
     if n >= priority_sampled.PARALLEL_MIN:
         applied = priority_sampled.update_sampled_parallel(*args, max(2, min(64, n // 1024)))
     else:
