@@ -11,7 +11,7 @@ from .batch import Batch, check_batch_bytes, check_batch_size, check_window
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import local_sample, ring
-from .kernels.weights import PARALLEL_MIN, power_weights
+from .kernels.weights import PARALLEL_MIN, leaf_weights, power_weights
 from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
 from .storage.arenas import memory_kind
 from .selection import one_call, small_update
@@ -667,7 +667,8 @@ class Shard:
             st.resolve(keys[foreign:foreign + 1])  # raises InvalidKeyError, naming what is wrong with the key
         self.stale_updates += n - applied
         if self.index is not None and applied:
-            self.index.set(slots[:applied], self.selector.weights(values[:applied]))
+            weigh = self.selector.leaf_weights if isinstance(self.index, PriorityIndex) else self.selector.weights
+            self.index.set(slots[:applied], weigh(values[:applied]))  # (a host index rounds them so anyway)
         return live
 
     def get(self, key: int) -> dict[str, np.ndarray]:
@@ -787,8 +788,9 @@ def warm_kernels(spec: TrajectorySpec, sampler) -> None:
             batch = scratch.sample(2, 1, align)
         scratch.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
         scratch.insert_many([zeros, zeros], [1.0, 2.0])
-        if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel power of large inserts and updates
+        if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel powers of large inserts and updates
             power_weights(np.ones(PARALLEL_MIN), sampler.alpha)
+            leaf_weights(np.ones(PARALLEL_MIN), sampler.alpha)
     finally:
         scratch.close()
     _WARM.add(key)

@@ -84,3 +84,36 @@ def test_only_the_range_is_written():
     weights.leaf_powers_into(values, 0.6, out, 100, 900)
     assert np.all(out[:100] == -7.0) and np.all(out[900:] == -7.0)
     np.testing.assert_array_equal(out[100:900], _reference(values[100:900], 0.6))
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0, 0.5, 3.0, 12.0])
+@pytest.mark.parametrize("n", [0, 1, 37, weights.PARALLEL_MIN - 1, weights.PARALLEL_MIN, 3 * weights.PARALLEL_MIN + 5])
+def test_leaf_weights_serial_and_on_the_threads(alpha, n):
+    """weights.leaf_weights (what inserts and general updates of a host index now call): pow's leaves bit for bit,
+    on one thread below PARALLEL_MIN values and in chunks on the threads from it, into ``out`` or a new array."""
+    values = _values(np.random.default_rng(4))[::-1][:n].copy()  # the edge values first, then a mix
+    want = _reference(values, alpha)
+    got = weights.leaf_weights(values, alpha)
+    np.testing.assert_array_equal(got.view(np.int64), want.view(np.int64))
+    out = np.full(n, np.nan)
+    assert weights.leaf_weights(values, alpha, out) is out
+    np.testing.assert_array_equal(out.view(np.int64), want.view(np.int64))
+
+
+def test_selectors_leaf_weights_are_their_weights_as_leaves():
+    """Selector.leaf_weights: Prioritized's by the quick power, Uniform's ones, a selector of one's own through
+    the base class's rounding of its weights (one that subclasses Uniform or Prioritized too); each what a host index stores (leaf_values of weights)."""
+    import gear_mpi as gm
+
+    class Thirds(gm.Uniform):
+        def weights(self, priorities):
+            return np.asarray(priorities, np.float64) / 3.0
+
+    class Roots(gm.Prioritized):
+        def weights(self, priorities):
+            return np.sqrt(np.asarray(priorities, np.float64)) + 0.1
+
+    values = np.random.default_rng(5).random(70_000) * 100
+    for sel in (gm.Prioritized(0.6, 0.4), gm.Prioritized(1.0, 0.4), gm.Uniform(), Thirds(), Roots(0.6, 0.4)):
+        want = priority_tree.leaf_values(sel.weights(values))
+        np.testing.assert_array_equal(sel.leaf_weights(values).view(np.int64), want.view(np.int64))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.weights import power_weights
+from ..kernels.priority_tree import leaf_values
+from ..kernels.weights import leaf_weights, power_weights
 
 
 def __getattr__(name: str):
@@ -45,6 +46,21 @@ class Selector:
             NotImplementedError: an ordered selector (it keeps no index).
         """
         raise NotImplementedError
+
+    def leaf_weights(self, priorities: np.ndarray) -> np.ndarray:
+        """:meth:`weights` as a host priority index stores them: each rounded to float32
+        (:func:`~gear_mpi.kernels.priority_tree.leaf_values`). O(n).
+
+        Args:
+            priorities: validated raw priorities (float64, >= 0).
+
+        Returns:
+            float64 weights, one per priority (a new array).
+
+        Raises:
+            NotImplementedError: an ordered selector (it keeps no index).
+        """
+        return leaf_values(self.weights(priorities))
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
         """Importance-sampling weights for selected items; 1 unless prioritized.
@@ -81,6 +97,13 @@ class Uniform(Selector):
             float64 ones, one per priority.
         """
         return np.ones(len(priorities), np.float64)
+
+    def leaf_weights(self, priorities: np.ndarray) -> np.ndarray:
+        """:meth:`weights` (ones: a leaf holds 1 exactly; a subclass's own weights rounded as the base class
+        rounds them). O(n)."""
+        if type(self).weights is not Uniform.weights:
+            return super().leaf_weights(priorities)
+        return self.weights(priorities)
 
 
 class Prioritized(Selector):
@@ -123,6 +146,21 @@ class Prioritized(Selector):
         if self.alpha == 1.0:
             return priorities.astype(np.float64)
         return power_weights(priorities, self.alpha)
+
+    def leaf_weights(self, priorities: np.ndarray) -> np.ndarray:
+        """:meth:`weights` rounded as a host priority index stores them, bit for bit ``leaf_values(weights(p))``,
+        at about half the cost of ``pow`` (:func:`~gear_mpi.kernels.weights.leaf_weights`). O(n), one kernel
+        call, shared among the threads from ``kernels.weights.PARALLEL_MIN`` priorities.
+
+        Args:
+            priorities: validated raw priorities (float64, >= 0).
+
+        Returns:
+            float64 weights, one per priority (a new array).
+        """
+        if type(self).weights is not Prioritized.weights:  # a subclass's own weights: rounded by the base class
+            return super().leaf_weights(priorities)
+        return leaf_weights(priorities, self.alpha)
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
         """Importance-sampling weights ``(min_weight / w) ** beta`` (1 for the lightest item). O(B).

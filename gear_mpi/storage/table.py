@@ -37,8 +37,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels import ring
-from ..kernels.priority_tree import leaf_values
-from ..kernels.weights import power_weights
+from ..kernels.weights import leaf_weights
 from ..keys import GEN_MASK
 from .arenas import anonymous_pages
 from .stamps import StampLog
@@ -201,7 +200,7 @@ class DerivedPriority:
 
     def _held(self, priorities: np.ndarray) -> np.ndarray:
         """The leaf each priority gives: ``leaf_value(power_weights(p))``, as the shard sets it."""
-        return leaf_values(power_weights(priorities, self.alpha))
+        return leaf_weights(np.asarray(priorities, np.float64), self.alpha)
 
     def _raw(self, weights: np.ndarray) -> np.ndarray:
         """The priorities whose held weight (``leaf_value`` of ``p ** alpha`` as the selector computes it:
