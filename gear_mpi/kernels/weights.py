@@ -15,6 +15,8 @@ weights needs ``pow`` only where the rounding is in doubt: :func:`leaf_powers_in
 a loop the compiler vectorises (a polynomial logarithm and exponential, relative error below ``2 ** -43``),
 keeps the float32 value where every number within ``2 ** -38`` of it rounds the same way, and asks ``pow``
 for the rest (about 1 in 10,000). The leaves are those of ``leaf_value(_power(x, alpha))``, bit for bit.
+:func:`leaf_weights` does it for a whole array (the weights of an insert or a general priority update into a
+host index), on the threads from ``PARALLEL_MIN`` values.
 """
 from __future__ import annotations
 
