@@ -149,7 +149,10 @@ def _quick_leaf_power(x, alpha):
     return lo if ok else -1.0
 
 
-@njit(cache=True, nogil=True, error_model="numpy")  # (numpy's: a division that cannot raise, so it vectorises)
+# error_model numpy: a division that cannot raise, so the loop vectorises; fastmath "contract" only: each
+# multiply-add of the series one fused instruction (the loop 5.4 -> 3.8 ns a value; the same worst error, 2 ** -43.8,
+# over 2.4e7 values), nothing reordered. Not for the draws: their sums must stay bit for bit those of draw_one
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
 def leaf_powers_into(values, alpha, out, lo, hi):
     """``out[i] = leaf_value(_power(values[i], alpha))`` for ``i`` in ``lo:hi``: the index weight a priority
     index stores for raw priority ``values[i]``, bit for bit, for a fraction of ``pow``'s cost (see the module:
@@ -158,7 +161,7 @@ def leaf_powers_into(values, alpha, out, lo, hi):
     Args:
         values: float64 raw priorities; alpha: the exponent (a float); out: float64, at least ``hi`` long.
         lo, hi: the range of entries to compute.
-    Cost: O(hi - lo), about 6 ns an entry against 10 for ``pow`` on the reference VM (two passes: the quick
+    Cost: O(hi - lo), about 4 ns an entry against 10 for ``pow`` on the reference VM (two passes: the quick
     power, then ``pow`` for the entries it left, about 1 in 10,000); exact throughout for alpha 0, 0.5, 1 and 2
     (``_power``'s shortcuts) and for ``|alpha| >= 8``. Serial, one thread.
     """
