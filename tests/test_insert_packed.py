@@ -387,3 +387,27 @@ def test_copy_thread_finishes_chunks_as_the_plain_path(spec, make_traj, shard_fa
     with pytest.raises(ValueError, match="finish failed"):
         a.insert_packed(cols, lengths, pr)
     assert not [t for t in threading.enumerate() if t.name == "gear_mpi_insert_copy"]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -1e-300, -2.0])
+def test_the_priority_check_finds_the_first_bad_value_in_any_block(bad):
+    """shard_insert._first_bad_priority tests blocks of _CHECK_BLOCK values without a branch, then scans a block that
+    fails: the first bad index wherever it lies (block edges, the end), -0.0 and 0 accepted; an insert of such
+    priorities refused naming the value, nothing stored."""
+    from gear_mpi.storage import shard_insert
+    block = shard_insert._CHECK_BLOCK
+    n = 3 * block + 5
+    good = np.random.default_rng(0).random(n)
+    good[[3, block + 1]] = 0.0, -0.0
+    assert shard_insert._first_bad_priority(good) == -1
+    for at in (0, 1, block - 1, block, block + 1, 2 * block + 7, n - 1):
+        p = good.copy()
+        p[at] = bad
+        p[min(n - 1, at + 3)] = bad  # a later bad value in the same block does not win
+        assert shard_insert._first_bad_priority(p) == at
+    shard = gm.Shard(gm.TrajectorySpec({"x": ((), "float32")}, max_length=1), n, gm.Prioritized(0.6, 0.4))
+    p = good.copy()
+    p[block + 1] = bad
+    with pytest.raises(gm.InvalidPriorityError, match="priorit"):
+        shard.insert_packed({"x": np.zeros(n, np.float32)}, np.ones(n, np.int64), p)
+    assert len(shard) == 0
