@@ -188,8 +188,8 @@ def _leaf_powers_parallel(values, alpha, out, chunks):
 def leaf_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = None) -> np.ndarray:
     """The index weights a priority index stores for raw priorities: ``leaf_values(power_weights(priorities,
     alpha))`` bit for bit, by :func:`leaf_powers_into` (a vectorised power, ``pow`` only where the float32
-    rounding is in doubt): an insert of 2**20 prioritized items spent 15.6 ms of its 77 in ``power_weights`` at
-    one thread, 7.4 here.
+    rounding is in doubt): ``power_weights`` took 15.6 ms of a 77 ms insert of 2**20 prioritized items at one
+    thread, this about 4.5 ms.
 
     Args:
         priorities: float64 values (1-D, contiguous; non-negative).

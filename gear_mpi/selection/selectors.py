@@ -99,8 +99,15 @@ class Uniform(Selector):
         return np.ones(len(priorities), np.float64)
 
     def leaf_weights(self, priorities: np.ndarray) -> np.ndarray:
-        """:meth:`weights` (ones: a leaf holds 1 exactly; a subclass's own weights rounded as the base class
-        rounds them). O(n)."""
+        """:meth:`weights` as a host priority index stores them: ones (a leaf holds 1 exactly); a subclass's own
+        weights rounded as the base class rounds them. O(n).
+
+        Args:
+            priorities: validated raw priorities (ignored but for their count).
+
+        Returns:
+            float64 weights, one per priority (a new array).
+        """
         if type(self).weights is not Uniform.weights:
             return super().leaf_weights(priorities)
         return self.weights(priorities)
