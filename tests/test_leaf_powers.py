@@ -18,8 +18,9 @@ def _quick(values, alpha, out):
 
 
 def _reference(values, alpha):
-    """The leaves the index held before: pow (or its shortcuts) element by element, rounded by leaf_value."""
-    return priority_tree.leaf_values(weights.power_weights(values, alpha))
+    """The leaves the index held before: pow (or its shortcuts) element by element, rounded by leaf_value, of each
+    value as the table stores it (p + 0.0: -0.0 read as +0.0)."""
+    return priority_tree.leaf_values(weights.power_weights(values + 0.0, alpha))
 
 
 def _leaves(values, alpha):
@@ -117,3 +118,21 @@ def test_selectors_leaf_weights_are_their_weights_as_leaves():
     for sel in (gm.Prioritized(0.6, 0.4), gm.Prioritized(1.0, 0.4), gm.Uniform(), Thirds(), Roots(0.6, 0.4)):
         want = priority_tree.leaf_values(sel.weights(values))
         np.testing.assert_array_equal(sel.leaf_weights(values).view(np.int64), want.view(np.int64))
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.5, 1.0, 2.0, 3.0, 0.0, 12.0])
+def test_minus_zero_is_read_as_plus_zero(alpha):
+    """A priority of -0.0 gives the leaf of +0.0 (as the table stores p + 0.0) in leaf_powers_into, leaf_weights
+    (serial and on the threads) and an insert, whatever the exponent: pow(-0.0, 0.5) and -0.0 ** 1 or 3 are -0.0."""
+    import gear_mpi as gm
+    n = weights.PARALLEL_MIN + 3
+    values = np.random.default_rng(6).random(n)
+    values[::7] = -0.0
+    want = _reference(values, alpha)
+    assert not np.signbit(want).any()
+    np.testing.assert_array_equal(_leaves(values, alpha).view(np.int64), want.view(np.int64))
+    for m in (5, n):
+        np.testing.assert_array_equal(weights.leaf_weights(values[:m], alpha).view(np.int64), want[:m].view(np.int64))
+    shard = gm.Shard(gm.TrajectorySpec({"x": ((), "float32")}, max_length=1), n, gm.Prioritized(alpha, 0.4))
+    shard.insert_packed({"x": np.zeros(n, np.float32)}, np.ones(n, np.int64), values)
+    assert not np.signbit(shard.index.leaves).any()

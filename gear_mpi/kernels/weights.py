@@ -156,7 +156,8 @@ def _quick_leaf_power(x, alpha):
 def leaf_powers_into(values, alpha, out, lo, hi):
     """``out[i] = leaf_value(_power(values[i], alpha))`` for ``i`` in ``lo:hi``: the index weight a priority
     index stores for raw priority ``values[i]``, bit for bit, for a fraction of ``pow``'s cost (see the module:
-    a vectorised quick power, then ``pow`` where the float32 rounding is in doubt). ``values`` non-negative.
+    a vectorised quick power, then ``pow`` where the float32 rounding is in doubt). ``values`` non-negative; a
+    -0.0 is read as +0.0 (as the table stores a priority: ``p + 0.0``), so its leaf is +0.0 whatever ``alpha``.
 
     Args:
         values: float64 raw priorities; alpha: the exponent (a float); out: float64, at least ``hi`` long.
@@ -169,13 +170,13 @@ def leaf_powers_into(values, alpha, out, lo, hi):
     y = out[lo:hi]
     if alpha == 0.5 or alpha == 2.0 or alpha == 1.0 or alpha == 0.0 or not (abs(alpha) < _QUICK_ALPHA_MAX):
         for i in range(x.shape[0]):
-            y[i] = leaf_value(_power(x[i], alpha))
+            y[i] = leaf_value(_power(x[i] + 0.0, alpha))
         return
     for i in range(x.shape[0]):
-        y[i] = _quick_leaf_power(x[i], alpha)
+        y[i] = _quick_leaf_power(x[i] + 0.0, alpha)  # (declined for +-0.0: x < 1e-30)
     for i in range(x.shape[0]):
         if y[i] < 0.0:
-            y[i] = leaf_value(_power(x[i], alpha))
+            y[i] = leaf_value(_power(x[i] + 0.0, alpha))
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -186,10 +187,10 @@ def _leaf_powers_parallel(values, alpha, out, chunks):
 
 
 def leaf_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = None) -> np.ndarray:
-    """The index weights a priority index stores for raw priorities: ``leaf_values(power_weights(priorities,
-    alpha))`` bit for bit, by :func:`leaf_powers_into` (a vectorised power, ``pow`` only where the float32
-    rounding is in doubt): ``power_weights`` took 15.6 ms of a 77 ms insert of 2**20 prioritized items at one
-    thread, this about 4.5 ms.
+    """The index weights a priority index stores for raw priorities: ``leaf_values(power_weights(priorities + 0.0,
+    alpha))`` bit for bit (a -0.0 read as +0.0), by :func:`leaf_powers_into` (a vectorised power, ``pow`` only
+    where the float32 rounding is in doubt): ``power_weights`` took 15.6 ms of a 77 ms insert of 2**20 prioritized
+    items at one thread, this about 4.5 ms.
 
     Args:
         priorities: float64 values (1-D, contiguous; non-negative).

@@ -49,7 +49,7 @@ class Selector:
 
     def leaf_weights(self, priorities: np.ndarray) -> np.ndarray:
         """:meth:`weights` as a host priority index stores them: each rounded to float32
-        (:func:`~gear_mpi.kernels.priority_tree.leaf_values`). O(n).
+        (:func:`~gear_mpi.kernels.priority_tree.leaf_values`), a priority of -0.0 read as +0.0. O(n).
 
         Args:
             priorities: validated raw priorities (float64, >= 0).
@@ -60,7 +60,7 @@ class Selector:
         Raises:
             NotImplementedError: an ordered selector (it keeps no index).
         """
-        return leaf_values(self.weights(priorities))
+        return leaf_values(self.weights(priorities + 0.0))
 
     def importance_weights(self, weights: np.ndarray, min_weight: float) -> np.ndarray:
         """Importance-sampling weights for selected items; 1 unless prioritized.
@@ -155,7 +155,7 @@ class Prioritized(Selector):
         return power_weights(priorities, self.alpha)
 
     def leaf_weights(self, priorities: np.ndarray) -> np.ndarray:
-        """:meth:`weights` rounded as a host priority index stores them, bit for bit ``leaf_values(weights(p))``,
+        """:meth:`weights` rounded as a host priority index stores them, bit for bit ``leaf_values(weights(p + 0.0))``,
         at about half the cost of ``pow`` (:func:`~gear_mpi.kernels.weights.leaf_weights`). O(n), one kernel
         call, shared among the threads from ``kernels.weights.PARALLEL_MIN`` priorities.
 
