@@ -62,6 +62,12 @@ def _power_serial(values, alpha, out):
         out[i] = _power(values[i], alpha)
 
 
+def _chunks(n: int) -> int:
+    """How many chunks the threads share ``n`` values in (``n >= PARALLEL_MIN``): at least ``PARALLEL_MIN / 2``
+    values each, between 2 and 64 chunks. O(1)."""
+    return max(2, min(64, n // (PARALLEL_MIN // 2)))
+
+
 def power_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = None) -> np.ndarray:
     """``priorities ** alpha``: the C library's ``pow`` element by element, with numpy's shortcuts for alpha
     0, 0.5, 1 and 2 (bit for bit ``np.power`` wherever numpy uses the C library's ``pow``: see the module).
@@ -78,7 +84,7 @@ def power_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None =
     out = np.empty(values.shape[0], np.float64) if out is None else out
     n = values.shape[0]
     if n >= PARALLEL_MIN:
-        _power_into(values, float(alpha), out, max(2, min(64, n // (PARALLEL_MIN // 2))))
+        _power_into(values, float(alpha), out, _chunks(n))
     else:
         _power_serial(values, float(alpha), out)
     return out
@@ -173,7 +179,7 @@ def leaf_powers_into(values, alpha, out, lo, hi):
             y[i] = leaf_value(_power(x[i] + 0.0, alpha))
         return
     for i in range(x.shape[0]):
-        y[i] = _quick_leaf_power(x[i] + 0.0, alpha)  # (declined for +-0.0: x < 1e-30)
+        y[i] = _quick_leaf_power(x[i], alpha)  # (declines +-0.0, x < 1e-30: the pass below reads p + 0.0)
     for i in range(x.shape[0]):
         if y[i] < 0.0:
             y[i] = leaf_value(_power(x[i] + 0.0, alpha))
@@ -204,7 +210,7 @@ def leaf_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = 
     n = values.shape[0]
     out = np.empty(n, np.float64) if out is None else out
     if n >= PARALLEL_MIN:
-        _leaf_powers_parallel(values, float(alpha), out, max(2, min(64, n // (PARALLEL_MIN // 2))))
+        _leaf_powers_parallel(values, float(alpha), out, _chunks(n))
     else:
         leaf_powers_into(values, float(alpha), out, 0, n)
     return out

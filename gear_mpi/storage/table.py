@@ -200,7 +200,7 @@ class DerivedPriority:
 
     def _held(self, priorities: np.ndarray) -> np.ndarray:
         """The leaf each priority gives: ``leaf_value(power_weights(p))``, as the shard sets it."""
-        return leaf_weights(np.asarray(priorities, np.float64), self.alpha)
+        return leaf_weights(priorities, self.alpha)  # (a float64 contiguous copy where it is not one)
 
     def _raw(self, weights: np.ndarray) -> np.ndarray:
         """The priorities whose held weight (``leaf_value`` of ``p ** alpha`` as the selector computes it:
