@@ -50,6 +50,7 @@ from ..batch import Batch, check_window
 from ..kernels import gather as gather_kernels
 from ..kernels import ring
 from ..kernels import serve as serve_kernels
+from ..kernels.weights import importance_weights
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from ..selection.one_call import repeats
 from ..selection.priority_index import PriorityIndex
@@ -228,8 +229,8 @@ def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, 
     serve_kernels.serve_choices(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
                                 SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
                                 slots, mine[:serve], rec.w[:serve], ratio, shard.spec.tail_steps)
-    if rec.prioritized:  # Prioritized.importance_weights' power, in float32
-        np.power(ratio, np.float32(shard.selector.beta), out=ratio)
+    if rec.prioritized:  # Prioritized.importance_weights' power
+        importance_weights(ratio, shard.selector.beta, out=ratio)
         mine[:serve, gather_kernels.WEIGHT].view(np.float64)[:] = ratio
     return slots
 

@@ -30,6 +30,7 @@ from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_
 from .hints import prefetch as _prefetch
 from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_rows, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
+from .weights import importance_powers_into
 from .pipeline import SERIAL
 from .thread_share import caller_alone, give_back
 from .priority_draw import (DRAW_PIPE, DRAW_RUNS, DRAW_THREADS_MIN, _bucket, _draw_run, _insertion_fix,
@@ -82,8 +83,8 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
         keys[i] = skey[k]
         lengths[i] = nv[k]
         probabilities[i] = w / total
-        # prioritized: the ratio min w / w (float64, stored as float32); the caller raises it to beta in one
-        # vectorised numpy power, as the selector does (a scalar powf here costs ~20 ns an item)
+        # prioritized: the ratio min w / w (float64, stored as float32), raised to beta afterwards in one
+        # vectorised pass over the batch (_finish_weights; a scalar pow here costs ~20 ns an item)
         weights[i] = wmin / w if prioritized else 1.0
         _mask_row(mask, i, pf[k], pf[k] + nv[k], window)
 
@@ -91,10 +92,11 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
 @njit(cache=True, inline="always")
 def _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                     window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
-                    probabilities, weights, mask, fixed_rows):
+                    probabilities, weights, mask, fixed_rows, sratio):
     """:func:`_place_run` and :func:`_describe_rows` in one pass over sorted items ``lo:hi``: the placement
     into the scratch rows the copy reads (``ws``, ``nv``, ``pf``, at ``k``) and the batch row of each item
-    (at ``order[k]``: key, real steps, probability, importance weight ratio, mask row), with the same values.
+    (at ``order[k]``: key, real steps, probability, mask row; where ``prioritized``, the importance weight's
+    ratio goes to ``sratio[k]``, float32 in a float64 row, for :func:`_run_weights`), with the same values.
     One pass and one parallel region less than the two (a region wakes the sleeping workers: about 45 us on
     this VM). ``fixed_rows``: the real steps and mask rows are left to the caller (:func:`_fill_fixed_rows`: the
     same for every item of a one-step spec)."""
@@ -114,7 +116,10 @@ def _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head,
         nv[k] = b
         pf[k] = c
         probabilities[i] = w / total
-        weights[i] = wmin / w if prioritized else 1.0
+        if prioritized:
+            sratio[k] = np.float64(np.float32(wmin / w))
+        else:
+            weights[i] = 1.0
         if not fixed_rows:
             lengths[i] = b
             _mask_row(mask, i, c, c + b, window)
@@ -132,16 +137,35 @@ def _fill_fixed_rows(lo, hi, lengths, mask, window, align_code):
         _mask_row(mask, i, c, c + b, window)
 
 
+@njit(cache=True, inline="always")
+def _run_weights(sratio, spow, order, weights, beta, lo, hi):
+    """Sorted items ``lo:hi``'s importance weights: their ratios ``sratio[k]`` raised to ``beta`` in one vectorised
+    pass into ``spow`` (:func:`weights.importance_powers_into`), each then written at its batch row ``order[k]``."""
+    importance_powers_into(sratio, beta, spow, lo, hi)
+    for k in range(lo, hi):
+        weights[order[k]] = spow[k]
+
+
+@njit(cache=True, inline="always")
+def _finish_weights(weights, beta, spow, nb):
+    """The batch's importance weights from the ratios :func:`_describe_rows` left in ``weights`` (float32): raised
+    to ``beta`` in one vectorised pass through ``spow`` (:func:`weights.importance_powers_into`)."""
+    importance_powers_into(weights, beta, spow, 0, nb)
+    for i in range(nb):
+        weights[i] = spow[i]
+
+
 def sample_proportional(tree, uniforms, place_u, start, length, generation, key_head, gen_shift,
                         gen_mask, capacity, window, align_code, prioritized, addrs, step_bytes, outs,
-                        mask, keys, lengths, probabilities, weights):
+                        mask, keys, lengths, probabilities, weights, beta=1.0):
     """Draw ``len(uniforms)`` slots from ``tree`` and fill a batch with them, in one call.
 
     Row ``i`` of the batch is the slot ``uniforms[i]`` selects (as :func:`priority_draw.draw`): its key
     (``key_head | generation << gen_shift | slot``), window (placed by ``align_code``, ``place_u[i]`` for
     random alignment, as ``gather.fill_choices``), real steps, probability ``w / total``, importance weight
-    (``prioritized``: the ratio ``wmin / w`` as float32, for the caller to raise to ``beta``, with ``wmin`` the
-    smallest positive weight, read from the tree's level-2 minima; else 1) and
+    (``prioritized``: ``float32(r ** beta)`` for the ratio ``r = float32(wmin / w)``, as
+    :func:`weights.importance_weights` makes it, with ``wmin`` the smallest positive weight, read from the tree's
+    level-2 minima; the default ``beta`` 1 leaves the ratio; else 1) and
     mask row; the window's steps are copied from the column rings at ``addrs`` (``step_bytes[c]`` bytes a
     step, ``capacity`` steps, kept mapped by the caller) into ``outs`` (flat byte views of the batch
     columns, checked; or their addresses as int64, from ``Batch.column_addresses``: not checked). Uses are not
@@ -171,7 +195,7 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
     try:
         _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                        window, align_code, prioritized, addrs, step_bytes, out_addrs, mask, keys, lengths,
-                       probabilities, weights, iscr, fscr, NO_GEN)
+                       probabilities, weights, iscr, fscr, NO_GEN, False, float(beta))
     finally:
         give_back(alone)
 
@@ -240,14 +264,16 @@ def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
-                   probabilities, weights, iscr, fscr, gen, one_step=False):
+                   probabilities, weights, iscr, fscr, gen, one_step=False, beta=1.0):
     """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64),
     with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``: empty, or the
     four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
     first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
     ``SORT_PARALLEL_MIN`` items). ``one_step``: every stored trajectory has exactly one step (the spec's
     ``max_length`` is 1), so the runs write the batch's real steps and mask rows in row order
-    (:func:`_fill_fixed_rows`)."""
+    (:func:`_fill_fixed_rows`). ``beta``: the importance weights' exponent (``prioritized``), applied here: by
+    each run to its own items (:func:`_run_weights`), or after a small batch's draw, where two threads share the
+    copy by the drawing thread once the others may copy (:func:`_finish_weights`)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
@@ -293,7 +319,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                 _sample_run(rb[t], rb[t + 1], True, one_step, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length,
                             generation, key_head, gen_shift, gen_mask, capacity, window, align_code, place_u,
                             prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys, lengths,
-                            probabilities, weights, mask, addrs, step_bytes, outs)
+                            probabilities, weights, mask, addrs, step_bytes, outs, sw, beta)
         else:  # handed out as the threads arrive (take_next): the caller works while a sleeping worker wakes
             taken = counters(1)
             for _ in prange(runs):
@@ -302,12 +328,14 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     _sample_run(rb[t], rb[t + 1], False, one_step, leaves, l0_sum, l1_sum, l2_sum, prefix, start,
                                 length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
                                 place_u, prioritized, total, wmin, sslots, ws, nv, pf, order, inv, ident, skeys, keys,
-                                lengths, probabilities, weights, mask, addrs, step_bytes, outs)
+                                lengths, probabilities, weights, mask, addrs, step_bytes, outs, sw, beta)
                     t = take_next(taken)
     elif nb * row_bytes < COPY_THREADS_BYTES:
         _draw_small(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, place_u, start, length, generation, key_head,
                     gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv,
                     pf, order, inv, ident, sw, skeys, keys, lengths, probabilities, weights, mask)
+        if prioritized:
+            _finish_weights(weights, beta, fscr[1], nb)
         _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
     else:  # one region: the first thread in draws and places the rows while the others wake (a sleeping worker
         # takes tens of microseconds), then all copy runs of >= 32 windows (each run prefetches ahead of
@@ -324,7 +352,9 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                             key_head, gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin,
                             sslots, skey, ws, nv, pf, order, inv, ident, sw, skeys, keys, lengths, probabilities,
                             weights, mask)
-                raise_flag(ready)
+                raise_flag(ready)  # (the copy reads the placements only: the weights are finished beside it)
+                if prioritized:
+                    _finish_weights(weights, beta, fscr[1], nb)
             else:  # a thread that waits past its bound leaves the copy to the drawing thread, which copies too
                 drawn = wait_flag(ready, WAIT_SPINS, WAIT_CYCLES)
             if drawn:
@@ -339,11 +369,12 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
 def _sample_run(lo, hi, fix_sort, one_step, leaves, l0_sum, l1_sum, l2_sum, prefix, start, length, generation,
                 key_head, gen_shift, gen_mask, capacity, window, align_code, place_u, prioritized, total, wmin, sslots,
                 ws, nv, pf, order, inv, ident, skeys, keys, lengths, probabilities, weights, mask, addrs, step_bytes,
-                outs):
+                outs, sratio, beta):
     """One run ``lo:hi`` of :func:`_sample_kernel`'s sorted items on one thread: its part of the sort finished
     (``fix_sort``: the bucket pass left its buckets unsorted), its identity and inverse rows, its draws,
-    placements, batch metadata and window copies (``one_step``: the real steps and mask of batch rows ``lo:hi``,
-    the same for every item, written in row order; the runs cover every row)."""
+    placements, batch metadata, importance weights (``prioritized``: through ``sratio`` and the run's sorted
+    uniforms ``skeys``, free once drawn) and window copies (``one_step``: the real steps and mask of batch rows
+    ``lo:hi``, the same for every item, written in row order; the runs cover every row)."""
     if fix_sort:
         _insertion_fix(order, skeys, lo, hi)
     for k in range(lo, hi):  # the identity (where the draws land) and the sort's inverse, this run's part
@@ -352,7 +383,9 @@ def _sample_run(lo, hi, fix_sort, one_step, leaves, l0_sum, l1_sum, l2_sum, pref
     _draw_run(leaves, l0_sum, l1_sum, l2_sum, prefix, skeys, ident, lo, hi, sslots)
     _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                     window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
-                    probabilities, weights, mask, one_step)
+                    probabilities, weights, mask, one_step, sratio)
+    if prioritized:
+        _run_weights(sratio, skeys, order, weights, beta, lo, hi)
     if one_step:
         _fill_fixed_rows(lo, hi, lengths, mask, window, align_code)
     _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)

@@ -3,9 +3,9 @@
 ``Replay.sample`` on one node (:mod:`gear_mpi.distributed.repeat`) made three calls and three temporaries
 here: ``PriorityIndex.draw`` (``priority_draw.draw``), ``gather.fill_choices`` and the selector's importance
 weights (a division, a cast, a power). :func:`serve_choices` makes the first two and the division in one call,
-into buffers the caller keeps (the choices straight into its node board's rows); the power stays numpy's
-(``np.power`` of float32, as ``Prioritized.importance_weights``), so every value is the full path's, bit for
-bit: the same slot for every uniform, the same key, placement and probability, the same weight.
+into buffers the caller keeps (the choices straight into its node board's rows); the power is the caller's
+(``kernels.weights.importance_weights``, as ``Prioritized.importance_weights``), so every value is the full
+path's, bit for bit: the same slot for every uniform, the same key, placement and probability, the same weight.
 """
 from __future__ import annotations
 

@@ -174,13 +174,10 @@ def sample_one_call(shard, batch, b: int, window: int, code: int):
         draw_uniforms(shard.rng, u[:b], b, skip, u)
     uniforms, place_u = (u[:b], u[b:]) if code == 0 else (u, _NO_UNIFORMS)
     prioritized = type(shard.selector) is Prioritized
-    weights = batch.meta_numpy()[2]
     _call_kernel(shard, uniforms, place_u, window, code, prioritized, batch.column_addresses(), batch,
                  b * window * shard.spec.step_bytes, gen)
     if state is not None:
         end_stream(shard.rng, state, u.shape[0])
-    if prioritized:  # the kernel left min w / w: the power in one vectorised call, as the selector's
-        np.power(weights, np.float32(shard.selector.beta), out=weights)
     shard.samples_drawn += b
     return batch
 
@@ -200,7 +197,8 @@ def _call_kernel(shard, uniforms, place_u, window: int, code: int, prioritized: 
             shard.index._arrays, uniforms, place_u, st.start, st.length, st.status,
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
             shard.column_addresses()[0], shard.spec.step_bytes_array, outs, batch._mask_np, keys, lengths,
-            probabilities, weights, iscr, fscr, gen, shard.spec.max_length == 1)  # one-step trajectories only
+            probabilities, weights, iscr, fscr, gen, shard.spec.max_length == 1,  # one-step trajectories only
+            shard.selector.beta if prioritized else 1.0)  # the importance weights raised in the kernel
     finally:
         thread_share.give_back(alone)
 
@@ -253,12 +251,9 @@ def sample_again(shard, rep: Repeat):
         gen, state = kernel_stream(rng, b, rep.code, rep.skip)
         if state is None:
             draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
-    weights = out._meta_np[2]
     _call_kernel(shard, rep.draw_u, rep.place_u, rep.window, rep.code, rep.prioritized, outs, out, b * rep.row_bytes,
                  gen)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])
-    if rep.prioritized:
-        np.power(weights, np.float32(shard.selector.beta), out=weights)
     shard.samples_drawn += b
     return out
