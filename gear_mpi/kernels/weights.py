@@ -250,8 +250,8 @@ def importance_powers_into(ratios, beta, out, lo, hi):
         ratios: the ratios (float32 or float64 array of float32 values; non-negative).
         beta: the exponent (a float); out: float64, at least ``hi`` long (may not be ``ratios``).
         lo, hi: the range of entries to compute.
-    Cost: O(hi - lo), about 5 ns an entry on the reference VM (numpy's float32 power: about 1, but 1 ulp off in
-    about one value in six there). Serial, one thread.
+    Cost: O(hi - lo), about 5 ns an entry on the reference VM (numpy's float32 power: about 1, but 1 ulp off for
+    12-21 % of ratios there). Serial, one thread.
     """
     x = ratios[lo:hi]
     y = out[lo:hi]
@@ -278,8 +278,8 @@ def importance_weights(ratios: np.ndarray, beta: float, out: np.ndarray | None =
     (``min_weight / w``), the power taken in float64 (the C library's ``pow``, with numpy's shortcuts for
     beta 0, 0.5, 1 and 2, as :func:`power_weights`) and rounded once, so every sampling path (the one-call
     sample's kernel, a decentralized owner's, the selector's) gives the same weight, bit for bit, on every
-    machine whose ``pow`` is correctly rounded (numpy's own float32 power differs between CPUs, and on AVX-512
-    is 1 ulp off in about one value in six).
+    machine whose ``pow`` is correctly rounded (numpy's own float32 power differs between CPUs, and on the
+    reference VM's AVX-512 is 1 ulp off for 12-21 % of ratios).
 
     Args:
         ratios: the ratios, float32 (1-D, contiguous; non-negative).
