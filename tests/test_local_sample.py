@@ -141,15 +141,16 @@ def test_scratch_is_kept_per_thread_and_updates_reuse_theirs():
     from gear_mpi.kernels import priority_tree
     from gear_mpi.selection import PriorityIndex
 
-    rows = local_sample._scratch(600)
-    assert local_sample._scratch(600) is rows
+    flat = local_sample._scratch(600)  # (one allocation of staggered rows: int64, and its float64 view)
+    assert local_sample._scratch(600) is flat
     small = local_sample._scratch(100)
-    assert np.shares_memory(small[0][0], rows[0][0]) and all(r.flags.c_contiguous and len(r) == 100 for r in small[0])
+    assert np.shares_memory(small[0], flat[0]) and np.shares_memory(small[1], small[0])
+    assert small[0].dtype == np.int64 and small[1].dtype == np.float64 and small[0].flags.c_contiguous
     other = []
     t = threading.Thread(target=lambda: other.append(local_sample._scratch(600)))
     t.start()
     t.join()
-    assert not np.shares_memory(other[0][0][0], rows[0][0])
+    assert not np.shares_memory(other[0][0], flat[0])
     rng = np.random.default_rng(4)
     kept, fresh = PriorityIndex(50_000), PriorityIndex(50_000)
     for b in (4000, 700, 4000, 3000):
@@ -159,8 +160,10 @@ def test_scratch_is_kept_per_thread_and_updates_reuse_theirs():
     assert kept._scratch_f.shape[0] == 4000
     # staggered rows: entry k of each row in a different cache set (rows of 2**16 entries, as W3's B)
     big = local_sample._scratch(1 << 16)
-    offsets = {int(r.ctypes.data) % 4096 // 64 for r in big[0] + big[1]}
-    assert len(offsets) == 10 and all(r.flags.c_contiguous and len(r) == 1 << 16 for r in big[0] + big[1])
+    stride = big[0].shape[0] // local_sample.SCRATCH_ROWS
+    rows = [big[0][r * stride:r * stride + (1 << 16)] for r in range(local_sample.SCRATCH_ROWS)]
+    assert len({int(r.ctypes.data) % 4096 // 64 for r in rows}) == local_sample.SCRATCH_ROWS
+    assert stride >= 1 << 16 and all(r.flags.c_contiguous and len(r) == 1 << 16 for r in rows)
     ints, floats = PriorityIndex(10)._set_scratch(1 << 16)
     assert len({int(a.ctypes.data) % 4096 // 64 for a in (ints[0], ints[1], floats)}) == 3
     assert floats.dtype == np.float64 and ints.dtype == np.int64 and ints[1].flags.c_contiguous

@@ -28,7 +28,7 @@ from numba import njit, prange
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
-from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_rows, take_next, wait_flag
+from .hints import ROW_GAP, WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_flat, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
 from .weights import importance_powers_into
 from .pipeline import SERIAL
@@ -203,30 +203,44 @@ def sample_proportional(tree, uniforms, place_u, start, length, generation, key_
 NO_GEN = np.zeros(0, np.uint64)  # _sample_kernel's gen when the uniforms are given
 _I_ROWS, _F_ROWS = 8, 2  # int64 rows: sslots skey ws nv pf order inv ident; float64 rows: sw, sorted uniforms
 _U_ROWS = 3  # and the update of the batch's rows (update_rows): priorities, generations, new leaves in slot order
+SCRATCH_ROWS = _I_ROWS + _F_ROWS + _U_ROWS  # the rows of one scratch allocation (staggered_flat)
 _SCRATCH_KEEP = 1 << 20  # batches up to this many items keep their scratch (104 bytes an item) for the next call
 _local = threading.local()
 
 
-def _scratch(nb: int) -> tuple[tuple, tuple]:
-    """This thread's scratch for a batch of ``nb`` items: ``_I_ROWS`` int64 and ``_F_ROWS`` float64 contiguous
-    rows of ``nb`` entries, staggered in one allocation (:func:`staggered_rows`) with the ``_U_ROWS`` of
-    :func:`update_rows`, kept for the next call (grown when a larger batch comes; batches larger than
-    ``_SCRATCH_KEEP`` get fresh ones, without update rows). Per thread, so concurrent samplers (a prefetch
-    thread) never share it. O(1) for the batch size of the last call."""
+@njit(cache=True, inline="always")
+def _row(flat, r, nb):
+    """Row ``r`` (its first ``nb`` entries) of a scratch allocation of ``SCRATCH_ROWS`` staggered rows."""
+    at = r * (flat.shape[0] // SCRATCH_ROWS)
+    return flat[at:at + nb]
+
+
+def _scratch(nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's scratch for a batch of ``nb`` items: one allocation of ``SCRATCH_ROWS`` staggered rows
+    (:func:`hints.staggered_flat`; the kernel slices them, :func:`_row`), ``_I_ROWS`` int64 ones, then
+    ``_F_ROWS`` float64 ones, then the ``_U_ROWS`` of :func:`update_rows`, as the flat int64 array and its float64
+    view; kept for the next call (grown when a larger batch comes; batches larger than ``_SCRATCH_KEEP`` get a
+    fresh one, whose update rows stay unused). Per thread, so concurrent samplers (a prefetch thread) never share
+    it. O(1) for the batch size of the last call."""
     if getattr(_local, "nb", -1) == nb:
-        return _local.rows
+        return _local.flat
     if nb > getattr(_local, "size", 0):
         size = max(nb, DRAW_PIPE)
-        rows = staggered_rows(_I_ROWS + _F_ROWS + _U_ROWS, size)
-        iscr, fscr = rows[:_I_ROWS], rows[_I_ROWS:_I_ROWS + _F_ROWS].view(np.float64)
+        raw = staggered_flat(SCRATCH_ROWS, size)
         if size > _SCRATCH_KEEP:
-            return tuple(iscr[:, :nb]), tuple(fscr[:, :nb])
-        _local.iscr, _local.fscr, _local.uscr, _local.size = iscr, fscr, rows[_I_ROWS + _F_ROWS:], size
-    _local.rows = (tuple(_local.iscr[:, :nb]), tuple(_local.fscr[:, :nb]))
-    u = _local.uscr
-    _local.update = (u[0, :nb].view(np.float64), u[1, :nb], u[2, :nb].view(np.float64))
+            return raw, raw.view(np.float64)
+        _local.raw, _local.size = raw, size
+    raw = _local.raw
+    stride = _local.size + ROW_GAP
+
+    def row(r):
+        return raw[r * stride:r * stride + nb]
+    _local.flat = (raw, raw.view(np.float64))
+    _local.sorted = (row(0), row(5), row(6))  # sslots, order, inv (sorted_draw)
+    u = _I_ROWS + _F_ROWS
+    _local.update = (row(u).view(np.float64), row(u + 1), row(u + 2).view(np.float64))
     _local.nb = nb
-    return _local.rows
+    return _local.flat
 
 
 def update_rows(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -257,15 +271,15 @@ def sorted_draw(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """
     if nb < DRAW_PIPE or getattr(_local, "nb", -1) != nb:
         return None
-    iscr = _local.rows[0]
-    return iscr[0], iscr[5], iscr[6]
+    return _local.sorted
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
                    window, align_code, prioritized, addrs, step_bytes, outs, mask, keys, lengths,
                    probabilities, weights, iscr, fscr, gen, one_step=False, beta=1.0):
-    """:func:`sample_proportional` on the scratch rows of :func:`_scratch` (``iscr`` int64, ``fscr`` float64),
+    """:func:`sample_proportional` on the scratch of :func:`_scratch` (``iscr`` the flat int64 allocation, ``fscr``
+    its float64 view: rows sliced here, :func:`_row`),
     with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``: empty, or the
     four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
     first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
@@ -282,8 +296,11 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
         wmin = np.inf
         for j in range(l2_min.shape[0]):
             wmin = min(wmin, l2_min[j])
-    sslots, skey, ws, nv, pf, order, inv, ident = iscr
-    sw, skeys = fscr  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
+    sslots, skey, ws, nv = _row(iscr, 0, nb), _row(iscr, 1, nb), _row(iscr, 2, nb), _row(iscr, 3, nb)
+    pf, order, inv, ident = _row(iscr, 4, nb), _row(iscr, 5, nb), _row(iscr, 6, nb), _row(iscr, 7, nb)
+    sw = _row(fscr, _I_ROWS, nb)
+    spare = _row(fscr, _I_ROWS + 1, nb)  # the sorted uniforms; free once drawn (the weights' powers then)
+    skeys = spare  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
     if gen.shape[0] == 4 and nb < SORT_PARALLEL_MIN:  # (from SORT_PARALLEL_MIN the bucket pass draws them)
         _draw_slice(gen[0], gen[1], gen[2], gen[3], uniforms, 0, nb)
     row_bytes = 0
@@ -335,7 +352,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv,
                     pf, order, inv, ident, sw, skeys, keys, lengths, probabilities, weights, mask)
         if prioritized:
-            _finish_weights(weights, beta, fscr[1], nb)
+            _finish_weights(weights, beta, spare, nb)
         _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
     else:  # one region: the first thread in draws and places the rows while the others wake (a sleeping worker
         # takes tens of microseconds), then all copy runs of >= 32 windows (each run prefetches ahead of
@@ -354,7 +371,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                             weights, mask)
                 raise_flag(ready)  # (the copy reads the placements only: the weights are finished beside it)
                 if prioritized:
-                    _finish_weights(weights, beta, fscr[1], nb)
+                    _finish_weights(weights, beta, spare, nb)
             else:  # a thread that waits past its bound leaves the copy to the drawing thread, which copies too
                 drawn = wait_flag(ready, WAIT_SPINS, WAIT_CYCLES)
             if drawn:
