@@ -11,7 +11,7 @@ from .batch import Batch, check_batch_bytes, check_batch_size, check_window
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import local_sample, ring
-from .kernels.weights import PARALLEL_MIN, leaf_weights, power_weights
+from .kernels.weights import PARALLEL_MIN, importance_weights, leaf_weights, power_weights
 from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
 from .storage.arenas import memory_kind
 from .selection import one_call, small_update
@@ -791,6 +791,8 @@ def warm_kernels(spec: TrajectorySpec, sampler) -> None:
         if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel powers of large inserts and updates
             power_weights(np.ones(PARALLEL_MIN), sampler.alpha)
             leaf_weights(np.ones(PARALLEL_MIN), sampler.alpha)
+        if getattr(sampler, "uses_importance_weights", False):  # and those of a large sample's weights
+            importance_weights(np.ones(PARALLEL_MIN, np.float32), sampler.beta)
     finally:
         scratch.close()
     _WARM.add(key)

@@ -189,6 +189,17 @@ class TrajFactory:
         }
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The calling thread's numba thread count set to 1, then to 2 (at most the pool's), for the test."""
+    import numba
+
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
+    yield request.param
+    numba.set_num_threads(old)
+
+
 @pytest.fixture
 def spec() -> gm.TrajectorySpec:
     return traj_spec(16)

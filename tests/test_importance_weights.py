@@ -86,14 +86,6 @@ def test_the_selector_makes_them():
         assert _differ(got, _reference((wmin / w).astype(np.float32), beta)).size == 0
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield request.param
-    numba.set_num_threads(old)
-
-
 @pytest.mark.parametrize("b", [1, priority_draw.DRAW_PIPE - 1, 64, 256, priority_draw.DRAW_THREADS_MIN - 1,
                                priority_draw.DRAW_THREADS_MIN, local_sample.SORT_PARALLEL_MIN + 3])
 @pytest.mark.parametrize("row_bytes", [4, 4096])

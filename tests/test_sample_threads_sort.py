@@ -3,7 +3,6 @@ sorting its own buckets (``local_sample.SORT_PARALLEL_MIN``), the uniforms drawn
 the shard's PCG64 state (``gear_mpi.kernels.pcg_fill``), placement uniforms that no window reads skipped in
 the stream (``one_call.placement_unread``), small batches around the thresholds. Each gives what the general
 path gives, bit for bit, on one thread and two."""
-import numba
 import numpy as np
 import pytest
 
@@ -40,14 +39,6 @@ def _same(bf, bs, fast, slow):
                       (bf.probabilities, bs.probabilities), (bf.weights, bs.weights)):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert fast.rng.bit_generator.state == slow.rng.bit_generator.state
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield request.param
-    numba.set_num_threads(old)
 
 
 @pytest.mark.parametrize("b", [SORT_MIN - 1, SORT_MIN, SORT_MIN + 1, 3 * SORT_MIN + 17])

@@ -198,10 +198,16 @@ def leaf_powers_into(values, alpha, out, lo, hi):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _leaf_powers_parallel(values, alpha, out, chunks):
+def _powers_parallel(values, exponent, out, chunks, leaves):
+    """:func:`leaf_powers_into` (``leaves``) or :func:`importance_powers_into` of ``values`` into ``out``, in
+    ``chunks`` contiguous chunks shared among the threads."""
     n = values.shape[0]
     for t in prange(chunks):
-        leaf_powers_into(values, alpha, out, t * n // chunks, (t + 1) * n // chunks)
+        lo, hi = t * n // chunks, (t + 1) * n // chunks
+        if leaves:
+            leaf_powers_into(values, exponent, out, lo, hi)
+        else:
+            importance_powers_into(values, exponent, out, lo, hi)
 
 
 def leaf_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -222,7 +228,7 @@ def leaf_weights(priorities: np.ndarray, alpha: float, out: np.ndarray | None = 
     n = values.shape[0]
     out = np.empty(n, np.float64) if out is None else out
     if n >= PARALLEL_MIN:
-        _leaf_powers_parallel(values, float(alpha), out, _chunks(n))
+        _powers_parallel(values, float(alpha), out, _chunks(n), True)
     else:
         leaf_powers_into(values, float(alpha), out, 0, n)
     return out
@@ -266,13 +272,6 @@ def importance_powers_into(ratios, beta, out, lo, hi):
             y[i] = np.float64(np.float32(_power(np.float64(x[i]), beta)))
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _importance_parallel(ratios, beta, out, chunks):
-    n = ratios.shape[0]
-    for t in prange(chunks):
-        importance_powers_into(ratios, beta, out, t * n // chunks, (t + 1) * n // chunks)
-
-
 def importance_weights(ratios: np.ndarray, beta: float, out: np.ndarray | None = None) -> np.ndarray:
     """Importance-sampling weights from their ratios: ``float32(r ** beta)`` for each float32 ratio ``r``
     (``min_weight / w``), the power taken in float64 (the C library's ``pow``, with numpy's shortcuts for
@@ -294,7 +293,7 @@ def importance_weights(ratios: np.ndarray, beta: float, out: np.ndarray | None =
     n = values.shape[0]
     powers = np.empty(n, np.float64)
     if n >= PARALLEL_MIN:
-        _importance_parallel(values, float(beta), powers, _chunks(n))
+        _powers_parallel(values, float(beta), powers, _chunks(n), False)
     else:
         importance_powers_into(values, float(beta), powers, 0, n)
     out = np.empty(n, np.float32) if out is None else out
