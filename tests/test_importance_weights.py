@@ -110,3 +110,23 @@ def test_sampled_batches_carry_them(b, row_bytes, threads):
         want = _reference((shard.index.min_positive / w).astype(np.float32), beta)
         assert _differ(got, want).size == 0, f"B={b}, beta {beta}"
     shard.close()
+
+
+def test_a_beta_of_any_number_type_keeps_one_kernel():
+    """``selector.beta`` set to an int or a numpy float (as a user's annealing may) gives the float's weights
+    through the kernel already compiled: no second specialization of the sample kernel (seconds of compiling)."""
+    n = 4000
+    spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
+    shard = gm.Shard(spec, n, gm.Prioritized(0.6, 0.4), seed=6)
+    rng = np.random.default_rng(6)
+    shard.insert_packed({"x": rng.random(n, dtype=np.float32)}, np.ones(n, np.int64), rng.random(n) + 0.01)
+    shard.sample(64, 1)
+    compiled = len(local_sample._sample_kernel.signatures)
+    for beta in (1, np.float32(0.4), np.float64(0.7), 0.9):
+        shard.selector.beta = beta
+        keys, _, got, _ = shard.sample(64, 1).meta_numpy()
+        w = shard.index.weights_of(keys & SLOT_MASK)
+        want = _reference((shard.index.min_positive / w).astype(np.float32), float(beta))
+        assert _differ(got, want).size == 0, f"beta {beta!r}"
+    assert len(local_sample._sample_kernel.signatures) == compiled
+    shard.close()

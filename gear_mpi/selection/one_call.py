@@ -198,7 +198,7 @@ def _call_kernel(shard, uniforms, place_u, window: int, code: int, prioritized: 
             key_head(st.tag, st.rank), SLOT_BITS, GEN_MASK, st.capacity, window, code, prioritized,
             shard.column_addresses()[0], shard.spec.step_bytes_array, outs, batch._mask_np, keys, lengths,
             probabilities, weights, iscr, fscr, gen, shard.spec.max_length == 1,  # one-step trajectories only
-            shard.selector.beta if prioritized else 1.0)  # the importance weights raised in the kernel
+            float(shard.selector.beta) if prioritized else 1.0)  # (a float: one compiled kernel, whatever was set)
     finally:
         thread_share.give_back(alone)
 
