@@ -28,7 +28,7 @@ from numba import njit, prange
 from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_SHIFT, _TAG_SHIFT
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
-from .hints import ROW_GAP, WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_flat, take_next, wait_flag
+from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_flat, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
 from .weights import importance_powers_into
 from .pipeline import SERIAL
@@ -84,7 +84,7 @@ def _describe_rows(lo, hi, inv, skey, sw, nv, pf, total, wmin, prioritized, wind
         lengths[i] = nv[k]
         probabilities[i] = w / total
         # prioritized: the ratio min w / w (float64, stored as float32), raised to beta afterwards in one
-        # vectorised pass over the batch (_finish_weights; a scalar pow here costs ~20 ns an item)
+        # vectorised pass over the batch (_raise_weights; a scalar pow here costs ~20 ns an item)
         weights[i] = wmin / w if prioritized else 1.0
         _mask_row(mask, i, pf[k], pf[k] + nv[k], window)
 
@@ -96,7 +96,7 @@ def _place_rows_run(sslots, lo, hi, leaves, start, length, generation, key_head,
     """:func:`_place_run` and :func:`_describe_rows` in one pass over sorted items ``lo:hi``: the placement
     into the scratch rows the copy reads (``ws``, ``nv``, ``pf``, at ``k``) and the batch row of each item
     (at ``order[k]``: key, real steps, probability, mask row; where ``prioritized``, the importance weight's
-    ratio goes to ``sratio[k]``, float32 in a float64 row, for :func:`_run_weights`), with the same values.
+    ratio goes to ``sratio[k]``, float32 in a float64 row, for :func:`_raise_weights`), with the same values.
     One pass and one parallel region less than the two (a region wakes the sleeping workers: about 45 us on
     this VM). ``fixed_rows``: the real steps and mask rows are left to the caller (:func:`_fill_fixed_rows`: the
     same for every item of a one-step spec)."""
@@ -138,21 +138,14 @@ def _fill_fixed_rows(lo, hi, lengths, mask, window, align_code):
 
 
 @njit(cache=True, inline="always")
-def _run_weights(sratio, spow, order, weights, beta, lo, hi):
-    """Sorted items ``lo:hi``'s importance weights: their ratios ``sratio[k]`` raised to ``beta`` in one vectorised
-    pass into ``spow`` (:func:`weights.importance_powers_into`), each then written at its batch row ``order[k]``."""
-    importance_powers_into(sratio, beta, spow, lo, hi)
+def _raise_weights(ratios, spow, rows, weights, beta, lo, hi):
+    """Importance weights from their ratios ``ratios[lo:hi]`` (float32 values): raised to ``beta`` in one vectorised
+    pass into ``spow`` (:func:`weights.importance_powers_into`), each then written at its batch row ``rows[k]``. A
+    run's sorted items (``rows`` the sort's order), or a small batch's rows in place (``ratios`` the batch's
+    weights, where :func:`_describe_rows` left them, ``rows`` the identity: every ratio is read first)."""
+    importance_powers_into(ratios, beta, spow, lo, hi)
     for k in range(lo, hi):
-        weights[order[k]] = spow[k]
-
-
-@njit(cache=True, inline="always")
-def _finish_weights(weights, beta, spow, nb):
-    """The batch's importance weights from the ratios :func:`_describe_rows` left in ``weights`` (float32): raised
-    to ``beta`` in one vectorised pass through ``spow`` (:func:`weights.importance_powers_into`)."""
-    importance_powers_into(weights, beta, spow, 0, nb)
-    for i in range(nb):
-        weights[i] = spow[i]
+        weights[rows[k]] = spow[k]
 
 
 def sample_proportional(tree, uniforms, place_u, start, length, generation, key_head, gen_shift,
@@ -231,14 +224,10 @@ def _scratch(nb: int) -> tuple[np.ndarray, np.ndarray]:
             return raw, raw.view(np.float64)
         _local.raw, _local.size = raw, size
     raw = _local.raw
-    stride = _local.size + ROW_GAP
-
-    def row(r):
-        return raw[r * stride:r * stride + nb]
     _local.flat = (raw, raw.view(np.float64))
-    _local.sorted = (row(0), row(5), row(6))  # sslots, order, inv (sorted_draw)
-    u = _I_ROWS + _F_ROWS
-    _local.update = (row(u).view(np.float64), row(u + 1), row(u + 2).view(np.float64))
+    _local.sorted = (_row(raw, 0, nb), _row(raw, 5, nb), _row(raw, 6, nb))  # sslots, order, inv (sorted_draw)
+    u = _I_ROWS + _F_ROWS  # (each row as the kernel slices it, _row: one definition of the stride)
+    _local.update = (_row(raw, u, nb).view(np.float64), _row(raw, u + 1, nb), _row(raw, u + 2, nb).view(np.float64))
     _local.nb = nb
     return _local.flat
 
@@ -286,8 +275,8 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     ``SORT_PARALLEL_MIN`` items). ``one_step``: every stored trajectory has exactly one step (the spec's
     ``max_length`` is 1), so the runs write the batch's real steps and mask rows in row order
     (:func:`_fill_fixed_rows`). ``beta``: the importance weights' exponent (``prioritized``), applied here: by
-    each run to its own items (:func:`_run_weights`), or after a small batch's draw, where two threads share the
-    copy by the drawing thread once the others may copy (:func:`_finish_weights`)."""
+    each run to its own items, or after a small batch's draw, where two threads share the copy by the drawing
+    thread once the others may copy (:func:`_raise_weights`)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
@@ -352,7 +341,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                     gen_shift, gen_mask, capacity, window, align_code, prioritized, total, wmin, sslots, skey, ws, nv,
                     pf, order, inv, ident, sw, skeys, keys, lengths, probabilities, weights, mask)
         if prioritized:
-            _finish_weights(weights, beta, spare, nb)
+            _raise_weights(weights, spare, ident, weights, beta, 0, nb)
         _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, 0, nb)
     else:  # one region: the first thread in draws and places the rows while the others wake (a sleeping worker
         # takes tens of microseconds), then all copy runs of >= 32 windows (each run prefetches ahead of
@@ -371,7 +360,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                             weights, mask)
                 raise_flag(ready)  # (the copy reads the placements only: the weights are finished beside it)
                 if prioritized:
-                    _finish_weights(weights, beta, spare, nb)
+                    _raise_weights(weights, spare, ident, weights, beta, 0, nb)
             else:  # a thread that waits past its bound leaves the copy to the drawing thread, which copies too
                 drawn = wait_flag(ready, WAIT_SPINS, WAIT_CYCLES)
             if drawn:
@@ -402,7 +391,7 @@ def _sample_run(lo, hi, fix_sort, one_step, leaves, l0_sum, l1_sum, l2_sum, pref
                     window, align_code, place_u, order, ws, nv, pf, total, wmin, prioritized, keys, lengths,
                     probabilities, weights, mask, one_step, sratio)
     if prioritized:
-        _run_weights(sratio, skeys, order, weights, beta, lo, hi)
+        _raise_weights(sratio, skeys, order, weights, beta, lo, hi)
     if one_step:
         _fill_fixed_rows(lo, hi, lengths, mask, window, align_code)
     _copy_run(addrs, step_bytes, capacity, window, ws, nv, pf, order, outs, lo, hi)
