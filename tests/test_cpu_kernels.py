@@ -682,3 +682,36 @@ def test_named_state_is_built_once_and_compiled_once(spec, make_traj):
     assert {k: len(k.signatures) for k in counts} == counts
     assert shard.store._arrays is arrays and shard.index._arrays is tree_arrays
     shard.close()
+
+
+# ---- a repeated sample's head row ----------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1000, 200_000])  # a top level read as a list, and one reduced by numpy
+def test_sample_head_reads_what_the_header_row_reads(n):
+    """``serve.sample_head`` fills the head columns a repeated decentralized sample shares with exactly the
+    values ``header.build_row`` reads through the shard: mass, live items, smallest positive weight, items ever
+    inserted, windows drawn (zero priorities and an evicted item included)."""
+    from gear_mpi.distributed import header
+    from gear_mpi.kernels import serve
+
+    spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=1)
+    shard = gm.Shard(spec, n, gm.Prioritized(0.6, 0.4), seed=3)
+    rng = np.random.default_rng(3)
+    k = n + 5  # five evicted: the live count and the inserted total differ
+    priorities = rng.random(k) * 10.0
+    priorities[rng.integers(0, k, k // 10)] = 0.0
+    for part in (slice(0, n), slice(n, k)):  # (one call takes at most the capacity)
+        m = part.stop - part.start
+        shard.insert_packed({"x": rng.random(m, dtype=np.float32)}, np.ones(m, np.int64), priorities[part])
+    shard.sample(7, 1)
+    want = header.build_row(shard, 0, 1, 0, 0, 0, 0.0)
+    head = np.full(16, -7.0)
+    columns = 2 + np.array([header.MASS, header.ITEMS, header.MIN_WEIGHT, header.INSERTED, header.SAMPLED], np.int64)
+    tree = shard.index.tree
+    serve.sample_head(head, columns, 42.0, tree.prefix, tree.l2_min, shard.store.state, shard.samples_drawn)
+    got = head[2:2 + header.HEADER_WIDTH]
+    for col in (header.MASS, header.ITEMS, header.MIN_WEIGHT, header.INSERTED, header.SAMPLED):
+        assert got[col] == want[col], col
+    assert head[1] == 42.0 and head[0] == -7.0
+    assert want[header.ITEMS] == n and want[header.INSERTED] == k and want[header.SAMPLED] == 7
+    assert 0.0 < want[header.MIN_WEIGHT] < np.inf

@@ -48,9 +48,7 @@ from .node import CHOICE_CAPACITY
 from .plans import multinomial_rows, two_owner_rows
 from ..batch import Batch, check_window
 from ..kernels import gather as gather_kernels
-from ..kernels import ring
 from ..kernels import serve as serve_kernels
-from ..kernels.weights import importance_weights
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from ..selection.one_call import repeats
 from ..selection.priority_index import PriorityIndex
@@ -59,6 +57,7 @@ from ..selection.selectors import Prioritized, Uniform
 _DECENTRALIZED = header.MODES.index("decentralized")
 _SAMPLE_OP = OPS.index("sample")  # a head's call is number * _SPAN + operation (distributed.calls)
 _NO_ERROR = -1.0
+_HEAD_COLUMNS = 2 + np.array([MASS, ITEMS, MIN_WEIGHT, INSERTED, SAMPLED], np.int64)  # (serve.sample_head)
 _NO_UNIFORMS = np.zeros(0)
 
 
@@ -84,7 +83,7 @@ class SampleRecord:
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "head", "outs", "got", "row_of_owner",
-                 "counts", "peer_direct", "key_head", "prioritized", "slots", "w", "ratio", "uniforms", "fresh")
+                 "counts", "peer_ranks", "key_head", "prioritized", "slots", "w", "ratio", "uniforms", "fresh")
 
     def __init__(self, replay, batch, args: tuple, window: int, code: int):
         size = replay.comm.size
@@ -101,7 +100,7 @@ class SampleRecord:
         self.got = np.empty((self.b, gather_kernels.CHOICE_WIDTH), np.int64)  # the requester's choices, in owner order
         self.row_of_owner = np.zeros(size + 1, np.int64)
         self.counts = np.empty((size, size), np.int64)
-        self.peer_direct = [int(x) for x in replay.node.peer_direct.tolist()]
+        self.peer_ranks = [r for r, d in enumerate(replay.node.peer_direct.tolist()) if d]  # read in peers' memory
         st = replay.shard.store
         self.key_head = key_head(st.tag, st.rank)
         self.prioritized = type(replay.shard.selector) is Prioritized
@@ -159,13 +158,9 @@ def sample_again(replay, rec: SampleRecord):
     board, index, st = node.board, shard.index, shard.store
     calls: ReplayCalls = replay.calls
     calls.count += 1
-    head = rec.head
-    head[1] = float(calls.count * _SPAN + _SAMPLE_OP)
-    head[2 + MASS] = index.total
-    head[2 + ITEMS] = len(st)
-    head[2 + MIN_WEIGHT] = index.min_positive
-    head[2 + INSERTED] = st.state[ring.INSERTED_TOTAL]
-    head[2 + SAMPLED] = shard.samples_drawn
+    head = rec.head  # the shard's numbers, read from its arrays (header.build_row's values)
+    serve_kernels.sample_head(head, _HEAD_COLUMNS, float(calls.count * _SPAN + _SAMPLE_OP), index.tree.prefix,
+                              index.tree.l2_min, st.state, shard.samples_drawn)
     table = board.gather(board.share(head), WIDTH, "sample")
     calls.check(table, None, "sample")
     rows = table[:, 2:].tolist()
@@ -189,10 +184,12 @@ def sample_again(replay, rec: SampleRecord):
             counts[:] = pairs
             serve = pairs[0][me] + pairs[1][me]
             busiest = max(pairs[0][0] + pairs[1][0], pairs[0][1] + pairs[1][1])
+            from_owner = pairs[me]
         else:
             counts[:] = multinomial_rows(replay.shared_rng, np.array(asked, np.int64), np.array(masses) / mass)
             serve = int(counts[:, me].sum())
             busiest = int(counts.sum(0).max())
+            from_owner = counts[me].tolist()
         wmin = min(r[MIN_WEIGHT] for r in rows)
         recv = counts[me]
         out = Batch.empty(replay.spec, rec.b, rec.window) if rec.fresh else rec.batch()
@@ -204,7 +201,10 @@ def sample_again(replay, rec: SampleRecord):
         else:
             slots = _serve(rec, shard, board.choices[me], serve, mass, wmin)  # into this rank's board rows
             _deliver(rec, replay, out, counts, recv)
-        replay._state.windows_shared += sum(n * d for n, d in zip(recv.tolist(), rec.peer_direct))
+        shared = 0  # windows copied from a node peer's memory (a loop: a generator costs ~10 us, caches cold)
+        for r in rec.peer_ranks:
+            shared += from_owner[r]
+        replay._state.windows_shared += shared
         shard.after_sampling(slots)
     finally:
         node.publish()  # this rank's reads of its node peers' memory for this sample are over
@@ -226,12 +226,10 @@ def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, 
         place = rec.uniforms[serve:2 * serve]
         shard.rng.random(out=place)
     st, slots, ratio = shard.store, rec.slots[:serve], rec.ratio[:serve]
+    beta = float(shard.selector.beta) if rec.prioritized else 1.0  # (a float: one compiled kernel)
     serve_kernels.serve_choices(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
                                 SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
-                                slots, mine[:serve], rec.w[:serve], ratio, shard.spec.tail_steps)
-    if rec.prioritized:  # Prioritized.importance_weights' power
-        importance_weights(ratio, shard.selector.beta, out=ratio)
-        mine[:serve, gather_kernels.WEIGHT].view(np.float64)[:] = ratio
+                                beta, slots, mine[:serve], rec.w[:serve], ratio, shard.spec.tail_steps)
     return slots
 
 

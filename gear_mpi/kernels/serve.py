@@ -2,29 +2,36 @@
 
 ``Replay.sample`` on one node (:mod:`gear_mpi.distributed.repeat`) made three calls and three temporaries
 here: ``PriorityIndex.draw`` (``priority_draw.draw``), ``gather.fill_choices`` and the selector's importance
-weights (a division, a cast, a power). :func:`serve_choices` makes the first two and the division in one call,
-into buffers the caller keeps (the choices straight into its node board's rows); the power is the caller's
-(``kernels.weights.importance_weights``, as ``Prioritized.importance_weights``), so every value is the full
-path's, bit for bit: the same slot for every uniform, the same key, placement and probability, the same weight.
+weights (a division, a cast, a power). :func:`serve_choices` makes all three in one call, into buffers the
+caller keeps (the choices straight into its node board's rows), with the power of
+:func:`~gear_mpi.kernels.weights.importance_powers_into` (as ``Prioritized.importance_weights``), so every value is
+the full path's, bit for bit: the same slot for every uniform, the same key, placement, probability and weight.
+:func:`sample_head` reads the numbers a rank's head row of that sample carries from the index's and the ring's
+arrays in one call (after a window copy of megabytes the Python property chain that read them took about 25 us
+of a 0.25 ms two-rank W1 call, its caches cold).
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
-from .gather import WEIGHT, fill_choices
+from .gather import WEIGHT, _float_bits, fill_choices
 from .priority_draw import draw
+from .ring import INSERTED_TOTAL, LIVE_COUNT
+from .weights import importance_powers_into
 
 ONE_BITS = 0x3FF0000000000000  # the IEEE bits of 1.0: a choice's weight when no importance weight applies
 
 
 @njit(cache=True, nogil=True)
 def serve_choices(tree, uniforms, place_u, start, length, generation, key_head, gen_shift, gen_mask, capacity,
-                  window, align_code, total, wmin, prioritized, slots, choices, w, ratio, tail):
+                  window, align_code, total, wmin, prioritized, beta, slots, choices, w, ratio, tail):
     """Draw one slot per uniform from ``tree`` (the index's arrays) into ``slots``, and write each one's
     choice into ``choices`` (``[len(uniforms), CHOICE_WIDTH]`` int64: key, placement with ``place_u`` for
-    random alignment, probability ``w / total``) as ``gather.fill_choices`` does, with its index weight in
-    ``w`` (float64). ``prioritized``: ``ratio[i] = float32(wmin / w[i])``, the base of the importance weight
-    (the caller raises it to ``beta`` and stores it in the choice); else the choice's weight is 1.
+    random alignment, probability ``w / total``, importance weight) as ``gather.fill_choices`` and the selector
+    make them. ``prioritized``: the weight is ``float32(r ** beta)`` for the ratio ``r = float32(wmin / w)``
+    (:func:`~gear_mpi.kernels.weights.importance_powers_into`; the ratios are left in ``ratio``, float32, and the
+    weights as float64 in ``w``, which first holds each slot's index weight); else 1.
     Cost: the draw's, plus O(B). The caller guarantees a positive total."""
     draw(tree, uniforms, slots)
     fill_choices(slots, start, length, generation, key_head, gen_shift, gen_mask, capacity, window, align_code,
@@ -33,6 +40,28 @@ def serve_choices(tree, uniforms, place_u, start, length, generation, key_head, 
     if prioritized:
         for i in range(n):
             ratio[i] = wmin / w[i]
+        importance_powers_into(ratio, beta, w, 0, n)
+        for i in range(n):
+            choices[i, WEIGHT] = _float_bits(w[i])
     else:
         for i in range(n):
             choices[i, WEIGHT] = ONE_BITS
+
+
+@njit(cache=True, nogil=True)
+def sample_head(head, columns, call, prefix, l2_min, state, drawn):
+    """Fill a rank's head row of a sample (``head``, float64) from its shard's arrays: ``call`` at 1, and at
+    ``columns`` (int64: the header's mass, live items, smallest weight, items ever inserted and windows drawn
+    columns, offset into the row) the index's total weight (``prefix``'s last entry), the ring's live count
+    (``state``), the least positive weight (the least of the level-2 minima ``l2_min``, inf for none: as
+    ``PriorityIndex.min_positive``), the ring's items ever inserted and ``drawn``: the values ``header.build_row``
+    reads through the shard, bit for bit. O(n / 4096) for an index of n slots."""
+    head[1] = call
+    head[columns[0]] = prefix[prefix.shape[0] - 1]
+    head[columns[1]] = state[LIVE_COUNT]
+    least = np.inf
+    for j in range(l2_min.shape[0]):
+        least = min(least, l2_min[j])
+    head[columns[2]] = least
+    head[columns[3]] = state[INSERTED_TOTAL]
+    head[columns[4]] = drawn
