@@ -30,6 +30,7 @@ from . import deadline
 from .. import errors
 from .comm import MpiComm
 from ..errors import CollectiveTimeoutError
+from ..kernels import board as board_kernels
 from ..kernels import hints
 from ..storage.arenas import SHARED_KINDS, SharedArena, reads_done_counter
 from ..shard import Shard
@@ -267,8 +268,8 @@ class NodeView:
 
 
 # ---- the node board: every collective's head and a sample's choices through shared memory ---------------
-_SLOT = 512  # bytes a rank's board starts with: head counter (0), choices counter (64), two head rows (128)
-_ROW = 16    # float64 a head row holds (distributed.calls.WIDTH of them are used)
+# a rank's board (kernels.board's layout): head counter, choices counter, sleeping word, two head rows, then choices
+_SLOT, _ROW = board_kernels.SLOT, board_kernels.ROW  # bytes before the choices; float64 a head row holds
 CHOICE_CAPACITY = 8192  # choices an owner posts on its board per sample; more: that sample's choices travel by MPI
 
 
@@ -293,6 +294,19 @@ def _reached(word: np.ndarray, target: int) -> bool:
     return (int(word[0]) - target) & 0xFFFFFFFF < 0x80000000
 
 
+def _warm_round_kernels() -> None:
+    """Call each round kernel of :mod:`gear_mpi.kernels.board` once on a scratch one-rank board, with the argument
+    types a board's rounds pass: compiled (or loaded from numba's cache) before the first round. Local."""
+    k = board_kernels
+    scratch = np.zeros(k.SLOT + 8 * k.CHOICE_WIDTH, np.uint8)
+    bases = np.array([scratch.ctypes.data], np.int64)
+    k.share_row(bases, 0, 1, np.zeros(2, np.float64))
+    k.gather_rows(bases, 1, np.empty((1, 2), np.float64), 1, 0)
+    k.publish_choices(bases, 0, 1)
+    choices = np.zeros((1, k.CHOICE_WIDTH), np.int64)
+    k.collect_choices(bases, 0, np.ones((1, 1), np.int64), 1, choices, choices.copy(), 1, 1, 0)
+
+
 class NodeBoard:
     """Samples of a replay whose ranks all share one node, synchronised through shared memory, no MPI.
 
@@ -301,7 +315,9 @@ class NodeBoard:
     :data:`CHOICE_CAPACITY` choices (48 bytes each) that the rank serves per sample. :meth:`share` /
     :meth:`gather` replace the allgather of every collective's head (a sample's header among them;
     :mod:`gear_mpi.distributed.calls`), :meth:`post` / :meth:`collect` the choices' alltoallv: no MPI
-    call. A rank waiting for a peer polls the peer's counter, yielding its core between polls
+    call. Each side of a round is one kernel call (:mod:`gear_mpi.kernels.board`, which also sets the layout),
+    whose short poll (8-16 us) finds a peer in step with this rank; past it, a rank waiting for a peer polls the
+    peer's counter, yielding its core between polls
     (``sched_yield``: on an oversubscribed node the core goes to a rank that works) for 20 ms
     (as :func:`gear_mpi.distributed.deadline.poll`), then sleeps on it (a futex the publisher wakes; where
     there is none, sleeps of up to 1 ms).
@@ -329,16 +345,19 @@ class NodeBoard:
             raise
         self.arena.unlink()
         bufs = [self._arenas[r].buffer for r in range(self.size)]
-        self.head_count = [b[0:4].view(np.uint32) for b in bufs]
-        self.choice_count = [b[64:68].view(np.uint32) for b in bufs]
-        self.sleeping = [b[96:100].view(np.uint32) for b in bufs]  # 1 + the rank whose counter it sleeps on
-        self.rows = [b[128:128 + 2 * _ROW * 8].view(np.float64).reshape(2, _ROW) for b in bufs]
-        self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, 6) for b in bufs]
+        self._bases = np.array([b.ctypes.data for b in bufs], np.int64)  # for the round kernels (kernels.board)
+        k = board_kernels
+        self.head_count = [b[k.HEAD_COUNT:k.HEAD_COUNT + 4].view(np.uint32) for b in bufs]
+        self.choice_count = [b[k.CHOICE_COUNT:k.CHOICE_COUNT + 4].view(np.uint32) for b in bufs]
+        self.sleeping = [b[k.SLEEPING:k.SLEEPING + 4].view(np.uint32) for b in bufs]  # 1 + the rank it sleeps on
+        self.rows = [b[k.ROWS:k.ROWS + 2 * _ROW * 8].view(np.float64).reshape(2, _ROW) for b in bufs]
+        self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, k.CHOICE_WIDTH) for b in bufs]
         self.rounds = 0  # rows shared (the same on every rank)
         # seconds of polling (yielding the core) before sleeping on a futex; a futex from the start, or
         # after 50 us, measured slower on W1 with 4 ranks on 2 cores (1.53 / 1.22 against 1.12 ms a call)
         self.spin = 0.02
         hints.publish(self.head_count[self.rank], 0)  # compile (cache) the ordered store now
+        _warm_round_kernels()  # and the round kernels: no rank compiles inside a round while the others wait
 
     def share(self, row) -> int:
         """Write this rank's row of the next round and publish it (local, O(len(row))): the first half of an
@@ -350,10 +369,12 @@ class NodeBoard:
         Returns:
             The round's number, for :meth:`gather`.
         """
+        self._check_open()
         self.rounds += 1
         n = self.rounds
-        self.rows[self.rank][n & 1, :len(row)] = row
-        self._publish(self.head_count, n)
+        row = row if type(row) is np.ndarray and row.dtype == np.float64 else np.asarray(row, np.float64)
+        if board_kernels.share_row(self._bases, self.rank, n, row):  # the row, then the counter, in one call
+            self._wake(self.head_count)
         return n
 
     def gather(self, n: int, width: int, what: str) -> np.ndarray:
@@ -367,10 +388,12 @@ class NodeBoard:
         Raises:
             CollectiveTimeoutError: a rank did not share its row within the deadline (the replay is then unusable).
         """
-        self.wait(self.head_count, range(self.size), n, what)
+        self._check_open()
         table = np.empty((self.size, width), np.float64)
-        for r in range(self.size):
-            table[r] = self.rows[r][n & 1, :width]
+        k = board_kernels
+        if not k.gather_rows(self._bases, n, table, k.POLL_SPINS, k.POLL_CYCLES):  # a short poll, then the rows
+            self.wait(self.head_count, range(self.size), n, what)  # yielding, then sleeping, with the deadline
+            k.gather_rows(self._bases, n, table, 1, 0)
         return table
 
     def post(self, choices: np.ndarray, epoch: int) -> None:
@@ -380,12 +403,14 @@ class NodeBoard:
             choices: ``[n, 6]`` int64, ``n <= CHOICE_CAPACITY``; epoch: the sample's number (NodeView.epoch).
         """
         self.choices[self.rank][:len(choices)] = choices
-        self._publish(self.choice_count, epoch)
+        self.posted(epoch)
 
     def posted(self, epoch: int) -> None:
         """Owner: the choices written straight into this rank's board rows (``choices[rank]``, as :meth:`post`
         copies them) are sample ``epoch``'s: publish them. Local, O(1)."""
-        self._publish(self.choice_count, epoch)
+        self._check_open()
+        if board_kernels.publish_choices(self._bases, self.rank, epoch):
+            self._wake(self.choice_count)
 
     def collect(self, counts: np.ndarray, epoch: int, own: np.ndarray, got: np.ndarray, what: str) -> None:
         """Requester: this rank's choices of every owner, in owner order, into ``got``.
@@ -394,31 +419,25 @@ class NodeBoard:
         owner o serves requester r at ``[r, o]``; epoch: as :meth:`post`; own: this rank's served choices;
         got: ``[sum(counts[rank]), 6]`` int64. Raises: CollectiveTimeoutError: an owner never posted.
         """
-        me = self.rank
-        mine = counts[me]
-        owners = [o for o in range(self.size) if mine[o] and o != me]
-        self.wait(self.choice_count, owners, epoch, what)
-        # where each owner's rows for this rank begin: after those it serves the ranks before this one
-        first = counts[:me].sum(0).tolist() if me > 1 else (counts[0].tolist() if me == 1 else [0] * self.size)
-        row = 0
-        for o in range(self.size):
-            k = int(mine[o])
-            if k:
-                src = own if o == me else self.choices[o]
-                got[row:row + k] = src[first[o]:first[o] + k]
-                row += k
-
-    def _publish(self, counters: list, value: int) -> None:
-        word = counters[self.rank]
-        hints.publish(word, value & 0xFFFFFFFF)
-        if _LIBC is None:
+        self._check_open()
+        k = board_kernels
+        if k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, k.POLL_SPINS,
+                             k.POLL_CYCLES):  # a short poll, then the rows
             return
-        hints.fence()  # the counter is stored before the sleepers are read (see wait)
-        me = self.rank + 1
-        for flag in self.sleeping:
-            if int(flag[0]) == me:
-                _futex(word, _FUTEX_WAKE, 0x7FFFFFFF)
-                return
+        mine = counts[self.rank]
+        owners = [o for o in range(self.size) if mine[o] and o != self.rank]
+        self.wait(self.choice_count, owners, epoch, what)  # yielding, then sleeping, with the deadline
+        k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, 1, 0)
+
+    def _check_open(self) -> None:
+        if self._bases is None:
+            raise RuntimeError("node board: closed (its replay was closed)")
+
+    def _wake(self, counters: list) -> None:
+        """Wake the node peers sleeping on this rank's counter in ``counters`` (the round kernels saw one's
+        sleeping word name this rank after publishing it; a futex wake, where there are futexes)."""
+        if _LIBC is not None:
+            _futex(counters[self.rank], _FUTEX_WAKE, 0x7FFFFFFF)
 
     def wait(self, counters: list, ranks, target: int, what: str) -> None:
         """Wait until ``counters[r]`` reached ``target`` for every ``r`` in ``ranks`` (local, with the deadline).
@@ -475,6 +494,7 @@ class NodeBoard:
     def close(self) -> None:
         """Unmap the boards (local; this rank's own segment is removed). Idempotent."""
         self.head_count = self.choice_count = self.rows = self.choices = self.sleeping = []
+        self._bases = None  # (no board to reach: _check_open refuses a round)
         for r, arena in self._arenas.items():
             if arena is not self.arena:
                 arena.close()

@@ -188,6 +188,46 @@ def wait_flag(flag, spins, cycles, target=1):
     return False
 
 
+@intrinsic
+def address_pointer(typingctx, addr):
+    """The address ``addr`` (an int64) as a ``void *`` for ``numba.carray``: an array over memory the caller keeps
+    mapped (another process's shared segment). No check: the caller vouches for the address and the extent."""
+    sig = types.voidptr(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return sig, codegen
+
+
+@intrinsic
+def load_u32_acquire(typingctx, addr):
+    """The 32-bit unsigned word at address ``addr`` (an int64), read with acquire order (as an int64): after it this
+    thread sees what the writer stored before it stored the value read (:func:`store_u32_release`). Never hoisted
+    out of a loop, so a poll of another process's counter sees it move."""
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        return builder.zext(builder.load_atomic(ptr, "acquire", 4), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def store_u32_release(typingctx, addr, value):
+    """Store the low 32 bits of ``value`` at address ``addr`` (int64s) with release order: a reader that sees the
+    value (:func:`load_u32_acquire`) sees every store this thread made before."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.store_atomic(builder.trunc(args[1], ir.IntType(32)), ptr, "release", 4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def publish(flag, value):
     """``flag[0] = value`` after every earlier load and store of this process (a full fence first):
