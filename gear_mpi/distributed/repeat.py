@@ -168,8 +168,13 @@ def sample_again(replay, rec: SampleRecord):
     masses = [r[MASS] for r in rows]
     mass = sum(masses)  # in rank order, as plans._mass sums
     asked = [r[BATCH] for r in rows]
-    odd = (any(r[WINDOW] != first[WINDOW] or r[ALIGN] != first[ALIGN] or r[MODE] != _DECENTRALIZED for r in rows)
-           or sum(asked) > 0 and (mass <= 0.0 or sum(r[ITEMS] for r in rows) == 0))
+    odd, items, wmin = False, 0.0, np.inf  # one loop (generator expressions cost microseconds, caches cold)
+    for r in rows:
+        odd = odd or r[WINDOW] != first[WINDOW] or r[ALIGN] != first[ALIGN] or r[MODE] != _DECENTRALIZED
+        items += r[ITEMS]
+        if r[MIN_WEIGHT] < wmin:  # (min over the ranks: no NaN in a head)
+            wmin = r[MIN_WEIGHT]
+    odd = odd or sum(asked) > 0 and (mass <= 0.0 or items == 0)
     if odd:  # the full path's checks, at the same points of the call: the same errors on every rank
         header.check_mode(table[:, 2:])
     node.epoch += 1  # node.begin_sample()
@@ -190,17 +195,15 @@ def sample_again(replay, rec: SampleRecord):
             serve = int(counts[:, me].sum())
             busiest = int(counts.sum(0).max())
             from_owner = counts[me].tolist()
-        wmin = min(r[MIN_WEIGHT] for r in rows)
-        recv = counts[me]
         out = Batch.empty(replay.spec, rec.b, rec.window) if rec.fresh else rec.batch()
         if busiest > CHOICE_CAPACITY:  # an owner serves more than its board holds: MPI
             slots = shard.select(serve)
             choices = shard.make_choices(slots, rec.window, rec.code, mass, wmin)
-            replay.transport.exchange(choices, np.ascontiguousarray(counts[:, me]), recv, rec.window, out=out,
+            replay.transport.exchange(choices, np.ascontiguousarray(counts[:, me]), counts[me], rec.window, out=out,
                                       counts=counts)
         else:
             slots = _serve(rec, shard, board.choices[me], serve, mass, wmin)  # into this rank's board rows
-            _deliver(rec, replay, out, counts, recv)
+            _deliver(rec, replay, out, counts, from_owner)
         shared = 0  # windows copied from a node peer's memory (a loop: a generator costs ~10 us, caches cold)
         for r in rec.peer_ranks:
             shared += from_owner[r]
@@ -214,8 +217,7 @@ def sample_again(replay, rec: SampleRecord):
 def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, wmin: float) -> np.ndarray:
     """Owner: draw ``serve`` slots and write their choices into ``mine`` (this rank's board rows), as
     ``Shard.select`` + ``Shard.make_choices`` do, on the same stream (draws, then placements). Returns the slots."""
-    if serve:
-        shard.check_can_sample()
+    # (no check_can_sample: an owner serves only with a positive mass in this call's head, read just now)
     if serve > len(rec.slots):  # the scratch grows to the largest count served
         rec.slots, rec.w, rec.ratio = np.empty(serve, np.int64), np.empty(serve), np.empty(serve, np.float32)
         rec.uniforms = np.empty(2 * serve)
@@ -233,15 +235,18 @@ def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, 
     return slots
 
 
-def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, recv: np.ndarray) -> None:
+def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: list) -> None:
     """Publish this rank's choices on its board, collect its own from every owner's, and gather its windows:
     :meth:`WindowTransport.exchange`'s node-board path (its copy time counted as there)."""
     node, comm, shard = replay.node, replay.comm, replay.shard
     board, transport = node.board, replay.transport
     start, waited = time.perf_counter(), comm.waited
     try:
-        row_of_owner = rec.row_of_owner
-        np.cumsum(recv, out=row_of_owner[1:])
+        row_of_owner = rec.row_of_owner  # where each owner's windows begin in the batch (a cumulative sum)
+        at = 0
+        for o, k in enumerate(from_owner):
+            at += k
+            row_of_owner[o + 1] = at
         board.posted(node.epoch)
         board.collect(counts, node.epoch, board.choices[comm.rank], rec.got, "sample (choices)")
         keys, probabilities, weights, lengths = out.meta_numpy()
