@@ -97,3 +97,45 @@ def test_bad_extents_are_refused_before_a_copy():
     with pytest.raises(ValueError, match="past the owner's rows"):
         board.collect_choices(bases, 0, np.array([[2, 0], [0, 0]], np.int64), 1, own,
                               np.zeros((2, board.CHOICE_WIDTH), np.int64), CAPACITY, 1, 0)
+
+
+def test_a_repeated_samples_rounds_are_their_kernels_in_one_call():
+    """``sample_rounds.head_round`` = ``serve.sample_head`` + ``board.share_row`` + ``board.gather_rows`` and
+    ``sample_rounds.choices_round`` = ``serve.serve_choices`` into the board + ``publish_choices`` +
+    ``collect_choices``: the same rows and choices, and the WAKE / READ bits."""
+    import gear_mpi as gm
+    from gear_mpi import keys as keyspace
+    from gear_mpi.kernels import sample_rounds as rounds
+    from gear_mpi.kernels import serve
+
+    spec = gm.TrajectorySpec({"x": ((), "float32")}, max_length=4)
+    shard = gm.Shard(spec, 4000, gm.Prioritized(0.6, 0.4), seed=1)
+    rng = np.random.default_rng(1)
+    shard.insert_packed({"x": rng.random(4000, dtype=np.float32)}, np.full(1000, 4, np.int64), rng.random(1000) + 0.1)
+    tree, st = shard.index.tree, shard.store
+    mem, bases = boards(2)
+    columns = np.array([5, 6, 7, 9, 10], np.int64)
+    head, want, table = np.zeros(16), np.zeros(16), np.full((2, 16), -1.0)
+    serve.sample_head(want, columns, 9.0, tree.prefix, tree.l2_min, st.state, 3)
+    code = rounds.head_round(head, columns, 9.0, tree.prefix, tree.l2_min, st.state, 3, bases, 0, 1, table, 16,
+                             1 << 10)
+    assert code == 0 and (head == want).all() and (table == -1.0).all()  # rank 1 not there yet: nothing read
+    mem[1][board.SLEEPING:board.SLEEPING + 4].view(np.uint32)[0] = 1  # rank 1 sleeps on rank 0's counter
+    board.share_row(bases, 1, 1, want + 1)
+    code = rounds.head_round(head, columns, 9.0, tree.prefix, tree.l2_min, st.state, 3, bases, 0, 2, table, 1, 0)
+    assert code == rounds.WAKE  # round 2: rank 1 is still at round 1
+    assert board.gather_rows(bases, 1, table, 1, 0) and (table[1] == want + 1).all()
+
+    args = (shard.index._arrays, rng.random(9), np.zeros(0), st.start, st.length, st.generation,
+            keyspace.key_head(st.tag, st.rank), keyspace.SLOT_BITS, keyspace.GEN_MASK, st.capacity, 3, 1,
+            tree.prefix[-1], float(tree.l2_min.min()), True, 0.4)
+    slots, choices = np.empty(9, np.int64), np.empty((9, board.CHOICE_WIDTH), np.int64)
+    w, ratio = np.empty(9), np.empty(9, np.float32)
+    serve.serve_choices(*args, slots, choices, w, ratio, 0)
+    counts = np.array([[9, 0], [0, 0]], np.int64)  # rank 0 serves itself 9
+    got, slots2 = np.zeros((9, board.CHOICE_WIDTH), np.int64), np.empty(9, np.int64)
+    code = rounds.choices_round(*args, slots2, np.empty(9), np.empty(9, np.float32), 0, bases, 0, counts, 5, CAPACITY,
+                                got, 1, 0)
+    assert code == rounds.WAKE | rounds.READ and (slots2 == slots).all() and (got == choices).all()
+    own = mem[0][board.SLOT:board.SLOT + choices.nbytes].view(np.int64).reshape(9, board.CHOICE_WIDTH)
+    assert (own == choices).all() and counter(mem[0], board.CHOICE_COUNT) == 5

@@ -369,13 +369,24 @@ class NodeBoard:
         Returns:
             The round's number, for :meth:`gather`.
         """
-        self._check_open()
-        self.rounds += 1
-        n = self.rounds
+        n = self.begin_round()
         row = row if type(row) is np.ndarray and row.dtype == np.float64 else np.asarray(row, np.float64)
         if board_kernels.share_row(self._bases, self.rank, n, row):  # the row, then the counter, in one call
             self._wake(self.head_count)
         return n
+
+    def begin_round(self) -> int:
+        """The next head round's number, for a caller that shares its row with a kernel of its own
+        (:mod:`gear_mpi.kernels.sample_rounds`, given :attr:`bases`; then :meth:`end_heads`). Local, O(1)."""
+        self._check_open()
+        self.rounds += 1
+        return self.rounds
+
+    @property
+    def bases(self) -> np.ndarray:
+        """Every rank's board address (int64, rank order), for the round kernels. Raises RuntimeError once closed."""
+        self._check_open()
+        return self._bases
 
     def gather(self, n: int, width: int, what: str) -> np.ndarray:
         """Every rank's row of round ``n`` (:meth:`share`), once each has published it (local waits, with the
@@ -392,9 +403,23 @@ class NodeBoard:
         table = np.empty((self.size, width), np.float64)
         k = board_kernels
         if not k.gather_rows(self._bases, n, table, k.POLL_SPINS, k.POLL_CYCLES):  # a short poll, then the rows
-            self.wait(self.head_count, range(self.size), n, what)  # yielding, then sleeping, with the deadline
-            k.gather_rows(self._bases, n, table, 1, 0)
+            self.end_heads(n, table, 0, what)
         return table
+
+    def end_heads(self, n: int, table: np.ndarray, code: int, what: str) -> None:
+        """Finish head round ``n`` after a kernel that shared this rank's row and polled for the others' (its
+        ``code``: :data:`~gear_mpi.kernels.sample_rounds.WAKE`, :data:`~gear_mpi.kernels.sample_rounds.READ`):
+        wake a sleeping peer, and unless the rows were read, wait for them (yielding, then sleeping, with the
+        deadline) and read them into ``table``. Local.
+
+        Raises:
+            CollectiveTimeoutError: a rank did not share its row within the deadline.
+        """
+        if code & 1:
+            self._wake(self.head_count)
+        if not code & 2:
+            self.wait(self.head_count, range(self.size), n, what)
+            board_kernels.gather_rows(self._bases, n, table, 1, 0)
 
     def post(self, choices: np.ndarray, epoch: int) -> None:
         """Owner: publish this sample's served choices (in requester order) on this rank's board. Local.
@@ -421,13 +446,27 @@ class NodeBoard:
         """
         self._check_open()
         k = board_kernels
-        if k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, k.POLL_SPINS,
-                             k.POLL_CYCLES):  # a short poll, then the rows
-            return
-        mine = counts[self.rank]
-        owners = [o for o in range(self.size) if mine[o] and o != self.rank]
-        self.wait(self.choice_count, owners, epoch, what)  # yielding, then sleeping, with the deadline
-        k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, 1, 0)
+        if not k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, k.POLL_SPINS,
+                                 k.POLL_CYCLES):  # a short poll, then the rows
+            self.end_choices(counts, epoch, own, got, 0, what)
+
+    def end_choices(self, counts: np.ndarray, epoch: int, own: np.ndarray, got: np.ndarray, code: int,
+                    what: str) -> None:
+        """Finish sample ``epoch``'s choices after a kernel that published this rank's and polled for its owners'
+        (its ``code``, as :meth:`end_heads`): wake a sleeping peer, and unless they were collected, wait for the
+        owners (yielding, then sleeping, with the deadline) and collect them into ``got`` (as :meth:`collect`).
+        Local.
+
+        Raises:
+            CollectiveTimeoutError: an owner never posted.
+        """
+        if code & 1:
+            self._wake(self.choice_count)
+        if not code & 2:
+            mine = counts[self.rank]
+            owners = [o for o in range(self.size) if mine[o] and o != self.rank]
+            self.wait(self.choice_count, owners, epoch, what)
+            board_kernels.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, 1, 0)
 
     def _check_open(self) -> None:
         if self._bases is None:

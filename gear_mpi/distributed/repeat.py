@@ -48,7 +48,8 @@ from .node import CHOICE_CAPACITY
 from .plans import multinomial_rows, two_owner_rows
 from ..batch import Batch, check_window
 from ..kernels import gather as gather_kernels
-from ..kernels import serve as serve_kernels
+from ..kernels import board as board_kernels
+from ..kernels import sample_rounds as rounds
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from ..selection.one_call import repeats
 from ..selection.priority_index import PriorityIndex
@@ -58,6 +59,7 @@ _DECENTRALIZED = header.MODES.index("decentralized")
 _SAMPLE_OP = OPS.index("sample")  # a head's call is number * _SPAN + operation (distributed.calls)
 _NO_ERROR = -1.0
 _HEAD_COLUMNS = 2 + np.array([MASS, ITEMS, MIN_WEIGHT, INSERTED, SAMPLED], np.int64)  # (serve.sample_head)
+_POLL_SPINS, _POLL_CYCLES = board_kernels.POLL_SPINS, board_kernels.POLL_CYCLES
 _NO_UNIFORMS = np.zeros(0)
 
 
@@ -83,7 +85,8 @@ class SampleRecord:
     """
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "head", "outs", "got", "row_of_owner",
-                 "counts", "peer_ranks", "key_head", "prioritized", "slots", "w", "ratio", "uniforms", "fresh")
+                 "counts", "peer_ranks", "key_head", "prioritized", "slots", "w", "ratio", "uniforms", "fresh",
+                 "table")
 
     def __init__(self, replay, batch, args: tuple, window: int, code: int):
         size = replay.comm.size
@@ -100,6 +103,7 @@ class SampleRecord:
         self.got = np.empty((self.b, gather_kernels.CHOICE_WIDTH), np.int64)  # the requester's choices, in owner order
         self.row_of_owner = np.zeros(size + 1, np.int64)
         self.counts = np.empty((size, size), np.int64)
+        self.table = np.empty((size, WIDTH), np.float64)  # the heads' round's rows (read within the call)
         self.peer_ranks = [r for r, d in enumerate(replay.node.peer_direct.tolist()) if d]  # read in peers' memory
         st = replay.shard.store
         self.key_head = key_head(st.tag, st.rank)
@@ -158,10 +162,14 @@ def sample_again(replay, rec: SampleRecord):
     board, index, st = node.board, shard.index, shard.store
     calls: ReplayCalls = replay.calls
     calls.count += 1
-    head = rec.head  # the shard's numbers, read from its arrays (header.build_row's values)
-    serve_kernels.sample_head(head, _HEAD_COLUMNS, float(calls.count * _SPAN + _SAMPLE_OP), index.tree.prefix,
-                              index.tree.l2_min, st.state, shard.samples_drawn)
-    table = board.gather(board.share(head), WIDTH, "sample")
+    # the heads' round in one call: the shard's numbers read from its arrays (header.build_row's values) into
+    # this rank's head row, the row shared, every rank's read
+    n, table = board.begin_round(), rec.table
+    code = rounds.head_round(rec.head, _HEAD_COLUMNS, float(calls.count * _SPAN + _SAMPLE_OP), index.tree.prefix,
+                             index.tree.l2_min, st.state, shard.samples_drawn, board.bases, comm.rank, n, table,
+                             _POLL_SPINS, _POLL_CYCLES)
+    if code != rounds.READ:
+        board.end_heads(n, table, code, "sample")
     calls.check(table, None, "sample")
     rows = table[:, 2:].tolist()
     first = rows[0]
@@ -202,8 +210,7 @@ def sample_again(replay, rec: SampleRecord):
             replay.transport.exchange(choices, np.ascontiguousarray(counts[:, me]), counts[me], rec.window, out=out,
                                       counts=counts)
         else:
-            slots = _serve(rec, shard, board.choices[me], serve, mass, wmin)  # into this rank's board rows
-            _deliver(rec, replay, out, counts, from_owner)
+            slots = _exchange(rec, replay, out, counts, from_owner, serve, mass, wmin)
         shared = 0  # windows copied from a node peer's memory (a loop: a generator costs ~10 us, caches cold)
         for r in rec.peer_ranks:
             shared += from_owner[r]
@@ -214,9 +221,15 @@ def sample_again(replay, rec: SampleRecord):
     return out
 
 
-def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, wmin: float) -> np.ndarray:
-    """Owner: draw ``serve`` slots and write their choices into ``mine`` (this rank's board rows), as
-    ``Shard.select`` + ``Shard.make_choices`` do, on the same stream (draws, then placements). Returns the slots."""
+def _exchange(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: list, serve: int, mass: float,
+              wmin: float) -> np.ndarray:
+    """The choices' round and the copy: as owner, draw ``serve`` slots on the shard's stream (draws, then
+    placements, as ``Shard.select`` + ``Shard.make_choices``) and serve their choices into this rank's board; as
+    requester, collect this rank's from every owner and gather its windows (:meth:`WindowTransport.exchange`'s
+    node-board path; the time from the collected choices to the filled batch counted as its copy time).
+    Returns the slots served."""
+    node, comm, shard = replay.node, replay.comm, replay.shard
+    board, st = node.board, shard.store
     # (no check_can_sample: an owner serves only with a positive mass in this call's head, read just now)
     if serve > len(rec.slots):  # the scratch grows to the largest count served
         rec.slots, rec.w, rec.ratio = np.empty(serve, np.int64), np.empty(serve), np.empty(serve, np.float32)
@@ -227,19 +240,15 @@ def _serve(rec: SampleRecord, shard, mine: np.ndarray, serve: int, mass: float, 
     if rec.code == 0:  # random alignment: a placement uniform per window, drawn after the draws'
         place = rec.uniforms[serve:2 * serve]
         shard.rng.random(out=place)
-    st, slots, ratio = shard.store, rec.slots[:serve], rec.ratio[:serve]
+    slots, epoch = rec.slots[:serve], node.epoch
     beta = float(shard.selector.beta) if rec.prioritized else 1.0  # (a float: one compiled kernel)
-    serve_kernels.serve_choices(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
+    code = rounds.choices_round(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
                                 SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
-                                beta, slots, mine[:serve], rec.w[:serve], ratio, shard.spec.tail_steps)
-    return slots
-
-
-def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: list) -> None:
-    """Publish this rank's choices on its board, collect its own from every owner's, and gather its windows:
-    :meth:`WindowTransport.exchange`'s node-board path (its copy time counted as there)."""
-    node, comm, shard = replay.node, replay.comm, replay.shard
-    board, transport = node.board, replay.transport
+                                beta, slots, rec.w, rec.ratio, shard.spec.tail_steps, board.bases, comm.rank, counts,
+                                epoch, CHOICE_CAPACITY, rec.got, _POLL_SPINS, _POLL_CYCLES)
+    if code != rounds.READ:
+        board.end_choices(counts, epoch, board.choices[comm.rank], rec.got, code, "sample (choices)")
+    transport = replay.transport
     start, waited = time.perf_counter(), comm.waited
     try:
         row_of_owner = rec.row_of_owner  # where each owner's windows begin in the batch (a cumulative sum)
@@ -247,12 +256,11 @@ def _deliver(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: lis
         for o, k in enumerate(from_owner):
             at += k
             row_of_owner[o + 1] = at
-        board.posted(node.epoch)
-        board.collect(counts, node.epoch, board.choices[comm.rank], rec.got, "sample (choices)")
         keys, probabilities, weights, lengths = out.meta_numpy()
         outs = rec.outs if rec.outs is not None else out.column_addresses()  # (a fresh record: the new batch's)
-        gather_kernels.gather_rows_from_owners(node.column_addrs, shard.store.gather_step_bytes, shard.capacity_steps,
+        gather_kernels.gather_rows_from_owners(node.column_addrs, st.gather_step_bytes, shard.capacity_steps,
                                                node.direct, row_of_owner, rec.got, outs, rec.window,
                                                out._mask_np, keys, lengths, probabilities, weights)
     finally:
         transport.copy_seconds += time.perf_counter() - start - (comm.waited - waited)
+    return slots
