@@ -306,8 +306,6 @@ class Replay:
         return self._feeds.feed()
 
     # ---- sample: agree on the arguments -> plan -> exchange -> finish ---------------------------
-    @metered_sample
-    @interrupt_breaks("sample")
     def sample(self, batch_size: int, window: int | None = None, align: str = "random", *,
                mode: str | None = None, out: Batch | None = None) -> Batch:
         """Collective: every rank receives ``batch_size`` windows drawn from the whole replay.
@@ -349,10 +347,16 @@ class Replay:
         One rank on the host: no header, plan or exchange -- the arguments are checked, the writers drained
         and the rate limiter asked as above, then the shard samples itself (:meth:`Shard.sample`), in every mode.
         """
-        self._check_open()
         rec = self._repeat.get(id(out))  # the same out= and arguments as a recorded call: no checks again
         if rec is not None and rec.same(out, batch_size, window, align, mode) and rec.usable(self):
-            return repeat.sample_again(self, rec)
+            return repeat.sample_counted(self, rec)  # (checked open, counted and guarded as the decorators below do)
+        return self._sample_checked(batch_size, window, align, mode, out)
+
+    @metered_sample
+    @interrupt_breaks("sample")
+    def _sample_checked(self, batch_size, window, align: str, mode, out) -> Batch:
+        """:meth:`sample` with its arguments checked (every call but a repeated one)."""
+        self._check_open()
         # mapped columns (load(mmap=True)): a writer of the file waits until the call ends; once one came, the
         # call raises CheckpointError instead, agreed with the arguments' errors
         with self.shard.hold(strict=False) as problem:
@@ -767,6 +771,7 @@ class Replay:
         if self._checkpoints is not None:  # a checkpoint being written finishes (bounded: a dead peer's never)
             self._checkpoints.detach(self.comm.timeout)
         self.closed = True
+        self._repeat.clear()  # (a record holds the board's and shard's buffers)
         try:
             if self.comm.broken is None and self.ranks > 1:
                 self.settle()

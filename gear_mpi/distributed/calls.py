@@ -154,13 +154,21 @@ def interrupt_breaks(what: str, comms: Callable = _replay_comms, started: Callab
             try:
                 return method(owner, *args, **kwargs)
             except BaseException as e:
-                if not isinstance(e, Exception) and (started is None or started(owner) != before):
-                    for comm in comms(owner):
-                        if comm is not None and comm.broken is None:
-                            comm.interrupted(what, e)
+                if started is None or started(owner) != before:
+                    mark_interrupted(comms(owner), what, e)
                 raise
         return call
     return decorate
+
+
+def mark_interrupted(comms, what: str, e: BaseException) -> None:
+    """:func:`interrupt_breaks`' rule, for a call that began its collectives and is left by ``e``: where ``e`` is an
+    interrupt (a ``BaseException`` that is not an ``Exception``), mark each of ``comms`` not already broken (None
+    entries skipped) as interrupted in ``what``. Local, O(len(comms))."""
+    if not isinstance(e, Exception):
+        for comm in comms:
+            if comm is not None and comm.broken is None:
+                comm.interrupted(what, e)
 
 
 class ReplayCalls:

@@ -327,6 +327,56 @@ def test_a_rank_interrupted_between_the_collectives_of_a_sample_is_unusable_at_o
         COMM.Barrier()
 
 
+def test_a_repeated_sample_interrupted_after_its_head_is_unusable_at_once():
+    """The same for a repeated decentralized sample (gear_mpi/distributed/repeat.py, which counts and guards its
+    calls itself): KeyboardInterrupt on the last rank after the heads' round, as it serves its draws. Its next call
+    raises at once, naming the interrupt; the others raise CollectiveTimeoutError within their deadline."""
+    if SIZE != 2:
+        return
+    from gear_mpi.distributed import repeat
+
+    bad = SIZE - 1
+    replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, gm.Prioritized(0.6, 0.4),
+                       timeout=2.0, comm=COMM.Dup())  # left out of step: not the world's (never freed: still pending)
+    real = repeat.rounds
+    try:
+        replay.insert({"obs": np.ones((2, 3), np.float32)})
+        batch = replay.sample(3)
+        for _ in range(2):
+            replay.sample(3, out=batch)
+        assert replay._repeat.get(id(batch)) is not None  # the next call into it is a repeated one
+        COMM.Barrier()
+        if RANK == bad:
+            class Interrupting:
+                READ = real.READ
+
+                def head_round(self, *args):
+                    return real.head_round(*args)
+
+                def choices_round(self, *args):
+                    raise KeyboardInterrupt
+
+            repeat.rounds = Interrupting()
+            with pytest.raises(KeyboardInterrupt):
+                replay.sample(3, out=batch)
+            repeat.rounds = real
+            t0 = time.monotonic()
+            with pytest.raises(gm.CollectiveError, match=f"sample: interrupted on rank {bad} by KeyboardInterrupt"):
+                replay.sample(3, out=batch)
+            replay.close()  # local: the communicator is broken
+            assert time.monotonic() - t0 < 1.0
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(gm.CollectiveTimeoutError, match="not every rank"):
+                replay.sample(3, out=batch)
+            replay.close()
+            assert time.monotonic() - t0 < 2.0 + 3.0
+    finally:
+        repeat.rounds = real
+        replay.close()
+    COMM.Barrier()
+
+
 def test_a_rank_interrupted_in_a_collective_is_unusable_at_once_and_closes_locally():
     """KeyboardInterrupt (SIGINT) on the last rank inside a sample: the others raise CollectiveTimeoutError
     within their deadline. The interrupted rank left that collective pending, yet its replay stayed usable:
