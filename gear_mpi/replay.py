@@ -314,12 +314,12 @@ class Replay:
             batch_size: windows for this rank (may differ between ranks; 0 allowed).
             window: steps per window (None: the spec's max_length); the same on every rank.
             align: ``"random"``, ``"head"`` or ``"tail"``; the same on every rank.
-            mode: this call's mode, one of :data:`MODES` (None: the replay's); the same on every rank.
-                On a replay built with ``mode="local"``, a call in its own mode does not communicate
-                (so it cannot check the others' modes); every other call agrees on the mode first,
-                a per-call ``"local"`` included (then each rank samples its own shard).
-            out: a host batch to fill again (a batch an earlier call returned, of ``batch_size`` windows of
-                ``window`` steps), so a training loop allocates nothing per call; None: a new batch.
+            mode: this call's mode, one of :data:`MODES` (None: the replay's); the same on every rank. On a replay
+                built with ``mode="local"``, a call in its own mode does not communicate (so it cannot check the
+                others' modes); every other call agrees on the mode first, a per-call ``"local"`` included (then
+                each rank samples its own shard).
+            out: a host batch to fill again (a batch an earlier call returned, of ``batch_size`` windows of ``window``
+                steps), so a training loop allocates nothing per call; None: a new batch.
         Returns:
             A :class:`Batch` (``out`` when given; on the GPU for a device replay).
         Raises:
@@ -333,17 +333,16 @@ class Replay:
             CorruptDataError: a window read a damaged compressed chunk (every rank). TypeError: ``out`` not a Batch.
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
-        First the rank's writers are drained (within its insert budget); with a rate limiter that does
-        not admit the call, every rank repeats drain + header allgather, backing off, until it does.
-        Cost per call (decentralized, proportional): two rounds of latency -- an allgather of 112 bytes per rank
-        (the head: status, call, header), then, in flight together, one alltoallv of 48 bytes per item and one
-        alltoallv per column of ``W S`` bytes per window owned on another node (all ranks on one node: no MPI
-        call, both rounds through shared memory, :class:`~gear_mpi.distributed.node.NodeBoard`). A counter
-        published at the end (read by an owner before it next writes its shard; see the module docstring) keeps
-        owners from overwriting windows that node peers still copy. Selection on the owner: O(items log n);
-        copies: each delivered byte once on a node, twice (pack + MPI) across nodes. A call repeated on one node
-        (into the same ``out=``, or again into a new batch) skips the checks the first one made
-        (:mod:`gear_mpi.distributed.repeat`).
+        First the rank's writers are drained (within its insert budget); with a rate limiter that does not admit the
+        call, every rank repeats drain + header allgather, backing off, until it does. Cost per call (decentralized,
+        proportional): two rounds of latency -- an allgather of 112 bytes per rank (the head: status, call, header),
+        then, in flight together, one alltoallv of 48 bytes per item and one alltoallv per column of ``W S`` bytes
+        per window owned on another node (all ranks on one node: no MPI call, both rounds through shared memory,
+        :class:`~gear_mpi.distributed.node.NodeBoard`). A counter published at the end (read by an owner before it
+        next writes its shard; see the module docstring) keeps owners from overwriting windows that node peers still
+        copy. Selection on the owner: O(items log n); copies: each delivered byte once on a node, twice (pack + MPI)
+        across nodes. A call repeated on one node (into the same ``out=``, or again into a new batch) skips the
+        checks the first one made, each board round one kernel call (:mod:`gear_mpi.distributed.repeat`).
         One rank on the host: no header, plan or exchange -- the arguments are checked, the writers drained
         and the rate limiter asked as above, then the shard samples itself (:meth:`Shard.sample`), in every mode.
         """
@@ -355,11 +354,9 @@ class Replay:
     @metered_sample
     @interrupt_breaks("sample")
     def _sample_checked(self, batch_size, window, align: str, mode, out) -> Batch:
-        """:meth:`sample` with its arguments checked (every call but a repeated one)."""
+        """:meth:`sample` for every call but a repeated one: the arguments checked, mapped columns held."""
         self._check_open()
-        # mapped columns (load(mmap=True)): a writer of the file waits until the call ends; once one came, the
-        # call raises CheckpointError instead, agreed with the arguments' errors
-        with self.shard.hold(strict=False) as problem:
+        with self.shard.hold(strict=False) as problem:  # (a CheckpointError agreed with the arguments' errors)
             batch = self._sample(batch_size, window, align, mode, out, problem)
         repeat.remember(self, out, batch_size, window, align, mode)  # for the next such call (when it qualifies)
         return batch
@@ -771,7 +768,6 @@ class Replay:
         if self._checkpoints is not None:  # a checkpoint being written finishes (bounded: a dead peer's never)
             self._checkpoints.detach(self.comm.timeout)
         self.closed = True
-        self._repeat.clear()  # (a record holds the board's and shard's buffers)
         try:
             if self.comm.broken is None and self.ranks > 1:
                 self.settle()
