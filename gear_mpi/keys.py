@@ -77,6 +77,27 @@ def owner_of(keys: np.ndarray) -> np.ndarray:
     return (keys >> _RANK_SHIFT) & RANK_MASK
 
 
+@njit(cache=True, nogil=True)
+def owners_checked(keys, tag, ranks, max_items, owner, counts):
+    """The owner of each int64 key (``owner[i]``, as :func:`owner_of`) and how many keys each rank owns
+    (``counts``, ``ranks`` entries), in one pass, checking that each was issued by a replay of key tag ``tag``
+    over ``ranks`` ranks of ``max_items`` slots (its tag field, rank and slot). O(n).
+
+    Returns:
+        The index of the first key that was not (``owner`` and ``counts`` then partial), or -1.
+    """
+    for r in range(counts.shape[0]):
+        counts[r] = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        o = (k >> _RANK_SHIFT) & RANK_MASK
+        if (k >> _TAG_SHIFT) != tag or o >= ranks or (k & SLOT_MASK) >= max_items:
+            return i
+        owner[i] = o
+        counts[o] += 1
+    return -1
+
+
 def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Split keys into their fields. Cost: O(n) vectorised.
 

@@ -480,11 +480,11 @@ class Replay:
             CollectiveError: another rank is in another collective call (on every rank, naming both).
             CollectiveTimeoutError: a rank did not arrive within ``timeout``.
 
-        Cost: the head, one allgather (status, call, whether the rank's keys are all its own; a row on the
-        node board when every rank is on one node); then, unless every rank holds only its own keys (as
-        after a local sample), one alltoall of counts, one alltoallv of 16 bytes per key, one alltoall of
-        applied counts; O(n) on the owner plus one batched index update. Duplicate keys: the highest rank's
-        value wins, and within a rank the last one.
+        Cost: the head, one allgather (status, call, whether the rank's keys are all its own and, up to 11 ranks,
+        how many it has for each owner; a row on the node board when every rank is on one node); then, unless
+        every rank holds only its own keys (as after a local sample), one alltoall of counts (more than 11 ranks),
+        one alltoallv of 16 bytes per key, one alltoall of applied counts; O(n) on the owner plus one batched
+        index update. Duplicate keys: the highest rank's value wins, and within a rank the last one.
         """
         return self._update(keys, priorities)
 
@@ -498,23 +498,19 @@ class Replay:
         A deferred update's head is an ``"update_priorities (batches)"`` call: a plain update meeting it is a
         mismatch (:mod:`gear_mpi.distributed.calls`)."""
         self._check_open()
-        err, own, fold = problem, 1.0, deferred and self.ranks <= FOLD_RANKS
+        err, fold = problem, deferred and self.ranks <= FOLD_RANKS
         try:
             self._feeds.feed()
-            keys, owner = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
+            keys, owner, counts = routing.check_keys(keys, self.shard.tag, self.ranks, self.shard.store.max_items)
             pr = validate_priorities(priorities, len(keys))
-            own = 1.0 if fold else float(bool((owner == self.rank).all()))  # a fold counts per owner itself
         except Exception as e:
-            err, keys, pr, owner = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
+            err, keys, pr, owner, counts = e, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), None
         if fold:
             applied, self.fold_keys = routing.route_deferred(self.calls, self.shard, err, keys, owner, pr,
                                                              self.fold_keys, self.settle)
             return applied
-        table = self.calls.agree(err, "update_priorities (batches)" if deferred else "update_priorities", [own])
-        self.settle()
-        if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
-            return int(self.shard.apply_priorities(keys, pr).sum())
-        return routing.route_priorities(self.comm, self.shard, keys, owner, pr, count_back=not deferred)
+        return routing.update_routed(self.calls, self.shard, err, keys, owner, counts, pr, "update_priorities "
+                                     "(batches)" if deferred else "update_priorities", not deferred, self.settle)
 
     @interrupt_breaks("clear")
     def clear(self) -> None:

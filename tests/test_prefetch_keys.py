@@ -17,9 +17,13 @@ def test_check_keys_reads_the_fields_as_decode_does():
     tag, ranks, max_items = 77, 6, 1000
     ok = np.concatenate([keyspace.encode(tag, r, rng.integers(0, max_items, 20), rng.integers(0, 1 << 14, 20))
                          for r in range(ranks)])
-    got, owner = routing.check_keys(ok, tag, ranks, max_items)
+    got, owner, counts = routing.check_keys(ok, tag, ranks, max_items)
     assert got.dtype == np.int64 and owner.dtype == np.int64
     np.testing.assert_array_equal(owner, keyspace.decode(ok)[1])
+    np.testing.assert_array_equal(counts, np.bincount(keyspace.decode(ok)[1], minlength=ranks))
+    got, owner, counts = routing.check_keys(ok[::-2], tag, ranks, max_items)  # a strided view, as a tensor may be
+    np.testing.assert_array_equal(owner, keyspace.decode(ok[::-2])[1])
+    assert routing.check_keys([], tag, ranks, max_items)[2].tolist() == [0] * ranks
     np.testing.assert_array_equal(owner_of(ok), keyspace.decode(ok)[1])
     bad = [-1, int(np.iinfo(np.int64).min),  # negative: never a key
            int(keyspace.encode(tag + 1, 0, [0], [0])[0]),  # another replay's tag

@@ -22,15 +22,16 @@ from typing import Any
 import numpy as np
 
 from .. import keys as keyspace
-from .calls import ReplayCalls
+from .calls import VALUES, ReplayCalls
 from .comm import MpiComm, displacements
 from ..errors import InvalidKeyError
 from ..keys import as_key_array
 from ..shard import Shard
 
 
-def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check that every key was issued by this replay, and name its owner. O(n), local.
+def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check that every key was issued by this replay, and name its owner. O(n), local, one kernel pass
+    (:func:`gear_mpi.keys.owners_checked`).
 
     Args:
         keys: keys of any rank (int, sequence, numpy array or tensor).
@@ -38,31 +39,36 @@ def check_keys(keys: Any, tag: int, ranks: int, max_items: int) -> tuple[np.ndar
         ranks: ranks of the replay.
         max_items: trajectory slots of every shard (the same on every rank).
     Returns:
-        ``(keys, owner)``: int64 arrays, one entry per key.
+        ``(keys, owner, counts)``: int64 arrays, one entry per key for the first two; ``counts[r]`` the keys
+        rank ``r`` owns.
     Raises:
         TypeError: the keys are not integers.
         InvalidKeyError: a key of another replay, or naming a rank or slot the replay does not have.
     """
     keys = as_key_array(keys)
-    owner = keyspace.owner_of(keys)  # the fields tested directly (no generation): a negative key's top bits are not a tag
-    bad = ((keys >> keyspace._TAG_SHIFT) != tag) | (owner >= ranks) | ((keys & keyspace.SLOT_MASK) >= max_items)
-    if bad.any():
-        raise InvalidKeyError(f"key {int(keys[np.flatnonzero(bad)[0]])} was not issued by this replay")
-    return keys, owner
+    keys = keys if keys.flags.c_contiguous else np.ascontiguousarray(keys)
+    owner, counts = np.empty(keys.shape[0], np.int64), np.empty(ranks, np.int64)
+    bad = keyspace.owners_checked(keys, tag, ranks, max_items, owner, counts)
+    if bad >= 0:
+        raise InvalidKeyError(f"key {int(keys[bad])} was not issued by this replay")
+    return keys, owner, counts
 
 
-def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str, recv_counts=None):
+def _to_owners(comm: MpiComm, keys: np.ndarray, owner: np.ndarray, what: str, recv_counts=None, send_counts=None):
     """Sort the keys by owner and tell each owner how many it gets: one alltoall of 8 bytes a pair,
-    unless ``recv_counts`` (what every rank sends this one) is already known."""
+    unless ``recv_counts`` (what every rank sends this one) is already known. ``send_counts``: the keys each
+    rank owns, when known (:func:`check_keys`)."""
     order = np.argsort(owner, kind="stable")
-    send_counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
+    if send_counts is None:
+        send_counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
     if recv_counts is None:
         recv_counts = comm.alltoall(send_counts, f"{what} (counts)")
     return order, send_counts, np.asarray(recv_counts, np.int64)
 
 
 def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.ndarray,
-                     priorities: np.ndarray, recv_counts: np.ndarray | None = None, count_back: bool = True) -> int:
+                     priorities: np.ndarray, recv_counts: np.ndarray | None = None, count_back: bool = True,
+                     send_counts: np.ndarray | None = None) -> int:
     """Collective: each key's new priority goes to its owner, which applies it.
 
     Args:
@@ -72,6 +78,7 @@ def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.nd
             of counts); None: exchanged here.
         count_back: tell each rank how many of its keys were applied (one alltoall); False: return how
             many keys this rank's shard applied, whoever sent them.
+        send_counts: the keys each rank owns, when known (:func:`check_keys`' counts); None: counted here.
     Returns:
         How many of this rank's keys were applied (stale keys are dropped and counted by their owner);
         with ``count_back=False``, how many this rank's shard applied.
@@ -81,7 +88,7 @@ def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.nd
     alltoall of applied counts (none without ``count_back``); O(n) on the owner plus one batched
     index update. Duplicates: the highest rank's value wins, and within a rank the last one.
     """
-    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "update_priorities", recv_counts)
+    order, send_counts, recv_counts = _to_owners(comm, keys, owner, "update_priorities", recv_counts, send_counts)
     packed = np.stack([keys[order], priorities[order].view(np.int64)], 1).reshape(-1)
     got = np.empty((int(recv_counts.sum()), 2), np.int64)
     comm.alltoallv(packed, send_counts * 2, got.reshape(-1), recv_counts * 2, "update_priorities (keys)")
@@ -92,6 +99,40 @@ def route_priorities(comm: MpiComm, shard: Shard, keys: np.ndarray, owner: np.nd
     per_source = np.bincount(source, weights=applied, minlength=comm.size).astype(np.int64)
     back = comm.alltoall(per_source, "update_priorities (applied)")
     return int(back.sum())
+
+
+def update_routed(calls: ReplayCalls, shard: Shard, error: BaseException | None, keys: np.ndarray,
+                  owner: np.ndarray, counts: np.ndarray | None, priorities: np.ndarray, what: str, count_back: bool,
+                  settle) -> int:
+    """Collective: ``Replay.update_priorities`` after its keys were checked (not a deferred fold): the head, which
+    carries whether the rank holds only its own keys and, up to ``VALUES - 1`` ranks, how many keys it has for
+    each owner (so that no alltoall of counts follows); the node fence; then the keys applied where they are, or
+    routed (:func:`route_priorities`).
+
+    Args:
+        calls: the replay's heads; shard: this rank's shard; error: this rank's exception (agreed: every rank
+            raises the lowest failing rank's); keys, owner, counts: as :func:`check_keys` returns them (empty,
+            and None, on error); priorities: validated, one per key; what: the head's call; count_back: as
+            :func:`route_priorities`; settle: the node fence, called before the shard is written.
+    Returns:
+        As :func:`route_priorities` (every rank holding only its own keys: how many this rank's shard applied).
+    Raises:
+        the agreed error; CollectiveError: another rank is in another call; CollectiveTimeoutError: a rank did not
+        arrive within the deadline.
+    Cost: one head (a row on the node board on one node), then :func:`route_priorities` less its alltoall of
+    counts where the head carried them.
+    """
+    comm = calls.comm
+    ranks, rank = comm.size, comm.rank
+    counts = np.zeros(ranks, np.int64) if counts is None else counts
+    own = float(counts[rank] == keys.shape[0])
+    carried = ranks < VALUES
+    table = calls.agree(error, what, [own, *counts.tolist()] if carried else [own])
+    settle()
+    if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
+        return int(shard.apply_priorities(keys, priorities).sum())
+    return route_priorities(comm, shard, keys, owner, priorities, table[:, 1 + rank] if carried else None,
+                            count_back=count_back, send_counts=counts)
 
 
 FOLD_KEYS = 16384  # keys a deferred update's allgather may carry in all (ranks x keys per rank): 256 KiB
@@ -233,7 +274,7 @@ def get_many(calls: ReplayCalls, shard: Shard, keys: Any,
     comm = calls.comm
     err, owner = problem, None
     try:
-        keys, owner = check_keys(keys, shard.tag, comm.size, shard.store.max_items)
+        keys, owner, _ = check_keys(keys, shard.tag, comm.size, shard.store.max_items)
     except Exception as e:
         err, keys, owner = e, np.zeros(0, np.int64), np.zeros(0, np.int64)
     calls.agree(err, "get_many")
