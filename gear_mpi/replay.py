@@ -483,8 +483,10 @@ class Replay:
         Cost: the head, one allgather (status, call, whether the rank's keys are all its own and, up to 11 ranks,
         how many it has for each owner; a row on the node board when every rank is on one node); then, unless
         every rank holds only its own keys (as after a local sample), one alltoall of counts (more than 11 ranks),
-        one alltoallv of 16 bytes per key, one alltoall of applied counts; O(n) on the owner plus one batched
-        index update. Duplicate keys: the highest rank's value wins, and within a rank the last one.
+        one alltoallv of 16 bytes per key, one alltoall of applied counts -- on one node up to 11 ranks, the keys
+        through the node board instead (each rank's posted on its board, collected by their owners) and the
+        applied counts as a head row: no MPI call; O(n) on the owner plus one batched index update. Duplicate
+        keys: the highest rank's value wins, and within a rank the last one.
         """
         return self._update(keys, priorities)
 

@@ -139,3 +139,25 @@ def test_a_repeated_samples_rounds_are_their_kernels_in_one_call():
     assert code == rounds.WAKE | rounds.READ and (slots2 == slots).all() and (got == choices).all()
     own = mem[0][board.SLOT:board.SLOT + choices.nbytes].view(np.int64).reshape(9, board.CHOICE_WIDTH)
     assert (own == choices).all() and counter(mem[0], board.CHOICE_COUNT) == 5
+
+
+def test_update_pairs_are_collected_in_sender_order_from_each_senders_rows_for_this_owner():
+    ranks, n = 3, 4
+    rng = np.random.default_rng(2)
+    counts = rng.integers(0, 5, (ranks, ranks))  # [sender, owner]
+    mem, bases = boards(ranks)
+    words = CAPACITY * board.CHOICE_WIDTH
+    sent = [rng.integers(0, 1 << 40, (int(counts[r].sum()), 2)) for r in range(ranks)]
+    for r in range(ranks - 1):
+        board.post_pairs(bases, r, n, sent[r], words)
+    got = np.full((int(counts[:, 0].sum()), 2), -1, np.int64)
+    if counts[ranks - 1, 0]:  # the last sender has not posted: nothing copied
+        assert not board.collect_pairs(bases, 0, counts, n, got, words, 16, 1 << 10) and (got == -1).all()
+    board.post_pairs(bases, ranks - 1, n, sent[ranks - 1], words)
+    for owner in range(ranks):
+        got = np.empty((int(counts[:, owner].sum()), 2), np.int64)
+        assert board.collect_pairs(bases, owner, counts, n, got, words, 1, 0)
+        want = [sent[r][counts[r, :owner].sum():counts[r, :owner + 1].sum()] for r in range(ranks)]
+        assert (got == np.concatenate(want)).all()
+    with pytest.raises(ValueError, match="more update pairs than a board holds"):
+        board.post_pairs(bases, 0, n + 1, np.zeros((words // 2 + 1, 2), np.int64), words)

@@ -305,6 +305,9 @@ def _warm_round_kernels() -> None:
     k.publish_choices(bases, 0, 1)
     choices = np.zeros((1, k.CHOICE_WIDTH), np.int64)
     k.collect_choices(bases, 0, np.ones((1, 1), np.int64), 1, choices, choices.copy(), 1, 1, 0)
+    pairs = np.zeros((1, 2), np.int64)
+    k.post_pairs(bases, 0, 1, pairs, k.CHOICE_WIDTH)
+    k.collect_pairs(bases, 0, np.ones((1, 1), np.int64), 1, pairs, k.CHOICE_WIDTH, 1, 0)
 
 
 class NodeBoard:
@@ -349,10 +352,12 @@ class NodeBoard:
         k = board_kernels
         self.head_count = [b[k.HEAD_COUNT:k.HEAD_COUNT + 4].view(np.uint32) for b in bufs]
         self.choice_count = [b[k.CHOICE_COUNT:k.CHOICE_COUNT + 4].view(np.uint32) for b in bufs]
+        self.pair_count = [b[k.PAIR_COUNT:k.PAIR_COUNT + 4].view(np.uint32) for b in bufs]
         self.sleeping = [b[k.SLEEPING:k.SLEEPING + 4].view(np.uint32) for b in bufs]  # 1 + the rank it sleeps on
         self.rows = [b[k.ROWS:k.ROWS + 2 * _ROW * 8].view(np.float64).reshape(2, _ROW) for b in bufs]
         self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, k.CHOICE_WIDTH) for b in bufs]
         self.rounds = 0  # rows shared (the same on every rank)
+        self.pair_rounds = 0  # routed updates through the boards (the same on every rank)
         # seconds of polling (yielding the core) before sleeping on a futex; a futex from the start, or
         # after 50 us, measured slower on W1 with 4 ranks on 2 cores (1.53 / 1.22 against 1.12 ms a call)
         self.spin = 0.02
@@ -468,6 +473,36 @@ class NodeBoard:
             self.wait(self.choice_count, owners, epoch, what)
             board_kernels.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, 1, 0)
 
+    #: int64 words of a board's choices, which a routed update's pairs use between two samples
+    PAIR_WORDS = CHOICE_CAPACITY * board_kernels.CHOICE_WIDTH
+
+    def route_pairs(self, pairs: np.ndarray, counts: np.ndarray, what: str) -> np.ndarray:
+        """A routed update's keys and priorities to their owners through the boards (no MPI call): this rank's
+        ``(key, priority bits)`` pairs, sorted by owner, posted on its board; every rank's for this one collected.
+        Called by every rank, between the update's head and anything else (a board's choices are free then: each
+        peer read the last sample's before it shared this head; they are read before the next head is shared).
+
+        Args:
+            pairs: int64 ``[k, 2]``, sorted by owner; at most ``PAIR_WORDS / 2`` on every rank (agreed).
+            counts: int64 ``[ranks, ranks]``: pairs rank r has for owner o at ``[r, o]`` (every rank's, agreed).
+            what: names the call in errors.
+        Returns:
+            int64 ``[sum(counts[:, rank]), 2]``: the pairs for this rank, in sender order.
+        Raises:
+            CollectiveTimeoutError: a sender never posted within the deadline.
+        """
+        self._check_open()
+        self.pair_rounds += 1
+        n, k = self.pair_rounds, board_kernels
+        if k.post_pairs(self._bases, self.rank, n, pairs, self.PAIR_WORDS):
+            self._wake(self.pair_count)
+        got = np.empty((int(counts[:, self.rank].sum()), 2), np.int64)
+        if not k.collect_pairs(self._bases, self.rank, counts, n, got, self.PAIR_WORDS, k.POLL_SPINS, k.POLL_CYCLES):
+            senders = [r for r in range(self.size) if counts[r, self.rank]]
+            self.wait(self.pair_count, senders, n, what)  # yielding, then sleeping, with the deadline
+            k.collect_pairs(self._bases, self.rank, counts, n, got, self.PAIR_WORDS, 1, 0)
+        return got
+
     def _check_open(self) -> None:
         if self._bases is None:
             raise RuntimeError("node board: closed (its replay was closed)")
@@ -532,7 +567,7 @@ class NodeBoard:
 
     def close(self) -> None:
         """Unmap the boards (local; this rank's own segment is removed). Idempotent."""
-        self.head_count = self.choice_count = self.rows = self.choices = self.sleeping = []
+        self.head_count = self.choice_count = self.pair_count = self.rows = self.choices = self.sleeping = []
         self._bases = None  # (no board to reach: _check_open refuses a round)
         for r, arena in self._arenas.items():
             if arena is not self.arena:

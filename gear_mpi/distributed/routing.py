@@ -122,7 +122,7 @@ def update_routed(calls: ReplayCalls, shard: Shard, error: BaseException | None,
     Cost: one head (a row on the node board on one node), then :func:`route_priorities` less its alltoall of
     counts where the head carried them.
     """
-    comm = calls.comm
+    comm, board = calls.comm, calls.board
     ranks, rank = comm.size, comm.rank
     counts = np.zeros(ranks, np.int64) if counts is None else counts
     own = float(counts[rank] == keys.shape[0])
@@ -131,8 +131,35 @@ def update_routed(calls: ReplayCalls, shard: Shard, error: BaseException | None,
     settle()
     if table[:, 0].all():  # every rank holds only its own keys (as after a local sample): nothing to route
         return int(shard.apply_priorities(keys, priorities).sum())
+    if carried and board is not None:
+        every = table[:, 1:1 + ranks].astype(np.int64)  # [sender, owner], the same on every rank
+        if int(every.sum(1).max()) * 2 <= board.PAIR_WORDS:  # every rank's pairs fit its board: no MPI call
+            return _route_on_board(board, shard, keys, owner, priorities, every, count_back, what)
     return route_priorities(comm, shard, keys, owner, priorities, table[:, 1 + rank] if carried else None,
                             count_back=count_back, send_counts=counts)
+
+
+def _route_on_board(board, shard: Shard, keys: np.ndarray, owner: np.ndarray, priorities: np.ndarray,
+                    every: np.ndarray, count_back: bool, what: str) -> int:
+    """:func:`route_priorities` through the node board (every rank on one node): the pairs posted on each sender's
+    board and collected by their owners (``NodeBoard.route_pairs``), applied in sender order (so duplicates resolve as there: the highest rank's value, within a rank the last),
+    and, with ``count_back``, each owner's applied counts per sender shared as a head row. Collective."""
+    rank = board.rank
+    order = np.argsort(owner, kind="stable")
+    pairs = np.empty((keys.shape[0], 2), np.int64)
+    pairs[:, 0] = keys[order]
+    pairs[:, 1] = priorities[order].view(np.int64)
+    got = board.route_pairs(pairs, every, f"{what} (keys)")
+    applied = shard.apply_priorities(got[:, 0], got[:, 1].view(np.float64).copy())
+    if not count_back:
+        return int(applied.sum())
+    per_sender = np.zeros(board.size, np.float64)  # applied keys of each sender, in sender order as collected
+    at = 0
+    for r, k in enumerate(every[:, rank].tolist()):
+        per_sender[r] = applied[at:at + k].sum()
+        at += k
+    back = board.gather(board.share(per_sender), board.size, f"{what} (applied)")
+    return int(back[:, rank].sum())
 
 
 FOLD_KEYS = 16384  # keys a deferred update's allgather may carry in all (ranks x keys per rank): 256 KiB

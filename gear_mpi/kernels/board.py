@@ -25,11 +25,12 @@ from .gather import CHOICE_WIDTH
 from .hints import address_pointer, cycle_count, fence, load_u32_acquire, spin_pause, store_u32_release
 
 HEAD_COUNT = 0  # uint32: the head rounds this rank has published
+PAIR_COUNT = 32  # uint32: the routed updates whose (key, priority) pairs this rank's board holds
 CHOICE_COUNT = 64  # uint32: the sample (epoch) whose choices this rank's board holds
 SLEEPING = 96  # uint32: 1 + the rank on whose counter this rank sleeps (0: it does not)
 ROWS = 128  # float64 [2, ROW]: the head rows of odd and even rounds
 ROW = 16  # float64 a head row holds
-SLOT = 512  # bytes before the choices: int64 [capacity, CHOICE_WIDTH]
+SLOT = 512  # bytes before the choices: int64 [capacity, CHOICE_WIDTH] (or a routed update's pairs: int64 [*, 2])
 
 #: how long a kernel polls a peer's counter before it leaves the wait to the caller (which yields its core between
 #: polls, then sleeps: NodeBoard.wait): at most POLL_SPINS reads, a pause between two, and about POLL_CYCLES of the
@@ -68,6 +69,31 @@ def _poll(address, target, t0, spins, cycles):
         if (i & 63) == 63 and cycle_count() - t0 > cycles:
             return False
     return False
+
+
+@njit(cache=True, inline="always")
+def _segment(counts, rank, source):
+    """Where ``rank``'s rows begin in ``source``'s list, and how many: ``counts[rank, source]`` of them, after those
+    of the ranks before it (``counts[r, source]``, ``r < rank``)."""
+    first = 0
+    for r in range(rank):
+        first += counts[r, source]
+    return first, counts[rank, source]
+
+
+@njit(cache=True, inline="always")
+def _arrived(bases, expect, skip, offset, target, spins, cycles):
+    """Poll the counter at ``offset`` of every rank ``r`` (but ``skip``) with ``expect[r] > 0`` until it reaches
+    ``target`` (:func:`_poll`'s bounds, together); once all have, a fence (nothing they vouch for read before), and
+    the sum of ``expect``. -1 when one has not."""
+    t0 = cycle_count()
+    total = 0
+    for r in range(bases.shape[0]):
+        if expect[r] > 0 and r != skip and not _poll(bases[r] + offset, target, t0, spins, cycles):
+            return -1
+        total += expect[r]
+    fence()
+    return total
 
 
 @njit(cache=True, nogil=True)
@@ -141,24 +167,16 @@ def collect_choices(bases, rank, counts, epoch, own, got, capacity, spins, cycle
         ValueError: ``got`` too short, or an owner's rows past its board or ``own``.
     """
     size = bases.shape[0]
-    t0 = cycle_count()
-    for o in range(size):
-        if o != rank and counts[rank, o] > 0 and not _poll(bases[o] + CHOICE_COUNT, epoch, t0, spins, cycles):
-            return False
-    fence()  # nothing of an owner's choices read before its counter said they are there
-    total = 0
-    for o in range(size):
-        total += counts[rank, o]
+    total = _arrived(bases, counts[rank], rank, CHOICE_COUNT, epoch, spins, cycles)
+    if total < 0:
+        return False
     if total > got.shape[0]:
         raise ValueError("node board: more choices than the requester's rows")
     row = 0
     for o in range(size):
-        k = counts[rank, o]
+        first, k = _segment(counts, rank, o)
         if k <= 0:
             continue
-        first = 0
-        for r in range(rank):
-            first += counts[r, o]
         if o == rank:
             if first + k > own.shape[0]:
                 raise ValueError("node board: choices past the owner's rows")
@@ -172,5 +190,59 @@ def collect_choices(bases, rank, counts, epoch, own, got, capacity, spins, cycle
             for i in range(k):
                 for c in range(CHOICE_WIDTH):
                     got[row + i, c] = src[first + i, c]
+        row += k
+    return True
+
+
+@njit(cache=True, nogil=True)
+def post_pairs(bases, rank, n, pairs, capacity):
+    """A routed update's side as sender: its ``(key, priority bits)`` pairs (int64 ``[k, 2]``, sorted by owner)
+    into this rank's board, then ``n`` (the update's number) published on its pair counter.
+
+    Returns:
+        Whether a node peer sleeps on one of this rank's counters (the caller wakes it). O(k + ranks).
+    Raises:
+        ValueError: more pairs than the board holds (``capacity`` int64 words after :data:`SLOT`).
+    """
+    k = pairs.shape[0]
+    if 2 * k > capacity:
+        raise ValueError("node board: more update pairs than a board holds")
+    words = numba.carray(address_pointer(bases[rank] + SLOT), (capacity,), np.int64)
+    for i in range(k):
+        words[2 * i] = pairs[i, 0]
+        words[2 * i + 1] = pairs[i, 1]
+    return _publish(bases, rank, PAIR_COUNT, n)
+
+
+@njit(cache=True, nogil=True)
+def collect_pairs(bases, rank, counts, n, got, capacity, spins, cycles):
+    """A routed update's side as owner: the pairs every rank posted for this one (``counts[r, o]``: pairs rank
+    ``r`` has for owner ``o``; rank ``r``'s for this rank begin after those for the owners before it), in rank
+    order, into ``got`` (int64 ``[>= sum(counts[:, rank]), 2]``), once every rank that sends some has published
+    ``n`` (polled: :func:`_poll`'s bounds, together).
+
+    Returns:
+        True with ``got`` filled; False when a sender had not published (nothing copied: the caller waits, then
+        calls again). O(ranks**2 + pairs).
+    Raises:
+        ValueError: ``got`` too short, or a sender's pairs past its board.
+    """
+    size = bases.shape[0]
+    total = _arrived(bases, counts[:, rank], -1, PAIR_COUNT, n, spins, cycles)
+    if total < 0:
+        return False
+    if total > got.shape[0]:
+        raise ValueError("node board: more update pairs than the owner's rows")
+    row, by_owner = 0, counts.T
+    for r in range(size):
+        first, k = _segment(by_owner, rank, r)  # (sender r's pairs for the owners before this one come first)
+        if k <= 0:
+            continue
+        if 2 * (first + k) > capacity:
+            raise ValueError("node board: update pairs past a sender's board")
+        words = numba.carray(address_pointer(bases[r] + SLOT), (capacity,), np.int64)
+        for i in range(k):
+            got[row + i, 0] = words[2 * (first + i)]
+            got[row + i, 1] = words[2 * (first + i) + 1]
         row += k
     return True

@@ -23,7 +23,7 @@ import pytest
 
 import gear_mpi as gm
 from gear_mpi import stats as stats_schema
-from replay_checks import (RANK, SIZE, SPEC, check_windows, expect_same_error, fill, make_replay, owner_of,
+from replay_checks import (COMM, RANK, SIZE, SPEC, check_windows, expect_same_error, fill, make_replay, owner_of,
                            same_batch, shard_sizes)
 
 MODES = ("decentralized", "centralized", "local")
@@ -116,6 +116,26 @@ def test_get_many_returns_any_ranks_trajectories_in_the_callers_order(force):
             replay.get(theirs[0])
     # the replay still samples afterwards
     assert len(replay.sample(2, 4)) == 2
+    replay.close()
+
+
+def test_routed_updates_keep_the_highest_ranks_value_and_count_each_ranks_keys(force):
+    """``update_priorities`` of every rank's keys (on one node through the node board's pairs; with ``force`` the
+    windows take MPI): of a key given by several ranks the highest rank's value stays, within a rank the last one;
+    each rank is told how many of its own keys were applied (every one here: all live), a rank with none too."""
+    replay = make_replay(gm.Prioritized(0.7, 0.5), force=force)
+    everyone = sorted(fill(replay, shard_sizes()[RANK], seed=17))
+    rng = np.random.default_rng(100 + RANK)
+    asked = [] if RANK == 1 % SIZE and SIZE > 1 else list(rng.permutation(everyone)) + everyone[:3]
+    values = rng.random(len(asked)) + 0.5 + RANK
+    want = {}
+    for keys, vals in COMM.allgather((asked, values.tolist())):  # rank order, then each rank's order
+        want.update(zip((int(k) for k in keys), vals))
+    assert replay.update_priorities(np.array(asked, np.int64), values) == len(asked)
+    mine = np.array([k for k in everyone if owner_of(k) == RANK], np.int64)
+    # (the table keeps raw priorities in 32 bits: within 2 ulp; the values given for one key differ far more)
+    np.testing.assert_allclose(replay.shard.priorities(mine), [want[int(k)] for k in mine], rtol=2.5e-7)
+    assert len(replay.sample(2, 4)) == 2  # and the replay samples on
     replay.close()
 
 
