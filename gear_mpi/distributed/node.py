@@ -358,6 +358,12 @@ class NodeBoard:
         self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, k.CHOICE_WIDTH) for b in bufs]
         self.rounds = 0  # rows shared (the same on every rank)
         self.pair_rounds = 0  # routed updates through the boards (the same on every rank)
+        # the round kernels' poll of a peer (spins, cycles): short where the node's ranks outnumber its cores (a
+        # rank spinning there holds the core the peer it waits for needs: 4 ranks on 2 cores, centralized hopper
+        # 1.10-1.20 -> 1.19-1.27 ms a call with the full poll); the Python wait that follows yields the core
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.poll = ((board_kernels.POLL_SPINS, board_kernels.POLL_CYCLES) if self.size <= cores
+                     else (board_kernels.POLL_SPINS_SHARED, board_kernels.POLL_CYCLES_SHARED))
         # seconds of polling (yielding the core) before sleeping on a futex; a futex from the start, or
         # after 50 us, measured slower on W1 with 4 ranks on 2 cores (1.53 / 1.22 against 1.12 ms a call)
         self.spin = 0.02
@@ -407,7 +413,7 @@ class NodeBoard:
         self._check_open()
         table = np.empty((self.size, width), np.float64)
         k = board_kernels
-        if not k.gather_rows(self._bases, n, table, k.POLL_SPINS, k.POLL_CYCLES):  # a short poll, then the rows
+        if not k.gather_rows(self._bases, n, table, *self.poll):  # a short poll, then the rows
             self.end_heads(n, table, 0, what)
         return table
 
@@ -451,8 +457,8 @@ class NodeBoard:
         """
         self._check_open()
         k = board_kernels
-        if not k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY, k.POLL_SPINS,
-                                 k.POLL_CYCLES):  # a short poll, then the rows
+        if not k.collect_choices(self._bases, self.rank, counts, epoch, own, got, CHOICE_CAPACITY,
+                                 *self.poll):  # a short poll, then the rows
             self.end_choices(counts, epoch, own, got, 0, what)
 
     def end_choices(self, counts: np.ndarray, epoch: int, own: np.ndarray, got: np.ndarray, code: int,
@@ -497,7 +503,7 @@ class NodeBoard:
         if k.post_pairs(self._bases, self.rank, n, pairs, self.PAIR_WORDS):
             self._wake(self.pair_count)
         got = np.empty((int(counts[:, self.rank].sum()), 2), np.int64)
-        if not k.collect_pairs(self._bases, self.rank, counts, n, got, self.PAIR_WORDS, k.POLL_SPINS, k.POLL_CYCLES):
+        if not k.collect_pairs(self._bases, self.rank, counts, n, got, self.PAIR_WORDS, *self.poll):
             senders = [r for r in range(self.size) if counts[r, self.rank]]
             self.wait(self.pair_count, senders, n, what)  # yielding, then sleeping, with the deadline
             k.collect_pairs(self._bases, self.rank, counts, n, got, self.PAIR_WORDS, 1, 0)

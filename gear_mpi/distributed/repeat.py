@@ -48,7 +48,6 @@ from .node import CHOICE_CAPACITY
 from .plans import multinomial_rows, two_owner_rows
 from ..batch import Batch, check_window
 from ..kernels import gather as gather_kernels
-from ..kernels import board as board_kernels
 from ..kernels import sample_rounds as rounds
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from ..selection.one_call import repeats
@@ -59,7 +58,6 @@ _DECENTRALIZED = header.MODES.index("decentralized")
 _SAMPLE_OP = OPS.index("sample")  # a head's call is number * _SPAN + operation (distributed.calls)
 _NO_ERROR = -1.0
 _HEAD_COLUMNS = 2 + np.array([MASS, ITEMS, MIN_WEIGHT, INSERTED, SAMPLED], np.int64)  # (serve.sample_head)
-_POLL_SPINS, _POLL_CYCLES = board_kernels.POLL_SPINS, board_kernels.POLL_CYCLES
 _NO_UNIFORMS = np.zeros(0)
 
 
@@ -188,7 +186,7 @@ def sample_again(replay, rec: SampleRecord):
     n, table = board.begin_round(), rec.table
     code = rounds.head_round(rec.head, _HEAD_COLUMNS, float(calls.count * _SPAN + _SAMPLE_OP), index.tree.prefix,
                              index.tree.l2_min, st.state, shard.samples_drawn, board.bases, comm.rank, n, table,
-                             _POLL_SPINS, _POLL_CYCLES)
+                             *board.poll)
     if code != rounds.READ:
         board.end_heads(n, table, code, "sample")
     calls.check(table, None, "sample")
@@ -266,7 +264,7 @@ def _exchange(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: li
     code = rounds.choices_round(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
                                 SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
                                 beta, slots, rec.w, rec.ratio, shard.spec.tail_steps, board.bases, comm.rank, counts,
-                                epoch, CHOICE_CAPACITY, rec.got, _POLL_SPINS, _POLL_CYCLES)
+                                epoch, CHOICE_CAPACITY, rec.got, *board.poll)
     if code != rounds.READ:
         board.end_choices(counts, epoch, board.choices[comm.rank], rec.got, code, "sample (choices)")
     transport = replay.transport

@@ -37,6 +37,9 @@ SLOT = 512  # bytes before the choices: int64 [capacity, CHOICE_WIDTH] (or a rou
 #: cycle counter (8-16 us at 2-4 GHz; a peer in step with this rank publishes well within it)
 POLL_SPINS = 1 << 10
 POLL_CYCLES = 1 << 15
+#: the same where a node's ranks outnumber its cores (the caller's choice): a few reads, then the yielding wait
+POLL_SPINS_SHARED = 4
+POLL_CYCLES_SHARED = 1 << 10
 
 
 @njit(cache=True, inline="always")
