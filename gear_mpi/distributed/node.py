@@ -317,10 +317,11 @@ class NodeBoard:
     (alternating: a rank can be at most one round ahead of another), a choices counter, and room for
     :data:`CHOICE_CAPACITY` choices (48 bytes each) that the rank serves per sample. :meth:`share` /
     :meth:`gather` replace the allgather of every collective's head (a sample's header among them;
-    :mod:`gear_mpi.distributed.calls`), :meth:`post` / :meth:`collect` the choices' alltoallv: no MPI
-    call. Each side of a round is one kernel call (:mod:`gear_mpi.kernels.board`, which also sets the layout),
-    whose short poll (8-16 us) finds a peer in step with this rank; past it, a rank waiting for a peer polls the
-    peer's counter, yielding its core between polls
+    :mod:`gear_mpi.distributed.calls`), :meth:`post` / :meth:`collect` the choices' alltoallv, :meth:`route_pairs`
+    a routed update's: no MPI call. Each side of a round is one kernel call (:mod:`gear_mpi.kernels.board`, which
+    also sets the layout), whose short poll (8-16 us; four reads where the node's ranks outnumber its cores:
+    ``poll``) finds a peer in step with this rank; past it, a rank waiting for a peer polls the peer's counter,
+    yielding its core between polls
     (``sched_yield``: on an oversubscribed node the core goes to a rank that works) for 20 ms
     (as :func:`gear_mpi.distributed.deadline.poll`), then sleeps on it (a futex the publisher wakes; where
     there is none, sleeps of up to 1 ms).
