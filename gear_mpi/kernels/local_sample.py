@@ -30,6 +30,7 @@ from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_
 from .hints import prefetch as _prefetch
 from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_flat, take_next, wait_flag
 from .pcg_fill import _draw_slice, _jump
+from .priority_tree import least_positive
 from .weights import importance_powers_into
 from .pipeline import SERIAL
 from .thread_share import caller_alone, give_back
@@ -280,11 +281,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]
-    wmin = 1.0
-    if prioritized:  # the smallest positive weight (PriorityIndex.min_positive): the least level-2 minimum
-        wmin = np.inf
-        for j in range(l2_min.shape[0]):
-            wmin = min(wmin, l2_min[j])
+    wmin = least_positive(l2_min) if prioritized else 1.0  # (PriorityIndex.min_positive)
     sslots, skey, ws, nv = _row(iscr, 0, nb), _row(iscr, 1, nb), _row(iscr, 2, nb), _row(iscr, 3, nb)
     pf, order, inv, ident = _row(iscr, 4, nb), _row(iscr, 5, nb), _row(iscr, 6, nb), _row(iscr, 7, nb)
     sw = _row(fscr, _I_ROWS, nb)

@@ -106,6 +106,16 @@ def leaf_values(weights: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, inline="always")
+def least_positive(l2_min):
+    """The smallest positive weight of a tree, from its level-2 minima ``l2_min`` (inf for none): what
+    ``PriorityIndex.min_positive`` reads, inside a kernel. O(n / 4096)."""
+    least = np.inf
+    for j in range(l2_min.shape[0]):
+        least = min(least, l2_min[j])
+    return least
+
+
+@njit(cache=True, inline="always")
 def _children_sum_min(sums, mins, lo, hi):
     s = 0.0
     m = np.inf

@@ -12,11 +12,11 @@ of a 0.25 ms two-rank W1 call, its caches cold).
 """
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 from .gather import WEIGHT, _float_bits, fill_choices
 from .priority_draw import draw
+from .priority_tree import least_positive
 from .ring import INSERTED_TOTAL, LIVE_COUNT
 from .weights import importance_powers_into
 
@@ -59,9 +59,6 @@ def sample_head(head, columns, call, prefix, l2_min, state, drawn):
     head[1] = call
     head[columns[0]] = prefix[prefix.shape[0] - 1]
     head[columns[1]] = state[LIVE_COUNT]
-    least = np.inf
-    for j in range(l2_min.shape[0]):
-        least = min(least, l2_min[j])
-    head[columns[2]] = least
+    head[columns[2]] = least_positive(l2_min)
     head[columns[3]] = state[INSERTED_TOTAL]
     head[columns[4]] = drawn
