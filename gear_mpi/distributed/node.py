@@ -269,7 +269,7 @@ class NodeView:
 
 # ---- the node board: every collective's head and a sample's choices through shared memory ---------------
 # a rank's board (kernels.board's layout): head counter, choices counter, sleeping word, two head rows, then choices
-_SLOT, _ROW = board_kernels.SLOT, board_kernels.ROW  # bytes before the choices; float64 a head row holds
+_SLOT = board_kernels.SLOT  # bytes before the choices
 CHOICE_CAPACITY = 8192  # choices an owner posts on its board per sample; more: that sample's choices travel by MPI
 
 
@@ -355,7 +355,6 @@ class NodeBoard:
         self.choice_count = [b[k.CHOICE_COUNT:k.CHOICE_COUNT + 4].view(np.uint32) for b in bufs]
         self.pair_count = [b[k.PAIR_COUNT:k.PAIR_COUNT + 4].view(np.uint32) for b in bufs]
         self.sleeping = [b[k.SLEEPING:k.SLEEPING + 4].view(np.uint32) for b in bufs]  # 1 + the rank it sleeps on
-        self.rows = [b[k.ROWS:k.ROWS + 2 * _ROW * 8].view(np.float64).reshape(2, _ROW) for b in bufs]
         self.choices = [b[_SLOT:].view(np.int64).reshape(CHOICE_CAPACITY, k.CHOICE_WIDTH) for b in bufs]
         self.rounds = 0  # rows shared (the same on every rank)
         self.pair_rounds = 0  # routed updates through the boards (the same on every rank)
@@ -574,7 +573,7 @@ class NodeBoard:
 
     def close(self) -> None:
         """Unmap the boards (local; this rank's own segment is removed). Idempotent."""
-        self.head_count = self.choice_count = self.pair_count = self.rows = self.choices = self.sleeping = []
+        self.head_count = self.choice_count = self.pair_count = self.choices = self.sleeping = []
         self._bases = None  # (no board to reach: _check_open refuses a round)
         for r, arena in self._arenas.items():
             if arena is not self.arena:
