@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.distributed import calls, deadline, header, node
+from gear_mpi.distributed import calls, deadline, header
+from gear_mpi.kernels import board
 
 
 class Handle:
@@ -64,7 +65,7 @@ def code(number: int, op: str) -> float:
 
 def test_a_head_holds_a_sample_header_and_fits_a_board_row():
     assert header.HEADER_WIDTH <= calls.VALUES
-    assert calls.WIDTH <= node._ROW
+    assert calls.WIDTH <= board.ROW  # (the node board's layout: gear_mpi/kernels/board.py)
 
 
 def test_the_message_names_each_rank_s_call_grouped_in_rank_order():
