@@ -210,3 +210,62 @@ def test_a_key_of_another_generation_is_stale(threads, calls, monkeypatch):
     assert got == twin.update_priorities(twin_keys, new) == 300 - 3
     assert sh.stale_updates == twin.stale_updates == 3
     _assert_same(_state(sh), _state(twin))
+
+
+def test_prepared_calls_take_only_what_they_were_made_for():
+    """After two steps the sample and the update call their kernels' compiled entry points directly
+    (gear_mpi.kernels.compiled); priorities of another array type, bad priorities, a sample of another size
+    between, and a call from another thread each still give the twin's general-path result or error."""
+    import threading
+
+    sel = gm.Prioritized(0.6, 0.4)
+    sh, twin = _shard(sel), _shard(sel)
+    out, want = sh.sample(300, 1), twin.sample(300, 1)
+    rng = np.random.default_rng(9)
+
+    def step(priorities, twin_priorities=None):
+        sh.sample(300, 1, out=out)
+        w = twin.sample(300, 1)
+        np.testing.assert_array_equal(out.keys.numpy(), w.keys.numpy())
+        got = sh.update_priorities(out.keys, priorities)
+        assert got == twin.apply_priorities(w.keys.numpy().copy(), np.asarray(
+            priorities if twin_priorities is None else twin_priorities, np.float64)).sum()
+        _assert_same(_state(sh), _state(twin))
+
+    for _ in range(2):
+        step(rng.random(300))
+    rep = sh._repeat
+    assert rep.call.run is not local_sample._sample_kernel  # the entry point, not the dispatcher
+    assert rep.update_call.run is not None
+    wide = rng.random(600)
+    step(wide[::2])  # strided: another layout, not the entry's
+    step(rng.random(300).astype(np.float32))  # float32: validated and converted
+    frozen = rng.random(300)
+    frozen.flags.writeable = False
+    step(frozen)
+    bad = rng.random(300)
+    bad[7] = np.nan
+    sh.sample(300, 1, out=out)
+    twin.sample(300, 1)
+    before = _state(sh)
+    with pytest.raises(InvalidPriorityError):
+        sh.update_priorities(out.keys, bad)  # refused by the entry point's kernel, raised by the general path
+    _assert_same(_state(sh), before)
+    other = _shard(gm.Prioritized(0.6, 0.4))
+    other.sample(40, 1)  # this thread's scratch cut for 40 items: the prepared calls are made again
+    step(rng.random(300))
+    assert sh._repeat.call.flat is local_sample._scratch(300)
+    errors = []
+
+    def on_a_thread():
+        try:
+            step(rng.random(300))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    worker = threading.Thread(target=on_a_thread)
+    worker.start()
+    worker.join()
+    assert errors == []
+    step(rng.random(300))  # back on this thread: its own scratch again
+    assert sh.rng.random() == twin.rng.random()

@@ -17,6 +17,8 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage.store`,
   which a parallel region's threads share work as they arrive.
 - :mod:`~gear_mpi.kernels.thread_share` -- where a kernel's work pays for waking the sleeping workers, and
   the calling thread alone where it does not.
+- :mod:`~gear_mpi.kernels.compiled` -- a kernel's compiled entry point, called directly by a call that repeats
+  with arguments of the same types (no typing of every argument at each call).
 - :mod:`~gear_mpi.kernels.pipeline` -- the compile options of the serial kernels (numba's parallel pipeline
   with its transformations off: no reference counting inside their loops).
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import local_sample, priority_sampled, ring
+from ..kernels.compiled import entry_point, type_fingerprint
 from ..spec import validate_priorities
 from .priority_index import PriorityIndex
 from .selectors import Prioritized, Uniform
@@ -22,7 +23,42 @@ from .selectors import Prioritized, Uniform
 _NO_ROW = np.zeros(0, np.float64)  # the raw-priority row where the table keeps none
 
 
-def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
+class PreparedUpdate:
+    """The serial sampled update's call for one thread's sorted draw (:func:`prepare_update`): the compiled entry
+    point (:func:`~gear_mpi.kernels.compiled.entry_point`; the dispatcher where there is none), the arguments
+    around the keys, the priorities and the selector's exponent, and what fixes their types: the scratch rows
+    (``drawn``, the tuple ``local_sample.sorted_draw`` returns, replaced when the scratch is re-cut), the table's
+    raw-priority row (``row``) and the fingerprint of the priorities' array type (``numba``'s, so that an array
+    of another layout or dtype never reaches the entry point). ``run`` is None where there is no entry point."""
+
+    __slots__ = ("run", "head", "tail", "drawn", "row", "fingerprint")
+
+    def __init__(self, run, head: tuple, tail: tuple, drawn: tuple, row, fingerprint: bytes | None):
+        self.run, self.head, self.tail, self.drawn, self.row, self.fingerprint = run, head, tail, drawn, row, fingerprint
+
+
+def _update_args(shard, drawn: tuple, row) -> tuple[tuple, tuple]:
+    """``update_sampled``'s arguments between the priorities and the exponent, and after it. O(1)."""
+    store, n = shard.store, drawn[0].shape[0]
+    keep = type(row) is np.ndarray
+    head = (*drawn, store.tag, store.rank, store.max_items, store.status, ring.ALIVE_SHIFT, ring.LIVE,
+            row if keep else _NO_ROW, keep)
+    return head, (type(shard.selector) is Prioritized, shard.index._arrays, *local_sample.update_rows(n))
+
+
+def prepare_update(shard, keys: np.ndarray, priorities: np.ndarray, alpha: float, drawn: tuple, head: tuple,
+                   tail: tuple) -> PreparedUpdate:
+    """The :class:`PreparedUpdate` for updates of ``keys`` with priorities typed as ``priorities`` (float64, one
+    a key) through this thread's sorted draw ``drawn`` (``head`` and ``tail``: :func:`_update_args`), after a
+    call through the dispatcher compiled it. Where there is no entry point to call its ``run`` is None (and every
+    update of this draw goes through the dispatcher). O(1), a few microseconds (the dispatcher's typing, once)."""
+    run = entry_point(priority_sampled.update_sampled, (keys, priorities, *head, alpha, *tail))
+    fingerprint = type_fingerprint(priorities)
+    return PreparedUpdate(run if fingerprint is not None else None, head, tail, drawn, shard.store.layout.priority,
+                          fingerprint)
+
+
+def update_batch(shard, keys: np.ndarray, priorities, rep=None) -> int | None:
     """Set ``priorities`` for ``keys``, the keys of the batch ``shard``'s last one-call sample filled, through
     that sample's sorted draw.
 
@@ -41,26 +77,45 @@ def update_batch(shard, keys: np.ndarray, priorities) -> int | None:
     """
     n = keys.shape[0]
     drawn = local_sample.sorted_draw(n)
-    store, index, sel = shard.store, shard.index, shard.selector
+    store = shard.store
+    layout = store.layout
+    call = rep.update_call if rep is not None else None
+    if call is not None and (call.drawn is not drawn or call.row is not layout.priority):
+        call = None  # made for another scratch cut (drawn None or re-cut) or before the row changed: made again below
+    elif call is not None and call.run is not None and store.arena is not None and layout.priority_constant is None:
+        pr = priorities  # (the shard's index and selector are fixed; its raw row is the one the call holds)
+        if type(pr) is np.ndarray and pr.shape == (n,) and type_fingerprint(pr) == call.fingerprint:
+            applied = call.run(keys, pr, *call.head, _alpha(shard.selector), *call.tail)
+            if applied < 0:
+                return None
+            shard.stale_updates += n - applied
+            return int(applied)
+    index, sel = shard.index, shard.selector
     kind = type(sel)
     if drawn is None or type(index) is not PriorityIndex or not (kind is Prioritized or kind is Uniform) \
-            or store.layout.priority_constant is not None or store.arena is None:
+            or layout.priority_constant is not None or store.arena is None:
         return None
     pr = priorities
     if not (type(pr) is np.ndarray and pr.dtype == np.float64 and pr.shape == (n,)):
         pr = validate_priorities(priorities, n)  # a list or a tensor: checked and converted
-    row = store.layout.priority
-    keep = type(row) is np.ndarray
-    alpha = sel.alpha if kind is Prioritized else 1.0
-    sslots, order, inv = drawn
-    args = (np.ascontiguousarray(keys), np.ascontiguousarray(pr), sslots, order, inv, store.tag, store.rank,
-            store.max_items, store.status, ring.ALIVE_SHIFT, ring.LIVE, row if keep else _NO_ROW, keep, alpha,
-            kind is Prioritized, index._arrays, *local_sample.update_rows(n))
+    pr = np.ascontiguousarray(pr)
+    keys = np.ascontiguousarray(keys)
+    row = layout.priority
+    head, tail = _update_args(shard, drawn, row)
+    alpha = _alpha(sel)
     if n >= priority_sampled.PARALLEL_MIN:
-        applied = priority_sampled.update_sampled_parallel(*args, max(2, min(64, n // 1024)))
+        applied = priority_sampled.update_sampled_parallel(keys, pr, *head, alpha, *tail, max(2, min(64, n // 1024)))
     else:
-        applied = priority_sampled.update_sampled(*args)
+        applied = priority_sampled.update_sampled(keys, pr, *head, alpha, *tail)
+        if rep is not None and call is None and applied >= 0:  # the next update of this draw's size: called directly
+            rep.update_call = prepare_update(shard, keys, pr, alpha, drawn, head, tail)
     if applied < 0:
         return None
     shard.stale_updates += n - applied
     return int(applied)
+
+
+def _alpha(selector) -> float:
+    """The exponent of the index weights: ``Prioritized``'s alpha, 1 for ``Uniform`` (the kernel powers only
+    where the selector is ``Prioritized``)."""
+    return float(selector.alpha) if type(selector) is Prioritized else 1.0

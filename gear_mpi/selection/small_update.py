@@ -104,7 +104,7 @@ def update_priorities(shard, keys: Any, priorities: Any) -> int:
         drawn = drawn if batch is not None and batch.owns_keys(keys) else None
     if drawn is not None:
         keys = drawn
-        applied = sampled_update.update_batch(shard, keys, priorities)  # through that sample's sorted draw
+        applied = sampled_update.update_batch(shard, keys, priorities, rep)  # through that sample's sorted draw
         if applied is not None:
             return applied
     elif type(keys) is not np.ndarray and hasattr(keys, "detach"):
