@@ -190,3 +190,18 @@ def test_new_batch_arguments_that_differ_are_still_checked():
     sh.close()
     with pytest.raises(RuntimeError, match="closed"):
         sh.sample(9, 2)
+
+
+def test_a_new_generator_is_drawn_from():
+    """The kernel draws a repeated sample's uniforms from the shard's generator itself (kernels.bitgen): a
+    generator put in its place, of another kind, is the one drawn from, as the checked path draws from it."""
+    again, checked = _shard(gm.Prioritized(0.6, 0.4)), _shard(gm.Prioritized(0.6, 0.4))
+    out = again.sample(50, 2)
+    checked.sample(50, 2)
+    for step in range(6):
+        if step == 3:
+            again.rng, checked.rng = (np.random.Generator(np.random.Philox(8)) for _ in range(2))
+        checked._repeat = None  # the checked path every call
+        _same(again.sample(50, 2, out=out), checked.sample(50, 2))
+        assert step == 0 or again._repeat.call.rng is again.rng
+    assert again.rng.random() == checked.rng.random()

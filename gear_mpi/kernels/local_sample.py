@@ -29,6 +29,7 @@ from ..keys import GEN_MASK, RANK_MASK, SLOT_MASK, TAG_MASK, _GEN_SHIFT, _RANK_S
 from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_addresses
 from .hints import prefetch as _prefetch
 from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_flat, take_next, wait_flag
+from . import bitgen
 from .pcg_fill import _draw_slice, _jump
 from .priority_tree import least_positive
 from .weights import importance_powers_into
@@ -273,7 +274,8 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``: empty, or the
     four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
     first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
-    ``SORT_PARALLEL_MIN`` items). ``one_step``: every stored trajectory has exactly one step (the spec's
+    ``SORT_PARALLEL_MIN`` items), or the two words of a bit generator (:func:`bitgen.generator_words`) from which
+    ``uniforms`` then ``place_u`` are drawn first, on the calling thread, as ``Generator.random`` fills them. ``one_step``: every stored trajectory has exactly one step (the spec's
     ``max_length`` is 1), so the runs write the batch's real steps and mask rows in row order
     (:func:`_fill_fixed_rows`). ``beta``: the importance weights' exponent (``prioritized``), applied here: by
     each run to its own items, or after a small batch's draw, where two threads share the copy by the drawing
@@ -289,6 +291,9 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     skeys = spare  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
     if gen.shape[0] == 4 and nb < SORT_PARALLEL_MIN:  # (from SORT_PARALLEL_MIN the bucket pass draws them)
         _draw_slice(gen[0], gen[1], gen[2], gen[3], uniforms, 0, nb)
+    elif gen.shape[0] == bitgen.WORDS:  # the draws, then the placements, as rng.random fills them (bitgen)
+        bitgen.fill_doubles(gen, uniforms, 0, nb)
+        bitgen.fill_doubles(gen, place_u, 0, place_u.shape[0])
     row_bytes = 0
     for c in range(step_bytes.shape[0]):
         row_bytes += window * step_bytes[c]

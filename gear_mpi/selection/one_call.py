@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 
 from ..batch import Batch
-from ..kernels import local_sample, pcg_fill, ring, thread_share
+from ..kernels import bitgen, local_sample, pcg_fill, ring, thread_share
 from ..kernels.compiled import entry_point
 from ..kernels.priority_draw import DRAW_THREADS_MIN
 from ..keys import GEN_MASK, SLOT_BITS, key_head
@@ -223,26 +223,28 @@ class PreparedSample:
     """A repeated sample's kernel call with what does not change between calls (:func:`prepare_sample`): the
     compiled entry point (:func:`~gear_mpi.kernels.compiled.entry_point`; the dispatcher where there is none), the
     arguments before the batch's (the shard's index, table and columns, the record's uniform buffers, its window),
-    and the scratch of the thread it was made on, whose identity tells a call from another thread (or after a
-    sample of another size on this one) to make it again. It holds no array of a batch."""
+    the scratch of the thread it was made on, whose identity tells a call from another thread (or after a sample
+    of another size on this one) to make it again, and the shard's generator with the words by which the kernel
+    draws from it (:func:`~gear_mpi.kernels.bitgen.generator_words`) and its lock. It holds no array of a batch."""
 
-    __slots__ = ("run", "head", "flat", "one_step")
+    __slots__ = ("run", "head", "flat", "one_step", "rng", "words", "lock")
 
-    def __init__(self, run, head: tuple, flat: tuple, one_step: bool):
+    def __init__(self, run, head: tuple, flat: tuple, one_step: bool, rng):
         self.run, self.head, self.flat, self.one_step = run, head, flat, one_step
+        self.rng, self.words, self.lock = rng, bitgen.generator_words(rng), rng.bit_generator.lock
 
 
-def prepare_sample(shard, rep: "Repeat", out, outs, flat: tuple, gen) -> PreparedSample:
+def prepare_sample(shard, rep: "Repeat", out, outs, flat: tuple) -> PreparedSample:
     """The :class:`PreparedSample` of ``rep`` on this thread, whose scratch is ``flat``, its entry point found
-    for the types of a call into ``out`` (at ``outs``) with ``gen``: the record's arrays are the ones every
-    repeat passes, and a batch's rows have the same types in every batch ``Batch.empty`` makes. O(1), a few
-    microseconds (the dispatcher's typing, once)."""
+    for the types of a call into ``out`` (at ``outs``): the record's arrays are the ones every repeat passes, and
+    a batch's rows have the same types in every batch ``Batch.empty`` makes. O(1), a few microseconds (the
+    dispatcher's typing, once)."""
     head = _head_args(shard, rep.draw_u, rep.place_u, rep.window, rep.code, rep.prioritized)
     one_step = shard.spec.max_length == 1
     keys, probabilities, weights, lengths = out._meta_np
     run = entry_point(local_sample._sample_kernel, head + (outs, out._mask_np, keys, lengths, probabilities, weights,
-                                                           flat[0], flat[1], gen, one_step, 1.0))
-    return PreparedSample(run if run is not None else local_sample._sample_kernel, head, flat, one_step)
+                                                           flat[0], flat[1], local_sample.NO_GEN, one_step, 1.0))
+    return PreparedSample(run if run is not None else local_sample._sample_kernel, head, flat, one_step, shard.rng)
 
 
 def remember(shard, batch, args: tuple, window: int, code: int, fresh: bool = False) -> None:
@@ -285,26 +287,32 @@ def sample_again(shard, rep: Repeat):
         out = rep.batch()
         outs = rep.outs
     rng = shard.rng
+    flat = local_sample._scratch(b)
+    call = rep.call
+    if call is None or call.flat is not flat or call.rng is not rng:  # the first repeat, another thread or size
+        call = rep.call = prepare_sample(shard, rep, out, outs, flat)
+    lock = None
     if b < local_sample.SORT_PARALLEL_MIN:  # (what kernel_stream answers for them, without asking it)
-        gen, state = local_sample.NO_GEN, None
+        state = None
         if rep.skip:
+            gen = local_sample.NO_GEN
             draw_uniforms(rng, rep.draw_u, b, True, rep.uniforms)
-        else:
-            rng.random(out=rep.uniforms)  # as rng.random(len): the same stream
+        else:  # drawn by the kernel as rng.random(out=rep.uniforms) draws them, under the generator's lock
+            gen, lock = call.words, call.lock
     else:
         gen, state = kernel_stream(rng, b, rep.code, rep.skip)
         if state is None:
             draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
-    flat = local_sample._scratch(b)
-    call = rep.call
-    if call is None or call.flat is not flat:  # the first repeat, another thread, or a sample of another size
-        call = rep.call = prepare_sample(shard, rep, out, outs, flat, gen)
     keys, probabilities, weights, lengths = out._meta_np
     alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, b * rep.row_bytes)
+    if lock is not None:
+        lock.acquire()
     try:
         call.run(*call.head, outs, out._mask_np, keys, lengths, probabilities, weights, flat[0], flat[1], gen,
                  call.one_step, _beta(shard, rep.prioritized))
     finally:
+        if lock is not None:
+            lock.release()
         thread_share.give_back(alone)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])
