@@ -47,3 +47,20 @@ def test_fingerprints_tell_array_types_apart():
                                                      np.ones((2, 4)))]
     assert prints[0] == prints[1] and prints[0] is not None
     assert len(set(prints[1:])) == 5  # layout, dtype, writability and dimensions each change it
+
+
+def test_kernel_calls_settle_on_the_entry_point():
+    values, out = np.arange(4.0), np.empty(4)
+    fresh = njit(cache=False)(_py_scaled_sum)
+    calls = compiled.KernelCalls(fresh, _py_scaled_sum)
+    assert calls.runs == [fresh, _py_scaled_sum] and calls.found == [False, False]
+    for i in (0, 1):
+        args = (values, 2.0, out)
+        assert calls.runs[i](*args) == 12.0
+        calls.settle(i, args)
+    assert calls.found == [True, True]
+    assert calls.runs[0] is not fresh and not hasattr(calls.runs[0], "overloads")  # the compiled entry point
+    assert calls.runs[1] is _py_scaled_sum  # a plain function has none: kept
+    assert calls.runs[0](values + 1, 1.0, out) == 10.0
+    calls.settle(0, (values.astype(np.float32), 1.0, out))  # settled once: never looked up again
+    assert calls.runs[0](values, 1.0, out) == 6.0

@@ -49,6 +49,7 @@ from .plans import multinomial_rows, two_owner_rows
 from ..batch import Batch, check_window
 from ..kernels import gather as gather_kernels
 from ..kernels import sample_rounds as rounds
+from ..kernels.compiled import KernelCalls
 from ..keys import GEN_MASK, SLOT_BITS, key_head
 from ..selection.one_call import repeats
 from ..selection.priority_index import PriorityIndex
@@ -59,6 +60,7 @@ _SAMPLE_OP = OPS.index("sample")  # a head's call is number * _SPAN + operation 
 _NO_ERROR = -1.0
 _HEAD_COLUMNS = 2 + np.array([MASS, ITEMS, MIN_WEIGHT, INSERTED, SAMPLED], np.int64)  # (serve.sample_head)
 _NO_UNIFORMS = np.zeros(0)
+_HEAD, _CHOICES, _GATHER = 0, 1, 2  # a record's kernels (SampleRecord.kernels)
 
 
 def qualifies(replay) -> bool:
@@ -84,7 +86,7 @@ class SampleRecord:
 
     __slots__ = ("batch", "fitted", "args", "b", "window", "code", "head", "outs", "got", "row_of_owner",
                  "counts", "peer_ranks", "key_head", "prioritized", "slots", "w", "ratio", "uniforms", "fresh",
-                 "table")
+                 "table", "kernels")
 
     def __init__(self, replay, batch, args: tuple, window: int, code: int):
         size = replay.comm.size
@@ -109,6 +111,9 @@ class SampleRecord:
         # the owner's scratch (kernels.serve), grown to the largest count served
         self.slots, self.w, self.ratio, self.uniforms = (np.empty(0, np.int64), np.empty(0),
                                                          np.empty(0, np.float32), np.empty(0))
+        # the call's three kernels, through their entry points once compiled for its arguments' types (which are the
+        # record's arrays, the shard's, the board's, a batch's rows and Python scalars of one kind each)
+        self.kernels = KernelCalls(rounds.head_round, rounds.choices_round, gather_kernels.gather_rows_from_owners)
 
     def same(self, out, batch_size, window, align, mode) -> bool:
         """Whether a call with these arguments may reuse this record (:func:`one_call.repeats
@@ -184,9 +189,12 @@ def sample_again(replay, rec: SampleRecord):
     # the heads' round in one call: the shard's numbers read from its arrays (header.build_row's values) into
     # this rank's head row, the row shared, every rank's read
     n, table = board.begin_round(), rec.table
-    code = rounds.head_round(rec.head, _HEAD_COLUMNS, float(calls.count * _SPAN + _SAMPLE_OP), index.tree.prefix,
-                             index.tree.l2_min, st.state, shard.samples_drawn, board.bases, comm.rank, n, table,
-                             *board.poll)
+    args = (rec.head, _HEAD_COLUMNS, float(calls.count * _SPAN + _SAMPLE_OP), index.tree.prefix, index.tree.l2_min,
+            st.state, shard.samples_drawn, board.bases, comm.rank, n, table, *board.poll)
+    kernels = rec.kernels
+    code = kernels.runs[_HEAD](*args)
+    if not kernels.found[_HEAD]:
+        kernels.settle(_HEAD, args)
     if code != rounds.READ:
         board.end_heads(n, table, code, "sample")
     calls.check(table, None, "sample")
@@ -261,10 +269,13 @@ def _exchange(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: li
         shard.rng.random(out=place)
     slots, epoch = rec.slots[:serve], node.epoch
     beta = float(shard.selector.beta) if rec.prioritized else 1.0  # (a float: one compiled kernel)
-    code = rounds.choices_round(shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head,
-                                SLOT_BITS, GEN_MASK, st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized,
-                                beta, slots, rec.w, rec.ratio, shard.spec.tail_steps, board.bases, comm.rank, counts,
-                                epoch, CHOICE_CAPACITY, rec.got, *board.poll)
+    args = (shard.index._arrays, u, place, st.start, st.length, st.generation, rec.key_head, SLOT_BITS, GEN_MASK,
+            st.capacity, rec.window, rec.code, mass, wmin, rec.prioritized, beta, slots, rec.w, rec.ratio,
+            shard.spec.tail_steps, board.bases, comm.rank, counts, epoch, CHOICE_CAPACITY, rec.got, *board.poll)
+    kernels = rec.kernels
+    code = kernels.runs[_CHOICES](*args)
+    if not kernels.found[_CHOICES]:
+        kernels.settle(_CHOICES, args)
     if code != rounds.READ:
         board.end_choices(counts, epoch, board.choices[comm.rank], rec.got, code, "sample (choices)")
     transport = replay.transport
@@ -277,9 +288,11 @@ def _exchange(rec: SampleRecord, replay, out, counts: np.ndarray, from_owner: li
             row_of_owner[o + 1] = at
         keys, probabilities, weights, lengths = out.meta_numpy()
         outs = rec.outs if rec.outs is not None else out.column_addresses()  # (a fresh record: the new batch's)
-        gather_kernels.gather_rows_from_owners(node.column_addrs, st.gather_step_bytes, shard.capacity_steps,
-                                               node.direct, row_of_owner, rec.got, outs, rec.window,
-                                               out._mask_np, keys, lengths, probabilities, weights)
+        args = (node.column_addrs, st.gather_step_bytes, shard.capacity_steps, node.direct, row_of_owner, rec.got,
+                outs, rec.window, out._mask_np, keys, lengths, probabilities, weights)
+        kernels.runs[_GATHER](*args)
+        if not kernels.found[_GATHER]:
+            kernels.settle(_GATHER, args)
     finally:
         transport.copy_seconds += time.perf_counter() - start - (comm.waited - waited)
     return slots

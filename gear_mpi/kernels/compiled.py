@@ -65,3 +65,27 @@ def type_fingerprint(value: Any) -> bytes | None:
         return _fingerprint(value)
     except Exception:  # a value without a fast fingerprint (numba types it the slow way)
         return None
+
+
+class KernelCalls:
+    """The kernels a repeated call makes, each called through its dispatcher the first time and through its
+    entry point from then on (:func:`entry_point`). For a caller whose arguments keep their types from call to
+    call (its own arrays and Python scalars of one kind): it calls ``runs[i](*args)`` then, while ``found[i]`` is
+    False, :meth:`settle` with the same arguments.
+
+    Args:
+        kernels: the dispatchers, in the caller's order.
+    """
+
+    __slots__ = ("runs", "found")
+
+    def __init__(self, *kernels: Any):
+        self.runs = list(kernels)
+        self.found = [False] * len(kernels)
+
+    def settle(self, i: int, args: tuple) -> None:
+        """After kernel ``i``'s call with ``args`` (compiled for their types now): its entry point from now on,
+        or its dispatcher where it has none. O(1), the dispatcher's typing of ``args`` once."""
+        if not self.found[i]:
+            self.found[i] = True
+            self.runs[i] = entry_point(self.runs[i], args) or self.runs[i]

@@ -103,6 +103,10 @@ for sampler in (gm.Prioritized(0.6, 0.4), gm.Uniform()):
     for new, ref in earlier:
         same(new, ref, (kind, "kept"))
     assert fast_calls[0] >= 60, fast_calls  # every call after the first of each window repeated, into out= or new
+    for rp in (fast, fresh):  # a repeated record's kernels called through their entry points (kernels.compiled)
+        settled = [rec.kernels for rec in rp._repeat.values() if rec.kernels.found[0]]  # (records made, not repeated)
+        assert settled and all(all(k.found) for k in settled), [k.found for k in settled]
+        assert not any(hasattr(run, "overloads") for k in settled for run in k.runs), "a dispatcher still called"
     shared = [rp.stats()["total"]["windows_shared"] for rp in (fast, fresh, full)]
     assert shared[0] == shared[1] == shared[2] > 0, shared
     fresh.close()
