@@ -1,5 +1,6 @@
 """A kernel's compiled entry point (gear_mpi.kernels.compiled): the dispatcher's result, found only for the types
 it was compiled for, and numba's type fingerprint telling array types apart."""
+import numba
 import numpy as np
 from numba import njit
 
@@ -64,3 +65,19 @@ def test_kernel_calls_settle_on_the_entry_point():
     assert calls.runs[0](values + 1, 1.0, out) == 10.0
     calls.settle(0, (values.astype(np.float32), 1.0, out))  # settled once: never looked up again
     assert calls.runs[0](values, 1.0, out) == 6.0
+
+
+def test_an_entry_found_once_is_found_again_without_numbas_typing(monkeypatch):
+    """A record made again (another thread, a call with other arguments between) finds its entry point by the
+    arguments' type fingerprints, not by numba's typing in Python (about 0.6 ms for a sampling kernel's)."""
+    fresh = njit(cache=False)(_py_scaled_sum)
+    values, out = np.arange(3.0), np.empty(3)
+    fresh(values, 1.0, out)
+    run = compiled.entry_point(fresh, (values, 1.0, out))
+
+    typed = []
+    monkeypatch.setattr(fresh, "typeof_pyval", lambda value: typed.append(value) or numba.typeof(value))
+    assert compiled.entry_point(fresh, (np.ones(7), 2.0, np.empty(7))) is run  # other arrays, the same types
+    assert typed == []
+    assert compiled.entry_point(fresh, (np.ones(7, np.float32), 2.0, np.empty(7))) is None  # never compiled
+    assert len(typed) == 3  # another type: typed (and not found)

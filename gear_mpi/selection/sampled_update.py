@@ -51,7 +51,8 @@ def prepare_update(shard, keys: np.ndarray, priorities: np.ndarray, alpha: float
     """The :class:`PreparedUpdate` for updates of ``keys`` with priorities typed as ``priorities`` (float64, one
     a key) through this thread's sorted draw ``drawn`` (``head`` and ``tail``: :func:`_update_args`), after a
     call through the dispatcher compiled it. Where there is no entry point to call its ``run`` is None (and every
-    update of this draw goes through the dispatcher). O(1), a few microseconds (the dispatcher's typing, once)."""
+    update of this draw goes through the dispatcher). O(1): about 10 us (see
+    :func:`~gear_mpi.kernels.compiled.entry_point`)."""
     run = entry_point(priority_sampled.update_sampled, (keys, priorities, *head, alpha, *tail))
     fingerprint = type_fingerprint(priorities)
     return PreparedUpdate(run if fingerprint is not None else None, head, tail, drawn, shard.store.layout.priority,
