@@ -19,6 +19,8 @@ The classes that own the arrays live a floor up (:mod:`gear_mpi.storage.store`,
   the calling thread alone where it does not.
 - :mod:`~gear_mpi.kernels.compiled` -- a kernel's compiled entry point, called directly by a call that repeats
   with arguments of the same types (no typing of every argument at each call).
+- :mod:`~gear_mpi.kernels.bitgen` -- numpy's bit generator drawn from inside a kernel (its ``next_double``
+  through its C interface: the values and final state ``Generator.random`` gives).
 - :mod:`~gear_mpi.kernels.pipeline` -- the compile options of the serial kernels (numba's parallel pipeline
   with its transformations off: no reference counting inside their loops).
 - :mod:`~gear_mpi.kernels.cuda_priority`, :mod:`~gear_mpi.kernels.cuda_gather` -- numba-cuda
