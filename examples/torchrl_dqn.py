@@ -78,7 +78,9 @@ def parse_config(argv=None) -> Config:
     a = p.parse_args(argv)
     cfg = Config()
     if a.quick:
-        cfg.steps, cfg.eval_episodes, cfg.max_seconds, cfg.hidden = 12_000, 3, 90.0, 64  # 64x64: faster on CPU
+        # 12,000 steps take 44-48 s on two idle cores; 150 s leaves room for a loaded CI machine (8,960 steps in
+        # 90 s there once, beside the other tests), within the test's 240 s
+        cfg.steps, cfg.eval_episodes, cfg.max_seconds, cfg.hidden = 12_000, 3, 150.0, 64  # 64x64: faster on CPU
     for name in ("steps", "max_seconds", "grad_steps", "hidden", "seed"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))

@@ -275,11 +275,11 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
     first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
     ``SORT_PARALLEL_MIN`` items), or the two words of a bit generator (:func:`bitgen.generator_words`) from which
-    ``uniforms`` then ``place_u`` are drawn first, on the calling thread, as ``Generator.random`` fills them. ``one_step``: every stored trajectory has exactly one step (the spec's
-    ``max_length`` is 1), so the runs write the batch's real steps and mask rows in row order
-    (:func:`_fill_fixed_rows`). ``beta``: the importance weights' exponent (``prioritized``), applied here: by
-    each run to its own items, or after a small batch's draw, where two threads share the copy by the drawing
-    thread once the others may copy (:func:`_raise_weights`)."""
+    ``uniforms`` then ``place_u`` are drawn first, on the calling thread, as ``Generator.random`` fills them.
+    ``one_step``: every stored trajectory has exactly one step (the spec's ``max_length`` is 1), so the runs write
+    the batch's real steps and mask rows in row order (:func:`_fill_fixed_rows`). ``beta``: the importance
+    weights' exponent (``prioritized``), applied here: by each run to its own items, or after a small batch's
+    draw, where two threads share the copy by the drawing thread once the others may copy (:func:`_raise_weights`)."""
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree
     nb = uniforms.shape[0]
     total = prefix[l2_sum.shape[0]]

@@ -34,7 +34,8 @@ class PreparedUpdate:
     __slots__ = ("run", "head", "tail", "drawn", "row", "fingerprint")
 
     def __init__(self, run, head: tuple, tail: tuple, drawn: tuple, row, fingerprint: bytes | None):
-        self.run, self.head, self.tail, self.drawn, self.row, self.fingerprint = run, head, tail, drawn, row, fingerprint
+        self.run, self.head, self.tail = run, head, tail
+        self.drawn, self.row, self.fingerprint = drawn, row, fingerprint
 
 
 def _update_args(shard, drawn: tuple, row) -> tuple[tuple, tuple]:

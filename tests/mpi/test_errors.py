@@ -338,28 +338,25 @@ def test_a_repeated_sample_interrupted_after_its_head_is_unusable_at_once():
     bad = SIZE - 1
     replay = gm.Replay(gm.TrajectorySpec({"obs": ((3,), "float32")}, max_length=4), 64, gm.Prioritized(0.6, 0.4),
                        timeout=2.0, comm=COMM.Dup())  # left out of step: not the world's (never freed: still pending)
-    real = repeat.rounds
     try:
         replay.insert({"obs": np.ones((2, 3), np.float32)})
         batch = replay.sample(3)
         for _ in range(2):
             replay.sample(3, out=batch)
-        assert replay._repeat.get(id(batch)) is not None  # the next call into it is a repeated one
+        record = replay._repeat.get(id(batch))
+        assert record is not None  # the next call into it is a repeated one
         COMM.Barrier()
         if RANK == bad:
-            class Interrupting:
-                READ = real.READ
+            kernels = record.kernels  # the record's kernels (kernels.compiled.KernelCalls), the choices' round second
+            settled = kernels.runs[repeat._CHOICES]
 
-                def head_round(self, *args):
-                    return real.head_round(*args)
+            def interrupting(*args):
+                raise KeyboardInterrupt
 
-                def choices_round(self, *args):
-                    raise KeyboardInterrupt
-
-            repeat.rounds = Interrupting()
+            kernels.runs[repeat._CHOICES] = interrupting
             with pytest.raises(KeyboardInterrupt):
                 replay.sample(3, out=batch)
-            repeat.rounds = real
+            kernels.runs[repeat._CHOICES] = settled
             t0 = time.monotonic()
             with pytest.raises(gm.CollectiveError, match=f"sample: interrupted on rank {bad} by KeyboardInterrupt"):
                 replay.sample(3, out=batch)
@@ -372,7 +369,6 @@ def test_a_repeated_sample_interrupted_after_its_head_is_unusable_at_once():
             replay.close()
             assert time.monotonic() - t0 < 2.0 + 3.0
     finally:
-        repeat.rounds = real
         replay.close()
     COMM.Barrier()
 
