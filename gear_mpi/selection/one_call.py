@@ -304,15 +304,16 @@ def sample_again(shard, rep: Repeat):
         if state is None:
             draw_uniforms(rng, rep.draw_u, b, rep.skip, rep.uniforms)
     keys, probabilities, weights, lengths = out._meta_np
+    tail = (outs, out._mask_np, keys, lengths, probabilities, weights, flat[0], flat[1], gen, call.one_step,
+            _beta(shard, rep.prioritized))
     alone = thread_share.caller_alone(b, DRAW_THREADS_MIN, b * rep.row_bytes)
-    if lock is not None:
-        lock.acquire()
     try:
-        call.run(*call.head, outs, out._mask_np, keys, lengths, probabilities, weights, flat[0], flat[1], gen,
-                 call.one_step, _beta(shard, rep.prioritized))
+        if lock is None:
+            call.run(*call.head, *tail)
+        else:
+            with lock:  # held while the kernel draws, as Generator.random holds it
+                call.run(*call.head, *tail)
     finally:
-        if lock is not None:
-            lock.release()
         thread_share.give_back(alone)
     if state is not None:
         end_stream(shard.rng, state, rep.uniforms.shape[0])
