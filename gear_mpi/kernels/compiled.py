@@ -99,7 +99,8 @@ class KernelCalls:
 
     def settle(self, i: int, args: tuple) -> None:
         """After kernel ``i``'s call with ``args`` (compiled for their types now): its entry point from now on,
-        or its dispatcher where it has none. O(1), the dispatcher's typing of ``args`` once."""
+        or its dispatcher where it has none. O(1): the arguments' type fingerprints (:func:`entry_point`; numba's
+        typing in Python too, the first time this process meets their types)."""
         if not self.found[i]:
             self.found[i] = True
             self.runs[i] = entry_point(self.runs[i], args) or self.runs[i]
