@@ -30,7 +30,7 @@ from .gather import COPY_THREADS_BYTES, _gather_run, _mask_row, _placement, out_
 from .hints import prefetch as _prefetch
 from .hints import WAIT_CYCLES, WAIT_SPINS, counters, raise_flag, staggered_flat, take_next, wait_flag
 from . import bitgen
-from .pcg_fill import _draw_slice, _jump
+from .pcg_fill import STATE_WORDS, _draw_slice, _jump
 from .priority_tree import least_positive
 from .weights import importance_powers_into
 from .pipeline import SERIAL
@@ -271,11 +271,12 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
                    probabilities, weights, iscr, fscr, gen, one_step=False, beta=1.0):
     """:func:`sample_proportional` on the scratch of :func:`_scratch` (``iscr`` the flat int64 allocation, ``fscr``
     its float64 view: rows sliced here, :func:`_row`),
-    with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``: empty, or the
-    four uint64 words of a PCG64 state and increment (high, low each) from which ``uniforms`` are drawn here
-    first, as ``Generator.random`` would draw them (:mod:`pcg_fill`; by the bucket pass's threads from
-    ``SORT_PARALLEL_MIN`` items), or the two words of a bit generator (:func:`bitgen.generator_words`) from which
-    ``uniforms`` then ``place_u`` are drawn first, on the calling thread, as ``Generator.random`` fills them.
+    with ``outs`` the batch columns' addresses (int64, :func:`gather.out_addresses`). ``gen``, told apart by its
+    length: :data:`NO_GEN` (empty: ``uniforms`` and ``place_u`` are given); ``pcg_fill.STATE_WORDS`` words, a
+    PCG64 state and increment from which ``uniforms`` are drawn here first, as ``Generator.random`` would draw
+    them (:mod:`pcg_fill`; by the bucket pass's threads from ``SORT_PARALLEL_MIN`` items); or ``bitgen.WORDS``
+    words of a bit generator (:func:`bitgen.generator_words`) from which ``uniforms`` then ``place_u`` are drawn
+    first, on the calling thread, as ``Generator.random`` fills them.
     ``one_step``: every stored trajectory has exactly one step (the spec's ``max_length`` is 1), so the runs write
     the batch's real steps and mask rows in row order (:func:`_fill_fixed_rows`). ``beta``: the importance
     weights' exponent (``prioritized``), applied here: by each run to its own items, or after a small batch's
@@ -289,7 +290,7 @@ def _sample_kernel(tree, uniforms, place_u, start, length, generation, key_head,
     sw = _row(fscr, _I_ROWS, nb)
     spare = _row(fscr, _I_ROWS + 1, nb)  # the sorted uniforms; free once drawn (the weights' powers then)
     skeys = spare  # draws land in sorted order: sslots[k] is the slot of the k-th smallest uniform
-    if gen.shape[0] == 4 and nb < SORT_PARALLEL_MIN:  # (from SORT_PARALLEL_MIN the bucket pass draws them)
+    if gen.shape[0] == STATE_WORDS and nb < SORT_PARALLEL_MIN:  # (from SORT_PARALLEL_MIN the bucket pass draws them)
         _draw_slice(gen[0], gen[1], gen[2], gen[3], uniforms, 0, nb)
     elif gen.shape[0] == bitgen.WORDS:  # the draws, then the placements, as rng.random fills them (bitgen)
         bitgen.fill_doubles(gen, uniforms, 0, nb)
@@ -435,13 +436,14 @@ def _bucket_parallel(uniforms, cnt, order, keys, gen):
     leaves them (the insertion sort, :func:`priority_draw._insertion_fix` over whole buckets, then gives the
     same ``order`` and ``keys``). ``cnt`` (int64, at least ``SORT_PARTS * max(1, n // 2)`` entries) keeps
     the offsets: after the pass ``cnt[(SORT_PARTS - 1) * nbk + k]`` is where bucket ``k`` ends. With a
-    generator state ``gen`` (four words, see :func:`_sample_kernel`) each slice draws its uniforms first."""
+    generator state ``gen`` (``STATE_WORDS`` words, see :func:`_sample_kernel`) each slice draws its uniforms
+    first."""
     b = uniforms.shape[0]
     nbk = max(1, b // 2)
     for p in prange(SORT_PARTS):
         base = p * nbk
         lo = p * b // SORT_PARTS
-        if gen.shape[0] == 4:
+        if gen.shape[0] == STATE_WORDS:
             h, l = _jump(gen[0], gen[1], gen[2], gen[3], lo)
             _draw_slice(h, l, gen[2], gen[3], uniforms, lo, (p + 1) * b // SORT_PARTS)
         for k in range(nbk):

@@ -19,6 +19,8 @@ from numba.extending import intrinsic
 MULT_HI = np.uint64(0x2360ED051FC65DA4)  # PCG's default 128-bit multiplier
 MULT_LO = np.uint64(0x4385DF649FCCF645)
 MASK64 = (1 << 64) - 1
+#: a PCG64 stream as a kernel takes it: four uint64 words, the state and the increment, each (high, low)
+STATE_WORDS = 4
 #: values per slice a thread draws (a parallel region below two slices costs more than it saves)
 SLICE = 1 << 13
 

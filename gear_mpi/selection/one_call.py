@@ -46,15 +46,16 @@ def kernel_stream(rng, b: int, code: int, skip: bool):
     """The generator words with which the sampling kernel draws this call's ``b`` uniforms itself, on its
     threads (``local_sample._bucket_parallel``): where ``b`` reaches ``SORT_PARALLEL_MIN``, ``rng`` is numpy's
     PCG64 and no placement uniform is read (``code`` not 0, or ``skip``). Returns ``(words, state)`` (the
-    four uint64 words and the state dict read, for :func:`end_stream`), or ``(NO_GEN, None)``: the caller
-    draws as before. O(1) (a state read, about 1 us)."""
+    ``pcg_fill.STATE_WORDS`` uint64 words and the state dict read, for :func:`end_stream`), or ``(NO_GEN,
+    None)``: the caller draws as before. O(1) (a state read, about 1 us)."""
     bg = rng.bit_generator
     if b < local_sample.SORT_PARALLEL_MIN or (code == 0 and not skip) or type(bg) is not np.random.PCG64:
         return local_sample.NO_GEN, None
     state = bg.state
     s, inc = state["state"]["state"], state["state"]["inc"]
     m = pcg_fill.MASK64
-    return np.array([s >> 64, s & m, inc >> 64, inc & m], np.uint64), state
+    words = np.array([s >> 64, s & m, inc >> 64, inc & m], np.uint64)  # pcg_fill.STATE_WORDS of them
+    return words, state
 
 
 def end_stream(rng, state: dict, n: int) -> None:
