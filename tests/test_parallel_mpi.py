@@ -21,7 +21,8 @@ def test_parallel_and_activity_on_four_ranks():
 
 
 def test_groups_from_frameworks_on_four_ranks():
-    run = run_pytest_mpi(4, "test_framework_groups.py", timeout=240)
+    # (a backstop for a hang: four ranks importing torch took 143 s of a loaded CI run, 2026-12-07)
+    run = run_pytest_mpi(4, "test_framework_groups.py", timeout=480)
     ran = run.passed(0)
     for name in ("test_device_mesh_gives_what_parallel_groups_builds", "test_deepspeed_style_mpu",
                  "test_adopted_groups_drive_a_replica_sampler", "test_bad_input_fails_on_every_rank",
