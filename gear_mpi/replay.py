@@ -46,7 +46,8 @@ from .distributed.header import MODES  # noqa: F401 (the modes Replay's docstrin
 from .distributed.plans import Assignment, build_plans
 from .checkpoint.replay_state import ReplayState
 from .selection.selectors import Selector, Uniform
-from .shard import Shard, warm_kernels
+from .shard import Shard
+from .warmup import warm_kernels
 from .spec import TrajectorySpec, validate_priorities
 from .distributed.transport import WindowTransport
 
@@ -149,7 +150,7 @@ class Replay:
         self.calls = ReplayCalls(self.comm, self.node.board)  # the heads of its collectives (distributed.calls)
         # one rank on the host: a sample is its shard's (every mode draws from the one shard, nothing to agree)
         self._solo = size == 1 and self.device is None
-        if self.device is None:  # the first sample then costs what later ones do (gear_mpi.shard.warm_kernels)
+        if self.device is None:  # the first sample then costs what later ones do (gear_mpi.warmup.warm_kernels)
             warm_kernels(spec, sampler)
             none = np.zeros(size, np.int64)
             self.transport.exchange(self.shard.make_choices(none[:0], 1, 0, 1.0, 1.0), none, none, 1, local=True)

@@ -1,8 +1,8 @@
 """Shard: one rank's replay -- storage, selection and window collection."""
 from __future__ import annotations
 
-import copy
 import secrets
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -11,7 +11,6 @@ from .batch import Batch, check_batch_bytes, check_batch_size, check_window
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
 from .kernels import local_sample, ring
-from .kernels.weights import PARALLEL_MIN, importance_weights, leaf_weights, power_weights
 from .keys import GEN_MASK, SLOT_BITS, TAG_MASK, as_key_array, key_head
 from .storage.arenas import memory_kind
 from .selection import one_call, small_update
@@ -37,7 +36,10 @@ class Shard:
     methods) and ``checkpoint_state`` (:class:`~gear_mpi.checkpoint.shard_state.ShardCheckpointState`:
     :meth:`state`, :meth:`sections` and their inverses).
 
-    Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError.
+    Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError. One call
+    at a time uses the memory (``lock``, a re-entrant lock that every sample, insert, update, read and
+    :meth:`hold` takes; about 0.1 us a call): :meth:`close` from another thread waits for the call in flight (a
+    TorchRL prefetch thread's sample) before it frees anything, and the calls after it raise.
     Memory: ``capacity_steps * step_bytes`` plus 65 bytes per item slot (75 with a priority index).
     ``pickle``, ``copy.copy`` and ``copy.deepcopy`` make a new, independent shard in private host memory with the
     same items, keys and stream (:mod:`gear_mpi.checkpoint.shard_archive`).
@@ -94,6 +96,7 @@ class Shard:
         self._addresses = None
         self._fused = None  # whether samples go through one kernel (see _one_call)
         self._repeat = None  # the last one-kernel sample's arguments (one_call.Repeat)
+        self.lock = threading.RLock()  # held by every call that uses the memory, and by close (see hold)
         self.inserter = ShardInserter(spec, self.store, self.index, sampler)
         self.checkpoint_state = ShardCheckpointState(self.store, self.index, sampler, self.rng)
 
@@ -196,8 +199,7 @@ class Shard:
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        self._check_open()
-        with self.hold():
+        with self.hold():  # (the open check under the lock)
             return self.inserter.insert_many(trajectories, priorities, check_finite, casting)
 
     def insert_packed(self, columns: Mapping[str, Any], lengths: Any, priorities: Any = None, *,
@@ -230,8 +232,7 @@ class Shard:
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        self._check_open()
-        with self.hold():
+        with self.hold():  # (the open check under the lock)
             return self.inserter.insert_packed(columns, lengths, priorities, check_finite, casting)
 
     def append_step(self, step: Mapping[str, Any], priority: float = 1.0) -> int:
@@ -259,7 +260,8 @@ class Shard:
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        return self.inserter.appender.append(step, priority)  # the open check and the hold are the appender's
+        with self.lock:  # (the open check and the file guard's hold are the appender's)
+            return self.inserter.appender.append(step, priority)
 
     def store_packed(self, columns: Mapping[str, np.ndarray], lengths: np.ndarray, priorities: np.ndarray,
                      steps: int | None = None) -> np.ndarray:
@@ -284,8 +286,7 @@ class Shard:
             RuntimeError: the shard is closed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        self._check_open()
-        with self.hold():
+        with self.hold():  # (the open check under the lock)
             return self.inserter.store_packed(columns, lengths, priorities, steps)
 
     def clear(self) -> int:
@@ -298,11 +299,12 @@ class Shard:
         Raises:
             RuntimeError: the shard is closed.
         """
-        self._check_open()
-        live = self.store.clear()
-        if self.index is not None and len(live):
-            self.index.set(live, np.zeros(len(live)))
-        return int(len(live))
+        with self.lock:
+            self._check_open()
+            live = self.store.clear()
+            if self.index is not None and len(live):
+                self.index.set(live, np.zeros(len(live)))
+            return int(len(live))
 
     def columns(self, writable: bool = False) -> dict[str, np.ndarray]:
         """The column rings (of the columns stored raw) as numpy arrays over the shard's memory, no copy: column name ->
@@ -532,41 +534,42 @@ class Shard:
                 ``out`` that does not fit; nothing to draw. TypeError: ``out`` is not a Batch.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        rep = self._repeat  # the same arguments (and out= batch) as a call that took one kernel: skip the checks
-        if rep is not None and self._fused and rep.same(out, batch_size, window, align, squeeze):
-            return one_call.sample_again(self, rep)
-        self._check_open()
-        args = (batch_size, window, align, squeeze)
-        batch_size = check_batch_size(batch_size)
-        window, code = check_window(self.spec, window, align)
-        if squeeze and window != 1:
-            raise ValueError(f"squeeze=True takes one-step windows (window=1), got window={window}")
-        check_batch_bytes(self.spec, batch_size, window)
-        if out is not None and not isinstance(out, Batch):
-            raise TypeError(f"out= must be a Batch (one an earlier sample returned), got {type(out).__name__}")
-        if out is not None and not out.matches(self.spec, batch_size, window, squeeze):
-            raise ValueError(f"out= does not fit batch_size={batch_size}, window={window}, squeeze={bool(squeeze)} "
-                             f"of this spec: {out!r}")
-        if batch_size > 0:
-            self.check_can_sample()
-        batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
-        with self.hold():
-            # every batch size and shard size: the one call was as fast or faster wherever measured, shards that
-            # sit in cache included (docs/BENCHMARKS.md, "The update's leaves and rows in slot order")
-            if batch_size > 0 and self._one_call():
-                one_call.remember(self, batch, args, window, code, fresh=out is None)
-                return one_call.sample_one_call(self, batch, batch_size, window, code)
-            slots = self.select(batch_size)
-            choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
-            keys, probabilities, weights, lengths = batch.meta_numpy()
-            gather_kernels.gather_from_owners(self.column_addresses(), self.store.gather_step_bytes,
-                                              self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
-                                              choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
-                                              probabilities)
-            fill_unstored(self.spec, self.store, self.column_addresses()[0], slots, choices, batch, window)
-        weights[:] = gather_kernels.choice_records(choices)["weight"]
-        self.after_sampling(slots)
-        return batch
+        with self.lock:
+            rep = self._repeat  # the same arguments (and out= batch) as a call that took one kernel: skip the checks
+            if rep is not None and self._fused and rep.same(out, batch_size, window, align, squeeze):
+                return one_call.sample_again(self, rep)
+            self._check_open()
+            args = (batch_size, window, align, squeeze)
+            batch_size = check_batch_size(batch_size)
+            window, code = check_window(self.spec, window, align)
+            if squeeze and window != 1:
+                raise ValueError(f"squeeze=True takes one-step windows (window=1), got window={window}")
+            check_batch_bytes(self.spec, batch_size, window)
+            if out is not None and not isinstance(out, Batch):
+                raise TypeError(f"out= must be a Batch (one an earlier sample returned), got {type(out).__name__}")
+            if out is not None and not out.matches(self.spec, batch_size, window, squeeze):
+                raise ValueError(f"out= does not fit batch_size={batch_size}, window={window}, squeeze={bool(squeeze)} "
+                                 f"of this spec: {out!r}")
+            if batch_size > 0:
+                self.check_can_sample()
+            batch = out if out is not None else Batch.empty(self.spec, batch_size, window, squeeze)
+            with self.hold():
+                # every batch size and shard size: the one call was as fast or faster wherever measured, shards that
+                # sit in cache included (docs/BENCHMARKS.md, "The update's leaves and rows in slot order")
+                if batch_size > 0 and self._one_call():
+                    one_call.remember(self, batch, args, window, code, fresh=out is None)
+                    return one_call.sample_one_call(self, batch, batch_size, window, code)
+                slots = self.select(batch_size)
+                choices = self.make_choices(slots, window, code, self.total_weight, self.min_weight)
+                keys, probabilities, weights, lengths = batch.meta_numpy()
+                gather_kernels.gather_from_owners(self.column_addresses(), self.store.gather_step_bytes,
+                                                  self.store.capacity, _ONE_OWNER, np.array([0, batch_size], np.int64),
+                                                  choices, batch.byte_views(), window, batch._mask_np, keys, lengths,
+                                                  probabilities)
+                fill_unstored(self.spec, self.store, self.column_addresses()[0], slots, choices, batch, window)
+            weights[:] = gather_kernels.choice_records(choices)["weight"]
+            self.after_sampling(slots)
+            return batch
 
     def frame_context(self, slots: np.ndarray, choices: np.ndarray) -> np.ndarray:
         """Each chosen window's context (int64; :func:`gear_mpi.storage.derived.context_of`), for the slots and
@@ -635,7 +638,8 @@ class Shard:
         Raises:
             TypeError, InvalidKeyError, InvalidPriorityError: keys not integers or not this shard's; bad priorities.
         """
-        return small_update.update_priorities(self, keys, priorities)  # a few keys: one kernel call
+        with self.lock:
+            return small_update.update_priorities(self, keys, priorities)  # a few keys: one kernel call
 
     def apply_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> np.ndarray:
         """Set already-validated priorities of this shard's keys. O(B) plus one batched index update.
@@ -648,28 +652,29 @@ class Shard:
         Raises:
             InvalidKeyError: a key of another shard or replay (nothing changed).
         """
-        self._check_open()
-        st = self.store
-        layout = st.layout  # the table's raw priorities
-        keys = np.ascontiguousarray(keys, np.int64)
-        n = len(keys)
-        slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
-        pr = np.ascontiguousarray(priorities, np.float64)
-        if layout.priority_constant is not None and not table_layout.all_equal(pr, layout.priority_constant):
-            layout.materialize_priorities()  # the row stood for one value: keep it from now on
-        # derived, none, or one value the row stands for: not written
-        raw = layout.priority if isinstance(layout.priority, np.ndarray) and layout.priority_constant is None \
-            else _NO_UNIFORMS
-        applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.status,
-                                                     ring.ALIVE_SHIFT, ring.LIVE, raw, raw is not _NO_UNIFORMS,
-                                                     slots, values, live)
-        if foreign >= 0:
-            st.resolve(keys[foreign:foreign + 1])  # raises InvalidKeyError, naming what is wrong with the key
-        self.stale_updates += n - applied
-        if self.index is not None and applied:
-            weigh = self.selector.leaf_weights if isinstance(self.index, PriorityIndex) else self.selector.weights
-            self.index.set(slots[:applied], weigh(values[:applied]))  # (a host index rounds them so anyway)
-        return live
+        with self.lock:
+            self._check_open()
+            st = self.store
+            layout = st.layout  # the table's raw priorities
+            keys = np.ascontiguousarray(keys, np.int64)
+            n = len(keys)
+            slots, values, live = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.bool_)
+            pr = np.ascontiguousarray(priorities, np.float64)
+            if layout.priority_constant is not None and not table_layout.all_equal(pr, layout.priority_constant):
+                layout.materialize_priorities()  # the row stood for one value: keep it from now on
+            # derived, none, or one value the row stands for: not written
+            raw = layout.priority if isinstance(layout.priority, np.ndarray) and layout.priority_constant is None \
+                else _NO_UNIFORMS
+            applied, foreign = local_sample.resolve_live(keys, pr, st.tag, st.rank, st.max_items, st.status,
+                                                         ring.ALIVE_SHIFT, ring.LIVE, raw, raw is not _NO_UNIFORMS,
+                                                         slots, values, live)
+            if foreign >= 0:
+                st.resolve(keys[foreign:foreign + 1])  # raises InvalidKeyError, naming what is wrong with the key
+            self.stale_updates += n - applied
+            if self.index is not None and applied:
+                weigh = self.selector.leaf_weights if isinstance(self.index, PriorityIndex) else self.selector.weights
+                self.index.set(slots[:applied], weigh(values[:applied]))  # (a host index rounds them so anyway)
+            return live
 
     def get(self, key: int) -> dict[str, np.ndarray]:
         """A copy of the whole stored trajectory behind ``key``. O(L).
@@ -682,11 +687,10 @@ class Shard:
             TypeError, InvalidKeyError, StaleKeyError: not one integer key; not this shard's; evicted or removed.
             CheckpointError: the columns map a checkpoint that another process wrote or truncated (:meth:`hold`).
         """
-        self._check_open()
         keys = as_key_array(key)
         if len(keys) != 1:
             raise InvalidKeyError(f"get() takes one key, got {len(keys)}")
-        with self.hold():
+        with self.hold():  # (the open check under the lock)
             return self.store.read(int(keys[0]))
 
     def locate(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -697,10 +701,12 @@ class Shard:
         Raises:
             TypeError, InvalidKeyError: keys not integers, or of another shard or replay.
         """
-        self._check_open()
-        slots, live = self.store.resolve(as_key_array(keys))
-        st = self.store  # narrow rows (uint32 start, uint8 length): int64 results
-        return np.where(live, st.start[slots].astype(np.int64), -1), np.where(live, st.length[slots].astype(np.int64), 0)
+        with self.lock:
+            self._check_open()
+            slots, live = self.store.resolve(as_key_array(keys))
+            st = self.store  # narrow rows (uint32 start, uint8 length): int64 results
+            return (np.where(live, st.start[slots].astype(np.int64), -1),
+                    np.where(live, st.length[slots].astype(np.int64), 0))
 
     def priorities(self, keys: Any) -> np.ndarray:
         """Returns the current priority of each key (float64; NaN for stale keys). O(n).
@@ -710,9 +716,10 @@ class Shard:
         Raises:
             TypeError, InvalidKeyError: keys not integers, or of another shard or replay.
         """
-        self._check_open()
-        slots, live = self.store.resolve(as_key_array(keys))
-        return np.where(live, self.store.layout.raw_priorities(slots), np.nan)
+        with self.lock:
+            self._check_open()
+            slots, live = self.store.resolve(as_key_array(keys))
+            return np.where(live, self.store.layout.raw_priorities(slots), np.nan)
 
     def stats(self) -> dict[str, Any]:
         """This shard's figures, under the names of a replay's (:mod:`gear_mpi.stats`; the table in docs/guide/statistics.md). O(1).
@@ -735,7 +742,9 @@ class Shard:
         """A call's use of the columns, as a context manager: ``with shard.hold(): ...``. Only columns that
         map a checkpoint (``Replay.load(path, mmap=True)``) are guarded (:mod:`gear_mpi.storage.file_guard`):
         while a call holds them, another process that opens the file for writing or truncates it waits;
-        once one did, every hold raises (or gives) a CheckpointError. Other memory: nothing is done.
+        once one did, every hold raises (or gives) a CheckpointError. Any memory: the shard's lock is held, so
+        that :meth:`close` from another thread waits for the call (re-entrant: a hold inside a hold is one),
+        and a closed shard raises on entry.
 
         Args:
             strict: raise on entry (False: the ``with`` target is the error, or None; collectives agree it).
@@ -743,17 +752,20 @@ class Shard:
             The :class:`~gear_mpi.storage.file_guard.Hold`. Cost: O(1), and one ``fstat`` when guarded.
         Raises:
             CheckpointError: (on entry, ``strict``) the mapped file was written or truncated by another process.
+            RuntimeError: (on entry) the shard is closed.
         """
-        return Hold(getattr(self.store.arena, "guard", None), strict)
+        return Hold(getattr(self.store.arena, "guard", None), strict, self.lock, self._check_open)
 
     def _check_open(self) -> None:
         if self.store.arena is None:
             raise RuntimeError("this Shard is closed")
 
     def close(self) -> None:
-        """Release the columns (and unlink shared memory this shard created). Idempotent."""
-        self._addresses = self._repeat = None
-        self.store.close()
+        """Release the columns (and unlink shared memory this shard created), once a call another thread is making
+        has finished (the calls after it raise RuntimeError). Idempotent."""
+        with self.lock:
+            self._addresses = self._repeat = None
+            self.store.close()
 
     def __enter__(self) -> "Shard":
         return self
@@ -764,35 +776,3 @@ class Shard:
     def __repr__(self) -> str:
         return (f"Shard(items={len(self)}, steps={self.store.steps_used}/{self.capacity_steps}, "
                 f"sampler={self.selector!r}, memory={self.store.arena.kind if self.store.arena else 'closed'})")
-
-
-# warm-up at construction: numba loads even a cached kernel at its first call, and the first kernel of a
-_WARM: set = set()  # process builds numba's target context (about 1-2 s here); a replay pays that at construction
-
-
-def warm_kernels(spec: TrajectorySpec, sampler) -> None:
-    """Run each hot kernel once for ``spec`` and ``sampler``'s kind (local; once per process and kind).
-
-    Args: spec: the replay's spec; sampler: its selector (a copy is used).
-    Cost: the first time, numba's start-up and cache loads (or compiles); then nothing. Memory: a scratch
-    shard of ``2 * max_length`` steps, freed at once.
-    """
-    key = (repr(spec.to_dict()), type(sampler).__name__)
-    if key in _WARM:
-        return
-    scratch = Shard(spec, 2 * spec.max_length, copy.copy(sampler), max_items=4)  # room for the 2-item insert_many
-    try:
-        zeros = {c.name: np.zeros((spec.min_length,) + c.shape, c.dtype) for c in spec.columns}
-        scratch.insert(zeros, 1.0)
-        for align in ("random", "head", "tail"):
-            batch = scratch.sample(2, 1, align)
-        scratch.update_priorities(batch.meta_numpy()[0], np.ones(len(batch)))
-        scratch.insert_many([zeros, zeros], [1.0, 2.0])
-        if getattr(sampler, "alpha", 1.0) != 1.0:  # the parallel powers of large inserts and updates
-            power_weights(np.ones(PARALLEL_MIN), sampler.alpha)
-            leaf_weights(np.ones(PARALLEL_MIN), sampler.alpha)
-        if getattr(sampler, "uses_importance_weights", False):  # and those of a large sample's weights
-            importance_weights(np.ones(PARALLEL_MIN, np.float32), sampler.beta)
-    finally:
-        scratch.close()
-    _WARM.add(key)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import gear_mpi as gm
-from gear_mpi.shard import warm_kernels
+from gear_mpi.warmup import warm_kernels
 from example_util import run_example_job
 from mpi_util import ROOT
 

@@ -23,6 +23,7 @@ FLOORS = {
     "batch": 1,
     "stats": 2,
     "shard": 3,
+    "warmup": 4,
     "replay": 6,
     "": 7,  # gear_mpi/__init__.py
     # kernels/: pure numba kernels (cuda_support: the one place that asks numba-cuda about the machine)

@@ -123,28 +123,46 @@ class Hold:
     ``with guard.hold() as problem:`` counts the call in (the lease is then not given back before
     it ends) and gives None, or, where the file has changed, counts nothing and gives the
     :class:`~gear_mpi.errors.CheckpointError` to raise (``strict=True``: raises it). A hold of no
-    guard (None) always gives None: unguarded memory.
+    guard (None) always gives None: unguarded memory. With a ``lock`` (a shard's,
+    :meth:`Shard.hold <gear_mpi.shard.Shard.hold>`), the lock is held from entry to exit: taken first, then
+    ``check()`` called under it (a closed shard's raises), then the guard asked; given back if entry raises.
     """
 
-    __slots__ = ("guard", "strict", "entered")
+    __slots__ = ("guard", "strict", "entered", "lock", "check")
 
-    def __init__(self, guard: "FileGuard | None", strict: bool):
-        self.guard, self.strict, self.entered = guard, strict, False
+    def __init__(self, guard: "FileGuard | None", strict: bool, lock=None, check=None):
+        self.guard, self.strict, self.entered, self.lock, self.check = guard, strict, False, lock, check
 
     def __enter__(self) -> CheckpointError | None:
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            if self.check is not None:
+                self.check()
+            problem = None if self.guard is None else self.guard.enter()
+        except BaseException:
+            self._unlock()
+            raise
         if self.guard is None:
             return None
-        problem = self.guard.enter()
         if problem is None:
             self.entered = True
         elif self.strict:
+            self._unlock()
             raise problem
         return problem
 
     def __exit__(self, *exc) -> None:
-        if self.entered:
-            self.entered = False
-            self.guard.leave()
+        try:
+            if self.entered:
+                self.entered = False
+                self.guard.leave()
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 class FileGuard:
