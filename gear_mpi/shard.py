@@ -37,9 +37,10 @@ class Shard:
     :meth:`state`, :meth:`sections` and their inverses).
 
     Local: no method communicates. Once closed, inserts, samples, updates and reads raise RuntimeError. One call
-    at a time uses the memory (``lock``, a re-entrant lock that every sample, insert, update, read and
-    :meth:`hold` takes; about 0.1 us a call): :meth:`close` from another thread waits for the call in flight (a
-    TorchRL prefetch thread's sample) before it frees anything, and the calls after it raise.
+    at a time runs kernels over the memory (``lock``, a re-entrant lock that every sample, insert, priority update,
+    :meth:`get`, :meth:`locate`, :meth:`priorities`, :meth:`clear` and :meth:`hold` takes; about 0.1 us a call):
+    :meth:`close` from another thread waits for the call in flight (a TorchRL prefetch thread's sample) before it
+    frees anything, and the calls after it raise. (The numpy views :meth:`columns` returns keep their memory.)
     Memory: ``capacity_steps * step_bytes`` plus 65 bytes per item slot (75 with a priority index).
     ``pickle``, ``copy.copy`` and ``copy.deepcopy`` make a new, independent shard in private host memory with the
     same items, keys and stream (:mod:`gear_mpi.checkpoint.shard_archive`).

@@ -157,8 +157,9 @@ def sample_counted(replay, rec: SampleRecord):
     start, waited, batch = time.perf_counter(), activity.comm.waited, None
     before = calls.count
     try:
+        replay._check_open()  # (another thread while a batches() iterator owns the replay: raises at once)
         with replay.shard.lock:  # a close() from another thread waits for this call's reads of the shard
-            replay._check_open()
+            replay.shard._check_open()  # (one that came first has freed them: as Shard.hold checks)
             batch = sample_again(replay, rec)
         return batch
     except BaseException as e:
