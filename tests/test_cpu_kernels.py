@@ -133,6 +133,54 @@ def test_branch_free_line_scan_is_the_plain_scan():
         np.testing.assert_array_equal(out[:, 2], out[:, 3])
 
 
+def test_galloping_top_search_is_the_binary_search():
+    """The level-2 search from a guess (the previous sorted draw's block) finds the same block as the search
+    without one: prefix sums with runs of empty blocks (repeated values), targets on every prefix value
+    exactly, just below and above it and past the total, guesses at the answer, below it by 1 to n2, above
+    it (not a valid guess) and none."""
+    rng = np.random.default_rng(12)
+    for case in range(40):
+        n2 = int(rng.integers(1, 700))
+        l2 = rng.integers(1, 9, n2).astype(np.float64)
+        for _ in range(int(rng.integers(0, 4))):  # runs of empty blocks
+            a = int(rng.integers(0, n2))
+            l2[a:a + int(rng.integers(1, 40))] = 0.0
+        if case % 5 == 0:
+            l2[0] = 0.0
+            l2[-1] = 0.0
+        if not (l2 > 0).any():
+            l2[n2 // 2] = 1.0
+        prefix = np.concatenate([[0.0], np.cumsum(l2)])
+        targets = np.concatenate([prefix, np.nextafter(prefix, -1.0), np.nextafter(prefix, np.inf),
+                                  rng.random(50) * prefix[-1]])
+        for target in targets[targets >= 0.0]:
+            want = priority_draw._top_block(l2, prefix, target, n2, -1)
+            below = np.unique(np.clip(want[0] - np.array([0, 1, 2, 3, 7, 64, 1000, n2]), 0, n2 - 1))
+            for guess in np.concatenate([below, [min(want[0] + 1, n2 - 1), n2 - 1]]):
+                got = priority_draw._top_block(l2, prefix, target, n2, int(guess))
+                assert got == want, (case, target, guess)
+
+
+@pytest.mark.parametrize("batch", [40, 700, 5000])
+def test_sorted_draws_far_apart_over_many_level2_blocks(batch):
+    """Draws over some 500 level-2 blocks, with long runs of empty blocks, where consecutive sorted draws
+    skip from one to hundreds of blocks (the galloping search's long steps): the reference's leaves, and
+    draw_one's (batches under DRAW_PIPE draw one by one)."""
+    rng = np.random.default_rng(batch)
+    n = 500 * tree.FANOUT2 + 123
+    w = rng.integers(0, 1000, n).astype(np.float64)
+    w[20 * tree.FANOUT2:90 * tree.FANOUT2 + 5] = 0.0  # 70 empty blocks
+    w[300 * tree.FANOUT2 - 7:301 * tree.FANOUT2] = 0.0
+    w[-3 * tree.FANOUT2:] = 0.0
+    index = loaded_index(w)
+    u = rng.random(batch)
+    u[:2] = [0.0, np.nextafter(1.0, 0.0)]
+    got = kernel_draw(index, u)
+    np.testing.assert_array_equal(got, reference_draw(w, index.total, u))
+    one = np.concatenate([kernel_draw(index, u[i:i + 20]) for i in range(0, min(batch, 200), 20)])  # draw_one's
+    np.testing.assert_array_equal(got[:len(one)], one)
+
+
 def test_draw_order_of_uniforms_does_not_matter():
     """Batched draws may sort the uniforms internally; the result must follow the caller's order."""
     rng = np.random.default_rng(3)

@@ -6,6 +6,7 @@ The structure (a :class:`~gear_mpi.kernels.priority_tree.Tree`) is described in
 misses. Batches (the sizes of replay: 1e4 to 1e6 draws over 1e7 to 1e9 items) go
 through the structure in address order instead of at random: :func:`draw` sorts the
 uniforms (O(B) counting sort), then walks each run of them left to right:
+each draw finds its level-2 block by a galloping search from the previous draw's,
 consecutive draws in one level-2 block resume its scan where the previous one
 stopped, and lines are prefetched a stage ahead, so the misses overlap. Every draw
 is bit-identical to :func:`draw_one` (and to the CUDA twin in ``cuda_priority``).
@@ -87,21 +88,33 @@ def _scan_line(sums, lo, hi, r):
 
 @njit(cache=True, inline="always")
 def _top_block(l2_sum, prefix, target, n2, lo):
-    """The level-2 block of ``target`` (as in :func:`draw_one`); ``lo`` is a guess.
+    """The level-2 block of ``target`` (as in :func:`draw_one`); ``lo`` is a guess (-1: none).
 
-    Binary search for the last ``j`` with ``prefix[j] <= target``, skipped when the
-    guess already is that ``j`` (sorted targets), then the step off empty blocks.
+    The last ``j`` with ``prefix[j] <= target``, then the step off empty blocks. From a guess at or below
+    that ``j`` (the previous draw's block, for sorted targets) a galloping search: steps of 1, 2, 4, ... up
+    ``prefix`` until one passes ``target``, then a binary search inside the last step, so a draw ``d``
+    blocks further on costs O(log d) reads instead of O(log n2) (the guess itself when it is that ``j``);
+    without one, a binary search over all blocks. The same ``j`` either way (``prefix`` never decreases).
     Returns (search result, block).
     """
-    if not (lo >= 0 and prefix[lo] <= target and (lo == n2 - 1 or prefix[lo + 1] > target)):
+    if lo >= 0 and prefix[lo] <= target:
+        hi = lo + 1
+        step = 1
+        while hi < n2 and prefix[hi] <= target:
+            lo = hi
+            hi = lo + step
+            step += step
+        if hi > n2:
+            hi = n2
+    else:
         lo = 0
         hi = n2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if prefix[mid] <= target:
-                lo = mid
-            else:
-                hi = mid
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if prefix[mid] <= target:
+            lo = mid
+        else:
+            hi = mid
     j = lo
     while j > 0 and l2_sum[j] <= 0.0:
         j -= 1
@@ -295,8 +308,9 @@ def draw(tree, uniforms, out):
     stopped and prefetching lines ahead (see :func:`_draw_run`); from
     ``DRAW_THREADS_MIN`` draws the sorted batch is cut into up to ``DRAW_RUNS``
     contiguous runs, shared among the threads. Cost: O(B) reads of two cache lines
-    each (line sums, leaves), mostly in address order, plus O(B log(n/4096))
-    cache-resident searches where consecutive draws change top-level block; O(B)
+    each (line sums, leaves), mostly in address order, plus a galloping search of
+    ``prefix`` where consecutive draws change level-2 block (O(log d) for a step of d
+    blocks: O(B log(1 + n / (4096 B))) in all); O(B)
     scratch (16 bytes per draw). The caller guarantees a positive total.
     """
     leaves, l0_sum, l1_sum, l1_min, l2_sum, l2_min, prefix = tree

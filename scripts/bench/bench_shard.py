@@ -273,8 +273,9 @@ def bench_priority(rep: Report, quick: bool, reps: int, use_cpprb: bool) -> list
         rep.comment("cpprb is not importable: no cpprb comparison (pip install cpprb)")
     if not use_cpprb:
         cpprb = None
-    cases = [(256, 100_000), (8192, 1_000_000)] if quick else [(256, 100_000), (65536, 10_000_000),
-                                                                (1_000_000, 100_000_000)]
+    # (256, 1e7): an SB3-size batch over a large index, consecutive sorted draws some ten level-2 blocks apart
+    cases = [(256, 100_000), (8192, 1_000_000)] if quick else [(256, 100_000), (256, 10_000_000),
+                                                                (65536, 10_000_000), (1_000_000, 100_000_000)]
     rows = []
     for B, N in cases:
         base = {"B": B, "N": N}
