@@ -117,6 +117,8 @@ def test_kernel_checksum_equals_zlib_and_large_batches_match_the_python_path(mon
         ring.gather(starts, n_valid, pad, rows, out, 8)
         outs.append(out)
     assert np.array_equal(outs[0], outs[1])
+    if compressed_module._decoder(compressed_module.codec_library()) is None:  # (a library of another layout)
+        pytest.skip(f"the compiled reads do not decode here: {compressed_module.decoder_refusal()}")
     with pytest.raises(ValueError, match="outside the ring"):
         monkeypatch.setattr(compressed_module, "USE_KERNELS", True)
         ring.gather(np.array([0]), np.array([9]), np.array([0]), np.array([0]), outs[0], 8)
@@ -261,13 +263,55 @@ def test_saved_chunks_of_another_default_size_load_as_they_are(monkeypatch):
     assert pinned.k == 4 and pinned.stored_bytes == 0
 
 
+def test_a_library_is_called_by_address_only_where_its_declarations_were_checked():
+    """A listed version is taken whatever its header; another version where its wheel's blosc2.h declares the
+    parameters' structure and the four calls as the checked headers do (comments and spacing aside), refused
+    where it has no header or declares any of them otherwise, the reason naming the version and the declaration."""
+    refusal = compressed_module.library_refusal
+    checked = "\n".join(compressed_module.CHECKED_DECLARATIONS)
+    spaced = checked.replace("(", " ( ").replace("*", " * ").replace("; ", ";\n  /* a field */ ")
+    assert refusal("3.6.1", None) is None and refusal("3.8.0", "") is None
+    assert refusal("9.9.0", checked) is None and refusal("9.9.0", "// head\n" + spaced + "\n// tail") is None
+    assert "no blosc2.h" in refusal("9.9.0", None) and "9.9.0" in refusal("9.9.0", None)
+    assert "(unknown version)" in refusal("", None)
+    for old, new, name in [("int16_t nthreads", "int32_t nthreads", "blosc2_dparams"),
+                           ("int32_t typesize; }", "int32_t typesize; int32_t extra; }", "blosc2_dparams"),
+                           ("int32_t destsize", "int64_t destsize", "blosc2_decompress_ctx"),
+                           ("blosc2_dparams dparams", "const blosc2_dparams *dparams", "blosc2_create_dctx"),
+                           ("blosc2_get_blosc2_dparams_defaults(void)", "blosc2_get_dparams_defaults(void)",
+                            "blosc2_get_blosc2_dparams_defaults"),
+                           ("void blosc2_init(void)", "int blosc2_init(void)", "blosc2_init")]:
+        assert old in checked
+        why = refusal("9.9.0", checked.replace(old, new))
+        assert why is not None and why.endswith(f"declares {name} otherwise"), (old, why)
+
+
+def test_the_installed_codec_library_decodes_in_the_kernels_when_checked(monkeypatch):
+    """The python-blosc2 installed here: where its bundled library passes the check, the kernels' decoder loads
+    (one context per numba thread); where it does not, the decoder is refused with that reason."""
+    blosc2 = compressed_module.codec_library()
+    monkeypatch.setattr(compressed_module, "_decoder_state", [])
+    version = str(getattr(blosc2, "blosclib_version", "")).split(" ")[0]
+    why = compressed_module.library_refusal(version, compressed_module._library_header(blosc2))
+    dec = compressed_module._decoder(blosc2)
+    if why is None:
+        assert dec is not None and dec.contexts.all() and dec.function != 0, compressed_module.decoder_refusal()
+        assert compressed_module.decoder_refusal() is None
+    else:
+        assert dec is None and compressed_module.decoder_refusal() == why
+
+
 def test_an_unchecked_codec_library_keeps_the_python_path(monkeypatch):
     """A bundled C-blosc2 whose structure layout was not checked is never called by address: the decoder is
     refused with a reason, and sampling stays exact through the Python path."""
     blosc2 = compressed_module.codec_library()
     monkeypatch.setattr(compressed_module, "_decoder_state", [])
     monkeypatch.setattr(blosc2, "blosclib_version", "9.9.0 ($Date:: 2099-01-01 #$)", raising=False)
+    header = compressed_module._library_header(blosc2) or ""
+    monkeypatch.setattr(compressed_module, "_library_header",
+                        lambda _: header.replace("int32_t typesize;", "int64_t typesize;"))
     assert compressed_module._decoder(blosc2) is None
+    assert "9.9.0 is not one whose structures were checked" in compressed_module.decoder_refusal()
     with pytest.raises(OSError, match="9.9.0 is not one whose structures were checked"):
         compressed_module._Decoder(blosc2)
     rng = np.random.default_rng(3)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +58,7 @@ _pool_lock = threading.Lock()
 #: whether windows are decoded by the compiled kernels (:mod:`gear_mpi.kernels.chunks`) calling
 #: libblosc2 directly; False (or a library that does not load) keeps the Python path, one call per chunk
 USE_KERNELS = True
-_decoder_state: list = []  # [] not tried yet; [None] unavailable; [_Decoder]
+_decoder_state: list = []  # [] not tried yet; [None, reason] unavailable; [_Decoder]
 _decode_lock = threading.RLock()  # one kernel decode at a time (the contexts are shared); nested: several columns
 
 
@@ -84,13 +85,66 @@ def _thread_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-#: C-blosc2 versions (major.minor) whose ``blosc2_dparams`` layout :class:`_DParams` was checked against; any
-#: other bundled library keeps the Python path (correct, one call per chunk) rather than risk a wrong layout
-CHECKED_LIBRARY_VERSIONS = ("3.6",)
+#: C-blosc2 versions (major.minor) whose header (the wheel's ``blosc2/include/blosc2.h``) was read against
+#: :class:`_DParams` and the calls :class:`_Decoder` makes: 3.6.1 (python-blosc2 4.15), 3.8.0 (4.16.1)
+CHECKED_LIBRARY_VERSIONS = ("3.6", "3.8")
+#: what :class:`_Decoder` relies on, as those headers declare it (comments and spacing aside): another
+#: version's library is called by address only where its wheel's header declares all of these the same way
+CHECKED_DECLARATIONS = (
+    "typedef struct { int16_t nthreads; void* schunk; blosc2_postfilter_fn postfilter; "
+    "blosc2_postfilter_params *postparams; int32_t typesize; } blosc2_dparams;",
+    "BLOSC_EXPORT int blosc2_decompress_ctx(blosc2_context* context, const void* src, int32_t srcsize, "
+    "void* dest, int32_t destsize);",
+    "BLOSC_EXPORT blosc2_context* blosc2_create_dctx(blosc2_dparams dparams);",
+    "BLOSC_EXPORT blosc2_dparams blosc2_get_blosc2_dparams_defaults(void);",
+    "BLOSC_EXPORT void blosc2_init(void);",
+)
+_COMMENTS = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+
+
+def _declarations(text: str) -> str:
+    """C text without comments, with runs of white space as one space and none around punctuation. O(len)."""
+    text = " ".join(_COMMENTS.sub(" ", text).split())
+    return re.sub(r" ?([*{}();,]) ?", r"\1", text)
+
+
+def library_refusal(version: str, header: str | None) -> str | None:
+    """Why :class:`_Decoder` must not call a bundled C-blosc2 by address, or None where it may: its version
+    (``major.minor``) is one of :data:`CHECKED_LIBRARY_VERSIONS`, or its header ``header`` (the text of the
+    wheel's ``blosc2.h``; None: absent) declares every one of :data:`CHECKED_DECLARATIONS` as they do. O(len).
+
+    Args:
+        version: the library's version (``blosc2.blosclib_version``'s first word), "" when unknown.
+        header: the header's text, or None.
+    Returns:
+        None, or the reason (it names the version and what differs).
+    """
+    if ".".join(version.split(".")[:2]) in CHECKED_LIBRARY_VERSIONS:
+        return None
+    unchecked = (f"bundled C-blosc2 {version or '(unknown version)'} is not one whose structures were checked "
+                 f"({', '.join(CHECKED_LIBRARY_VERSIONS)})")
+    if header is None:
+        return unchecked + ", and its wheel has no blosc2.h to compare"
+    text = _declarations(header)
+    for declaration in CHECKED_DECLARATIONS:
+        if _declarations(declaration) not in text:
+            name = re.findall(r"\w+", declaration.split("(")[0] if "(" in declaration else declaration)[-1]
+            return unchecked + f", and its blosc2.h declares {name} otherwise"
+    return None
+
+
+def _library_header(blosc2) -> str | None:
+    """The text of the wheel's ``blosc2/include/blosc2.h``, or None. O(header)."""
+    try:
+        with open(os.path.join(os.path.dirname(blosc2.__file__), "include", "blosc2.h"), encoding="utf-8",
+                  errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 class _DParams(ctypes.Structure):
-    """C-blosc2's ``blosc2_dparams`` (include/blosc2.h of the bundled library, C-blosc2 3.6)."""
+    """C-blosc2's ``blosc2_dparams`` (include/blosc2.h of the bundled library, C-blosc2 3.6 and 3.8)."""
     _fields_ = [("nthreads", ctypes.c_int16), ("schunk", ctypes.c_void_p), ("postfilter", ctypes.c_void_p),
                 ("postparams", ctypes.c_void_p), ("typesize", ctypes.c_int32)]
 
@@ -107,9 +161,9 @@ class _Decoder:
     def __init__(self, blosc2):
         import numba
         version = str(getattr(blosc2, "blosclib_version", "")).split(" ")[0]
-        if ".".join(version.split(".")[:2]) not in CHECKED_LIBRARY_VERSIONS:
-            raise OSError(f"bundled C-blosc2 {version or '(unknown version)'} is not one whose structures were "
-                          f"checked ({', '.join(CHECKED_LIBRARY_VERSIONS)})")
+        refusal = library_refusal(version, _library_header(blosc2))
+        if refusal is not None:
+            raise OSError(refusal)
         here = os.path.join(os.path.dirname(blosc2.__file__), "lib")
         found = sorted(glob.glob(os.path.join(here, "libblosc2.so*"))
                        + glob.glob(os.path.join(here, "libblosc2*.dylib"))
@@ -139,9 +193,15 @@ def _decoder(blosc2) -> _Decoder | None:
         if not _decoder_state:
             try:
                 _decoder_state.append(_Decoder(blosc2))
-            except (OSError, AttributeError):
-                _decoder_state.append(None)
+            except (OSError, AttributeError) as e:
+                _decoder_state.extend((None, str(e)))
         return _decoder_state[0]
+
+
+def decoder_refusal() -> str | None:
+    """Why the compiled reads do not decode here (the library refused or not loaded: :func:`_decoder`'s
+    reason), or None where they do or were not tried yet. O(1)."""
+    return _decoder_state[1] if len(_decoder_state) > 1 else None
 
 
 #: :meth:`CompressedRing.fill`'s rule for a column's own window: one frame, offset 0, padding unused
