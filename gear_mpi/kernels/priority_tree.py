@@ -17,8 +17,8 @@ blocks of ``FANOUT = 64`` leaves (8 lines)::
     prefix  float64[len(l2_sum) + 1]    exclusive prefix sums of l2_sum; prefix[-1] is the total
 
 A draw binary-searches ``prefix`` (``log2(n / 4096)`` steps over a cache-resident
-array; a sorted batch gallops from the previous draw's block instead), scans at most 64 level-1 sums (a cache-resident array too: n / 8 bytes),
-then the 8 sums of one line group and the 8 leaves of one line: two cache misses,
+array; a sorted batch gallops from the previous draw's block instead), scans at most
+64 level-1 sums (a cache-resident array too: n / 8 bytes), then the 8 sums of one line group and the 8 leaves of one line: two cache misses,
 instead of the ``log2(n)`` dependent misses of a binary sum tree. An update writes
 its leaf and recounts that leaf's line (the same cache line), then each touched
 block from its 8 line sums (one more line) and each touched level-2 block from its

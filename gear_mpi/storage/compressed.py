@@ -128,7 +128,7 @@ def library_refusal(version: str, header: str | None) -> str | None:
     text = _declarations(header)
     for declaration in CHECKED_DECLARATIONS:
         if _declarations(declaration) not in text:
-            name = re.findall(r"\w+", declaration.split("(")[0] if "(" in declaration else declaration)[-1]
+            name = re.findall(r"\w+", declaration.split("(")[0])[-1]  # the function's, or the struct's last word
             return unchecked + f", and its blosc2.h declares {name} otherwise"
     return None
 
@@ -143,6 +143,13 @@ def _library_header(blosc2) -> str | None:
         return None
 
 
+def installed_refusal(blosc2) -> str | None:
+    """:func:`library_refusal` of the C library bundled with the python-blosc2 module ``blosc2``: its version
+    (``blosclib_version``'s first word) and its wheel's header. O(header)."""
+    version = str(getattr(blosc2, "blosclib_version", "")).split(" ")[0]
+    return library_refusal(version, _library_header(blosc2))
+
+
 class _DParams(ctypes.Structure):
     """C-blosc2's ``blosc2_dparams`` (include/blosc2.h of the bundled library, C-blosc2 3.6 and 3.8)."""
     _fields_ = [("nthreads", ctypes.c_int16), ("schunk", ctypes.c_void_p), ("postfilter", ctypes.c_void_p),
@@ -155,13 +162,13 @@ class _Decoder:
     process's life). Built once; O(numba threads).
 
     Raises:
-        OSError: the library is not there or lacks the functions.
+        OSError: the library's declarations were not checked (:func:`installed_refusal`'s reason), or it is not
+            there or lacks the functions.
     """
 
     def __init__(self, blosc2):
         import numba
-        version = str(getattr(blosc2, "blosclib_version", "")).split(" ")[0]
-        refusal = library_refusal(version, _library_header(blosc2))
+        refusal = installed_refusal(blosc2)
         if refusal is not None:
             raise OSError(refusal)
         here = os.path.join(os.path.dirname(blosc2.__file__), "lib")
