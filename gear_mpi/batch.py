@@ -14,6 +14,7 @@ from numba import njit
 if TYPE_CHECKING:  # torch is imported at the first tensor read: a process that reads none never imports it
     import torch
 
+from .batch_memory import MIN_BYTES as POOLED_BYTES, byte_buffer
 from .spec import TrajectorySpec
 
 
@@ -267,7 +268,9 @@ class Batch:
         if plan is None:
             plan = layouts[(batch_size, window, squeeze)] = _layout(spec, batch_size, window, squeeze)
         total, align, views, column_offsets, index = plan
-        raw = np.empty(total + align, np.uint8)
+        size = total + align
+        # a large batch: a kept buffer that nothing refers to any more (batch_memory), its pages mapped already
+        raw = np.empty(size, np.uint8) if size < POOLED_BYTES else byte_buffer(size)
         base = _address(raw)  # (``raw.ctypes.data`` builds a ctypes object: about 1 us, 0.2 this way)
         off = (-base) % align
         # one ndarray constructor per buffer (a slice, a view and a reshape cost about 3x as much); the columns'

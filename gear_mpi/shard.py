@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import batch_memory
 from .batch import Batch, check_batch_bytes, check_batch_size, check_window
 from .errors import EmptyReplayError, InvalidKeyError
 from .kernels import gather as gather_kernels
@@ -763,10 +764,12 @@ class Shard:
 
     def close(self) -> None:
         """Release the columns (and unlink shared memory this shard created), once a call another thread is making
-        has finished (the calls after it raise RuntimeError). Idempotent."""
+        has finished (the calls after it raise RuntimeError), and the large batch buffers no batch uses any more
+        (:func:`gear_mpi.batch_memory.release`). Idempotent."""
         with self.lock:
             self._addresses = self._repeat = None
             self.store.close()
+        batch_memory.release()
 
     def __enter__(self) -> "Shard":
         return self

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gear_mpi"
 # floor, so a sub-package's floor covers its submodules except those named on their own
 FLOORS = {
     # the top: the data model every layer shares, and the two objects users build
-    "errors": 0, "spec": 0, "frames": 0, "keys": 0, "progress": 0, "threads": 0,
+    "errors": 0, "batch_memory": 0, "spec": 0, "frames": 0, "keys": 0, "progress": 0, "threads": 0,
     "batch": 1,
     "stats": 2,
     "shard": 3,
