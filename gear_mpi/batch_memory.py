@@ -21,7 +21,7 @@ next needs two), each of at least :data:`MIN_BYTES` and at most :data:`MAX_BYTES
 new size comes. Idle memory is therefore at most ``KEEP`` times the largest batch sampled lately.
 ``GEAR_MPI_BATCH_POOL=0`` turns the pool off (every batch its own allocation, as numpy gives it);
 :func:`release` lets go of the idle buffers now. Thread-safe (one lock, taken only for allocations of
-``MIN_BYTES`` or more); local, no communication.
+``MIN_BYTES`` or more); a forked child starts with an empty pool; local, no communication.
 """
 from __future__ import annotations
 
@@ -55,6 +55,18 @@ def _refs(kept: list, i: int) -> int:
 _IDLE_REFS = _refs([np.empty(1, np.uint8)], 0)
 #: an interpreter without the GIL counts references per thread, lazily: no pool there
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with a new lock (another thread may have held the parent's at the fork) and keeps
+    nothing: the parent's batches are the parent's."""
+    global _lock
+    _lock = threading.Lock()
+    _kept.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _enabled() -> bool:

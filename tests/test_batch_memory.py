@@ -58,6 +58,23 @@ def test_the_pool_can_be_turned_off(monkeypatch):
     assert batch_memory.kept_bytes() == (0, 0) and a.shape == (BIG,)
 
 
+def test_a_forked_child_starts_with_an_empty_pool_and_a_free_lock():
+    import os
+    kept = batch_memory.byte_buffer(BIG)
+    with batch_memory._lock:  # held at the fork, as another thread of the parent might hold it
+        pid = os.fork()
+        if pid == 0:  # the child: must not block, and must not hand out the parent's buffer
+            ok = batch_memory.kept_bytes() == (0, 0)
+            b = batch_memory.byte_buffer(BIG)
+            ok = ok and batch_memory.kept_bytes() == (BIG, 0)
+            del b
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert batch_memory.kept_bytes() == (BIG, 0)  # the parent's pool as it was
+    del kept
+
+
 @pytest.fixture
 def image_shard():
     """A shard of 4 KiB steps whose B=160, W=64 batches are 40 MiB; episodes of 8-64 steps, each step's bytes its
