@@ -226,14 +226,22 @@ def bench_window(rep: Report, memcpy: Memcpy, quick: bool, reps: int) -> list[di
             gk.fill_mask(n_valid, pad_front, rows_, mask)
 
         # all in turn, round after round, so that they share the machine's state
-        fns = {"new": lambda: shard.sample(B, W), "out": lambda: shard.sample(B, W, out=batch), "kernel": kernel_only}
+        held = [None]  # a training loop's "batch = shard.sample(B, W)": the last batch lives until the call returns
+
+        def new_held():
+            held[0] = shard.sample(B, W)
+
+        fns = {"new": lambda: shard.sample(B, W), "held": new_held, "out": lambda: shard.sample(B, W, out=batch),
+               "kernel": kernel_only}
         if not small:
             fns["memcpy"] = memcpy  # records its own times
         times = interleaved(fns, n)
-        t_new, t_out, t_k = times["new"], times["out"], times["kernel"]
+        held[0] = None
+        t_new, t_held, t_out, t_k = times["new"], times["held"], times["out"], times["kernel"]
         base = {"B": B, "W": W, "step_bytes": spec.step_bytes, "columns": len(spec.columns),
                 "ring_steps": steps, "batch_bytes": nbytes, "reps": n}
-        for label, ts in [("Shard.sample, new Batch", t_new), ("Shard.sample, out=batch", t_out),
+        for label, ts in [("Shard.sample, new Batch", t_new), ("Shard.sample, new Batch, last held", t_held),
+                          ("Shard.sample, out=batch", t_out),
                           ("gather kernels only", t_k)]:
             rows.append({**base, "case": f"{name}: {label}", "time_us": 1e6 * best(ts), "med_us": 1e6 * med(ts),
                          "GBps": nbytes / best(ts) / GB})
@@ -249,8 +257,10 @@ def bench_window(rep: Report, memcpy: Memcpy, quick: bool, reps: int) -> list[di
                          ("batch_bytes", "batch_bytes", "{:d}"), ("time_us", "time_us", "{:.1f}"),
                          ("med_us", "med_us", "{:.1f}"), ("GBps", "GB/s", "{:.2f}"),
                          ("pct_memcpy", "%memcpy", "{:.0f}")], rows)
-    rep.comment("new Batch: a fresh Batch per call (its pages are mapped and zeroed by the operating system on "
-                "first touch, inside the copy); out=batch: one Batch reused across calls; gather kernels only: "
+    rep.comment("new Batch: a new Batch per call, dropped at once (from 32 MiB its memory is a dropped batch's, "
+                "gear_mpi.batch_memory; below, numpy's allocation); last held: the same, the previous batch held "
+                "until the call returns (batch = shard.sample(B, W) in a loop); out=batch: one Batch reused across "
+                "calls; gather kernels only: "
                 "gather_windows per column + fill_mask on windows placed beforehand, no selection or metadata "
                 "(the difference to out=batch is Shard-level overhead). The cases run in turn, round after round.")
     return rows
