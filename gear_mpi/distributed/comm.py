@@ -180,7 +180,8 @@ class MpiComm:
             what: names the call in the error.
         Raises:
             CollectiveTimeoutError: a rank did not arrive in time or the ranks are out of step (deadline.finish);
-                the communicator is then broken, for every MpiComm built on it later too (deadline.mark_pending).
+                the communicator is then broken, for every MpiComm built on it later too (deadline.mark_pending),
+                and ``req`` is kept with its buffers (deadline.keep_pending), as after an interrupt.
         """
         start = time.perf_counter()
         try:
@@ -188,11 +189,13 @@ class MpiComm:
         except errors.GearError:  # raised on purpose by a test it polls (a checkpoint peer gave up): as before
             raise
         except BaseException as e:  # e.g. KeyboardInterrupt: the collective stays pending, the ranks out of step
+            deadline.keep_pending(req)  # (its buffers: MPI may still write into them)
             self.interrupted(what, e)
             raise
         if cause is None:
             self.waited += time.perf_counter() - start
             return
+        deadline.keep_pending(req)
         self.broken = (f"{what}: {cause} (this is rank {self.rank}); the replay can no longer "
                        f"communicate{errors.ABORT_HINT}")
         deadline.mark_pending(self.comm, self.broken)

@@ -7,7 +7,9 @@ communicator, and a later collective there could be matched against it; so
 :func:`mark_pending` records the communicator, and every
 :class:`~gear_mpi.distributed.comm.MpiComm` later built on it (a ``Replay.load``, a new
 ``Replay``) starts out unusable with that cause (:func:`pending_reason`) and
-raises at once instead of waiting out another deadline.
+raises at once instead of waiting out another deadline. The pending request itself is kept
+(:func:`keep_pending`): mpi4py holds a request's buffers until it completes, so a late rank's data that MPI
+still delivers lands in memory nobody else was given since (a new batch, ``gear_mpi.batch_memory``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 from typing import Any, Callable
 
 _PENDING: dict[int, str] = {}
+_KEPT_REQUESTS: list = []  # requests of collectives that timed out or were interrupted, never completed here
 
 
 def poll(test: Callable[[], bool], seconds: float) -> bool:
@@ -62,6 +65,13 @@ def mark_pending(comm: Any, reason: str) -> None:
     key = _key(comm)
     if key is not None:
         _PENDING[key] = reason
+
+
+def keep_pending(req: Any) -> None:
+    """Keep ``req``, a request left pending by a timeout or an interrupt, and with it the buffers mpi4py holds
+    for it, for the rest of the process: MPI may still write into them when a late rank arrives, so they must
+    not be freed and handed out again. At most one set a communicator (it is unusable afterwards). Local, O(1)."""
+    _KEPT_REQUESTS.append(req)
 
 
 def pending_reason(comm: Any) -> str | None:
