@@ -53,6 +53,13 @@ def _refs(kept: list, i: int) -> int:
 #: what :func:`_refs` reads for a buffer nothing else refers to, measured on this interpreter (the count a call
 #: adds differs between Python versions)
 _IDLE_REFS = _refs([np.empty(1, np.uint8)], 0)
+
+
+def _idle(i: int) -> bool:
+    """Whether nothing but the pool refers to ``_kept[i]`` (the caller holds the lock)."""
+    return _refs(_kept, i) == _IDLE_REFS
+
+
 #: an interpreter without the GIL counts references per thread, lazily: no pool there
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 
@@ -87,7 +94,7 @@ def byte_buffer(nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)
     with _lock:
         for i in range(len(_kept)):
-            if _kept[i].nbytes == nbytes and _refs(_kept, i) == _IDLE_REFS:
+            if _kept[i].nbytes == nbytes and _idle(i):
                 buf = _kept.pop(i)
                 _kept.append(buf)  # the most recently used last
                 return buf
@@ -107,7 +114,7 @@ def release() -> int:
     Cost: O(:data:`KEEP`); local.
     """
     with _lock:
-        idle = sum(_kept[i].nbytes for i in range(len(_kept)) if _refs(_kept, i) == _IDLE_REFS)
+        idle = sum(_kept[i].nbytes for i in range(len(_kept)) if _idle(i))
         _kept.clear()
         return idle
 
@@ -116,5 +123,5 @@ def kept_bytes() -> tuple[int, int]:
     """``(bytes kept, of which idle)``: what the pool holds now. O(:data:`KEEP`); local."""
     with _lock:
         total = sum(buf.nbytes for buf in _kept)
-        idle = sum(_kept[i].nbytes for i in range(len(_kept)) if _refs(_kept, i) == _IDLE_REFS)
+        idle = sum(_kept[i].nbytes for i in range(len(_kept)) if _idle(i))
         return total, idle
