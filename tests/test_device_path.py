@@ -15,15 +15,18 @@ from mpi_util import run_pytest_mpi
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_gpu_replay_matches_cpu_replay(nprocs):
     """On the CUDA simulator, in one job (one start-up of the simulator): tests/mpi/test_device.py's device
-    replay against a CPU replay, and tests/mpi/test_device_compressed.py's device replay with compressed
+    replay against a CPU replay and its count of a device sample's uploads, and tests/mpi/test_device_compressed.py's device replay with compressed
     columns (decoded on the host: own windows, node peers' shared chunks, windows sent) against a CPU replay."""
-    run = run_pytest_mpi(nprocs, "test_device.py::test_gpu_replay_matches_cpu_replay", "test_device_compressed.py",
+    run = run_pytest_mpi(nprocs, "test_device.py::test_gpu_replay_matches_cpu_replay",
+                         "test_device.py::test_device_sample_uploads_its_rows_once", "test_device_compressed.py",
                          env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=600)
     paths = 5 if nprocs > 1 else 3   # (mode, window path) pairs
     device = [t for t in run.passed(0) if "test_gpu_replay_matches_cpu_replay" in t]
     compressed = [t for t in run.passed(0) if "test_device_compressed" in t]
+    uploads = [t for t in run.passed(0) if "test_device_sample_uploads_its_rows_once" in t]
     assert len(device) == 2 * paths, sorted(run.passed(0))
     assert len(compressed) == paths, sorted(run.passed(0))
+    assert len(uploads) == 2, sorted(run.passed(0))
 
 
 def test_gpu_follows_the_local_rank():

@@ -37,6 +37,9 @@ from ..shard import Shard
 from ..storage import derived as derived_columns
 
 _WIDTH = gather_kernels.CHOICE_WIDTH
+#: the rows of a device sample's one upload (:meth:`WindowTransport._upload_rows`)
+_DEVICE_ROWS = ("start", "valid", "pad_front", "row", "key", "probability", "weight")
+_START, _VALID, _PAD, _ROW, _KEY, _PROBABILITY, _WEIGHT = range(len(_DEVICE_ROWS))
 
 
 class WindowTransport:
@@ -161,26 +164,42 @@ class WindowTransport:
                 else:  # one rank's damaged chunk fails the sample on every rank (an allgather of 8 bytes a rank)
                     self.comm.agree(err, "sample (windows)")
             return batch
-        got_fields = gather_kernels.choice_records(got)
-        g_start, g_valid, g_pad = got_fields["start"].copy(), got_fields["valid"].copy(), got_fields["pad_front"].copy()
-        rows = np.arange(nb, dtype=np.int64)
-        for o in range(size):
-            lo, hi = row_of_owner[o], row_of_owner[o + 1]
-            if hi > lo and node.direct[o]:
-                self._device_gather(node.device_views[o], (g_start[lo:hi], g_valid[lo:hi], g_pad[lo:hi],
-                                                           rows[lo:hi]), data, mask)
         import torch
         from ..kernels import cuda_gather
+        got_fields = gather_kernels.choice_records(got)
+        rows = self._upload_rows(got_fields, nb)
+        ctx = self.device
+        on_device = ctx.numba_view(rows)  # one view for the kernels (numba waits for the tensor's stream once)
+        for o in range(size):
+            lo, hi = int(row_of_owner[o]), int(row_of_owner[o + 1])
+            if hi > lo and node.direct[o]:
+                part = tuple(on_device[k, lo:hi] for k in (_START, _VALID, _PAD, _ROW))
+                self._device_gather(node.device_views[o], part, data)
         if self.spec.compressed:
             self._device_compressed(got_fields, row_of_owner, data, window)
-        cuda_gather.fill_mask(g_valid, g_pad, rows, self.device.numba_view(mask), self.device.threads)
-        dev = self.device.torch_device
-        batch = Batch.from_tensors(data, mask, torch.from_numpy(got_fields["key"].copy()).to(dev),
-                                   torch.from_numpy(got_fields["probability"].copy()).to(dev),
-                                   torch.from_numpy(got_fields["weight"].astype(np.float32)).to(dev),
-                                   torch.from_numpy(g_valid).to(dev))
-        self.device.synchronize()
+        cuda_gather.fill_mask(on_device[_VALID], on_device[_PAD], on_device[_ROW], ctx.numba_view(mask), ctx.threads)
+        batch = Batch.from_tensors(data, mask, rows[_KEY], rows[_PROBABILITY].view(torch.float64),
+                                   rows[_WEIGHT].view(torch.float64).to(torch.float32), rows[_VALID])
+        ctx.synchronize()
         return batch
+
+    def _upload_rows(self, got_fields: np.ndarray, nb: int):
+        """What a device batch's rows need from their choices, in one host-to-device copy: a ``[7, nb]`` int64
+        tensor on the device whose rows are the ring start (modulo the capacity), real steps, leading padding,
+        batch row, key, and the bits of the probability and of the importance weight (float64). The gathers,
+        the mask and the batch's metadata tensors are views of it. Cost: O(nb) on the host, one copy of
+        ``56 nb`` bytes (before: one copy per index array, per owner and again for the mask, and one per
+        metadata tensor)."""
+        import torch
+        host = np.empty((len(_DEVICE_ROWS), nb), np.int64)
+        np.remainder(got_fields["start"], self.shard.capacity_steps, out=host[_START])
+        host[_VALID] = got_fields["valid"]
+        host[_PAD] = got_fields["pad_front"]
+        host[_ROW] = np.arange(nb, dtype=np.int64)
+        host[_KEY] = got_fields["key"]
+        host[_PROBABILITY] = got_fields["probability"].view(np.int64)
+        host[_WEIGHT] = got_fields["weight"].view(np.int64)
+        return torch.from_numpy(host).to(self.device.torch_device)
 
     def _decode_direct(self, node, row_of_owner: np.ndarray, got: np.ndarray, batch: Batch, window: int) -> None:
         """The compressed columns of the windows this rank read directly (its own, node peers'), decoded into
@@ -313,13 +332,14 @@ class WindowTransport:
                                        fields["pad_front"][lo:hi], fields["key"][lo:hi], window,
                                        flat[lo * row_bytes:hi * row_bytes])
 
-    def _device_gather(self, views: dict, part: tuple, data: dict, mask) -> None:
-        """Zero-copy gather on the GPU: windows read from mapped host memory into device columns."""
+    def _device_gather(self, views: dict, part: tuple, data: dict) -> None:
+        """Zero-copy gather on the GPU: windows read from mapped host memory into device columns. ``part``: the
+        device arrays of ring starts (already modulo the capacity), real steps, padding and batch rows of one
+        owner's windows (:meth:`_upload_rows`); the mask is filled once for the whole batch, by the caller."""
         from ..kernels import cuda_gather
         ctx = self.device
         cuda_gather.gather_into(views, self.spec, self.shard.capacity_steps, *part,
-                                {n: ctx.numba_view(t) for n, t in data.items()}, ctx.numba_view(mask),
-                                ctx.gather_threads)
+                                {n: ctx.numba_view(t) for n, t in data.items()}, None, ctx.gather_threads)
 
     def _remote_plan(self, send_counts, recv_counts):
         """Counts through the transport, and which of this rank's served items travel (send order)."""

@@ -238,7 +238,8 @@ def gather_into(byte_views, spec, capacity, win_start, n_valid, pad_front, out_r
 
     ``byte_views``: column name -> device uint8 array of the shard's ring (e.g. from
     :func:`gear_mpi.storage.pinned.map_byte_views`, zero copy); ``columns``: name -> device
-    array or CUDA tensor ``[rows, window, *shape]``; ``mask``: device bool ``[rows, window]``.
+    array or CUDA tensor ``[rows, window, *shape]``; ``mask``: device bool ``[rows, window]``, or
+    None to leave the mask to the caller (who fills it once for a batch gathered from several owners).
     Index arrays may be host (copied once) or device arrays; host ``win_start`` is
     reduced modulo ``capacity`` here, device ones must already be.
     """
@@ -247,13 +248,14 @@ def gather_into(byte_views, spec, capacity, win_start, n_valid, pad_front, out_r
     if not is_device_array(win_start):
         win_start = np.ascontiguousarray(np.asarray(win_start, np.int64) % capacity, np.int64)
     idx = [as_device(a, np.int64) for a in (win_start, n_valid, pad_front, out_rows)]
-    window = mask.shape[1]
+    window = next(iter(columns.values())).shape[1] if mask is None else mask.shape[1]
     for c in spec.columns:
         if c.compression is not None:  # no ring to read on the device: decoded on the host (the transport's)
             continue
         gather_windows(byte_views[c.name], capacity, c.step_bytes, *idx, as_bytes(columns[c.name]), window,
                        threads, vec)
-    fill_mask(idx[1], idx[2], idx[3], mask, threads)
+    if mask is not None:
+        fill_mask(idx[1], idx[2], idx[3], mask, threads)
 
 
 def _ptx_signatures():

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -76,6 +77,59 @@ def test_gpu_replay_matches_cpu_replay(mode, force, selector):
             assert st["total"]["windows_mpi"] > 0, st
     gpu.close()
     cpu.close()
+
+
+def _called_from(path_end: str) -> bool:
+    """Whether a frame of the current call stack runs code of a file whose path ends with ``path_end``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(path_end):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="counts the simulator's uploads")
+@pytest.mark.parametrize("mode", ["local", "decentralized"])
+def test_device_sample_uploads_its_rows_once(mode, monkeypatch):
+    """A device sample's gathers, its mask and its metadata tensors (keys, probabilities, weights, lengths) all
+    read one upload of the rows' choices: one host-to-device copy by the window transport a sample, however many
+    owners, where there were eleven on one rank (the H100 profile of 2026-12-05 counted 13 pageable copies a
+    sample, selection included). Counted under the simulator: numba's ``to_device`` and torch's ``Tensor.to``
+    onto the replay's device, called from gear_mpi/distributed/transport.py (the selection's own uploads, the
+    draw's uniforms and the drawn slots' weights, are made elsewhere and not counted)."""
+    from numba import cuda
+    transport = os.path.join("distributed", "transport.py")
+    replay = gm.Replay(SPEC, 48, gm.Uniform(), device="cuda", mode=mode, seed=3, timeout=TIMEOUT)
+    rng = np.random.default_rng(RANK)
+    for i in range(3):
+        replay.insert({"obs": rng.random((4, 3)).astype(np.float32), "step": np.arange(4) + 10 * i,
+                       "flag": rng.random(4) < 0.5}, 1.0)
+    uploads = []
+    to_device, tensor_to = cuda.to_device, torch.Tensor.to
+
+    def counted_to_device(*args, **kwargs):
+        uploads.append(("numba", _called_from(transport)))
+        return to_device(*args, **kwargs)
+
+    def counted_to(self, *args, **kwargs):
+        if (args[0] if args else kwargs.get("device")) == replay.device.torch_device:
+            uploads.append(("torch", _called_from(transport)))
+        return tensor_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(cuda, "to_device", counted_to_device)
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    for align in ("random", "tail"):
+        uploads.clear()
+        batch = replay.sample(3 + RANK, 4, align)
+        assert [kind for kind, by_transport in uploads if by_transport] == ["torch"], uploads
+        assert len(batch) == 3 + RANK and batch.lengths.dtype == torch.int64 and batch.keys.dtype == torch.int64
+        assert batch.probabilities.dtype == torch.float64 and batch.weights.dtype == torch.float32
+        np.testing.assert_array_equal(batch.mask.numpy().sum(1), batch.lengths.numpy())
+        probabilities = batch.probabilities.numpy()
+        assert ((probabilities > 0) & (probabilities <= 1)).all(), probabilities
+    monkeypatch.undo()
+    replay.close()
 
 
 REAL_GPU = os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" and torch.cuda.is_available()
