@@ -203,6 +203,8 @@ def updates_match_cpu():
     dev.leaves.copy_to_device(w)
     dev.rebuild()
     _assert_same_arrays(dev.to_host(), idx, "rebuild: ")
+    # total and min_positive are kept between changes: the rebuild let go of the fresh index's 0 and inf
+    assert dev.total == idx.total > 0 and dev.min_positive == idx.min_positive < np.inf
     rounds = []
     hot = rng.integers(0, n, 250)
     s = rng.choice(hot, 600)                      # many duplicates: the last one must win
@@ -267,8 +269,10 @@ def device_index_state_round_trip():
     assert np.array_equal(dev.sections(count)[0][1], idx.leaves[:count])
     for sections in (dict(dev.sections(count)), dict(idx.sections(count))):
         fresh = DevicePriorityIndex(len(w), threads=64)
+        assert fresh.total == 0.0 and fresh.min_positive == np.inf  # kept ...
         fresh.restore(sections, count)
         _assert_same_arrays(fresh.to_host(), idx, f"restore from {sorted(sections)}: ")
+        assert fresh.total == idx.total and fresh.min_positive == idx.min_positive  # ... until the restore
     back = PriorityIndex(len(w))
     back.restore(dict(dev.sections(count)), count)
     _assert_same_arrays(dev.to_host(), back, "CPU restore from device sections: ")

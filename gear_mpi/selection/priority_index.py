@@ -292,6 +292,7 @@ class DevicePriorityIndex:
         self.tree = Tree(**{name: cuda.device_array(sizes[name], np.float64) for name in TREE_FIELDS})
         self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
         self._scalar = cuda.device_array(1, np.float64)
+        self._figures = {}  # total and smallest positive weight, read from the device once after each change
         if _fill:  # an empty index: weights 0, minima inf
             for name, array in zip(TREE_FIELDS, self.tree):
                 cp.fill(array, math.inf if name.endswith("_min") else 0.0, self.threads)
@@ -326,14 +327,22 @@ class DevicePriorityIndex:
 
     @property
     def total(self) -> float:
-        """Sum of all weights (one 8-byte device-to-host copy)."""
-        return float(self.tree.prefix[self.tree.prefix.shape[0] - 1])
+        """Sum of all weights: one 8-byte device-to-host copy at the first read after a change (:meth:`set`,
+        :meth:`rebuild`, :meth:`restore`), kept until the next (a sample reads it several times)."""
+        total = self._figures.get("total")
+        if total is None:
+            total = self._figures["total"] = float(self.tree.prefix[self.tree.prefix.shape[0] - 1])
+        return total
 
     @property
     def min_positive(self) -> float:
-        """Smallest positive weight (inf if none): one single-block reduction over ``n / 4096`` entries."""
-        _cuda_kernels().smallest(self.tree.l2_min, self._scalar, self.threads)
-        return float(self._scalar.copy_to_host()[0])
+        """Smallest positive weight (inf if none): one single-block reduction over ``n / 4096`` entries and an
+        8-byte copy at the first read after a change, kept until the next."""
+        smallest = self._figures.get("min")
+        if smallest is None:
+            _cuda_kernels().smallest(self.tree.l2_min, self._scalar, self.threads)
+            smallest = self._figures["min"] = float(self._scalar.copy_to_host()[0])
+        return smallest
 
     def set(self, slots: Any, values: Any) -> None:
         """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins).
@@ -356,6 +365,7 @@ class DevicePriorityIndex:
             s = np.asarray(slots, np.int64)
             if s.min() < 0 or s.max() >= self.n:
                 raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
+        self._figures.clear()
         _cuda_kernels().set_leaves(self.tree, as_device(slots, np.int64), as_device(values, np.float64), self.threads)
 
     def draw(self, uniforms: Any, out: Any = None):
@@ -378,6 +388,7 @@ class DevicePriorityIndex:
 
     def rebuild(self) -> None:
         """Recompute every level from the leaves, on the device. O(n)."""
+        self._figures.clear()
         _cuda_kernels().rebuild(self.tree, self.threads)
 
     def weights_of(self, slots: Any) -> np.ndarray:
@@ -434,6 +445,7 @@ class DevicePriorityIndex:
             ValueError: ``"leaves"`` is missing or not ``count`` float values (nothing changed).
         """
         leaves = _leaves_section(sections, count)
+        self._figures.clear()
         if _levels_fit(sections, self.tree) and count and _leaves_as_held(leaves):
             self.tree.leaves[:count].copy_to_device(np.ascontiguousarray(leaves, np.float64))
             for name in LEVEL_FIELDS:
