@@ -11,7 +11,8 @@ import pytest
 import torch as th
 from gymnasium import spaces
 from stable_baselines3 import DQN
-from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples
 
 import gear_mpi as gm
 from gear_mpi.integrations import sb3 as gsb3
@@ -19,6 +20,9 @@ from gear_mpi.integrations import sb3 as gsb3
 OBS = spaces.Box(-10, 10, (3,), np.float32)
 SPACES = {"discrete": spaces.Discrete(4), "box64": spaces.Box(-1, 1, (2,), np.float64)}
 STORAGE = ("observations", "actions", "rewards", "dones", "timeouts")
+#: a Dict observation space of the kinds SB3's DictReplayBuffer stores: a vector, a Discrete cell, a small image
+DICT_OBS = spaces.Dict({"pos": spaces.Box(-1, 1, (2,), np.float32), "cell": spaces.Discrete(5),
+                        "img": spaces.Box(0, 255, (3, 4), np.uint8)})
 
 
 @pytest.fixture(autouse=True)
@@ -131,8 +135,13 @@ def test_empty_buffer_raises_and_bad_options_are_refused():
     with pytest.raises(ValueError, match="at least 2 positions"):
         gsb3.GearReplayBuffer(1, OBS, SPACES["discrete"], optimize_memory_usage=True,
                               handle_timeout_termination=False)
-    with pytest.raises(NotImplementedError, match="DictReplayBuffer"):
-        gsb3.GearReplayBuffer(10, spaces.Dict({"a": OBS}), SPACES["discrete"])
+    with pytest.raises(ValueError, match="optimize_memory_usage is not supported with a Dict"):
+        gsb3.GearReplayBuffer(10, DICT_OBS, SPACES["discrete"], optimize_memory_usage=True,
+                              handle_timeout_termination=False)
+    with pytest.raises(NotImplementedError, match="observation key 'inner' is a Dict space"):
+        gsb3.GearReplayBuffer(10, spaces.Dict({"a": OBS, "inner": spaces.Dict({"b": OBS})}), SPACES["discrete"])
+    with pytest.raises(ValueError, match="at least one key"):
+        gsb3.GearReplayBuffer(10, spaces.Dict({}), SPACES["discrete"])
     with pytest.raises(ValueError):
         gsb3.GearPrioritizedReplayBuffer(10, OBS, SPACES["discrete"], alpha=-1.0)
     # named, not a message about the shard's capacity_steps (59.5, nan) or an operator's TypeError
@@ -267,3 +276,141 @@ def test_prioritized_update_of_the_samples_keys_goes_through_the_sorted_draw(mon
     np.testing.assert_array_equal(fast.shard.index.leaves, slow.shard.index.leaves)
     fast.close()
     slow.close()
+
+
+# ---- Dict observation spaces: SB3's DictReplayBuffer as the reference -------------------------------------
+def random_dict_steps(n_envs: int, count: int, seed: int = 0):
+    """``count`` adds' arguments for :data:`DICT_OBS`: dict observations (fresh dicts, since SB3's buffer
+    reshapes a Discrete key's array in the caller's dict), actions, rewards, dones, time limits."""
+    rng = np.random.default_rng(seed)
+    def observation():
+        return {"pos": rng.uniform(-1, 1, (n_envs, 2)), "cell": rng.integers(0, 5, n_envs),
+                "img": rng.integers(0, 256, (n_envs, 3, 4)).astype(np.uint8)}
+    for _ in range(count):
+        yield (observation(), observation(), rng.integers(0, 4, n_envs), rng.standard_normal(n_envs),
+               rng.random(n_envs) < 0.2, [{"TimeLimit.truncated": bool(t)} for t in rng.random(n_envs) < 0.3])
+
+
+def copied(step):
+    """An add's arguments with its dicts copied (SB3's buffer changes them)."""
+    return tuple({k: v.copy() for k, v in a.items()} if isinstance(a, dict) else a for a in step)
+
+
+def assert_same_dict_storage(ours, theirs, where: str = "") -> None:
+    for name in ("observations", "next_observations"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert list(a) == list(b), (where, name, list(a), list(b))
+        for key in b:
+            assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, (where, name, key)
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{where} {name}[{key!r}]")
+    for name in STORAGE[1:]:
+        np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name), err_msg=f"{where} {name}")
+    assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()), where
+
+
+@pytest.mark.parametrize("cls", [gsb3.GearReplayBuffer, gsb3.GearPrioritizedReplayBuffer])
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_dict_storage_equals_sb3s_after_every_add(cls, n_envs):
+    theirs = DictReplayBuffer(21, DICT_OBS, SPACES["discrete"], n_envs=n_envs, device="cpu")
+    ours = cls(21, DICT_OBS, SPACES["discrete"], n_envs=n_envs, device="cpu")
+    for t, step in enumerate(random_dict_steps(n_envs, 45)):  # past full twice: FIFO overwrite
+        theirs.add(*copied(step))
+        ours.add(*step)
+        assert_same_dict_storage(ours, theirs, f"add {t}")
+    assert len(ours.shard) == ours.buffer_size * n_envs
+    assert sorted(ours.shard.spec.names) == sorted(["action", "done", "reward", "timeout"] +
+                                                   [f"{p}/{k}" for p in ("obs", "next_obs") for k in DICT_OBS.spaces])
+
+
+def test_dict_samples_are_what_sb3_could_draw_and_cover_it_uniformly():
+    theirs = DictReplayBuffer(24, DICT_OBS, SPACES["discrete"], n_envs=2, device="cpu")
+    ours = gsb3.GearReplayBuffer(24, DICT_OBS, SPACES["discrete"], n_envs=2, seed=5, device="cpu")
+    for step in random_dict_steps(2, 31, seed=3):  # 62 transitions into 48: overwritten ones gone
+        theirs.add(*copied(step))
+        ours.add(*step)
+    held = set()
+    for p in range(theirs.buffer_size):
+        for e in range(2):
+            done = theirs.dones[p, e] * (1 - theirs.timeouts[p, e])
+            held.add(tuple(theirs.observations[k][p, e].tobytes() for k in DICT_OBS.spaces)
+                     + tuple(theirs.next_observations[k][p, e].tobytes() for k in DICT_OBS.spaces)
+                     + (theirs.actions[p, e].tobytes(), np.float32(done).tobytes(),
+                        np.float32(theirs.rewards[p, e]).tobytes()))
+    s = ours.sample(12000)
+    assert isinstance(s, DictReplayBufferSamples) and list(s.observations) == list(DICT_OBS.spaces)
+    assert s.observations["img"].shape == (12000, 3, 4) and s.observations["img"].dtype == th.uint8
+    assert s.observations["cell"].shape == (12000, 1) and s.next_observations["pos"].shape == (12000, 2)
+    obs = {k: v.numpy() for k, v in s.observations.items()}
+    nxt = {k: v.numpy() for k, v in s.next_observations.items()}
+    rows = [tuple(obs[k][i].tobytes() for k in DICT_OBS.spaces) + tuple(nxt[k][i].tobytes() for k in DICT_OBS.spaces)
+            + (s.actions.numpy()[i].tobytes(), s.dones.numpy()[i, 0].tobytes(), s.rewards.numpy()[i, 0].tobytes())
+            for i in range(12000)]
+    assert set(rows) == held  # every held transition drawn, nothing else (observations matched key by key)
+    counts = np.unique(np.array([hash(r) for r in rows]), return_counts=True)[1]
+    expected = 12000 / len(held)
+    assert abs(counts - expected).max() < 5 * np.sqrt(expected)  # uniform (about 5 sigma)
+
+
+def test_dict_adds_with_a_missing_key_change_nothing_and_pickling_keeps_the_buffer():
+    ours = gsb3.GearPrioritizedReplayBuffer(16, DICT_OBS, SPACES["discrete"], n_envs=2, seed=9, device="cpu")
+    theirs = DictReplayBuffer(16, DICT_OBS, SPACES["discrete"], n_envs=2, device="cpu")
+    steps = list(random_dict_steps(2, 20, seed=7))
+    for step in steps[:5]:
+        theirs.add(*copied(step))
+        ours.add(*step)
+    obs, next_obs, *rest = steps[5]
+    with pytest.raises(KeyError, match="next_obs has no 'img'"):
+        ours.add(obs, {k: v for k, v in next_obs.items() if k != "img"}, *rest)
+    assert_same_dict_storage(ours, theirs, "after the refused add")  # nothing of it kept
+    back = pickle.loads(pickle.dumps(ours))  # what SB3's save_replay_buffer / load_replay_buffer do
+    assert_same_dict_storage(back, theirs, "unpickled")
+    a, b = ours.sample(32), back.sample(32)  # the same stream: the same draws
+    assert all(th.equal(a.observations[k], b.observations[k]) for k in DICT_OBS.spaces)
+    np.testing.assert_array_equal(a.weights.numpy(), b.weights.numpy())
+    new = np.array([1.0, 2.0, 3.0, 4.0])
+    assert ours.update_priorities(a.keys[:4], new) == 4 == back.update_priorities(b.keys[:4], new)
+    a, b = ours.sample(32), back.sample(32)  # the same priorities in both: the same draws and weights again
+    assert all(th.equal(a.next_observations[k], b.next_observations[k]) for k in DICT_OBS.spaces)
+    np.testing.assert_array_equal(a.weights.numpy(), b.weights.numpy())
+    assert not np.allclose(a.weights.numpy(), 1.0)  # the new priorities are in the weights
+    for step in steps[5:]:
+        theirs.add(*copied(step))
+        back.add(*step)
+    assert_same_dict_storage(back, theirs, "unpickled, then added to")
+    back.reset()
+    assert len(back.shard) == 0 and back.size() == 0
+    with pytest.raises(gm.EmptyReplayError):
+        back.sample(2)
+
+
+class MirroredDictBuffer(gsb3.GearReplayBuffer):
+    """A GearReplayBuffer on a Dict space that hands every add to an SB3 DictReplayBuffer too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mirror = DictReplayBuffer(*args, **kwargs)
+
+    def add(self, *args, **kwargs):
+        self.mirror.add(*copied(args), **kwargs)
+        super().add(*args, **kwargs)
+
+
+def test_sb3_multi_input_dqn_trains_with_it_and_it_holds_what_sb3s_dict_buffer_holds():
+    """SB3's DQN with ``MultiInputPolicy`` (a CNN for the image, an MLP for the vector) on SB3's own Dict
+    environment, ``SimpleMultiObsEnv`` (a 4x4 grid, a 64x64 image and a 5-vector per observation), with the
+    buffer wrapping around under training; and PrioritizedDQN on the same environment."""
+    from stable_baselines3.common.envs import SimpleMultiObsEnv
+    model = DQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), buffer_size=300, learning_starts=100,
+                batch_size=16, train_freq=8, gradient_steps=1, target_update_interval=100,
+                replay_buffer_class=MirroredDictBuffer, seed=0, device="cpu")
+    model.learn(total_timesteps=500)
+    buf = model.replay_buffer
+    assert isinstance(buf, gsb3.GearReplayBuffer) and buf.full and model._n_updates > 0
+    assert_same_dict_storage(buf, buf.mirror, "after DQN.learn")
+    model = gsb3.PrioritizedDQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), buffer_size=300,
+                                learning_starts=100, batch_size=16, train_freq=8, gradient_steps=1, seed=1,
+                                device="cpu")
+    model.learn(total_timesteps=300)
+    buf = model.replay_buffer
+    assert isinstance(buf, gsb3.GearPrioritizedReplayBuffer) and model._n_updates > 0
+    assert len(np.unique(buf.shard.priorities(buf.shard.live_keys()))) > 5  # TD errors, not the initial 1

@@ -4,16 +4,17 @@ Copied from Stable-Baselines3 (https://github.com/DLR-RM/stable-baselines3, comm
 2.9.0a4 in its tree, whose stable_baselines3/common/buffers.py is identical to the installed 2.9.2's),
 under its MIT licence, reproduced below. Changed only to parametrize gear_mpi's classes in:
 
-- ``test_replay_buffer_normalization``: ``ReplayBuffer`` (SB3's, kept as the reference),
-  ``GearReplayBuffer``, ``GearPrioritizedReplayBuffer`` (instead of ``[ReplayBuffer, DictReplayBuffer]``);
-- ``test_device_buffer``: the same three (instead of SB3's four buffer classes);
+- ``test_replay_buffer_normalization``: ``(replay_buffer_cls, use_dict)`` pairs: SB3's ``ReplayBuffer`` and
+  ``DictReplayBuffer`` (kept as the reference), then ``GearReplayBuffer`` and ``GearPrioritizedReplayBuffer``
+  on the array environment and on the Dict one (instead of ``[ReplayBuffer, DictReplayBuffer]``; gear_mpi's
+  classes take both kinds of space, so the environment is chosen by ``use_dict`` rather than by the class);
+- ``test_device_buffer``: the same pairs (instead of SB3's four buffer classes);
 - ``test_buffer_dtypes``: a ``replay_buffer_cls`` parameter takes the place of ``ReplayBuffer`` (the
-  dtype checks of ``RolloutBuffer`` stay, untouched); its ``use_dict=True`` cases build
-  ``DictReplayBuffer`` and are skipped for gear_mpi's classes.
+  dtype checks of ``RolloutBuffer`` stay, untouched); its ``use_dict=True`` cases build SB3's
+  ``DictReplayBuffer`` for the ``ReplayBuffer`` parameter and gear_mpi's class on the Dict space otherwise.
 
-Not run, and why: ``test_env`` checks the dummy environments, not a buffer; the ``DictReplayBuffer``,
-``RolloutBuffer`` and ``DictRolloutBuffer`` cases test SB3's other buffers (gear_mpi's adapter replaces
-``ReplayBuffer``, which takes array observations); ``test_custom_rollout_buffer`` is about on-policy
+Not run, and why: ``test_env`` checks the dummy environments, not a buffer; the ``RolloutBuffer`` and
+``DictRolloutBuffer`` cases test SB3's on-policy buffers; ``test_custom_rollout_buffer`` is about on-policy
 rollout buffers.
 
 --- Stable-Baselines3's licence ---
@@ -115,9 +116,12 @@ class DummyDictEnv(gym.Env):
         return obs, reward, terminated, truncated, {}
 
 
-@pytest.mark.parametrize("replay_buffer_cls", [ReplayBuffer, *GEAR_BUFFERS])
-def test_replay_buffer_normalization(replay_buffer_cls):
-    env = {ReplayBuffer: DummyEnv, DictReplayBuffer: DummyDictEnv, **{c: DummyEnv for c in GEAR_BUFFERS}}[replay_buffer_cls]
+BUFFER_CASES = [(ReplayBuffer, False), (DictReplayBuffer, True), *[(c, d) for c in GEAR_BUFFERS for d in (False, True)]]
+
+
+@pytest.mark.parametrize("replay_buffer_cls,use_dict", BUFFER_CASES)
+def test_replay_buffer_normalization(replay_buffer_cls, use_dict):
+    env = DummyDictEnv if use_dict else DummyEnv
     env = make_vec_env(env)
     env = VecNormalize(env)
 
@@ -146,19 +150,13 @@ def test_replay_buffer_normalization(replay_buffer_cls):
     assert np.allclose(sample.rewards.mean(0), np.zeros(1), atol=1)
 
 
-@pytest.mark.parametrize("replay_buffer_cls", [ReplayBuffer, *GEAR_BUFFERS])
+@pytest.mark.parametrize("replay_buffer_cls,use_dict", BUFFER_CASES)
 @pytest.mark.parametrize("device", ["cpu", "cuda", "auto"])
-def test_device_buffer(replay_buffer_cls, device):
+def test_device_buffer(replay_buffer_cls, use_dict, device):
     if device == "cuda" and not th.cuda.is_available():
         pytest.skip("CUDA not available")
 
-    env = {
-        RolloutBuffer: DummyEnv,
-        DictRolloutBuffer: DummyDictEnv,
-        ReplayBuffer: DummyEnv,
-        DictReplayBuffer: DummyDictEnv,
-        **{c: DummyEnv for c in GEAR_BUFFERS},
-    }[replay_buffer_cls]
+    env = DummyDictEnv if use_dict else DummyEnv
     env = make_vec_env(env)
 
     buffer = replay_buffer_cls(100, env.observation_space, env.action_space, device=device)
@@ -228,8 +226,6 @@ def test_device_buffer(replay_buffer_cls, device):
 )
 @pytest.mark.parametrize("replay_buffer_cls", [ReplayBuffer, *GEAR_BUFFERS])
 def test_buffer_dtypes(obs_dtype, use_dict, action_space, replay_buffer_cls):
-    if use_dict and replay_buffer_cls is not ReplayBuffer:
-        pytest.skip("use_dict builds SB3's DictReplayBuffer")
     obs_space = spaces.Box(0, 100, dtype=obs_dtype)
     buffer_params = dict(buffer_size=1, action_space=action_space)
     # For off-policy algorithms, we cast float64 actions to float32, see GH#1145
@@ -242,7 +238,7 @@ def test_buffer_dtypes(obs_dtype, use_dict, action_space, replay_buffer_cls):
         dict_obs_space = spaces.Dict({"obs": obs_space, "obs_2": spaces.Box(0, 100, dtype=np.uint8)})
         buffer_params["observation_space"] = dict_obs_space
         rollout_buffer = DictRolloutBuffer(**buffer_params)
-        replay_buffer = DictReplayBuffer(**buffer_params)
+        replay_buffer = (DictReplayBuffer if replay_buffer_cls is ReplayBuffer else replay_buffer_cls)(**buffer_params)
         assert rollout_buffer.observations["obs"].dtype == obs_dtype
         assert replay_buffer.observations["obs"].dtype == obs_dtype
         assert rollout_buffer.observations["obs_2"].dtype == np.uint8

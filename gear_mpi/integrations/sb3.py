@@ -1,7 +1,8 @@
 """Stable-Baselines3 replay buffers backed by a gear_mpi :class:`~gear_mpi.shard.Shard`.
 
 ``DQN(..., replay_buffer_class=GearReplayBuffer)`` (or SAC, TD3, DDPG, QR-DQN, any off-policy algorithm
-that takes SB3's ``ReplayBuffer``) runs unchanged: the buffer keeps SB3's semantics -- ``n_envs``
+that takes SB3's ``ReplayBuffer``, and with ``MultiInputPolicy`` on a ``Dict`` observation space, where it
+stands in for SB3's ``DictReplayBuffer``) runs unchanged: the buffer keeps SB3's semantics -- ``n_envs``
 environments per ``add``, FIFO overwrite when full, ``handle_timeout_termination``, the ``device`` of the
 returned tensors, ``optimize_memory_usage``, ``VecNormalize`` at sample time, ``reset``, pickling through
 ``save_replay_buffer``/``load_replay_buffer`` -- and SB3's storage model: ``observations``, ``actions``,
@@ -56,8 +57,8 @@ import torch as th
 import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3 import DQN
-from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
-from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.buffers import BaseBuffer, DictReplayBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from ..checkpoint.shard_archive import shard_arrays, shard_from_arrays
@@ -83,6 +84,24 @@ def quiet_threads() -> None:
 
 
 quiet_threads()
+
+
+def _check_dict_space(space: spaces.Dict) -> None:
+    """A Dict observation space the buffer can store: keys that are strings, each an array space (SB3's
+    ``DictReplayBuffer`` takes no nested Dict or Tuple either).
+
+    Raises:
+        NotImplementedError: a nested ``Dict``/``Tuple`` (or other non-array) space, named by its key.
+        ValueError: an empty Dict, or a key that is not a string.
+    """
+    if not space.spaces:
+        raise ValueError("a Dict observation space needs at least one key")
+    for key, sub in space.spaces.items():
+        if not isinstance(key, str):
+            raise ValueError(f"Dict observation keys must be strings, got {key!r}")
+        if not isinstance(sub, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
+            raise NotImplementedError(f"observation key {key!r} is a {type(sub).__name__} space; a Dict observation "
+                                      "space's keys must be Box, Discrete, MultiDiscrete or MultiBinary (as SB3's)")
 
 
 class PrioritizedReplayBufferSamples(NamedTuple):
@@ -112,7 +131,10 @@ class GearReplayBuffer(ReplayBuffer):
 
     Args:
         buffer_size: transitions kept (over all environments, as SB3: ``buffer_size // n_envs`` positions).
-        observation_space: a gymnasium space other than ``Dict`` (use SB3's ``DictReplayBuffer`` there).
+        observation_space: the observation space. A ``Dict`` of array spaces is stored as SB3's
+            ``DictReplayBuffer`` stores it: ``observations`` and ``next_observations`` are dicts of arrays,
+            ``add`` takes dicts, and ``sample`` returns ``DictReplayBufferSamples`` (each key its own pair of
+            shard columns, ``obs/<key>`` and ``next_obs/<key>``; not with ``optimize_memory_usage``).
         action_space: the action space (float64 actions are stored as float32, as SB3 stores them).
         device: where sampled tensors go (``"auto"``: CUDA when available).
         n_envs: environments stepped together (one ``add`` stores one transition of each).
@@ -123,9 +145,10 @@ class GearReplayBuffer(ReplayBuffer):
         memory: the shard's memory (``"private"`` or ``"shm"``; see :class:`~gear_mpi.shard.Shard`).
     Raises:
         ValueError: ``buffer_size``, ``n_envs`` or ``seed`` not an integer (``buffer_size`` and ``seed`` >= 0,
-            ``n_envs`` >= 1); ``optimize_memory_usage`` with ``handle_timeout_termination``, or with fewer
-            than 2 positions.
-        NotImplementedError: a ``Dict`` observation space, or an action space SB3 does not support.
+            ``n_envs`` >= 1); ``optimize_memory_usage`` with ``handle_timeout_termination``, with fewer
+            than 2 positions, or with a ``Dict`` observation space; an empty ``Dict`` space.
+        NotImplementedError: a ``Dict`` space with a nested ``Dict``/``Tuple`` key, or an action space SB3 does
+            not support.
     """
 
     _selector_args: dict = {}
@@ -133,14 +156,18 @@ class GearReplayBuffer(ReplayBuffer):
     def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
                  device: th.device | str = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
                  handle_timeout_termination: bool = True, *, seed: int | None = None, memory: str = "private"):
-        if isinstance(observation_space, spaces.Dict):
-            raise NotImplementedError("GearReplayBuffer takes array observations; a Dict observation space needs "
-                                      "SB3's DictReplayBuffer")
         check_count(buffer_size, "buffer_size", 0)  # (0 keeps one position, as SB3's buffer)
         check_count(n_envs, "n_envs")
         check_count(seed, "seed", 0, optional=True)
+        if isinstance(observation_space, spaces.Dict):
+            _check_dict_space(observation_space)
+            if optimize_memory_usage:
+                raise ValueError("optimize_memory_usage is not supported with a Dict observation space (as SB3's "
+                                 "DictReplayBuffer does not support it)")
         BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
         self.buffer_size = max(buffer_size // n_envs, 1)
+        # a Dict space's keys, each stored as its own pair of columns ("obs/<key>", "next_obs/<key>"); None: one array
+        self._obs_keys = tuple(observation_space.spaces) if isinstance(observation_space, spaces.Dict) else None
         if optimize_memory_usage and handle_timeout_termination:
             raise ValueError("ReplayBuffer does not support optimize_memory_usage = True "
                              "and handle_timeout_termination = True simultaneously.")
@@ -155,9 +182,13 @@ class GearReplayBuffer(ReplayBuffer):
 
     # ---- the shard, its views and the staging arrays -----------------------------------------------
     def _spec(self) -> TrajectorySpec:
-        cols = {"obs": (self.obs_shape, self.observation_space.dtype)}
-        if not self.optimize_memory_usage:
-            cols["next_obs"] = (self.obs_shape, self.observation_space.dtype)
+        cols = {}
+        for prefix in ("obs",) if self.optimize_memory_usage else ("obs", "next_obs"):
+            if self._obs_keys is None:
+                cols[prefix] = (self.obs_shape, self.observation_space.dtype)
+            else:
+                cols.update({f"{prefix}/{key}": (self.obs_shape[key], self.observation_space[key].dtype)
+                             for key in self._obs_keys})
         cols["action"] = ((self.action_dim,), self._maybe_cast_dtype(self.action_space.dtype))
         for name in ("reward", "done", "timeout"):
             cols[name] = ((1,), np.float32)
@@ -190,18 +221,26 @@ class GearReplayBuffer(ReplayBuffer):
 
     # ---- SB3's storage, as views of the shard's rings ------------------------------------------------
     @property
-    def observations(self) -> np.ndarray:
-        """``[buffer_size, n_envs, *obs_shape]``: the shard's ``obs`` ring (writable). Staged adds go in first."""
+    def observations(self) -> np.ndarray | dict[str, np.ndarray]:
+        """``[buffer_size, n_envs, *obs_shape]``: the shard's ``obs`` ring (writable); for a Dict space, a dict of
+        such rings, one per key (as SB3's ``DictReplayBuffer``). Staged adds go in first."""
         self._flush()
-        return self._views["obs"]
+        return self._by_key(self._views, "obs")
 
     @property
-    def next_observations(self) -> np.ndarray:
-        """``[buffer_size, n_envs, *obs_shape]`` (absent with ``optimize_memory_usage``, as in SB3)."""
+    def next_observations(self) -> np.ndarray | dict[str, np.ndarray]:
+        """``[buffer_size, n_envs, *obs_shape]``, or a dict of them for a Dict space (absent with
+        ``optimize_memory_usage``, as in SB3)."""
         if self.optimize_memory_usage:
             raise AttributeError("next_observations is not stored with optimize_memory_usage=True")
         self._flush()
-        return self._views["next_obs"]
+        return self._by_key(self._views, "next_obs")
+
+    def _by_key(self, columns: dict, prefix: str):
+        """``columns[prefix]``, or for a Dict space ``{key: columns[prefix/key]}`` (SB3's dict of arrays). O(keys)."""
+        if self._obs_keys is None:
+            return columns[prefix]
+        return {key: columns[f"{prefix}/{key}"] for key in self._obs_keys}
 
     @property
     def actions(self) -> np.ndarray:
@@ -241,16 +280,19 @@ class GearReplayBuffer(ReplayBuffer):
             RuntimeError: the buffer is closed.
         """
         self._check_open()
-        if isinstance(self.observation_space, spaces.Discrete):
-            obs = np.asarray(obs).reshape((self.n_envs, *self.obs_shape))
-            next_obs = np.asarray(next_obs).reshape((self.n_envs, *self.obs_shape))
         k = self._staged
         stage = self._stage  # row k is scratch until _staged counts it: a failed assignment leaves nothing behind
-        stage["obs"][k] = obs
+        if self._obs_keys is not None:
+            self._stage_dict_obs(k, obs, next_obs)
+        else:
+            if isinstance(self.observation_space, spaces.Discrete):
+                obs = np.asarray(obs).reshape((self.n_envs, *self.obs_shape))
+                next_obs = np.asarray(next_obs).reshape((self.n_envs, *self.obs_shape))
+            stage["obs"][k] = obs
         if self.optimize_memory_usage:  # kept aside, as the stored dtype and shape: set only once the add succeeds
             newest = np.empty_like(stage["obs"][k])
             newest[...] = next_obs
-        else:
+        elif self._obs_keys is None:
             stage["next_obs"][k] = next_obs
         stage["action"][k] = np.asarray(action).reshape((self.n_envs, self.action_dim))
         stage["reward"][k] = reward
@@ -269,6 +311,24 @@ class GearReplayBuffer(ReplayBuffer):
         self._synced = (self.pos, self.full)
         if self._staged == self._stage_adds:
             self._flush()
+
+    def _stage_dict_obs(self, k: int, obs: dict, next_obs: dict) -> None:
+        """A Dict space's observations of one add into staging row ``k``, key by key (a Discrete key's values
+        reshaped as SB3 reshapes them; the caller's dicts are not changed, where SB3's buffer changes them).
+
+        Raises:
+            KeyError: an observation lacks one of the space's keys (named).
+        """
+        for prefix, values in (("obs", obs), ("next_obs", next_obs)):
+            missing = [key for key in self._obs_keys if key not in values]
+            if missing:
+                raise KeyError(f"{prefix} has no {missing[0]!r}: the observation space's keys are "
+                               f"{list(self._obs_keys)}")
+            for key in self._obs_keys:
+                value = values[key]
+                if isinstance(self.observation_space[key], spaces.Discrete):
+                    value = np.asarray(value).reshape((self.n_envs, *self.obs_shape[key]))
+                self._stage[f"{prefix}/{key}"][k] = value
 
     def _priorities(self, m: int) -> np.ndarray:
         return np.broadcast_to(np.float64(1.0), (m,))
@@ -316,11 +376,13 @@ class GearReplayBuffer(ReplayBuffer):
         batch = self.shard.sample(batch_size, 1, squeeze=True)
         return self._samples(batch, env)
 
-    def _samples(self, batch, env: VecNormalize | None) -> ReplayBufferSamples:
+    def _samples(self, batch, env: VecNormalize | None) -> ReplayBufferSamples | DictReplayBufferSamples:
         d = batch.numpy()
         done = d["done"]
         if self.handle_timeout_termination:
             done = done * (1.0 - d["timeout"])
+        if self._obs_keys is not None:
+            return self._dict_samples(d, done, env)
         if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
             # tensors over the batch's own arrays: a fresh batch, nobody else's (the common case, the cheapest;
             # th.from_numpy of the arrays rather than batch[name], which keeps each tensor in the batch: 0.5 us a
@@ -334,9 +396,30 @@ class GearReplayBuffer(ReplayBuffer):
             obs, next_obs = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
             rewards = self._normalize_reward(rewards, env)
         data = (obs, d["action"], next_obs, done, rewards)
-        if self.device.type == "cpu":  # a fresh batch: its arrays are nobody else's
-            return ReplayBufferSamples(*(th.from_numpy(np.ascontiguousarray(a)) for a in data))
-        return ReplayBufferSamples(*(th.as_tensor(a, device=self.device) for a in data))
+        return ReplayBufferSamples(*(self._tensor(a) for a in data))
+
+    def _dict_samples(self, d: dict, done: np.ndarray, env: VecNormalize | None) -> DictReplayBufferSamples:
+        """A Dict space's samples (SB3's ``DictReplayBufferSamples``) from batch arrays ``d``."""
+        obs, next_obs, rewards = self._by_key(d, "obs"), self._by_key(d, "next_obs"), d["reward"]
+        if env is not None:
+            obs, next_obs = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
+            rewards = self._normalize_reward(rewards, env)
+        return DictReplayBufferSamples({key: self._tensor(a) for key, a in obs.items()}, self._tensor(d["action"]),
+                                       {key: self._tensor(a) for key, a in next_obs.items()}, self._tensor(done),
+                                       self._tensor(rewards))
+
+    def _tensor(self, a: np.ndarray) -> th.Tensor:
+        """An array of a fresh batch (nobody else's) as a tensor on ``device``: shared on the CPU, else copied."""
+        if self.device.type == "cpu":
+            return th.from_numpy(np.ascontiguousarray(a))
+        return th.as_tensor(a, device=self.device)
+
+    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
+        """SB3's storage-model draw (``pos``/``full`` set by hand, see :meth:`sample`): ``DictReplayBuffer``'s for
+        a Dict space, ``ReplayBuffer``'s otherwise, both over this buffer's storage views."""
+        if self._obs_keys is not None:
+            return DictReplayBuffer._get_samples(self, batch_inds, env)
+        return ReplayBuffer._get_samples(self, batch_inds, env)
 
     def _next_of(self, batch) -> np.ndarray:
         """optimize_memory_usage: each item's next observation, the ring row one position (``n_envs`` steps) on."""

@@ -262,8 +262,8 @@ class DevicePriorityIndex:
     ``set``/``draw`` take host arrays (copied to the device) or device arrays /
     CUDA tensors (used in place); ``draw`` returns a device int64 array (call
     ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory (float64 leaves
-    holding the host index's float32-rounded values), no scratch. ``set``: six launches, O(B * 64 + n / 4096). ``draw``: one thread per
-    draw, O(log(n / 4096) + 128) reads each.
+    holding the host index's float32-rounded values), no scratch. ``set``: six launches, O(B * 64 + n / 4096).
+    ``draw``: one thread per draw, O(log(n / 4096) + 128) reads each.
 
     Args:
         n: the number of slots (weights start at 0).
