@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pickle
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
 from gymnasium import spaces
 from stable_baselines3 import DQN
-from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
+from stable_baselines3.common.buffers import DictReplayBuffer, NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples
 
 import gear_mpi as gm
@@ -414,3 +415,105 @@ def test_sb3_multi_input_dqn_trains_with_it_and_it_holds_what_sb3s_dict_buffer_h
     buf = model.replay_buffer
     assert isinstance(buf, gsb3.GearPrioritizedReplayBuffer) and model._n_updates > 0
     assert len(np.unique(buf.shard.priorities(buf.shard.live_keys()))) > 5  # TD errors, not the initial 1
+
+
+# ---- n-step returns: SB3's NStepReplayBuffer as the reference ------------------------------------------------
+class TinyEnv(gym.Env):
+    """A one-step environment with :data:`OBS` observations, for a VecNormalize whose statistics are set by hand."""
+
+    observation_space, action_space = OBS, SPACES["discrete"]
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, True, False, {}
+
+
+def normalizer():
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+    env = VecNormalize(DummyVecEnv([TinyEnv]), gamma=0.9)
+    env.obs_rms.mean, env.obs_rms.var = np.array([0.5, -0.25, 1.0]), np.array([2.0, 0.5, 4.0])
+    env.ret_rms.var = np.array(3.0)
+    return env
+
+
+@pytest.mark.parametrize("n_envs,adds,timeouts,n_steps", [(1, 9, True, 3), (1, 40, True, 5), (2, 17, False, 3),
+                                                         (3, 40, True, 4)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_n_step_samples_equal_sb3s_n_step_buffer(n_envs, adds, timeouts, n_steps, normalize, monkeypatch):
+    """Each drawn transition's n-step return, bootstrap discount, next observation and done flag equal, bit for
+    bit, what SB3's NStepReplayBuffer computes for the same position and environment (its environment draw set
+    to ours): before the buffer is full (sequences stop at the newest step) and after it wrapped, with and
+    without time limits, with and without a VecNormalize."""
+    from stable_baselines3.common import buffers as sb3_buffers
+    kw = dict(n_envs=n_envs, handle_timeout_termination=timeouts, device="cpu")
+    theirs = NStepReplayBuffer(24, OBS, SPACES["discrete"], n_steps=n_steps, gamma=0.9, **kw)
+    # alpha 0: a uniform draw whose samples carry their keys, which say where each transition lies
+    ours = gsb3.GearPrioritizedReplayBuffer(24, OBS, SPACES["discrete"], n_steps=n_steps, gamma=0.9, alpha=0.0,
+                                            seed=adds, **kw)
+    for step in random_steps(n_envs, adds, SPACES["discrete"], seed=adds):
+        theirs.add(*step)
+        ours.add(*step)
+    env = normalizer() if normalize else None
+    s = ours.sample(3000, env)
+    start, _ = ours.shard.locate(s.keys)
+    positions, envs = np.divmod(start, n_envs)
+    monkeypatch.setattr(sb3_buffers.np.random, "randint", lambda *a, **k: envs.copy())  # SB3's environment draw
+    ref = theirs._get_samples(positions, env)
+    assert s.discounts.shape == (3000, 1) and s.discounts.dtype == th.float32
+    for name in ("observations", "actions", "next_observations", "dones", "rewards", "discounts"):
+        a, b = getattr(s, name), getattr(ref, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+        assert th.equal(a, b), name
+    assert (s.discounts < 0.9 ** n_steps + 1e-6).sum() > 0  # some sequences ran their full length
+    assert (s.discounts > 0.9 ** n_steps + 1e-6).sum() > 0  # and some stopped early
+
+
+def test_n_step_buffers_refuse_what_sb3s_refuses():
+    with pytest.raises(NotImplementedError, match="optimize_memory_usage"):
+        gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], optimize_memory_usage=True,
+                              handle_timeout_termination=False, n_steps=3)
+    with pytest.raises(NotImplementedError, match="Dict observation spaces"):
+        gsb3.GearPrioritizedReplayBuffer(10, DICT_OBS, SPACES["discrete"], n_steps=3)
+    for kw, what in (({"n_steps": 0}, "n_steps must be an integer"), ({"n_steps": 2.0}, "n_steps must be an integer"),
+                     ({"gamma": 1.5}, "gamma must be a number in"), ({"gamma": "0.9"}, "gamma must be a number in")):
+        with pytest.raises(ValueError, match=what):
+            gsb3.GearReplayBuffer(10, OBS, SPACES["discrete"], **kw)
+
+
+class MirroredNStepBuffer(gsb3.GearReplayBuffer):
+    """A GearReplayBuffer with n-step returns that hands every add to SB3's NStepReplayBuffer too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        kwargs.pop("seed", None)
+        self.mirror = NStepReplayBuffer(*args, **kwargs)
+
+    def add(self, *args, **kwargs):
+        self.mirror.add(*args, **kwargs)
+        super().add(*args, **kwargs)
+
+
+def test_sb3_dqn_with_n_step_returns_trains_with_it():
+    """DQN with 3-step returns through ``replay_buffer_kwargs`` (how SB3 asks a custom buffer class for them),
+    and PrioritizedDQN, whose targets then bootstrap with the samples' discounts."""
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=800, learning_starts=200, batch_size=32, train_freq=8,
+                gradient_steps=2, target_update_interval=100, replay_buffer_class=MirroredNStepBuffer,
+                replay_buffer_kwargs={"n_steps": 3, "gamma": 0.98}, policy_kwargs=dict(net_arch=[32]), seed=0,
+                device="cpu")
+    model.learn(total_timesteps=1200)
+    buf = model.replay_buffer
+    assert isinstance(buf, gsb3.GearReplayBuffer) and buf.full and model._n_updates > 0
+    assert (buf.n_steps, buf.gamma) == (3, 0.98)
+    assert_same_storage(buf, buf.mirror, "after DQN.learn")
+    s = buf.sample(256)
+    distance = np.abs(s.discounts.numpy() - np.array([0.98 ** k for k in (1, 2, 3)], np.float32)).min(axis=1)
+    assert distance.max() < 1e-6, s.discounts  # gamma ** steps, 1 to 3 steps
+    model = gsb3.PrioritizedDQN("MlpPolicy", "CartPole-v1", buffer_size=800, learning_starts=100, batch_size=32,
+                                train_freq=8, gradient_steps=2, replay_buffer_kwargs=dict(n_steps=3, gamma=0.99),
+                                policy_kwargs=dict(net_arch=[32]), seed=1, device="cpu")
+    model.learn(total_timesteps=500)
+    buf = model.replay_buffer
+    assert buf.n_steps == 3 and model._n_updates > 0
+    assert len(np.unique(buf.shard.priorities(buf.shard.live_keys()))) > 10

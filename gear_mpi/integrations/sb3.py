@@ -28,6 +28,10 @@ or before anything reads the buffer (``sample``, the storage views, ``reset``, p
 misses a step added before it. ``sample`` is one shard sample into a fresh squeezed batch whose tensors
 are returned as they are (on the CPU) or copied to ``device``.
 
+``n_steps > 1`` (SB3's ``replay_buffer_kwargs={"n_steps": ..., "gamma": ...}``) gives samples n-step returns as
+SB3's ``NStepReplayBuffer`` computes them, over the same storage views, after the shard's draw
+(:mod:`gear_mpi.integrations.sb3_nstep`).
+
 ``optimize_memory_usage=True`` stores each observation once, as SB3 does: there is no ``next_obs``
 column; a transition's next observation is the ring row of the same environment one position later,
 and the shard keeps one position fewer than ``buffer_size`` live (``max_items``), so the position whose
@@ -57,7 +61,7 @@ import torch as th
 import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3 import DQN
-from stable_baselines3.common.buffers import BaseBuffer, DictReplayBuffer, ReplayBuffer
+from stable_baselines3.common.buffers import BaseBuffer, DictReplayBuffer, NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
@@ -65,6 +69,7 @@ from ..checkpoint.shard_archive import shard_arrays, shard_from_arrays
 from ..selection.selectors import Prioritized, Uniform
 from ..shard import Shard
 from ..spec import TrajectorySpec, check_count
+from .sb3_nstep import n_step_targets
 
 _SCALARS = ("reward", "done", "timeout")  # one float a transition: [buffer_size, n_envs] in SB3's storage
 
@@ -143,22 +148,39 @@ class GearReplayBuffer(ReplayBuffer):
             sampled as not done.
         seed: the seed of the shard's random stream (None: drawn from NumPy's global generator).
         memory: the shard's memory (``"private"`` or ``"shm"``; see :class:`~gear_mpi.shard.Shard`).
+        n_steps: with more than 1, samples carry n-step returns as SB3's ``NStepReplayBuffer``'s do (its
+            ``replay_buffer_kwargs={"n_steps": ..., "gamma": ...}``): the discounted sum of up to ``n_steps``
+            rewards of the same environment, stopping at the first done or time limit and at the newest
+            transition, the next observation and done flag of the last of them, and ``discounts``
+            (``gamma ** steps``) for the bootstrap. Not with ``optimize_memory_usage`` or a ``Dict`` space.
+        gamma: the discount of the n-step returns (SB3 passes the algorithm's).
     Raises:
         ValueError: ``buffer_size``, ``n_envs`` or ``seed`` not an integer (``buffer_size`` and ``seed`` >= 0,
             ``n_envs`` >= 1); ``optimize_memory_usage`` with ``handle_timeout_termination``, with fewer
-            than 2 positions, or with a ``Dict`` observation space; an empty ``Dict`` space.
-        NotImplementedError: a ``Dict`` space with a nested ``Dict``/``Tuple`` key, or an action space SB3 does
-            not support.
+            than 2 positions, or with a ``Dict`` observation space; an empty ``Dict`` space; ``n_steps`` not an
+            integer >= 1, ``gamma`` not a number in [0, 1].
+        NotImplementedError: a ``Dict`` space with a nested ``Dict``/``Tuple`` key, ``n_steps > 1`` with
+            ``optimize_memory_usage`` or a ``Dict`` space, or an action space SB3 does not support.
     """
 
     _selector_args: dict = {}
 
     def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
                  device: th.device | str = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
-                 handle_timeout_termination: bool = True, *, seed: int | None = None, memory: str = "private"):
+                 handle_timeout_termination: bool = True, *, seed: int | None = None, memory: str = "private",
+                 n_steps: int = 1, gamma: float = 0.99):
         check_count(buffer_size, "buffer_size", 0)  # (0 keeps one position, as SB3's buffer)
         check_count(n_envs, "n_envs")
         check_count(seed, "seed", 0, optional=True)
+        check_count(n_steps, "n_steps", 1)
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.floating)) or not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+        if n_steps > 1 and optimize_memory_usage:
+            raise NotImplementedError("n-step returns (n_steps > 1) are not supported with optimize_memory_usage "
+                                      "(as SB3's NStepReplayBuffer does not support it)")
+        if n_steps > 1 and isinstance(observation_space, spaces.Dict):
+            raise NotImplementedError("n-step returns (n_steps > 1) are not supported for Dict observation spaces "
+                                      "(as in SB3)")
         if isinstance(observation_space, spaces.Dict):
             _check_dict_space(observation_space)
             if optimize_memory_usage:
@@ -168,6 +190,7 @@ class GearReplayBuffer(ReplayBuffer):
         self.buffer_size = max(buffer_size // n_envs, 1)
         # a Dict space's keys, each stored as its own pair of columns ("obs/<key>", "next_obs/<key>"); None: one array
         self._obs_keys = tuple(observation_space.spaces) if isinstance(observation_space, spaces.Dict) else None
+        self.n_steps, self.gamma = int(n_steps), float(gamma)
         if optimize_memory_usage and handle_timeout_termination:
             raise ValueError("ReplayBuffer does not support optimize_memory_usage = True "
                              "and handle_timeout_termination = True simultaneously.")
@@ -383,6 +406,8 @@ class GearReplayBuffer(ReplayBuffer):
             done = done * (1.0 - d["timeout"])
         if self._obs_keys is not None:
             return self._dict_samples(d, done, env)
+        if self.n_steps > 1:
+            return self._n_step_samples(batch, d, env)
         if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
             # tensors over the batch's own arrays: a fresh batch, nobody else's (the common case, the cheapest;
             # th.from_numpy of the arrays rather than batch[name], which keeps each tensor in the batch: 0.5 us a
@@ -397,6 +422,22 @@ class GearReplayBuffer(ReplayBuffer):
             rewards = self._normalize_reward(rewards, env)
         data = (obs, d["action"], next_obs, done, rewards)
         return ReplayBufferSamples(*(self._tensor(a) for a in data))
+
+    def _n_step_samples(self, batch, d: dict, env: VecNormalize | None) -> ReplayBufferSamples:
+        """``n_steps > 1``: each drawn transition's observation and action with the n-step return, the bootstrap
+        discount and the next observation and done flag of its sequence's last step, computed over the storage
+        rings as SB3's ``NStepReplayBuffer`` computes them (:func:`~gear_mpi.integrations.sb3_nstep.n_step_targets`).
+        Cost: O(B * n_steps) reads of the rings and one gather of B next observations."""
+        start, _ = self.shard.locate(batch.keys.numpy())
+        positions, envs = np.divmod(start, self.n_envs)
+        views = self._views
+        returns, discounts, last, dones = n_step_targets(
+            views["reward"], views["done"], views["timeout"], positions, envs, (self.pos - 1) % self.buffer_size,
+            self.n_steps, self.gamma, None if env is None else (lambda r: self._normalize_reward(r, env)))
+        obs, next_obs = d["obs"], views["next_obs"][last, envs]
+        if env is not None:
+            obs, next_obs = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
+        return ReplayBufferSamples(*(self._tensor(a) for a in (obs, d["action"], next_obs, dones, returns, discounts)))
 
     def _dict_samples(self, d: dict, done: np.ndarray, env: VecNormalize | None) -> DictReplayBufferSamples:
         """A Dict space's samples (SB3's ``DictReplayBufferSamples``) from batch arrays ``d``."""
@@ -416,9 +457,12 @@ class GearReplayBuffer(ReplayBuffer):
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
         """SB3's storage-model draw (``pos``/``full`` set by hand, see :meth:`sample`): ``DictReplayBuffer``'s for
-        a Dict space, ``ReplayBuffer``'s otherwise, both over this buffer's storage views."""
+        a Dict space, ``NStepReplayBuffer``'s with ``n_steps > 1``, ``ReplayBuffer``'s otherwise, all over this
+        buffer's storage views."""
         if self._obs_keys is not None:
             return DictReplayBuffer._get_samples(self, batch_inds, env)
+        if self.n_steps > 1:
+            return NStepReplayBuffer._get_samples(self, batch_inds, env)
         return ReplayBuffer._get_samples(self, batch_inds, env)
 
     def _next_of(self, batch) -> np.ndarray:
@@ -485,7 +529,8 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
 
     Args:
         buffer_size, observation_space, action_space, device, n_envs: as :class:`GearReplayBuffer`.
-        optimize_memory_usage, handle_timeout_termination, seed, memory: as :class:`GearReplayBuffer`.
+        optimize_memory_usage, handle_timeout_termination, seed, memory, n_steps, gamma: as
+            :class:`GearReplayBuffer`.
         alpha: how much priorities count (0: uniform).
         beta: the importance-weight exponent (settable: anneal it towards 1).
     Raises:
@@ -496,11 +541,11 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
     def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
                  device: th.device | str = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
                  handle_timeout_termination: bool = True, *, alpha: float = 0.6, beta: float = 0.4,
-                 seed: int | None = None, memory: str = "private"):
+                 seed: int | None = None, memory: str = "private", n_steps: int = 1, gamma: float = 0.99):
         self._prioritized = Prioritized(alpha, beta)  # checks alpha and beta before anything is built
         self.max_priority = 1.0
         super().__init__(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
-                         handle_timeout_termination, seed=seed, memory=memory)
+                         handle_timeout_termination, seed=seed, memory=memory, n_steps=n_steps, gamma=gamma)
 
     def _selector(self):
         return self._prioritized
@@ -538,7 +583,7 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
         self._flush()
         if (self.pos, self.full) != self._synced:
             base = ReplayBuffer.sample(self, batch_size, env)
-            return PrioritizedReplayBufferSamples(*base[:5], None, th.ones((batch_size, 1), device=self.device),
+            return PrioritizedReplayBufferSamples(*base[:6], th.ones((batch_size, 1), device=self.device),
                                                   np.full(batch_size, -1, np.int64))
         batch = self.shard.sample(batch_size, 1, squeeze=True)
         base = self._samples(batch, env)
@@ -547,7 +592,7 @@ class GearPrioritizedReplayBuffer(GearReplayBuffer):
         if self.device.type != "cpu":
             weights = weights.to(self.device)
         # the batch's own keys array: update_priorities knows it (the sample's sorted draw then serves the update)
-        return PrioritizedReplayBufferSamples(*base[:5], None, weights, keys)
+        return PrioritizedReplayBufferSamples(*base[:6], weights, keys)
 
     def update_priorities(self, keys: Any, priorities: Any) -> int:
         """Give sampled transitions new priorities (e.g. ``|TD error| + eps``); keys of transitions already
@@ -607,7 +652,9 @@ class PrioritizedDQN(DQN):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)
             with th.no_grad():
                 best_next = self.q_net_target(data.next_observations).max(dim=1).values.reshape(-1, 1)
-                target = data.rewards + (1 - data.dones) * self.gamma * best_next
+                # an n-step buffer's samples carry each sequence's bootstrap discount (gamma ** steps)
+                discounts = data.discounts if data.discounts is not None else self.gamma
+                target = data.rewards + (1 - data.dones) * discounts * best_next
             q = th.gather(self.q_net(data.observations), dim=1, index=data.actions.long())
             per_item = F.smooth_l1_loss(q, target, reduction="none")
             loss = (data.weights * per_item).mean()
