@@ -5,6 +5,7 @@ SB3's own buffer tests, run on these classes, are tests/test_sb3_buffers.py."""
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -517,3 +518,162 @@ def test_sb3_dqn_with_n_step_returns_trains_with_it():
     buf = model.replay_buffer
     assert buf.n_steps == 3 and model._n_updates > 0
     assert len(np.unique(buf.shard.priorities(buf.shard.live_keys()))) > 10
+
+
+# ---- hindsight experience replay: SB3's HerReplayBuffer as the reference -----------------------------------
+def bit_flipping(n_envs: int, n_bits: int = 4):
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.envs import BitFlippingEnv
+    return make_vec_env(lambda: BitFlippingEnv(n_bits=n_bits, continuous=False), n_envs, seed=0)
+
+
+def her_steps(env, count: int, seed: int = 0):
+    """``count`` adds' arguments from a VecEnv, with each finished episode's true last observation as SB3's
+    off-policy loop stores it (``infos[i]["terminal_observation"]``)."""
+    rng = np.random.default_rng(seed)
+    obs = env.reset()
+    for _ in range(count):
+        action = rng.integers(0, env.action_space.n, env.num_envs)
+        new_obs, reward, done, infos = env.step(action)
+        nxt = {k: v.copy() for k, v in new_obs.items()}
+        for i in np.flatnonzero(done):
+            for k in nxt:
+                nxt[k][i] = infos[i]["terminal_observation"][k]
+        yield obs, nxt, action, reward, done, infos
+        obs = new_obs
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_her_bookkeeping_equals_sb3s_and_only_ended_episodes_are_drawn(n_envs):
+    from stable_baselines3 import HerReplayBuffer
+    from gear_mpi.integrations.sb3_her import GearHerReplayBuffer
+    env = bit_flipping(n_envs)
+    theirs = HerReplayBuffer(40, env.observation_space, env.action_space, env, n_envs=n_envs, device="cpu")
+    ours = GearHerReplayBuffer(40, env.observation_space, env.action_space, env, n_envs=n_envs, device="cpu", seed=1)
+    assert isinstance(ours, HerReplayBuffer)  # what SB3 checks before handing it the environment
+    with pytest.raises(RuntimeError, match="before the end of the first episode"):
+        ours.sample(4)
+    for t, step in enumerate(her_steps(env, 90)):  # 40 // n_envs positions: wrapped several times
+        theirs.add(*copied(step))
+        ours.add(*step)
+        np.testing.assert_array_equal(ours.ep_start, theirs.ep_start, err_msg=f"add {t}")
+        np.testing.assert_array_equal(ours.ep_length, theirs.ep_length, err_msg=f"add {t}")
+        assert_same_dict_storage(ours, theirs, f"add {t}")
+        if t % 7 == 6 and (theirs.ep_length > 0).any():
+            s = ours.sample(64)  # brings the priorities up to date first
+            live = ours.shard.live_keys()
+            start, _ = ours.shard.locate(live)
+            drawable = ours.shard.priorities(live) > 0
+            np.testing.assert_array_equal(drawable, theirs.ep_length.reshape(-1)[start] > 0, err_msg=f"add {t}")
+            assert s.rewards.shape == (64, 1) and s.observations["observation"].shape == (64, 4)
+
+
+@pytest.mark.parametrize("strategy", ["future", "final", "episode"])
+def test_her_samples_are_sb3s_real_and_virtual_transitions(strategy):
+    """Real rows are held transitions of ended episodes, drawn uniformly; virtual rows (the last
+    ``int(her_ratio * B)``, as SB3 orders them) are held transitions whose desired goal is an achieved goal of
+    the same episode, chosen by the strategy, rewarded by the environment's ``compute_reward``."""
+    from gear_mpi.integrations.sb3_her import GearHerReplayBuffer
+    env = bit_flipping(2)
+    buf = GearHerReplayBuffer(60, env.observation_space, env.action_space, env, n_envs=2, n_sampled_goal=3,
+                              goal_selection_strategy=strategy, device="cpu", seed=2)
+    for step in her_steps(env, 47, seed=3):
+        buf.add(*step)
+    obs, nxt = buf.observations, buf.next_observations
+    episodes = {}  # (position, env) -> the episode's positions, for transitions of ended episodes
+    for p, e in zip(*np.nonzero(buf.ep_length > 0)):
+        episodes[(p, e)] = list((buf.ep_start[p, e] + np.arange(buf.ep_length[p, e])) % buf.buffer_size)
+
+    def content(o, a, n, keys=("achieved_goal", "desired_goal", "observation")):  # a transition as bytes
+        return b"".join(o[k].tobytes() for k in keys) + a.tobytes() + b"".join(n[k].tobytes() for k in keys)
+
+    held, held_but_goal = {}, {}  # a transition of an ended episode (with / without its desired goal) -> where
+    for p, e in episodes:
+        oo, nn = {k: v[p, e] for k, v in obs.items()}, {k: v[p, e] for k, v in nxt.items()}
+        held.setdefault(content(oo, buf.actions[p, e], nn), []).append((p, e))
+        without_goal = content(oo, buf.actions[p, e], nn, ("achieved_goal", "observation"))
+        held_but_goal.setdefault(without_goal, []).append((p, e))
+    np.random.seed(0)
+    s = buf.sample(4000)
+    n_virtual = int(0.75 * 4000)
+    o = {k: v.numpy() for k, v in s.observations.items()}
+    n = {k: v.numpy() for k, v in s.next_observations.items()}
+    actions, reward = s.actions.numpy(), s.rewards.numpy()[:, 0]
+    real_counts = {}
+    for i in range(4000 - n_virtual):  # real rows: held transitions of ended episodes, goal and reward as stored
+        c = content({k: v[i] for k, v in o.items()}, actions[i], {k: v[i] for k, v in n.items()})
+        assert c in held, f"real row {i} is no held transition of an ended episode"
+        assert any(buf.rewards[p, e] == reward[i] for p, e in held[c]), i
+        real_counts[c] = real_counts.get(c, 0) + 1
+    for i in range(4000 - n_virtual, 4000):  # virtual rows: a new goal, from where the strategy looks
+        goal = o["desired_goal"][i]
+        assert np.array_equal(goal, n["desired_goal"][i])
+        c = content({k: v[i] for k, v in o.items()}, actions[i], {k: v[i] for k, v in n.items()},
+                    ("achieved_goal", "observation"))
+        assert c in held_but_goal, f"virtual row {i} is no held transition of an ended episode"
+        ok = False
+        for p, e in held_but_goal[c]:
+            positions = episodes[(p, e)]
+            allowed = {"final": positions[-1:], "episode": positions,
+                       "future": positions[positions.index(p):]}[strategy]
+            ok |= any(np.array_equal(nxt["achieved_goal"][q, e], goal) for q in allowed)
+        assert ok, f"virtual row {i}: its goal was not achieved where the strategy {strategy!r} looks"
+        expected = env.env_method("compute_reward", n["achieved_goal"][i:i + 1], goal[None], [{}], indices=[0])[0]
+        assert reward[i] == np.float32(expected[0]), i
+    # the real rows cover the ended episodes' transitions uniformly (identical transitions counted together)
+    total = len(episodes)
+    for c, where in held.items():
+        expected = (4000 - n_virtual) * len(where) / total
+        assert abs(real_counts.get(c, 0) - expected) < 5 * np.sqrt(expected) + 1, (len(where), real_counts.get(c))
+
+
+def test_her_arguments_are_checked():
+    from gear_mpi.integrations.sb3_her import GearHerReplayBuffer
+    env = bit_flipping(1)
+    with pytest.raises(ValueError, match="'achieved_goal' and 'desired_goal'"):
+        GearHerReplayBuffer(10, DICT_OBS, SPACES["discrete"], env)
+    with pytest.raises(ValueError, match="goal_selection_strategy must be one of"):
+        GearHerReplayBuffer(10, env.observation_space, env.action_space, env, goal_selection_strategy="later")
+    with pytest.raises(ValueError, match="n_sampled_goal must be an integer"):
+        GearHerReplayBuffer(10, env.observation_space, env.action_space, env, n_sampled_goal=-1)
+    buf = GearHerReplayBuffer(20, env.observation_space, env.action_space, None, device="cpu")
+    for step in her_steps(env, 12):
+        buf.add(*step)
+    with pytest.raises(RuntimeError, match="needs its VecEnv"):
+        buf.sample(8)
+    buf.set_env(env)
+    assert buf.sample(8).rewards.shape == (8, 1)
+
+
+def test_sb3_her_with_gear_buffer_learns_bit_flipping_and_its_buffer_saves_and_loads(tmp_path):
+    """DQN + HER solves 8-bit BitFlippingEnv from 3,000 steps (random play: about 1 in 256 episodes succeed),
+    SB3's measure of it (``ep_success_buffer``); then the buffer goes through SB3's save_replay_buffer /
+    load_replay_buffer (the last episode truncated, with SB3's warning) and training goes on."""
+    from gear_mpi.integrations.sb3_her import GearHerReplayBuffer
+    env = bit_flipping(2, n_bits=8)
+    model = DQN("MultiInputPolicy", env, replay_buffer_class=GearHerReplayBuffer,
+                replay_buffer_kwargs=dict(n_sampled_goal=4, goal_selection_strategy="future"), learning_rate=5e-4,
+                train_freq=1, gradient_steps=2, learning_starts=100, exploration_final_eps=0.02,
+                target_update_interval=500, batch_size=32, buffer_size=10_000, seed=0, device="cpu")
+    model.learn(total_timesteps=3000)
+    assert np.mean(model.ep_success_buffer) > 0.9, list(model.ep_success_buffer)
+    path = tmp_path / "her.pkl"
+    model.save_replay_buffer(path)
+    old = model.replay_buffer
+    unfinished = (old._current_ep_start != old.pos).any()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_replay_buffer(path, truncate_last_traj=True)
+    truncated = [w for w in caught if "last trajectory in the replay buffer will be truncated" in str(w.message)]
+    assert len(truncated) == int(unfinished), [str(w.message) for w in caught]
+    new = model.replay_buffer
+    assert isinstance(new, GearHerReplayBuffer) and new.env is env and new is not old
+    for key in ("observation", "achieved_goal", "desired_goal"):
+        np.testing.assert_array_equal(new.observations[key], old.observations[key])
+    ended = old.ep_length > 0  # ended episodes as they were; the truncated one ended now, and is drawable
+    np.testing.assert_array_equal(new.ep_length[ended], old.ep_length[ended])
+    assert (new.ep_length > 0).sum() == ended.sum() + (new.ep_length[~ended] > 0).sum()
+    if unfinished:
+        assert (new.ep_length > 0).sum() > ended.sum()
+    model.learn(total_timesteps=200, reset_num_timesteps=False)
+    assert model.replay_buffer.sample(16).rewards.shape == (16, 1)

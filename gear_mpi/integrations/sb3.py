@@ -356,6 +356,10 @@ class GearReplayBuffer(ReplayBuffer):
     def _priorities(self, m: int) -> np.ndarray:
         return np.broadcast_to(np.float64(1.0), (m,))
 
+    def _stored(self, first_step: int, keys: np.ndarray) -> None:
+        """Told the keys of the items a flush stored at ring steps ``first_step, first_step + 1, ...`` (modulo
+        the ring): nothing to do here (the HER buffer keeps them)."""
+
     def _flush(self) -> None:
         """The staged adds into the shard, in one packed insert (their positions are the next ring steps).
 
@@ -369,7 +373,8 @@ class GearReplayBuffer(ReplayBuffer):
         self._staged = 0
         m = k * self.n_envs
         cols = {name: stage[:k].reshape(shape) for name, (stage, shape) in self._packed.items()}
-        self.shard.store_packed(cols, self._lengths[:m], self._priorities(m), steps=m)
+        keys = self.shard.store_packed(cols, self._lengths[:m], self._priorities(m), steps=m)
+        self._stored(((self.pos - k) % self.buffer_size) * self.n_envs, keys)
         if self._next_obs is not None:  # SB3 writes next_obs into the row of the position after the newest
             self._views["obs"][self.pos] = self._next_obs
 
