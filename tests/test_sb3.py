@@ -363,6 +363,8 @@ def test_dict_adds_with_a_missing_key_change_nothing_and_pickling_keeps_the_buff
     obs, next_obs, *rest = steps[5]
     with pytest.raises(KeyError, match="next_obs has no 'img'"):
         ours.add(obs, {k: v for k, v in next_obs.items() if k != "img"}, *rest)
+    with pytest.raises(TypeError, match="obs must be a dict of arrays"):
+        ours.add(obs["pos"], next_obs, *rest)
     assert_same_dict_storage(ours, theirs, "after the refused add")  # nothing of it kept
     back = pickle.loads(pickle.dumps(ours))  # what SB3's save_replay_buffer / load_replay_buffer do
     assert_same_dict_storage(back, theirs, "unpickled")

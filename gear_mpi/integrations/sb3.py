@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -340,9 +341,13 @@ class GearReplayBuffer(ReplayBuffer):
         reshaped as SB3 reshapes them; the caller's dicts are not changed, where SB3's buffer changes them).
 
         Raises:
+            TypeError: an observation that is not a dict.
             KeyError: an observation lacks one of the space's keys (named).
         """
         for prefix, values in (("obs", obs), ("next_obs", next_obs)):
+            if not isinstance(values, Mapping):
+                raise TypeError(f"{prefix} must be a dict of arrays for a Dict observation space, got "
+                                f"{type(values).__name__}")
             missing = [key for key in self._obs_keys if key not in values]
             if missing:
                 raise KeyError(f"{prefix} has no {missing[0]!r}: the observation space's keys are "
