@@ -645,6 +645,18 @@ def test_her_arguments_are_checked():
         buf.sample(8)
     buf.set_env(env)
     assert buf.sample(8).rewards.shape == (8, 1)
+    assert buf.infos is None  # kept only with copy_info_dict (SB3 keeps an empty dict a transition)
+    kept = GearHerReplayBuffer(20, env.observation_space, env.action_space, env, device="cpu", copy_info_dict=True)
+    for step in her_steps(env, 12):
+        kept.add(*step)
+    assert kept.infos.shape == (20, 1) and "TimeLimit.truncated" in kept.infos[0, 0]
+    assert kept.sample(8).rewards.shape == (8, 1)
+    # adds without samples: the record of drawability changes stays bounded (applied to the shard as it grows)
+    for step in her_steps(env, 200, seed=5):
+        kept.add(*step)
+        assert kept._pending <= 20
+    kept.sample(4)  # (staged adds enter the shard first)
+    assert (kept.shard.priorities(kept.shard.live_keys()) > 0).sum() == (kept.ep_length > 0).sum()
 
 
 def test_sb3_her_with_gear_buffer_learns_bit_flipping_and_its_buffer_saves_and_loads(tmp_path):

@@ -93,12 +93,15 @@ class GearHerReplayBuffer(GearReplayBuffer, HerReplayBuffer):
         self._episodes_reset()
 
     def _episodes_reset(self) -> None:
-        """SB3's episode arrays, empty; no transition drawable."""
-        self.infos = np.array([[{} for _ in range(self.n_envs)] for _ in range(self.buffer_size)])
+        """SB3's episode arrays, empty; no transition drawable. The ``infos`` of each step only with
+        ``copy_info_dict`` (SB3 keeps an empty dict a transition either way: about 70 MB a million)."""
+        self.infos = np.array([[{} for _ in range(self.n_envs)] for _ in range(self.buffer_size)]) \
+            if self.copy_info_dict else None
         self.ep_start = np.zeros((self.buffer_size, self.n_envs), dtype=np.int64)
         self.ep_length = np.zeros((self.buffer_size, self.n_envs), dtype=np.int64)
         self._current_ep_start = np.zeros(self.n_envs, dtype=np.int64)
         self._changes: list[tuple[np.ndarray, float]] = []  # (ring steps, priority), in order, not yet in the shard
+        self._pending = 0  # ring steps in _changes
         self._step_keys = np.full(self.buffer_size * self.n_envs, -1, np.int64)  # the key of each ring step's item
 
     # ---- the shard: a transition is drawable (priority 1) once its episode has ended -------------------------
@@ -115,6 +118,9 @@ class GearHerReplayBuffer(GearReplayBuffer, HerReplayBuffer):
     def _mark(self, positions: np.ndarray, env_idx: int, drawable: bool) -> None:
         """Record that the transitions of environment ``env_idx`` at ``positions`` become drawable or not."""
         self._changes.append((positions * self.n_envs + env_idx, 1.0 if drawable else 0.0))
+        self._pending += len(positions)
+        if self._pending > len(self._step_keys):  # adds without samples: keep the record bounded
+            self._sync()
 
     def _sync(self) -> None:
         """The recorded changes into the shard's priorities, in one update (the last change of a step wins).
@@ -124,7 +130,7 @@ class GearHerReplayBuffer(GearReplayBuffer, HerReplayBuffer):
             return
         steps = np.concatenate([s for s, _ in self._changes])
         values = np.concatenate([np.full(len(s), v) for s, v in self._changes])
-        self._changes = []
+        self._changes, self._pending = [], 0
         self.shard.update_priorities(self._step_keys[steps], values)
 
     # ---- SB3's episode bookkeeping -------------------------------------------------------------------------------
