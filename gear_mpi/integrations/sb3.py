@@ -153,7 +153,8 @@ class GearReplayBuffer(ReplayBuffer):
             ``replay_buffer_kwargs={"n_steps": ..., "gamma": ...}``): the discounted sum of up to ``n_steps``
             rewards of the same environment, stopping at the first done or time limit and at the newest
             transition, the next observation and done flag of the last of them, and ``discounts``
-            (``gamma ** steps``) for the bootstrap. Not with ``optimize_memory_usage`` or a ``Dict`` space.
+            (``gamma ** steps``) for the bootstrap. Also for a ``Dict`` space (SB3 has no n-step buffer for it);
+            not with ``optimize_memory_usage``.
         gamma: the discount of the n-step returns (SB3 passes the algorithm's).
     Raises:
         ValueError: ``buffer_size``, ``n_envs`` or ``seed`` not an integer (``buffer_size`` and ``seed`` >= 0,
@@ -161,7 +162,7 @@ class GearReplayBuffer(ReplayBuffer):
             than 2 positions, or with a ``Dict`` observation space; an empty ``Dict`` space; ``n_steps`` not an
             integer >= 1, ``gamma`` not a number in [0, 1].
         NotImplementedError: a ``Dict`` space with a nested ``Dict``/``Tuple`` key, ``n_steps > 1`` with
-            ``optimize_memory_usage`` or a ``Dict`` space, or an action space SB3 does not support.
+            ``optimize_memory_usage``, or an action space SB3 does not support.
     """
 
     _selector_args: dict = {}
@@ -179,9 +180,6 @@ class GearReplayBuffer(ReplayBuffer):
         if n_steps > 1 and optimize_memory_usage:
             raise NotImplementedError("n-step returns (n_steps > 1) are not supported with optimize_memory_usage "
                                       "(as SB3's NStepReplayBuffer does not support it)")
-        if n_steps > 1 and isinstance(observation_space, spaces.Dict):
-            raise NotImplementedError("n-step returns (n_steps > 1) are not supported for Dict observation spaces "
-                                      "(as in SB3)")
         if isinstance(observation_space, spaces.Dict):
             _check_dict_space(observation_space)
             if optimize_memory_usage:
@@ -414,10 +412,10 @@ class GearReplayBuffer(ReplayBuffer):
         done = d["done"]
         if self.handle_timeout_termination:
             done = done * (1.0 - d["timeout"])
-        if self._obs_keys is not None:
-            return self._dict_samples(d, done, env)
         if self.n_steps > 1:
             return self._n_step_samples(batch, d, env)
+        if self._obs_keys is not None:
+            return self._dict_samples(d, done, env)
         if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
             # tensors over the batch's own arrays: a fresh batch, nobody else's (the common case, the cheapest;
             # th.from_numpy of the arrays rather than batch[name], which keeps each tensor in the batch: 0.5 us a
@@ -433,10 +431,12 @@ class GearReplayBuffer(ReplayBuffer):
         data = (obs, d["action"], next_obs, done, rewards)
         return ReplayBufferSamples(*(self._tensor(a) for a in data))
 
-    def _n_step_samples(self, batch, d: dict, env: VecNormalize | None) -> ReplayBufferSamples:
+    def _n_step_samples(self, batch, d: dict, env: VecNormalize | None
+                        ) -> ReplayBufferSamples | DictReplayBufferSamples:
         """``n_steps > 1``: each drawn transition's observation and action with the n-step return, the bootstrap
         discount and the next observation and done flag of its sequence's last step, computed over the storage
-        rings as SB3's ``NStepReplayBuffer`` computes them (:func:`~gear_mpi.integrations.sb3_nstep.n_step_targets`).
+        rings as SB3's ``NStepReplayBuffer`` computes them (:func:`~gear_mpi.integrations.sb3_nstep.n_step_targets`);
+        for a Dict space the same, key by key (``DictReplayBufferSamples``; SB3 has no n-step buffer for it).
         Cost: O(B * n_steps) reads of the rings and one gather of B next observations."""
         start, _ = self.shard.locate(batch.keys.numpy())
         positions, envs = np.divmod(start, self.n_envs)
@@ -444,10 +444,16 @@ class GearReplayBuffer(ReplayBuffer):
         returns, discounts, last, dones = n_step_targets(
             views["reward"], views["done"], views["timeout"], positions, envs, (self.pos - 1) % self.buffer_size,
             self.n_steps, self.gamma, None if env is None else (lambda r: self._normalize_reward(r, env)))
-        obs, next_obs = d["obs"], views["next_obs"][last, envs]
+        obs = self._by_key(d, "obs")
+        next_obs = self._by_key({name: view[last, envs] for name, view in views.items()
+                                 if name.startswith("next_obs")}, "next_obs")
         if env is not None:
             obs, next_obs = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
-        return ReplayBufferSamples(*(self._tensor(a) for a in (obs, d["action"], next_obs, dones, returns, discounts)))
+        action, dones, returns, discounts = (self._tensor(a) for a in (d["action"], dones, returns, discounts))
+        if self._obs_keys is None:
+            return ReplayBufferSamples(self._tensor(obs), action, self._tensor(next_obs), dones, returns, discounts)
+        return DictReplayBufferSamples({k: self._tensor(v) for k, v in obs.items()}, action,
+                                       {k: self._tensor(v) for k, v in next_obs.items()}, dones, returns, discounts)
 
     def _dict_samples(self, d: dict, done: np.ndarray, env: VecNormalize | None) -> DictReplayBufferSamples:
         """A Dict space's samples (SB3's ``DictReplayBufferSamples``) from batch arrays ``d``."""
