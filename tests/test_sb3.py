@@ -714,3 +714,33 @@ def test_sb3_her_with_gear_buffer_learns_bit_flipping_and_its_buffer_saves_and_l
         assert (new.ep_length > 0).sum() > ended.sum()
     model.learn(total_timesteps=200, reset_num_timesteps=False)
     assert model.replay_buffer.sample(16).rewards.shape == (16, 1)
+
+
+@pytest.mark.parametrize("algo,image", [("SAC", True), ("TD3", False)])
+def test_sb3_her_with_continuous_algorithms_and_a_full_buffer(algo, image):
+    """SAC (image observations: a CNN over the bit string) and TD3 with GearHerReplayBuffer on the continuous
+    BitFlippingEnv; then a buffer of 40 transitions that wraps many times under SAC (its sample must never take an
+    unfinished episode's transition: one without a future to take goals from would fail SB3's goal draw)."""
+    import stable_baselines3
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.envs import BitFlippingEnv
+    from gear_mpi.integrations.sb3_her import GearHerReplayBuffer
+    env = make_vec_env(lambda: BitFlippingEnv(n_bits=4, continuous=True, image_obs_space=image), 1, seed=0)
+    model = getattr(stable_baselines3, algo)(
+        "MultiInputPolicy", env, replay_buffer_class=GearHerReplayBuffer,
+        replay_buffer_kwargs=dict(n_sampled_goal=2, goal_selection_strategy="future", copy_info_dict=True),
+        train_freq=4, gradient_steps=1, policy_kwargs=dict(net_arch=[64]), learning_starts=100, buffer_size=20_000,
+        seed=0, device="cpu")
+    model.learn(total_timesteps=150)
+    assert isinstance(model.replay_buffer, GearHerReplayBuffer) and model.replay_buffer.size() >= 150
+    if algo == "SAC":
+        env = make_vec_env(lambda: BitFlippingEnv(n_bits=4, continuous=True), 2, seed=0)
+        model = stable_baselines3.SAC("MultiInputPolicy", env, replay_buffer_class=GearHerReplayBuffer,
+                                      replay_buffer_kwargs=dict(n_sampled_goal=2), gradient_steps=1, train_freq=4,
+                                      policy_kwargs=dict(net_arch=[64]), learning_starts=8, buffer_size=40, seed=757,
+                                      device="cpu")
+        model.learn(total_timesteps=100)
+        buf = model.replay_buffer
+        assert buf.full and model._n_updates > 0
+        drawable = buf.shard.priorities(buf.shard.live_keys()) > 0
+        assert drawable.sum() == (buf.ep_length > 0).sum() < buf.buffer_size * buf.n_envs
