@@ -4,7 +4,9 @@ Each adapter is a module of its own, imported by name, and imports its framework
 dependency, never a core one) when it is imported itself: importing this package imports nothing.
 
 - :mod:`gear_mpi.integrations.sb3`: Stable-Baselines3 (``GearReplayBuffer``, ``GearPrioritizedReplayBuffer``,
-  ``PrioritizedDQN``); needs ``stable-baselines3`` (the ``sb3`` extra).
+  ``PrioritizedDQN``: array and ``Dict`` observation spaces, n-step returns through
+  :mod:`gear_mpi.integrations.sb3_nstep`) and :mod:`gear_mpi.integrations.sb3_her` (``GearHerReplayBuffer``,
+  hindsight experience replay); needs ``stable-baselines3`` (the ``sb3`` extra).
 - :mod:`gear_mpi.integrations.torchrl`: TorchRL's storage, samplers and writer over a gear_mpi ``Replay``
   (``from gear_mpi.integrations import torchrl as gtrl``); needs ``torchrl`` (the ``torchrl`` extra).
 """
