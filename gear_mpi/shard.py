@@ -444,8 +444,9 @@ class Shard:
         self.check_can_sample()
         sel = self.selector
         if self.index is not None:
-            slots = self.index.draw(self.rng.random(count))
-            return slots if isinstance(slots, np.ndarray) else slots.copy_to_host()
+            if isinstance(self.index, PriorityIndex):
+                return self.index.draw(self.rng.random(count))
+            return self.index.draw_to_host(self.rng.random(count))  # (their weights kept for make_choices)
         st = self.store
         if sel.by_priority:
             live = ring.live_in_order(st.state, st.alive, st.order, False, len(st))

@@ -245,6 +245,16 @@ def updates_match_cpu():
     assert np.isinf(dev.to_host()["l2_min"]).sum() == np.isinf(idx.l2_min).sum()
     u = np.concatenate([_edge_uniforms(idx), rng.random(300)])
     assert np.array_equal(dev.draw(u).copy_to_host(), idx.draw(u))
+    # draw_to_host: the same slots, their weights drawn with them and kept for weights_of until a change
+    slots = dev.draw_to_host(u)
+    assert np.array_equal(slots, idx.draw(u)) and np.array_equal(dev.weights_of(slots), idx.leaves[slots])
+    slots[0] = (slots[0] + 1) % n  # the caller's change to its slots: weights_of looks them up on the device
+    assert np.array_equal(dev.weights_of(slots), idx.leaves[slots])
+    slots = dev.draw_to_host(u[:50])
+    idx.set(slots[:5], np.full(5, 0.125))
+    dev.set(slots[:5], np.full(5, 0.125))  # a change: the kept weights are stale and let go
+    assert np.array_equal(dev.weights_of(slots), idx.leaves[slots]) and dev.weights_of(slots)[0] == 0.125
+    assert dev.total == idx.total and dev.min_positive == idx.min_positive
     # emptied: min_positive is inf, total 0 (a small index)
     small, dsmall = PriorityIndex(300), DevicePriorityIndex(300, threads=64)
     s = rng.integers(0, 300, 200)
@@ -571,7 +581,8 @@ def _main_plain():
     # device functions are compiled for the current device: name one instead of asking a driver
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
     f, i = float64[::1], int64[::1]
-    sigs = {cp.draw_kernel: (f, f, f, f, f, f, i), cp._claim_kernel: (i, i), cp._write_kernel: (f, i, i, f),
+    sigs = {cp.draw_kernel: (f, f, f, f, f, f, i), cp.draw_weighted_kernel: (f, f, f, f, f, f, i, f),
+            cp._claim_kernel: (i, i), cp._write_kernel: (f, i, i, f),
             cp._l0_kernel: (f, f, i), cp._l1_kernel: (f, f, f, f, i), cp._l2_kernel: (f, f, f, f, i),
             cp._l0_all_kernel: (f, f), cp._l1_all_kernel: (f, f, f, f),
             cp._l2_all_kernel: (f, f, f, f), cp._prefix_kernel: (f, f), cp._min_kernel: (f, f),

@@ -148,6 +148,16 @@ def draw_kernel(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out):
 
 
 @cuda.jit
+def draw_weighted_kernel(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out, weights):
+    """``out[i]``: the leaf chosen by ``uniforms[i]``; ``weights[i]``: its weight. One thread per draw."""
+    i = cuda.grid(1)
+    if i < uniforms.shape[0]:
+        leaf = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
+        out[i] = leaf
+        weights[i] = leaves[leaf]
+
+
+@cuda.jit
 def _claim_kernel(leaf_bits, slots):
     i = cuda.grid(1)
     if i < slots.shape[0]:
@@ -300,6 +310,16 @@ def draw(tree, uniforms, out, threads: int = 256) -> None:
     if b:
         launch(draw_kernel, blocks_for(b, threads), threads)(tree.leaves, tree.l0_sum, tree.l1_sum, tree.l2_sum,
                                                              tree.prefix, uniforms, out)
+
+
+def draw_weighted(tree, uniforms, out, weights, threads: int = 256) -> None:
+    """:func:`draw`, and ``weights[i]`` = the weight of leaf ``out[i]`` (float64 device array) in the same
+    launch, so a caller that needs both copies them back together. One thread per draw."""
+    b = uniforms.shape[0]
+    if b:
+        launch(draw_weighted_kernel, blocks_for(b, threads), threads)(tree.leaves, tree.l0_sum, tree.l1_sum,
+                                                                      tree.l2_sum, tree.prefix, uniforms, out,
+                                                                      weights)
 
 
 def set_leaves(tree, slots, values, threads: int = 256) -> None:

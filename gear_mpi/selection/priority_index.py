@@ -291,8 +291,10 @@ class DevicePriorityIndex:
                      prefix=n2 + 1)
         self.tree = Tree(**{name: cuda.device_array(sizes[name], np.float64) for name in TREE_FIELDS})
         self.__dict__.update(self.tree._asdict())  # index.leaves, ...: the same arrays, never rebound
-        self._scalar = cuda.device_array(1, np.float64)
+        self._scalar = cuda.device_array(2, np.float64)  # the smallest positive weight, the total
         self._figures = {}  # total and smallest positive weight, read from the device once after each change
+        self._drawn = None  # (slots, their weights) of the last draw_to_host, until the next change
+        self._draw_buffer = cuda.device_array(0, np.uint8)  # draw_to_host's slots and weights, one allocation
         if _fill:  # an empty index: weights 0, minima inf
             for name, array in zip(TREE_FIELDS, self.tree):
                 cp.fill(array, math.inf if name.endswith("_min") else 0.0, self.threads)
@@ -327,22 +329,29 @@ class DevicePriorityIndex:
 
     @property
     def total(self) -> float:
-        """Sum of all weights: one 8-byte device-to-host copy at the first read after a change (:meth:`set`,
-        :meth:`rebuild`, :meth:`restore`), kept until the next (a sample reads it several times)."""
-        total = self._figures.get("total")
-        if total is None:
-            total = self._figures["total"] = float(self.tree.prefix[self.tree.prefix.shape[0] - 1])
-        return total
+        """Sum of all weights. Read with :attr:`min_positive` at the first read of either after a change
+        (:meth:`set`, :meth:`rebuild`, :meth:`restore`) and kept until the next (a sample reads both, the total
+        several times): see :meth:`_read_figures`."""
+        if not self._figures:
+            self._read_figures()
+        return self._figures["total"]
 
     @property
     def min_positive(self) -> float:
-        """Smallest positive weight (inf if none): one single-block reduction over ``n / 4096`` entries and an
-        8-byte copy at the first read after a change, kept until the next."""
-        smallest = self._figures.get("min")
-        if smallest is None:
-            _cuda_kernels().smallest(self.tree.l2_min, self._scalar, self.threads)
-            smallest = self._figures["min"] = float(self._scalar.copy_to_host()[0])
-        return smallest
+        """Smallest positive weight (inf if none); read and kept with :attr:`total`."""
+        if not self._figures:
+            self._read_figures()
+        return self._figures["min"]
+
+    def _read_figures(self) -> None:
+        """The smallest positive weight and the total, into ``_figures``: one single-block reduction over
+        ``n / 4096`` entries, the total copied beside its result on the device, then one 16-byte copy to the
+        host."""
+        last = self.tree.prefix.shape[0] - 1
+        _cuda_kernels().smallest(self.tree.l2_min, self._scalar[0:1], self.threads)
+        self._scalar[1:2].copy_to_device(self.tree.prefix[last:last + 1])
+        smallest, total = self._scalar.copy_to_host()
+        self._figures = {"min": float(smallest), "total": float(total)}
 
     def set(self, slots: Any, values: Any) -> None:
         """Set ``weight[slots[i]] = values[i]`` (the last of duplicate slots wins).
@@ -366,6 +375,7 @@ class DevicePriorityIndex:
             if s.min() < 0 or s.max() >= self.n:
                 raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
         self._figures.clear()
+        self._drawn = None
         _cuda_kernels().set_leaves(self.tree, as_device(slots, np.int64), as_device(values, np.float64), self.threads)
 
     def draw(self, uniforms: Any, out: Any = None):
@@ -386,13 +396,42 @@ class DevicePriorityIndex:
         _cuda_kernels().draw(self.tree, u, out, self.threads)
         return out
 
+    def draw_to_host(self, uniforms: np.ndarray) -> np.ndarray:
+        """:meth:`draw` with the slots copied to the host, their weights drawn in the same launch and copied
+        with them (one copy), and kept for :meth:`weights_of` until the next change: a sample's draw and the
+        weights of what it drew cost one upload, one launch and one download.
+
+        Args:
+            uniforms: float64 numbers in [0, 1) (host; uploaded).
+
+        Returns:
+            A new host int64 array of the drawn slots. The caller guarantees a positive total.
+
+        Cost: one launch, one thread per draw; ``8 B`` bytes up, ``16 B`` down.
+        """
+        b = len(uniforms)
+        if b == 0:
+            return np.zeros(0, np.int64)
+        if self._draw_buffer.shape[0] < 16 * b:
+            self._draw_buffer = cuda_module().device_array(16 * max(b, 256), np.uint8)
+        slots_d = self._draw_buffer[:8 * b].view(np.int64)
+        weights_d = self._draw_buffer[8 * b:16 * b].view(np.float64)
+        _cuda_kernels().draw_weighted(self.tree, as_device(uniforms, np.float64), slots_d, weights_d, self.threads)
+        host = self._draw_buffer[:16 * b].copy_to_host()
+        slots, weights = host[:8 * b].view(np.int64), host[8 * b:].view(np.float64)
+        self._drawn = (slots.copy(), weights)  # (a copy: the caller may change its slots)
+        return slots
+
     def rebuild(self) -> None:
         """Recompute every level from the leaves, on the device. O(n)."""
         self._figures.clear()
+        self._drawn = None
         _cuda_kernels().rebuild(self.tree, self.threads)
 
     def weights_of(self, slots: Any) -> np.ndarray:
-        """The weights of ``slots``, gathered on the device and copied to the host. O(B).
+        """The weights of ``slots``, gathered on the device and copied to the host. O(B). When ``slots`` are the
+        slots :meth:`draw_to_host` returned last and nothing changed since, the weights it copied with them
+        (no device work).
 
         Args:
             slots: int64 slots in ``[0, n)``, host or device (not checked).
@@ -403,6 +442,9 @@ class DevicePriorityIndex:
         b = len(slots)
         if b == 0:
             return np.zeros(0, np.float64)
+        drawn = self._drawn
+        if drawn is not None and isinstance(slots, np.ndarray) and np.array_equal(slots, drawn[0]):
+            return drawn[1].copy()  # the last draw's, and nothing changed since
         out = cuda_module().device_array(b, np.float64)
         _cuda_kernels().take(self.tree.leaves, as_device(slots, np.int64), out, self.threads)
         return out.copy_to_host()
@@ -446,6 +488,7 @@ class DevicePriorityIndex:
         """
         leaves = _leaves_section(sections, count)
         self._figures.clear()
+        self._drawn = None
         if _levels_fit(sections, self.tree) and count and _leaves_as_held(leaves):
             self.tree.leaves[:count].copy_to_device(np.ascontiguousarray(leaves, np.float64))
             for name in LEVEL_FIELDS:

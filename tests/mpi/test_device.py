@@ -96,8 +96,9 @@ def test_device_sample_uploads_its_rows_once(mode, monkeypatch):
     read one upload of the rows' choices: one host-to-device copy by the window transport a sample, however many
     owners, where there were eleven on one rank (the H100 profile of 2026-12-05 counted 13 pageable copies a
     sample, selection included). Counted under the simulator: numba's ``to_device`` and torch's ``Tensor.to``
-    onto the replay's device, called from gear_mpi/distributed/transport.py (the selection's own uploads, the
-    draw's uniforms and the drawn slots' weights, are made elsewhere and not counted)."""
+    onto the replay's device, called from gear_mpi/distributed/transport.py; and the whole sample's copies each
+    way: 2 uploads (the draw's uniforms and that one) and, after an update, 2 downloads (the index's total and
+    smallest weight together, the drawn slots with their weights), where the profile counted 13 and 6."""
     from numba import cuda
     transport = os.path.join("distributed", "transport.py")
     replay = gm.Replay(SPEC, 48, gm.Uniform(), device="cuda", mode=mode, seed=3, timeout=TIMEOUT)
@@ -117,12 +118,27 @@ def test_device_sample_uploads_its_rows_once(mode, monkeypatch):
             uploads.append(("torch", _called_from(transport)))
         return tensor_to(self, *args, **kwargs)
 
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    downloads = []
+    copy_to_host = FakeCUDAArray.copy_to_host
+
+    def counted_copy_to_host(self, *args, **kwargs):
+        downloads.append(1)
+        return copy_to_host(self, *args, **kwargs)
+
     monkeypatch.setattr(cuda, "to_device", counted_to_device)
     monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    monkeypatch.setattr(FakeCUDAArray, "copy_to_host", counted_copy_to_host)
     for align in ("random", "tail"):
         uploads.clear()
+        downloads.clear()
         batch = replay.sample(3 + RANK, 4, align)
         assert [kind for kind, by_transport in uploads if by_transport] == ["torch"], uploads
+        assert sorted(kind for kind, _ in uploads) == ["numba", "torch"], uploads
+        replay.update_priorities(batch.keys, np.linspace(0.5, 2.0, len(batch)))
+        downloads.clear()
+        replay.sample(3 + RANK, 4, align)
+        assert len(downloads) == 2, downloads
         assert len(batch) == 3 + RANK and batch.lengths.dtype == torch.int64 and batch.keys.dtype == torch.int64
         assert batch.probabilities.dtype == torch.float64 and batch.weights.dtype == torch.float32
         np.testing.assert_array_equal(batch.mask.numpy().sum(1), batch.lengths.numpy())
