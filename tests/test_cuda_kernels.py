@@ -581,8 +581,7 @@ def _main_plain():
     # device functions are compiled for the current device: name one instead of asking a driver
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
     f, i = float64[::1], int64[::1]
-    sigs = {cp.draw_kernel: (f, f, f, f, f, f, i), cp.draw_weighted_kernel: (f, f, f, f, f, f, i, f),
-            cp._claim_kernel: (i, i), cp._write_kernel: (f, i, i, f),
+    sigs = {cp.draw_kernel: (f, f, f, f, f, f, i, f), cp._claim_kernel: (i, i), cp._write_kernel: (f, i, i, f),
             cp._l0_kernel: (f, f, i), cp._l1_kernel: (f, f, f, f, i), cp._l2_kernel: (f, f, f, f, i),
             cp._l0_all_kernel: (f, f), cp._l1_all_kernel: (f, f, f, f),
             cp._l2_all_kernel: (f, f, f, f), cp._prefix_kernel: (f, f), cp._min_kernel: (f, f),

@@ -407,13 +407,16 @@ class GearReplayBuffer(ReplayBuffer):
         batch = self.shard.sample(batch_size, 1, squeeze=True)
         return self._samples(batch, env)
 
+    def _sampled_dones(self, d: dict) -> np.ndarray:
+        """The done flags a sample returns from batch arrays ``d``: ``done * (1 - timeout)`` with
+        ``handle_timeout_termination`` (a step cut by a time limit is not done), else as stored."""
+        return d["done"] * (1.0 - d["timeout"]) if self.handle_timeout_termination else d["done"]
+
     def _samples(self, batch, env: VecNormalize | None) -> ReplayBufferSamples | DictReplayBufferSamples:
         d = batch.numpy()
-        done = d["done"]
-        if self.handle_timeout_termination:
-            done = done * (1.0 - d["timeout"])
-        if self.n_steps > 1:
+        if self.n_steps > 1:  # (its done flags are each sequence's last step's)
             return self._n_step_samples(batch, d, env)
+        done = self._sampled_dones(d)
         if self._obs_keys is not None:
             return self._dict_samples(d, done, env)
         if env is None and not self.optimize_memory_usage and self.device.type == "cpu":
@@ -473,8 +476,8 @@ class GearReplayBuffer(ReplayBuffer):
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None):
         """SB3's storage-model draw (``pos``/``full`` set by hand, see :meth:`sample`): ``DictReplayBuffer``'s for
-        a Dict space, ``NStepReplayBuffer``'s with ``n_steps > 1``, ``ReplayBuffer``'s otherwise, all over this
-        buffer's storage views."""
+        a Dict space (one-step, with ``n_steps > 1`` too: SB3 has no n-step draw for it), ``NStepReplayBuffer``'s
+        with ``n_steps > 1``, ``ReplayBuffer``'s otherwise, all over this buffer's storage views."""
         if self._obs_keys is not None:
             return DictReplayBuffer._get_samples(self, batch_inds, env)
         if self.n_steps > 1:

@@ -196,7 +196,7 @@ class GearHerReplayBuffer(GearReplayBuffer, HerReplayBuffer):
         batch = self.shard.sample(batch_size, 1, squeeze=True)
         positions, envs = np.divmod(self.shard.locate(batch.keys.numpy())[0], self.n_envs)
         d = batch.numpy()
-        done = d["done"] * (1.0 - d["timeout"]) if self.handle_timeout_termination else d["done"]
+        done = self._sampled_dones(d)
         n_virtual = int(self.her_ratio * batch_size)
         real, virtual = np.arange(n_virtual, batch_size), np.arange(n_virtual)  # the draw's rows
         obs, next_obs, rewards = [], [], []

@@ -15,7 +15,8 @@ kernel performs the CPU kernel's float64 operations in the CPU kernel's order, s
 
 Kernels (one CUDA thread per draw / per update):
 
-- :func:`draw_kernel` -- ``out[i] = draw_one(..., uniforms[i])``. Cost per draw:
+- :func:`draw_kernel` -- ``out[i] = draw_one(..., uniforms[i])`` (and, given a ``weights`` array of
+  entries, ``weights[i] = leaves[out[i]]``). Cost per draw:
   ``log2(n / 4096)`` reads of ``prefix`` plus at most 64 + 8 + 8 contiguous reads.
 - an update is six launches: ``_claim_kernel`` (atomic max of a marker
   ``0x7FF8000000000000 + i`` into the int64 view of each touched leaf, so the last
@@ -140,21 +141,15 @@ def draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, u):
 
 # ---- kernels ----------------------------------------------------------------------------
 @cuda.jit
-def draw_kernel(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out):
-    """``out[i]``: the leaf chosen by ``uniforms[i]``. One thread per draw."""
-    i = cuda.grid(1)
-    if i < uniforms.shape[0]:
-        out[i] = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
-
-
-@cuda.jit
-def draw_weighted_kernel(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out, weights):
-    """``out[i]``: the leaf chosen by ``uniforms[i]``; ``weights[i]``: its weight. One thread per draw."""
+def draw_kernel(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms, out, weights):
+    """``out[i]``: the leaf chosen by ``uniforms[i]``; ``weights[i]``: its weight, when ``weights`` has entries
+    (an empty array: slots only). One thread per draw."""
     i = cuda.grid(1)
     if i < uniforms.shape[0]:
         leaf = draw_one(leaves, l0_sum, l1_sum, l2_sum, prefix, uniforms[i])
         out[i] = leaf
-        weights[i] = leaves[leaf]
+        if weights.shape[0] > 0:
+            weights[i] = leaves[leaf]
 
 
 @cuda.jit
@@ -299,8 +294,13 @@ def _take_kernel(values, slots, out):
 
 
 # ---- host-side launchers: the structure as one Tree of device arrays ----------------------
-def draw(tree, uniforms, out, threads: int = 256) -> None:
-    """Device twin of :func:`priority_draw.draw`: ``out[i]`` = the leaf chosen by ``uniforms[i]``.
+_NO_WEIGHTS = []  # the empty float64 device array draw passes for "slots only" (made at the first draw)
+
+
+def draw(tree, uniforms, out, threads: int = 256, weights=None) -> None:
+    """Device twin of :func:`priority_draw.draw`: ``out[i]`` = the leaf chosen by ``uniforms[i]``; with
+    ``weights`` (a float64 device array), also ``weights[i]`` = that leaf's weight, in the same launch, so a
+    caller that needs both copies them back together.
 
     ``tree`` is a :class:`~gear_mpi.kernels.priority_tree.Tree` of device arrays;
     ``uniforms`` (float64) and ``out`` (int64) are device arrays. One thread per draw.
@@ -308,18 +308,12 @@ def draw(tree, uniforms, out, threads: int = 256) -> None:
     """
     b = uniforms.shape[0]
     if b:
+        if weights is None:
+            if not _NO_WEIGHTS:
+                _NO_WEIGHTS.append(cuda.device_array(0, np.float64))
+            weights = _NO_WEIGHTS[0]
         launch(draw_kernel, blocks_for(b, threads), threads)(tree.leaves, tree.l0_sum, tree.l1_sum, tree.l2_sum,
-                                                             tree.prefix, uniforms, out)
-
-
-def draw_weighted(tree, uniforms, out, weights, threads: int = 256) -> None:
-    """:func:`draw`, and ``weights[i]`` = the weight of leaf ``out[i]`` (float64 device array) in the same
-    launch, so a caller that needs both copies them back together. One thread per draw."""
-    b = uniforms.shape[0]
-    if b:
-        launch(draw_weighted_kernel, blocks_for(b, threads), threads)(tree.leaves, tree.l0_sum, tree.l1_sum,
-                                                                      tree.l2_sum, tree.prefix, uniforms, out,
-                                                                      weights)
+                                                             tree.prefix, uniforms, out, weights)
 
 
 def set_leaves(tree, slots, values, threads: int = 256) -> None:

@@ -262,7 +262,8 @@ class DevicePriorityIndex:
     ``set``/``draw`` take host arrays (copied to the device) or device arrays /
     CUDA tensors (used in place); ``draw`` returns a device int64 array (call
     ``copy_to_host()``). Memory: about 9.3 bytes per slot of device memory (float64 leaves
-    holding the host index's float32-rounded values), no scratch. ``set``: six launches, O(B * 64 + n / 4096).
+    holding the host index's float32-rounded values), and :meth:`draw_to_host`'s buffer (16 bytes a draw of the
+    largest batch drawn). ``set``: six launches, O(B * 64 + n / 4096).
     ``draw``: one thread per draw, O(log(n / 4096) + 128) reads each.
 
     Args:
@@ -374,8 +375,7 @@ class DevicePriorityIndex:
             s = np.asarray(slots, np.int64)
             if s.min() < 0 or s.max() >= self.n:
                 raise IndexError(f"slots must be in [0, {self.n}), got [{s.min()}, {s.max()}]")
-        self._figures.clear()
-        self._drawn = None
+        self._changed()
         _cuda_kernels().set_leaves(self.tree, as_device(slots, np.int64), as_device(values, np.float64), self.threads)
 
     def draw(self, uniforms: Any, out: Any = None):
@@ -416,16 +416,21 @@ class DevicePriorityIndex:
             self._draw_buffer = cuda_module().device_array(16 * max(b, 256), np.uint8)
         slots_d = self._draw_buffer[:8 * b].view(np.int64)
         weights_d = self._draw_buffer[8 * b:16 * b].view(np.float64)
-        _cuda_kernels().draw_weighted(self.tree, as_device(uniforms, np.float64), slots_d, weights_d, self.threads)
+        _cuda_kernels().draw(self.tree, as_device(uniforms, np.float64), slots_d, self.threads, weights=weights_d)
         host = self._draw_buffer[:16 * b].copy_to_host()
         slots, weights = host[:8 * b].view(np.int64), host[8 * b:].view(np.float64)
         self._drawn = (slots.copy(), weights)  # (a copy: the caller may change its slots)
         return slots
 
-    def rebuild(self) -> None:
-        """Recompute every level from the leaves, on the device. O(n)."""
+    def _changed(self) -> None:
+        """The weights are about to change: what was read of them (total, smallest, the last draw's weights) is
+        let go, to be read again when asked for."""
         self._figures.clear()
         self._drawn = None
+
+    def rebuild(self) -> None:
+        """Recompute every level from the leaves, on the device. O(n)."""
+        self._changed()
         _cuda_kernels().rebuild(self.tree, self.threads)
 
     def weights_of(self, slots: Any) -> np.ndarray:
@@ -487,8 +492,7 @@ class DevicePriorityIndex:
             ValueError: ``"leaves"`` is missing or not ``count`` float values (nothing changed).
         """
         leaves = _leaves_section(sections, count)
-        self._figures.clear()
-        self._drawn = None
+        self._changed()
         if _levels_fit(sections, self.tree) and count and _leaves_as_held(leaves):
             self.tree.leaves[:count].copy_to_device(np.ascontiguousarray(leaves, np.float64))
             for name in LEVEL_FIELDS:
